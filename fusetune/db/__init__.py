@@ -1,1 +1,1 @@
-
+"""SQL state of the service: ORM models, sessions and the few query functions. The only place SQL lives."""

@@ -1,0 +1,34 @@
+"""The FastAPI application factory."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from fusetune import __version__
+from fusetune.api.errors import install_error_handlers
+from fusetune.api.routes import files, jobs, models
+from fusetune.config import Settings
+from fusetune.db.session import make_engine, make_session_factory
+from fusetune.queue import JobQueue, make_celery_app
+
+
+def create_app(settings: Settings | None = None, queue: JobQueue | None = None) -> FastAPI:
+    settings = settings or Settings()
+    settings.ensure_dirs()
+    app = FastAPI(
+        title="fusetune", version=__version__, description="Fine-tuning API (OpenAI-compatible /v1)."
+    )
+    engine = make_engine(settings.database_url)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = make_session_factory(engine)
+    app.state.queue = queue or JobQueue(make_celery_app(settings))
+    install_error_handlers(app)
+    for module in (files, jobs, models):
+        app.include_router(module.router)
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    return app

@@ -1,0 +1,76 @@
+"""One error shape everywhere: ``{"error": {"message", "type", "param", "code"}}`` (the OpenAI API's)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+}
+
+
+class ApiError(Exception):
+    """An error the user can act on: the message names the field, the line or the limit."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def not_found(kind: str, object_id: str, param: str | None = None) -> ApiError:
+    code = kind.replace("-", "_").replace(" ", "_") + "_not_found"
+    return ApiError(404, f"No {kind} with id '{object_id}'.", param=param, code=code)
+
+
+def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    error_type = _TYPE_BY_STATUS.get(
+        status_code, "server_error" if status_code >= 500 else "invalid_request_error"
+    )
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    # ("body", "hyperparameters", "n_epochs") -> "hyperparameters.n_epochs"
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, exc.message, exc.param, exc.code), status_code=exc.status_code
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _param_from_loc(tuple(first.get("loc", ())))
+        message = "; ".join(
+            f"{_param_from_loc(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg', 'invalid')}"
+            for e in errors[:10]
+        )
+        return JSONResponse(error_body(400, message, param, "invalid_request"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail), None, None),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )

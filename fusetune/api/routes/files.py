@@ -1,0 +1,142 @@
+"""/v1/files: upload, list, retrieve, delete and read training files."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import PurePath
+from typing import Annotated
+
+from fastapi import APIRouter, Form, UploadFile
+from fastapi.responses import FileResponse
+
+from fusetune.api.deps import SessionDep, SettingsDep, TenantDep
+from fusetune.api.errors import ApiError, not_found
+from fusetune.api.file_validation import validate_chat_jsonl
+from fusetune.api.schemas import FileDeleted, FileList, FileObject
+from fusetune.db import queries
+from fusetune.db.models import File, Job, new_id
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+PURPOSES = ("fine-tune",)
+_COPY_CHUNK_BYTES = 1024 * 1024
+
+
+def to_schema(row: File) -> FileObject:
+    return FileObject(
+        id=row.id,
+        bytes=row.bytes,
+        created_at=row.created_at,
+        filename=row.filename,
+        purpose=row.purpose,
+        example_count=row.example_count,
+        token_estimate=row.token_estimate,
+    )
+
+
+@router.post("", response_model=FileObject)
+def create_file(
+    file: UploadFile,
+    purpose: Annotated[str, Form()],
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+) -> FileObject:
+    if purpose not in PURPOSES:
+        raise ApiError(
+            400, f"purpose must be one of {', '.join(PURPOSES)} (got '{purpose}').", param="purpose"
+        )
+    filename = PurePath(file.filename or "upload.jsonl").name[:255]
+    if not filename.endswith(".jsonl"):
+        raise ApiError(
+            400, f"Training files must be JSON Lines with a .jsonl name (got '{filename}').", param="file"
+        )
+    settings.ensure_dirs()
+    file_id = new_id("file-")
+    storage_name = f"{file_id}.jsonl"
+    # Write beside the final place and rename only once valid, so a rejected upload leaves nothing behind.
+    handle, temp_path = tempfile.mkstemp(dir=settings.files_dir, prefix=".upload-", suffix=".part")
+    try:
+        size = 0
+        with os.fdopen(handle, "wb") as out:
+            while chunk := file.file.read(_COPY_CHUNK_BYTES):
+                size += len(chunk)
+                if size > settings.max_upload_bytes:
+                    raise ApiError(
+                        413,
+                        f"File is larger than the limit of {settings.max_upload_bytes} bytes.",
+                        param="file",
+                    )
+                out.write(chunk)
+        with open(temp_path, "rb") as stream:
+            report = validate_chat_jsonl(stream)
+        if report.errors:
+            raise ApiError(
+                400,
+                f"Invalid training file '{filename}': {report.summary()}",
+                param="file",
+                code="invalid_file",
+            )
+        row = File(
+            id=file_id,
+            tenant=tenant,
+            filename=filename,
+            purpose=purpose,
+            bytes=size,
+            storage_name=storage_name,
+            example_count=report.example_count,
+            token_estimate=report.token_estimate,
+        )
+        session.add(row)
+        os.replace(temp_path, settings.files_dir / storage_name)
+        try:
+            session.commit()
+        except Exception:
+            (settings.files_dir / storage_name).unlink(missing_ok=True)
+            raise
+    finally:
+        if os.path.exists(temp_path):
+            os.unlink(temp_path)
+    return to_schema(row)
+
+
+@router.get("", response_model=FileList)
+def list_files(session: SessionDep, tenant: TenantDep, purpose: str | None = None) -> FileList:
+    return FileList(data=[to_schema(row) for row in queries.list_files(session, tenant, purpose)])
+
+
+def _get(session, file_id: str, tenant: str) -> File:
+    row = queries.get_file(session, file_id, tenant)
+    if row is None:
+        raise not_found("file", file_id, param="file_id")
+    return row
+
+
+@router.get("/{file_id}", response_model=FileObject)
+def retrieve_file(file_id: str, session: SessionDep, tenant: TenantDep) -> FileObject:
+    return to_schema(_get(session, file_id, tenant))
+
+
+@router.delete("/{file_id}", response_model=FileDeleted)
+def delete_file(file_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FileDeleted:
+    row = _get(session, file_id, tenant)
+    in_use = session.query(Job.id).filter(
+        (Job.training_file_id == file_id) | (Job.validation_file_id == file_id)
+    )
+    if in_use.first() is not None:
+        raise ApiError(
+            400, f"File '{file_id}' is used by a fine-tuning job and cannot be deleted.", param="file_id"
+        )
+    session.delete(row)
+    session.commit()
+    (settings.files_dir / row.storage_name).unlink(missing_ok=True)
+    return FileDeleted(id=file_id)
+
+
+@router.get("/{file_id}/content")
+def file_content(file_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FileResponse:
+    row = _get(session, file_id, tenant)
+    return FileResponse(
+        settings.files_dir / row.storage_name, media_type="application/jsonl", filename=row.filename
+    )

@@ -1,0 +1,307 @@
+"""/v1/fine_tuning/jobs: create, poll, cancel, and read events, metrics and checkpoints."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from fusetune.api.deps import QueueDep, SessionDep, SettingsDep, TenantDep
+from fusetune.api.errors import ApiError, not_found
+from fusetune.api.schemas import (
+    CheckpointList,
+    CheckpointObject,
+    EventList,
+    EventObject,
+    JobCreate,
+    JobError,
+    JobList,
+    JobObject,
+    MetricList,
+    MetricPoint,
+)
+from fusetune.catalog import base_model_location, list_base_models
+from fusetune.config import Settings
+from fusetune.db import queries
+from fusetune.db.models import Checkpoint, Job, JobEvent, JobStatus, new_id, now_s
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+
+DEFAULT_EPOCHS = 3
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_LR_MULTIPLIER = 1.0
+
+
+def to_schema(job: Job) -> JobObject:
+    hyper = dict(job.hyperparameters)
+    public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
+    return JobObject(
+        id=job.id,
+        created_at=job.created_at,
+        error=JobError(**job.error) if job.error else None,
+        fine_tuned_model=job.fine_tuned_model,
+        finished_at=job.finished_at,
+        hyperparameters=hyper,
+        method={"type": "supervised", "supervised": {"hyperparameters": public}},
+        model=job.model,
+        organization_id=job.tenant,
+        result_files=[],
+        seed=job.seed,
+        status=job.status,
+        trained_tokens=job.trained_tokens,
+        training_file=job.training_file_id,
+        validation_file=job.validation_file_id,
+        metadata=job.user_metadata,
+        user_provided_suffix=job.suffix,
+    )
+
+
+def _check_model(session: Session, settings: Settings, tenant: str, model: str) -> None:
+    if base_model_location(settings, model) is not None:
+        return
+    fine_tuned = session.scalar(
+        select(Job.id).where(
+            Job.fine_tuned_model == model, Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED
+        )
+    )
+    if fine_tuned is not None:
+        return
+    available = (
+        ", ".join(list_base_models(settings))
+        or "none (put Hugging Face model folders in the models directory)"
+    )
+    raise ApiError(
+        400,
+        f"Model '{model}' is not available. Base models on this server: {available}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+@router.post("", response_model=JobObject)
+def create_job(
+    body: JobCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep, queue: QueueDep
+) -> JobObject:
+    training = queries.get_file(session, body.training_file, tenant)
+    if training is None:
+        raise ApiError(
+            400,
+            f"Training file '{body.training_file}' does not exist.",
+            param="training_file",
+            code="file_not_found",
+        )
+    if body.validation_file is not None and queries.get_file(session, body.validation_file, tenant) is None:
+        raise ApiError(
+            400,
+            f"Validation file '{body.validation_file}' does not exist.",
+            param="validation_file",
+            code="file_not_found",
+        )
+    _check_model(session, settings, tenant, body.model)
+
+    requested = body.resolved_hyperparameters()
+    hyper = requested.model_dump()
+    # "auto" is resolved once, here, so the job row says exactly what will run.
+    if hyper["n_epochs"] == "auto":
+        hyper["n_epochs"] = DEFAULT_EPOCHS
+    if hyper["batch_size"] == "auto":
+        hyper["batch_size"] = max(1, min(DEFAULT_BATCH_SIZE, training.example_count))
+    if hyper["learning_rate_multiplier"] == "auto":
+        hyper["learning_rate_multiplier"] = DEFAULT_LR_MULTIPLIER
+    if hyper["learning_rate"] is None:
+        hyper["learning_rate"] = settings.base_learning_rate * hyper["learning_rate_multiplier"]
+
+    job = Job(
+        id=new_id("ftjob-"),
+        tenant=tenant,
+        model=body.model,
+        training_file_id=body.training_file,
+        validation_file_id=body.validation_file,
+        status=JobStatus.QUEUED,
+        hyperparameters=hyper,
+        seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") % (2**31),
+        suffix=body.suffix,
+        user_metadata=body.metadata,
+    )
+    session.add(job)
+    session.flush()
+    queries.add_event(session, job.id, f"Created fine-tuning job: {job.id}")
+    session.commit()
+    # Only after the commit: a worker that receives the id must find the row.
+    try:
+        queue.enqueue(job.id)
+    except Exception as exc:
+        queries.finish_job_from(
+            session,
+            job.id,
+            JobStatus.QUEUED,
+            JobStatus.FAILED,
+            error={"code": "queue_unavailable", "message": f"Could not reach the broker: {exc}"},
+        )
+        session.commit()
+        raise ApiError(
+            503, "The job queue is unavailable; the job was not started.", code="queue_unavailable"
+        ) from exc
+    return to_schema(job)
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    session: SessionDep,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> JobList:
+    rows, has_more = queries.list_jobs(session, tenant, after=after, limit=limit)
+    return JobList(data=[to_schema(job) for job in rows], has_more=has_more)
+
+
+def _get_job(session: Session, job_id: str, tenant: str) -> Job:
+    job = queries.get_job(session, job_id, tenant)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return job
+
+
+@router.get("/{job_id}", response_model=JobObject)
+def retrieve_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject:
+    return to_schema(_get_job(session, job_id, tenant))
+
+
+@router.post("/{job_id}/cancel", response_model=JobObject)
+def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject:
+    job = _get_job(session, job_id, tenant)
+    # The worker watching a running job sees the new status and stops its processes.
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED]))
+        .values(status=JobStatus.CANCELLED, finished_at=now_s())
+    )
+    if result.rowcount != 1:
+        session.rollback()
+        # 400, not 409: clients retry 409s, and retrying cannot make a finished job cancellable.
+        raise ApiError(
+            400,
+            f"Job '{job_id}' is {job.status} and can no longer be cancelled.",
+            param="fine_tuning_job_id",
+            code="invalid_state",
+        )
+    queries.add_event(session, job.id, "Job cancelled by the user")
+    session.commit()
+    session.refresh(job)
+    return to_schema(job)
+
+
+def _event_schema(event: JobEvent) -> EventObject:
+    return EventObject(
+        id=event.id,
+        created_at=event.created_at,
+        level=event.level,
+        message=event.message,
+        type=event.type,
+        data=event.data,
+    )
+
+
+@router.get("/{job_id}/events", response_model=EventList)
+def list_events(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+) -> EventList:
+    job = _get_job(session, job_id, tenant)
+    rows, has_more = queries.list_events(session, job.id, after=after, limit=limit)
+    return EventList(data=[_event_schema(e) for e in rows], has_more=has_more)
+
+
+@router.get("/{job_id}/metrics", response_model=MetricList)
+def list_metrics(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    min_step: Annotated[int | None, Query(ge=0)] = None,
+    max_step: Annotated[int | None, Query(ge=0)] = None,
+) -> MetricList:
+    job = _get_job(session, job_id, tenant)
+    rows = queries.list_metrics(session, job.id, min_step=min_step, max_step=max_step)
+    return MetricList(
+        job_id=job.id,
+        data=[
+            MetricPoint(step=m.step, created_at=m.created_at, train_loss=m.train_loss, values=m.values)
+            for m in rows
+        ],
+    )
+
+
+def _checkpoint_schema(job: Job, checkpoint: Checkpoint) -> CheckpointObject:
+    return CheckpointObject(
+        id=checkpoint.id,
+        created_at=checkpoint.created_at,
+        fine_tuned_model_checkpoint=f"{job.fine_tuned_model or job.model}:ckpt-step-{checkpoint.step}",
+        fine_tuning_job_id=job.id,
+        metrics=checkpoint.metrics,
+        step_number=checkpoint.step,
+    )
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList)
+def list_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> CheckpointList:
+    job = _get_job(session, job_id, tenant)
+    data = [_checkpoint_schema(job, c) for c in queries.list_checkpoints(session, job.id)]
+    return CheckpointList(
+        data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+    )
+
+
+def checkpoint_dir(settings: Settings, checkpoint: Checkpoint) -> Path:
+    """The checkpoint's folder, refusing any stored path that would lead outside the runs directory."""
+    runs = settings.runs_dir.resolve()
+    path = (runs / checkpoint.storage_path).resolve()
+    if not path.is_relative_to(runs) or not path.is_dir():
+        raise not_found("checkpoint", checkpoint.id, param="checkpoint_id")
+    return path
+
+
+def _archive(folder: Path) -> Path:
+    """A tar of the checkpoint folder, written once beside it file by file (never held in memory)."""
+    archive = folder.parent / f"{folder.name}.tar"
+    if archive.exists():
+        return archive
+    handle, temp = tempfile.mkstemp(dir=folder.parent, prefix=f".{folder.name}-", suffix=".tar.part")
+    os.close(handle)
+    try:
+        with tarfile.open(temp, "w") as tar:
+            for path in sorted(folder.rglob("*")):
+                if path.is_file() and not path.is_symlink():
+                    tar.add(
+                        path, arcname=f"{folder.name}/{path.relative_to(folder).as_posix()}", recursive=False
+                    )
+        os.replace(temp, archive)
+    finally:
+        if os.path.exists(temp):
+            os.unlink(temp)
+    return archive
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/content")
+def download_checkpoint(
+    job_id: str, checkpoint_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep
+) -> FileResponse:
+    job = _get_job(session, job_id, tenant)
+    checkpoint = queries.get_checkpoint(session, checkpoint_id, tenant)
+    if checkpoint is None or checkpoint.job_id != job.id:
+        raise not_found("checkpoint", checkpoint_id, param="checkpoint_id")
+    archive = _archive(checkpoint_dir(settings, checkpoint))
+    # FileResponse streams from disk in chunks and answers HTTP Range requests.
+    return FileResponse(
+        archive, media_type="application/x-tar", filename=f"{job.id}-step-{checkpoint.step}.tar"
+    )

@@ -1,0 +1,39 @@
+"""Which base models this server offers, and where they live on disk.
+
+A base model is a Hugging Face model directory under ``Settings.models_dir`` (a folder holding config.json),
+or an id listed in ``Settings.hub_models`` that is already in the local Hugging Face cache. Nothing outside
+those is ever loaded, so a job cannot make the server read an arbitrary path.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fusetune.config import Settings
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def list_base_models(settings: Settings) -> list[str]:
+    names: list[str] = []
+    if settings.models_dir.is_dir():
+        names += sorted(p.name for p in settings.models_dir.iterdir() if (p / "config.json").is_file())
+    names += [name for name in settings.hub_models if name not in names]
+    return names
+
+
+def base_model_location(settings: Settings, name: str) -> str | None:
+    """A local directory or an offline hub id for ``name``, or None if the server does not offer it."""
+    if not _NAME.match(name) or ".." in name:
+        return None
+    local = settings.models_dir / name
+    if "/" not in name and (local / "config.json").is_file():
+        return str(local)
+    if name in settings.hub_models:
+        return name
+    return None
+
+
+def fine_tuned_model_name(base_model: str, tenant: str, suffix: str | None, job_id: str) -> str:
+    # The OpenAI API's shape: ft:<base>:<org>:<suffix>:<id>.
+    return f"ft:{base_model}:{tenant}:{suffix or ''}:{job_id}"

@@ -1,0 +1,77 @@
+"""Service settings, read from the environment (prefix ``FUSETUNE_``) once and passed down.
+
+Nothing reads settings at import time: the app factory, the worker and the CLI each build one ``Settings``
+and hand it to what they create, so tests can point a whole stack at a temporary directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FUSETUNE_", extra="ignore")
+
+    data_dir: Path = Field(
+        default=Path(".fusetune"), description="Uploaded files, runs and the embedded database"
+    )
+    database_url: str = Field(default="", description="SQLAlchemy URL; default: SQLite in data_dir")
+    broker_url: str = Field(
+        default="", description="Celery broker; default: kombu's SQLAlchemy transport in data_dir"
+    )
+    models_dir: Path | None = Field(
+        default=None, description="Directory of base models; default: data_dir/models"
+    )
+    # Hugging Face ids, already in the local cache, that jobs may fine-tune besides the models_dir entries.
+    hub_models: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Embedded mode starts a worker process next to the API so that `fusetune serve` alone is a full service.
+    embedded_worker: bool = True
+    # Processes per training job; on CPU they use gloo, on GPU one process per device with NCCL.
+    nproc_per_job: int = Field(default=1, ge=1)
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.
+    base_learning_rate: float = Field(default=1e-4, gt=0)
+    checkpoint_every_steps: int = Field(default=0, ge=0, description="0: only at the end of training")
+    # How long the worker waits for a training process to exit after SIGTERM before SIGKILL.
+    terminate_grace_s: float = 5.0
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> Settings:
+        self.data_dir = self.data_dir.expanduser().resolve()
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.data_dir / 'fusetune.db'}"
+        if not self.broker_url:
+            self.broker_url = f"sqla+sqlite:///{self.data_dir / 'broker.db'}"
+        if self.models_dir is None:
+            self.models_dir = self.data_dir / "models"
+        self.models_dir = self.models_dir.expanduser().resolve()
+        return self
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_dir / "files"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.data_dir / "runs"
+
+    def ensure_dirs(self) -> None:
+        for path in (self.data_dir, self.files_dir, self.runs_dir, self.models_dir):
+            path.mkdir(parents=True, exist_ok=True)
+
+    def subprocess_env(self) -> dict[str, str]:
+        """The variables a child process (worker, trainer) needs to build the same Settings."""
+        return {
+            "FUSETUNE_DATA_DIR": str(self.data_dir),
+            "FUSETUNE_DATABASE_URL": self.database_url,
+            "FUSETUNE_BROKER_URL": self.broker_url,
+            "FUSETUNE_MODELS_DIR": str(self.models_dir),
+            "FUSETUNE_NPROC_PER_JOB": str(self.nproc_per_job),
+            "FUSETUNE_BASE_LEARNING_RATE": str(self.base_learning_rate),
+            "FUSETUNE_CHECKPOINT_EVERY_STEPS": str(self.checkpoint_every_steps),
+        }

@@ -1,0 +1,123 @@
+"""ORM models: the state of the service. The schema itself is created only by Alembic migrations."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+DEFAULT_TENANT = "default"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class JobStatus:
+    """The job statuses of the OpenAI fine-tuning API, plus ``paused``."""
+
+    VALIDATING_FILES = "validating_files"
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    PAUSED = "paused"
+    FINISHED = frozenset({SUCCEEDED, FAILED, CANCELLED})
+
+
+class File(Base):
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("file-"))
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    # Relative to Settings.files_dir, never a user-chosen path.
+    storage_name: Mapped[str] = mapped_column(String(255))
+    example_count: Mapped[int] = mapped_column(Integer, default=0)
+    token_estimate: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("ftjob-"))
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)
+    model: Mapped[str] = mapped_column(String(255))
+    training_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    validation_file_id: Mapped[str | None] = mapped_column(ForeignKey("files.id"), nullable=True)
+    status: Mapped[str] = mapped_column(String(32), default=JobStatus.QUEUED, index=True)
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    started_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Which worker holds the job and how often it was started: crash recovery and the "no two copies" rule.
+    worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+
+    events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
+    checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (Index("ix_job_events_job_seq", "job_id", "seq"),)
+
+    # A monotonic sequence orders events that share a created_at second.
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True, default=lambda: new_id("ftevent-"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    level: Mapped[str] = mapped_column(String(16), default="info")
+    type: Mapped[str] = mapped_column(String(16), default="message")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+    job: Mapped[Job] = relationship(back_populates="events")
+
+
+class JobMetric(Base):
+    __tablename__ = "job_metrics"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_job_metrics_job_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    train_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Everything else the trainer reports (learning rate, tokens/s, memory, MFU, ...), by name.
+    values: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("ftckpt_"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    # Relative to Settings.runs_dir.
+    storage_path: Mapped[str] = mapped_column(String(1024))
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+    job: Mapped[Job] = relationship(back_populates="checkpoints")

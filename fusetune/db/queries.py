@@ -1,0 +1,143 @@
+"""The few queries the service needs. Callers own the transaction: nothing here commits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from fusetune.db.models import Checkpoint, File, Job, JobEvent, JobMetric, JobStatus, now_s
+
+
+def get_file(session: Session, file_id: str, tenant: str) -> File | None:
+    return session.scalar(select(File).where(File.id == file_id, File.tenant == tenant))
+
+
+def list_files(session: Session, tenant: str, purpose: str | None = None) -> list[File]:
+    query = select(File).where(File.tenant == tenant).order_by(File.created_at.desc(), File.id)
+    if purpose:
+        query = query.where(File.purpose == purpose)
+    return list(session.scalars(query))
+
+
+def get_job(session: Session, job_id: str, tenant: str | None = None) -> Job | None:
+    query = select(Job).where(Job.id == job_id)
+    if tenant is not None:
+        query = query.where(Job.tenant == tenant)
+    return session.scalar(query)
+
+
+def get_job_status(session: Session, job_id: str) -> str | None:
+    return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def list_jobs(
+    session: Session, tenant: str, *, after: str | None = None, limit: int = 20
+) -> tuple[list[Job], bool]:
+    """Newest first, cursor after a job id; returns (page, has_more)."""
+    query = select(Job).where(Job.tenant == tenant).order_by(Job.created_at.desc(), Job.id.desc())
+    if after is not None:
+        cursor = get_job(session, after, tenant)
+        if cursor is not None:
+            query = query.where(
+                (Job.created_at < cursor.created_at)
+                | ((Job.created_at == cursor.created_at) & (Job.id < cursor.id))
+            )
+    rows = list(session.scalars(query.limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def claim_job(session: Session, job_id: str, worker: str) -> bool:
+    """queued -> running in one statement, so two workers given the same message cannot both win."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+        .values(status=JobStatus.RUNNING, started_at=now_s(), worker=worker, attempts=Job.attempts + 1)
+    )
+    return result.rowcount == 1
+
+
+def finish_job(session: Session, job_id: str, status: str, **fields: Any) -> bool:
+    """running -> a final status; does nothing if the job already left running (e.g. it was cancelled)."""
+    return finish_job_from(session, job_id, JobStatus.RUNNING, status, **fields)
+
+
+def add_event(
+    session: Session,
+    job_id: str,
+    message: str,
+    *,
+    level: str = "info",
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    event = JobEvent(job_id=job_id, message=message, level=level, type=type, data=data)
+    session.add(event)
+    return event
+
+
+def list_events(
+    session: Session, job_id: str, *, after: str | None = None, limit: int = 20
+) -> tuple[list[JobEvent], bool]:
+    """Newest first, cursor after an event id; returns (page, has_more)."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq.desc())
+    if after is not None:
+        cursor_seq = session.scalar(
+            select(JobEvent.seq).where(JobEvent.id == after, JobEvent.job_id == job_id)
+        )
+        if cursor_seq is not None:
+            query = query.where(JobEvent.seq < cursor_seq)
+    rows = list(session.scalars(query.limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any]) -> JobMetric:
+    """One row per (job, step); a step reported again (a resumed run) replaces the earlier values."""
+    metric = session.scalar(select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step == step))
+    if metric is None:
+        metric = JobMetric(job_id=job_id, step=step)
+        session.add(metric)
+    metric.train_loss = values.get("train_loss")
+    metric.values = dict(values)
+    metric.created_at = now_s()
+    return metric
+
+
+def list_metrics(
+    session: Session, job_id: str, *, min_step: int | None = None, max_step: int | None = None
+) -> list[JobMetric]:
+    query = select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+    if min_step is not None:
+        query = query.where(JobMetric.step >= min_step)
+    if max_step is not None:
+        query = query.where(JobMetric.step <= max_step)
+    return list(session.scalars(query))
+
+
+def add_checkpoint(
+    session: Session, job_id: str, step: int, path: str, metrics: dict[str, Any]
+) -> Checkpoint:
+    checkpoint = Checkpoint(job_id=job_id, step=step, storage_path=path, metrics=dict(metrics))
+    session.add(checkpoint)
+    return checkpoint
+
+
+def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
+    query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
+    return list(session.scalars(query))
+
+
+def get_checkpoint(session: Session, checkpoint_id: str, tenant: str) -> Checkpoint | None:
+    query = select(Checkpoint).join(Job).where(Checkpoint.id == checkpoint_id, Job.tenant == tenant)
+    return session.scalar(query)
+
+
+def finish_job_from(session: Session, job_id: str, from_status: str, status: str, **fields: Any) -> bool:
+    """from_status -> a final status, only if the job is still in from_status."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == from_status)
+        .values(status=status, finished_at=now_s(), **fields)
+    )
+    return result.rowcount == 1
