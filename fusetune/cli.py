@@ -1,0 +1,105 @@
+"""Command line: ``fusetune serve | worker | migrate | demo``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fusetune.config import Settings
+
+app = typer.Typer(help="fusetune: a self-hosted fine-tuning service.", no_args_is_help=True)
+
+
+def _settings(data_dir: Path | None) -> Settings:
+    overrides = {"data_dir": data_dir} if data_dir is not None else {}
+    settings = Settings(**overrides)
+    settings.ensure_dirs()
+    return settings
+
+
+DataDirOption = Annotated[
+    Path | None, typer.Option(help="Data directory (default: $FUSETUNE_DATA_DIR or .fusetune)")
+]
+
+
+@app.command()
+def migrate(data_dir: DataDirOption = None, revision: str = "head") -> None:
+    """Upgrade the database schema (Alembic) to a revision."""
+    from fusetune.db.migrate import upgrade
+
+    settings = _settings(data_dir)
+    upgrade(settings.database_url, revision)
+    typer.echo(f"database at {revision}: {settings.database_url.split('@')[-1]}")
+
+
+@app.command()
+def worker(data_dir: DataDirOption = None, loglevel: str = "INFO") -> None:
+    """Run a Celery worker that trains jobs one at a time."""
+    from fusetune.worker.celery_app import run_worker
+
+    logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_worker(_settings(data_dir), loglevel=loglevel)
+
+
+@app.command()
+def serve(
+    data_dir: DataDirOption = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default $FUSETUNE_HOST)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default $FUSETUNE_PORT)")] = None,
+    embedded_worker: Annotated[bool | None, typer.Option(help="Also start one worker process")] = None,
+    migrate_db: Annotated[
+        bool, typer.Option("--migrate/--no-migrate", help="Upgrade the schema first")
+    ] = True,
+) -> None:
+    """Run the HTTP API (and, in embedded mode, one worker beside it)."""
+    import uvicorn
+
+    from fusetune.api.app import create_app
+    from fusetune.db.migrate import upgrade
+
+    settings = _settings(data_dir)
+    if host is not None:
+        settings.host = host
+    if port is not None:
+        settings.port = port
+    if embedded_worker is not None:
+        settings.embedded_worker = embedded_worker
+    if migrate_db:
+        upgrade(settings.database_url)
+    worker_process = None
+    if settings.embedded_worker:
+        env = {**os.environ, **settings.subprocess_env()}
+        worker_process = subprocess.Popen([sys.executable, "-m", "fusetune.cli", "worker"], env=env)
+    try:
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    finally:
+        if worker_process is not None and worker_process.poll() is None:
+            worker_process.send_signal(signal.SIGTERM)
+            try:
+                worker_process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker_process.kill()
+
+
+@app.command()
+def demo(
+    data_dir: DataDirOption = None,
+    port: int = 8765,
+    n_gpus: Annotated[int, typer.Option(help="Training processes (gloo on CPU, one per GPU with NCCL)")] = 2,
+    n_epochs: int = 3,
+) -> None:
+    """Start the embedded service, fine-tune the bundled tiny model over HTTP and load the result."""
+    from fusetune.demo.run import run_demo
+
+    raise typer.Exit(run_demo(_settings(data_dir), port=port, n_gpus=n_gpus, n_epochs=n_epochs))
+
+
+if __name__ == "__main__":
+    app()

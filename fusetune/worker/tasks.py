@@ -1,0 +1,225 @@
+"""Running one fine-tuning job: claim it in SQL, train it in a torchrun process group, record the outcome.
+
+The job row is the truth. A message for a job that is not ``queued`` (a redelivery, a cancelled job) does
+nothing, and the worker, not the trainer, owns every status transition of the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusetune.catalog import base_model_location, fine_tuned_model_name
+from fusetune.config import Settings
+from fusetune.db import queries
+from fusetune.db.models import Job, JobStatus
+from fusetune.db.session import make_engine, make_session_factory
+
+log = logging.getLogger(__name__)
+
+# The trainer's outcome files (written by rank 0 of fusetune.worker.train).
+RESULT_FILE = "result.json"
+ERROR_FILE = "error.json"
+TRAIN_LOG_FILE = "train.log"
+CONFIG_FILE = "train_config.json"
+LOG_TAIL_LINES = 20
+WATCH_INTERVAL_S = 1.0
+
+
+@dataclass
+class Outcome:
+    status: str
+    fields: dict
+    message: str
+    level: str = "info"
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as handle:
+            return "".join(deque(handle, maxlen=lines)).strip()
+    except OSError:
+        return ""
+
+
+class JobRunner:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.session_factory = make_session_factory(make_engine(settings.database_url))
+        self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
+
+    # ---- public --------------------------------------------------------------------------------------------
+
+    def run(self, job_id: str) -> str:
+        with self.session_factory() as session:
+            if not queries.claim_job(session, job_id, self.worker_name):
+                session.rollback()
+                log.info(
+                    "job %s is not queued (status %s); nothing to do",
+                    job_id,
+                    queries.get_job_status(session, job_id),
+                )
+                return "skipped"
+            job = queries.get_job(session, job_id)
+            queries.add_event(session, job_id, f"Fine-tuning job started on worker {self.worker_name}")
+            session.commit()
+        try:
+            outcome = self._train(job)
+        except Exception as exc:  # the worker must survive anything one job does
+            log.exception("job %s failed in the worker", job_id)
+            outcome = Outcome(
+                JobStatus.FAILED,
+                {"error": {"code": "worker_error", "message": str(exc)}},
+                f"Job failed in the worker: {exc}",
+                "error",
+            )
+        with self.session_factory() as session:
+            if queries.finish_job(session, job_id, outcome.status, **outcome.fields):
+                queries.add_event(session, job_id, outcome.message, level=outcome.level)
+            session.commit()
+        return outcome.status
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+
+    def _model_location(self, job: Job) -> str | None:
+        location = base_model_location(self.settings, job.model)
+        if location is not None:
+            return location
+        with self.session_factory() as session:
+            source = (
+                session.query(Job).filter(Job.fine_tuned_model == job.model, Job.tenant == job.tenant).first()
+            )
+            if source is not None:
+                checkpoints = queries.list_checkpoints(session, source.id)
+                if checkpoints:
+                    return str((self.settings.runs_dir / checkpoints[0].storage_path).resolve())
+        return None
+
+    def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:
+        hyper = job.hyperparameters
+        with self.session_factory() as session:
+            training = queries.get_file(session, job.training_file_id, job.tenant)
+            validation = (
+                queries.get_file(session, job.validation_file_id, job.tenant)
+                if job.validation_file_id
+                else None
+            )
+        config = {
+            "job_id": job.id,
+            "database_url": self.settings.database_url,
+            "model_path": model_location,
+            "training_file": str(self.settings.files_dir / training.storage_name),
+            "validation_file": str(self.settings.files_dir / validation.storage_name) if validation else None,
+            "output_dir": str(run_dir),
+            "seed": job.seed,
+            "n_epochs": hyper["n_epochs"],
+            "batch_size": hyper["batch_size"],
+            "learning_rate": hyper["learning_rate"],
+            "lr_scheduler": hyper.get("lr_scheduler", "cosine"),
+            "warmup_ratio": hyper.get("warmup_ratio", 0.0),
+            "max_seq_length": hyper.get("max_seq_length", 512),
+            "kernels": hyper.get("kernels", True),
+            "checkpoint_every_steps": self.settings.checkpoint_every_steps,
+        }
+        path = run_dir / CONFIG_FILE
+        path.write_text(json.dumps(config, indent=2))
+        return path
+
+    def _launch_command(self, config_path: Path, nproc: int) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "fusetune.worker.train", "--config", str(config_path),
+        ]  # fmt: skip
+
+    def _train(self, job: Job) -> Outcome:
+        run_dir = self.settings.runs_dir / job.id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (RESULT_FILE, ERROR_FILE):
+            (run_dir / stale).unlink(missing_ok=True)
+        model_location = self._model_location(job)
+        if model_location is None:
+            return Outcome(
+                JobStatus.FAILED,
+                {
+                    "error": {
+                        "code": "model_not_found",
+                        "message": f"Model '{job.model}' is not on this server.",
+                    }
+                },
+                f"Model '{job.model}' is not on this server.",
+                "error",
+            )
+        config_path = self._write_config(job, run_dir, model_location)
+        nproc = int(job.hyperparameters.get("n_gpus", 1))
+        env = {**os.environ, **self.settings.subprocess_env(), "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        log_path = run_dir / TRAIN_LOG_FILE
+        with open(log_path, "ab") as log_file:
+            # A session of its own, so cancel can signal torchrun and every rank it started, and nothing else.
+            process = subprocess.Popen(
+                self._launch_command(config_path, nproc), stdout=log_file, stderr=subprocess.STDOUT,
+                env=env, cwd=run_dir, start_new_session=True,
+            )  # fmt: skip
+            cancelled = self._watch(job.id, process)
+        if cancelled:
+            return Outcome(JobStatus.CANCELLED, {}, "Training processes stopped after cancellation")
+        return self._read_outcome(job, run_dir, process.returncode, log_path)
+
+    def _watch(self, job_id: str, process: subprocess.Popen) -> bool:
+        """Waits for the trainer; returns True if the job was cancelled and the processes were stopped."""
+        while True:
+            try:
+                process.wait(timeout=WATCH_INTERVAL_S)
+                return False
+            except subprocess.TimeoutExpired:
+                pass
+            with self.session_factory() as session:
+                status = queries.get_job_status(session, job_id)
+            if status != JobStatus.RUNNING:
+                self._stop(process)
+                return True
+
+    def _stop(self, process: subprocess.Popen) -> None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + self.settings.terminate_grace_s
+        while process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+    def _read_outcome(self, job: Job, run_dir: Path, returncode: int, log_path: Path) -> Outcome:
+        result_path, error_path = run_dir / RESULT_FILE, run_dir / ERROR_FILE
+        if returncode == 0 and result_path.exists():
+            result = json.loads(result_path.read_text())
+            name = fine_tuned_model_name(job.model, job.tenant, job.suffix, job.id)
+            fields = {"trained_tokens": int(result["trained_tokens"]), "fine_tuned_model": name}
+            return Outcome(JobStatus.SUCCEEDED, fields, f"Fine-tuning job successfully completed: {name}")
+        if error_path.exists():
+            error = json.loads(error_path.read_text())
+            error = {
+                "code": str(error.get("code", "trainer_error")),
+                "message": str(error.get("message", "")),
+            }
+            return Outcome(
+                JobStatus.FAILED, {"error": error}, f"Training failed: {error['message']}", "error"
+            )
+        tail = _tail(log_path)
+        message = f"The training process exited with code {returncode}. Last lines of its log:\n{tail}"
+        return Outcome(
+            JobStatus.FAILED, {"error": {"code": "trainer_crashed", "message": message}}, message, "error"
+        )
