@@ -27,10 +27,11 @@ def make_celery_app(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         worker_concurrency=1,
         broker_connection_retry_on_startup=True,
-        # Longer than any training run, so Redis does not redeliver a message whose job is still training.
-        broker_transport_options={"visibility_timeout": 7 * 24 * 3600, "polling_interval": 0.5},
         worker_hijack_root_logger=False,
     )
+    if settings.broker_url.startswith(("redis://", "rediss://")):
+        # Longer than any training run, so Redis does not redeliver a message whose job is still training.
+        app.conf.broker_transport_options = {"visibility_timeout": 7 * 24 * 3600}
     return app
 
 

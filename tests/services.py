@@ -1,0 +1,155 @@
+"""Real processes for service tests: the fusetune server, redis-server, a PostgreSQL database."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fusetune.config import Settings
+
+REQUIRE_SERVICES = os.environ.get("FUSETUNE_TEST_REQUIRE_SERVICES") == "1"
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def skip_or_fail(reason: str) -> None:
+    """Locally a missing server skips its tests; in CI (.ci/run) it is a failure."""
+    if REQUIRE_SERVICES:
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        skip_or_fail("redis-server is not installed (.ci/run installs it)")
+    port = free_port()
+    process = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(process)
+
+
+@contextmanager
+def postgres_database() -> Iterator[str]:
+    """A fresh database on the server named by FUSETUNE_TEST_POSTGRES_URL, dropped afterwards."""
+    admin_url = os.environ.get("FUSETUNE_TEST_POSTGRES_URL")
+    if not admin_url:
+        skip_or_fail("FUSETUNE_TEST_POSTGRES_URL is not set (.ci/run starts PostgreSQL and sets it)")
+    from sqlalchemy import create_engine, text
+
+    name = f"fusetune_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    base, _, _ = admin_url.rpartition("/")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+class Service:
+    """A running ``fusetune serve`` (API + embedded worker) and an HTTP client for it."""
+
+    def __init__(self, settings: Settings, process: subprocess.Popen, port: int):
+        self.settings = settings
+        self.process = process
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+
+    def upload(self, path: Path) -> httpx.Response:
+        with open(path, "rb") as handle:
+            return self.client.post(
+                "/v1/files", files={"file": (path.name, handle)}, data={"purpose": "fine-tune"}
+            )
+
+    def wait_for_job(self, job_id: str, timeout_s: float = 300) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            job = self.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+            if job["status"] in TERMINAL:
+                return job
+            time.sleep(0.5)
+        log = (self.settings.data_dir / "server.log").read_text(errors="replace")[-4000:]
+        raise TimeoutError(f"job {job_id} did not finish in {timeout_s} s; server log tail:\n{log}")
+
+
+@contextmanager
+def running_service(data_dir: Path, **env_overrides: str) -> Iterator[Service]:
+    port = free_port()
+    settings = Settings(
+        data_dir=data_dir, port=port, **{k: v for k, v in env_overrides.items() if k in Settings.model_fields}
+    )
+    settings.ensure_dirs()
+    env = {
+        **os.environ,
+        **settings.subprocess_env(),
+        "FUSETUNE_PORT": str(port),
+        "FUSETUNE_HOST": "127.0.0.1",
+    }
+    log = open(data_dir / "server.log", "ab")
+    process = subprocess.Popen([sys.executable, "-m", "fusetune.cli", "serve"], env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    service = Service(settings, process, port)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    "server exited:\n" + (data_dir / "server.log").read_text(errors="replace")[-4000:]
+                )
+            try:
+                if service.client.get("/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.3)
+        yield service
+    finally:
+        service.client.close()
+        _stop(process)
+        log.close()
