@@ -23,6 +23,7 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
+from fusetune.worker.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -113,26 +114,24 @@ class JobRunner:
                 if job.validation_file_id
                 else None
             )
-        config = {
-            "job_id": job.id,
-            "database_url": self.settings.database_url,
-            "model_path": model_location,
-            "training_file": str(self.settings.files_dir / training.storage_name),
-            "validation_file": str(self.settings.files_dir / validation.storage_name) if validation else None,
-            "output_dir": str(run_dir),
-            "seed": job.seed,
-            "n_epochs": hyper["n_epochs"],
-            "batch_size": hyper["batch_size"],
-            "learning_rate": hyper["learning_rate"],
-            "lr_scheduler": hyper.get("lr_scheduler", "cosine"),
-            "warmup_ratio": hyper.get("warmup_ratio", 0.0),
-            "max_seq_length": hyper.get("max_seq_length", 512),
-            "kernels": hyper.get("kernels", True),
-            "checkpoint_every_steps": self.settings.checkpoint_every_steps,
-        }
-        path = run_dir / CONFIG_FILE
-        path.write_text(json.dumps(config, indent=2))
-        return path
+        config = TrainConfig(
+            job_id=job.id,
+            database_url=self.settings.database_url,
+            model_path=model_location,
+            training_file=str(self.settings.files_dir / training.storage_name),
+            validation_file=str(self.settings.files_dir / validation.storage_name) if validation else None,
+            output_dir=str(run_dir),
+            seed=job.seed,
+            n_epochs=hyper["n_epochs"],
+            batch_size=hyper["batch_size"],
+            learning_rate=hyper["learning_rate"],
+            lr_scheduler=hyper.get("lr_scheduler", "cosine"),
+            warmup_ratio=hyper.get("warmup_ratio", 0.0),
+            max_seq_length=hyper.get("max_seq_length", 512),
+            kernels=hyper.get("kernels", True),
+            checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
+        )
+        return config.write(run_dir / CONFIG_FILE)
 
     def _launch_command(self, config_path: Path, nproc: int) -> list[str]:
         return [

@@ -111,8 +111,17 @@ def create_job(
     # "auto" is resolved once, here, so the job row says exactly what will run.
     if hyper["n_epochs"] == "auto":
         hyper["n_epochs"] = DEFAULT_EPOCHS
+    n_gpus = hyper["n_gpus"]
     if hyper["batch_size"] == "auto":
-        hyper["batch_size"] = max(1, min(DEFAULT_BATCH_SIZE, training.example_count))
+        # Every process gets the same number of sequences per step.
+        hyper["batch_size"] = max(1, min(DEFAULT_BATCH_SIZE, training.example_count) // n_gpus) * n_gpus
+    elif hyper["batch_size"] % n_gpus:
+        raise ApiError(
+            400,
+            f"hyperparameters.batch_size ({hyper['batch_size']}) must be a multiple of "
+            f"hyperparameters.n_gpus ({n_gpus}).",
+            param="hyperparameters.batch_size",
+        )
     if hyper["learning_rate_multiplier"] == "auto":
         hyper["learning_rate_multiplier"] = DEFAULT_LR_MULTIPLIER
     if hyper["learning_rate"] is None:
