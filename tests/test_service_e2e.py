@@ -108,7 +108,8 @@ def test_broken_model_fails_clearly_and_worker_takes_the_next_job(tmp_path, tiny
     _install_model(data_dir, tiny_model)
     broken = data_dir / "models" / "broken-model"
     broken.mkdir()
-    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": "not a number"}')
+    # A folder that looks like a model (config.json) but has neither weights nor a tokenizer.
+    (broken / "config.json").write_text('{"model_type": "llama"}')
     with running_service(data_dir) as service:
         training = service.upload(_subset(TRAIN_FILE, 32, tmp_path / "train.jsonl")).json()["id"]
         bad = service.client.post(
