@@ -88,6 +88,53 @@ def serve(
                 worker_process.kill()
 
 
+keys_app = typer.Typer(help="Create, list and revoke API keys (each key belongs to one tenant).")
+app.add_typer(keys_app, name="keys")
+
+
+def _key_session(data_dir: Path | None):
+    from fusetune.db.session import make_engine, make_session_factory
+
+    return make_session_factory(make_engine(_settings(data_dir).database_url))()
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Tenant (organization) the key belongs to")],
+    name: Annotated[str, typer.Option(help="A label for people")] = "",
+    data_dir: DataDirOption = None,
+) -> None:
+    """Create a key; it is printed once and only its hash is stored."""
+    from fusetune.db import queries
+
+    with _key_session(data_dir) as session:
+        row, plaintext = queries.create_api_key(session, tenant, name)
+        session.commit()
+        typer.echo(f"{row.id}\t{tenant}\t{plaintext}")
+
+
+@keys_app.command("list")
+def keys_list(data_dir: DataDirOption = None) -> None:
+    from fusetune.db import queries
+
+    with _key_session(data_dir) as session:
+        for row in queries.list_api_keys(session):
+            state = "revoked" if row.revoked_at else "active"
+            typer.echo(f"{row.id}\t{row.tenant}\t{row.name}\t{state}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, data_dir: DataDirOption = None) -> None:
+    from fusetune.db import queries
+
+    with _key_session(data_dir) as session:
+        if not queries.revoke_api_key(session, key_id):
+            typer.echo(f"no active key with id {key_id}", err=True)
+            raise typer.Exit(1)
+        session.commit()
+        typer.echo(f"revoked {key_id}")
+
+
 @app.command()
 def demo(
     data_dir: DataDirOption = None,

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     )
     # Hugging Face ids, already in the local cache, that jobs may fine-tune besides the models_dir entries.
     hub_models: list[str] = Field(default_factory=list)
+    # A key that needs no database row and belongs to the default tenant, so the embedded service works out of
+    # the box; set FUSETUNE_DEV_API_KEY="" in production and create real keys with `fusetune keys create`.
+    dev_api_key: str = "sk-fusetune-dev"
     host: str = "127.0.0.1"
     port: int = 8000
     # Embedded mode starts a worker process next to the API so that `fusetune serve` alone is a full service.
@@ -74,4 +77,5 @@ class Settings(BaseSettings):
             "FUSETUNE_NPROC_PER_JOB": str(self.nproc_per_job),
             "FUSETUNE_BASE_LEARNING_RATE": str(self.base_learning_rate),
             "FUSETUNE_CHECKPOINT_EVERY_STEPS": str(self.checkpoint_every_steps),
+            "FUSETUNE_DEV_API_KEY": self.dev_api_key,
         }

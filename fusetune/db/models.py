@@ -121,3 +121,33 @@ class Checkpoint(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
     job: Mapped[Job] = relationship(back_populates="checkpoints")
+
+
+class ApiKey(Base):
+    """A Bearer key of one tenant. Only a SHA-256 of the key is stored; the key is shown once, at creation."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("key-"))
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    revoked_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class IdempotentRequest(Base):
+    """The response to a POST sent with an Idempotency-Key, replayed when the same key and body come again."""
+
+    __tablename__ = "idempotent_requests"
+    __table_args__ = (
+        UniqueConstraint("tenant", "route", "key", name="uq_idempotent_requests_tenant_route_key"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    route: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(255))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    object_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)

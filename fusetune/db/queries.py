@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from fusetune.db.models import Checkpoint, File, Job, JobEvent, JobMetric, JobStatus, now_s
+from fusetune.db.models import (
+    ApiKey,
+    Checkpoint,
+    File,
+    IdempotentRequest,
+    Job,
+    JobEvent,
+    JobMetric,
+    JobStatus,
+    now_s,
+)
 
 
 def get_file(session: Session, file_id: str, tenant: str) -> File | None:
@@ -33,9 +45,14 @@ def get_job_status(session: Session, job_id: str) -> str | None:
 
 
 def list_jobs(
-    session: Session, tenant: str, *, after: str | None = None, limit: int = 20
+    session: Session,
+    tenant: str,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    metadata: dict[str, str] | None = None,
 ) -> tuple[list[Job], bool]:
-    """Newest first, cursor after a job id; returns (page, has_more)."""
+    """Newest first, cursor after a job id, optionally only jobs whose metadata has every given pair."""
     query = select(Job).where(Job.tenant == tenant).order_by(Job.created_at.desc(), Job.id.desc())
     if after is not None:
         cursor = get_job(session, after, tenant)
@@ -44,8 +61,17 @@ def list_jobs(
                 (Job.created_at < cursor.created_at)
                 | ((Job.created_at == cursor.created_at) & (Job.id < cursor.id))
             )
-    rows = list(session.scalars(query.limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
+    if not metadata:
+        rows = list(session.scalars(query.limit(limit + 1)))
+        return rows[:limit], len(rows) > limit
+    # JSON containment differs between SQLite and PostgreSQL; one tenant's jobs are few enough to filter here.
+    page: list[Job] = []
+    for job in session.scalars(query):
+        if all((job.user_metadata or {}).get(k) == v for k, v in metadata.items()):
+            if len(page) == limit:
+                return page, True
+            page.append(job)
+    return page, False
 
 
 def claim_job(session: Session, job_id: str, worker: str) -> bool:
@@ -141,3 +167,40 @@ def finish_job_from(session: Session, job_id: str, from_status: str, status: str
         .values(status=status, finished_at=now_s(), **fields)
     )
     return result.rowcount == 1
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_api_key(session: Session, tenant: str, name: str = "") -> tuple[ApiKey, str]:
+    """Returns the row and the plaintext key, which is not stored and cannot be shown again."""
+    plaintext = f"sk-ft-{secrets.token_urlsafe(32)}"
+    row = ApiKey(tenant=tenant, name=name, key_hash=hash_api_key(plaintext))
+    session.add(row)
+    return row, plaintext
+
+
+def tenant_for_api_key(session: Session, key: str) -> str | None:
+    return session.scalar(
+        select(ApiKey.tenant).where(ApiKey.key_hash == hash_api_key(key), ApiKey.revoked_at.is_(None))
+    )
+
+
+def revoke_api_key(session: Session, key_id: str) -> bool:
+    result = session.execute(
+        update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None)).values(revoked_at=now_s())
+    )
+    return result.rowcount == 1
+
+
+def list_api_keys(session: Session) -> list[ApiKey]:
+    return list(session.scalars(select(ApiKey).order_by(ApiKey.created_at)))
+
+
+def find_idempotent_request(session: Session, tenant: str, route: str, key: str) -> IdempotentRequest | None:
+    return session.scalar(
+        select(IdempotentRequest).where(
+            IdempotentRequest.tenant == tenant, IdempotentRequest.route == route, IdempotentRequest.key == key
+        )
+    )

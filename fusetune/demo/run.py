@@ -158,7 +158,8 @@ def run_demo(settings: Settings, port: int = 8765, n_gpus: int = 2, n_epochs: in
         console.print(f"built the demo base model (random weights, local tokenizer) in {model_dir}")
     server = _start_server(settings, port)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        auth = {"Authorization": f"Bearer {settings.dev_api_key}"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=auth) as client:
             _wait_healthy(client, server)
             console.print(f"service up at http://127.0.0.1:{port} (data in {settings.data_dir})")
             training, validation = _upload(client, TRAIN_FILE), _upload(client, VALID_FILE)

@@ -18,6 +18,7 @@ from fusetune.db.migrate import upgrade
 from fusetune.db.models import File, Job
 from fusetune.db.session import make_engine
 
+AUTH = {"Authorization": f"Bearer {Settings().dev_api_key}"}
 GOOD_LINE = json.dumps(
     {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
 )
@@ -36,7 +37,7 @@ def settings(tmp_path) -> Settings:
 
 @pytest.fixture
 def client(settings) -> TestClient:
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), headers=AUTH) as client:
         yield client
 
 
@@ -109,7 +110,7 @@ def test_upload_over_the_size_limit_is_a_413(tmp_path):
     settings = Settings(data_dir=tmp_path / "small", max_upload_bytes=100)
     settings.ensure_dirs()
     upgrade(settings.database_url)
-    with TestClient(create_app(settings)) as client:
+    with TestClient(create_app(settings), headers=AUTH) as client:
         _assert_error_shape(_upload(client, "\n".join([GOOD_LINE] * 5)), 413, "file")
     assert list(settings.files_dir.iterdir()) == []
 

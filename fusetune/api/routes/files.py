@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import PurePath
 from typing import Annotated
 
-from fastapi import APIRouter, Form, UploadFile
+from fastapi import APIRouter, Form, Header, UploadFile
 from fastapi.responses import FileResponse
+from sqlalchemy.exc import IntegrityError
 
+from fusetune.api import idempotency
 from fusetune.api.deps import SessionDep, SettingsDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.file_validation import validate_chat_jsonl
@@ -42,6 +45,7 @@ def create_file(
     session: SessionDep,
     settings: SettingsDep,
     tenant: TenantDep,
+    idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
 ) -> FileObject:
     if purpose not in PURPOSES:
         raise ApiError(
@@ -59,9 +63,11 @@ def create_file(
     handle, temp_path = tempfile.mkstemp(dir=settings.files_dir, prefix=".upload-", suffix=".part")
     try:
         size = 0
+        digest = hashlib.sha256(f"{purpose}\0{filename}\0".encode())
         with os.fdopen(handle, "wb") as out:
             while chunk := file.file.read(_COPY_CHUNK_BYTES):
                 size += len(chunk)
+                digest.update(chunk)
                 if size > settings.max_upload_bytes:
                     raise ApiError(
                         413,
@@ -69,6 +75,10 @@ def create_file(
                         param="file",
                     )
                 out.write(chunk)
+        key = idempotency.check_key(idempotency_key)
+        earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
+        if earlier is not None:
+            return to_schema(_get(session, earlier, tenant))
         with open(temp_path, "rb") as stream:
             report = validate_chat_jsonl(stream)
         if report.errors:
@@ -89,9 +99,18 @@ def create_file(
             token_estimate=report.token_estimate,
         )
         session.add(row)
+        idempotency.remember(session, tenant, "files", key, digest.hexdigest(), file_id)
         os.replace(temp_path, settings.files_dir / storage_name)
         try:
             session.commit()
+        except IntegrityError:
+            # A concurrent request with the same Idempotency-Key won: answer with its file.
+            session.rollback()
+            (settings.files_dir / storage_name).unlink(missing_ok=True)
+            earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
+            if earlier is None:
+                raise
+            return to_schema(_get(session, earlier, tenant))
         except Exception:
             (settings.files_dir / storage_name).unlink(missing_ok=True)
             raise

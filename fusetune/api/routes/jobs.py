@@ -8,11 +8,13 @@ import tempfile
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import FileResponse
 from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from fusetune.api import idempotency
 from fusetune.api.deps import QueueDep, SessionDep, SettingsDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.schemas import (
@@ -87,8 +89,18 @@ def _check_model(session: Session, settings: Settings, tenant: str, model: str) 
 
 @router.post("", response_model=JobObject)
 def create_job(
-    body: JobCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep, queue: QueueDep
+    body: JobCreate,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    queue: QueueDep,
+    idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
 ) -> JobObject:
+    key = idempotency.check_key(idempotency_key)
+    request_hash = idempotency.body_hash(body.model_dump(mode="json"))
+    earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
+    if earlier is not None:
+        return to_schema(_get_job(session, earlier, tenant))
     training = queries.get_file(session, body.training_file, tenant)
     if training is None:
         raise ApiError(
@@ -142,7 +154,16 @@ def create_job(
     session.add(job)
     session.flush()
     queries.add_event(session, job.id, f"Created fine-tuning job: {job.id}")
-    session.commit()
+    idempotency.remember(session, tenant, "jobs", key, request_hash, job.id)
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key committed first: answer with its job.
+        session.rollback()
+        earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
+        if earlier is None:
+            raise
+        return to_schema(_get_job(session, earlier, tenant))
     # Only after the commit: a worker that receives the id must find the row.
     try:
         queue.enqueue(job.id)
@@ -163,12 +184,19 @@ def create_job(
 
 @router.get("", response_model=JobList)
 def list_jobs(
+    request: Request,
     session: SessionDep,
     tenant: TenantDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> JobList:
-    rows, has_more = queries.list_jobs(session, tenant, after=after, limit=limit)
+    """``metadata[key]=value`` query parameters keep only jobs carrying all those pairs."""
+    metadata = {
+        name[len("metadata[") : -1]: value
+        for name, value in request.query_params.multi_items()
+        if name.startswith("metadata[") and name.endswith("]")
+    }
+    rows, has_more = queries.list_jobs(session, tenant, after=after, limit=limit, metadata=metadata)
     return JobList(data=[to_schema(job) for job in rows], has_more=has_more)
 
 
