@@ -97,7 +97,11 @@ class Service:
     def __init__(self, settings: Settings, process: subprocess.Popen, port: int):
         self.settings = settings
         self.process = process
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.api_key = settings.dev_api_key
+        self.client = httpx.Client(
+            base_url=self.base_url, timeout=60, headers={"Authorization": f"Bearer {self.api_key}"}
+        )
 
     def upload(self, path: Path) -> httpx.Response:
         with open(path, "rb") as handle:
