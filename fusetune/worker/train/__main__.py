@@ -1,0 +1,23 @@
+"""`torchrun --nproc_per_node N -m fusetune.worker.train --config job.json` (or `python -m ...` for one process)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fusetune.worker.train.config import TrainConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusetune.worker.train", description=__doc__)
+    parser.add_argument("--config", required=True, help="path of the job's TrainConfig JSON")
+    args = parser.parse_args(argv)
+    config = TrainConfig.read(args.config)
+
+    from fusetune.worker.train.trainer import run  # torch and transformers load only once the config is good
+
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

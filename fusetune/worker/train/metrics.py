@@ -1,0 +1,69 @@
+"""Throughput, memory and model-FLOPs-utilisation helpers for the per-step metrics."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+# Dense bf16 tensor-core peak FLOP/s from the vendors' spec sheets, matched by substring of the device name,
+# most specific first (e.g. "H100 PCIe" before "H100").
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 70e12),
+    ("L4", 121e12),
+)
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    for name, flops in PEAK_BF16_FLOPS:
+        if name in device_name:
+            return flops
+    return None
+
+
+def training_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
+    """Forward + backward FLOPs per token: 6 per matmul weight, plus the attention scores and weighted sum.
+
+    The input embedding is a lookup, not a matmul, so it is left out unless it is tied to the output layer.
+    The attention term (12 · layers · heads · head_dim · seq_len) counts the full square, as is customary,
+    although causal attention computes about half of it.
+    """
+    n_params = sum(p.numel() for p in model.parameters())
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embeddings is not None and (output is None or output.weight is not embeddings.weight):
+        n_params -= embeddings.weight.numel()
+    config = getattr(model, "config", None)
+    attention = 0.0
+    if config is not None and hasattr(config, "num_hidden_layers") and hasattr(config, "num_attention_heads"):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        attention = 12.0 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
+    return 6.0 * n_params + attention
+
+
+def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(allocated, reserved) peaks since the last `reset_peak_memory`.
+
+    On a GPU these are the CUDA caching allocator's peaks. On CPU both are the process's peak resident set size
+    since it started (the OS keeps no resettable peak), which is the closest thing to what the GPU numbers mean.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_rss, peak_rss
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,84 @@
+"""How a training run tells the worker how it ended: `result.json` on success, `error.json` on a known failure.
+
+Rank 0 writes exactly one of the two into the job's output directory; the worker reads it after torchrun exits
+and owns every job status transition. Light on imports so the worker can use it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+RESULT_FILENAME = "result.json"
+ERROR_FILENAME = "error.json"
+
+# Exit status of the trainer: 0 with result.json, FAILED with error.json, STOPPED when the job was cancelled.
+EXIT_FAILED = 1
+EXIT_STOPPED = 3
+
+
+class ErrorCode(StrEnum):
+    MODEL_NOT_FOUND = "model_not_found"
+    INVALID_TRAINING_FILE = "invalid_training_file"
+    OUT_OF_MEMORY = "out_of_memory"
+    NON_FINITE_LOSS = "non_finite_loss"
+    TRAINER_ERROR = "trainer_error"
+
+
+OUT_OF_MEMORY_HINT = "Try a smaller micro_batch_size or max_seq_length, turn on gradient_checkpointing, or train LoRA adapters."
+
+
+class TrainingFailure(Exception):
+    """A failure the user can act on; its code and message end up in `error.json`."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class JobStopped(Exception):
+    """The job was cancelled while training; the run ends without a result."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    trained_tokens: int
+    final_checkpoint: str
+    steps: int
+    final_train_loss: float
+
+
+def _write_json_atomically(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def write_result(output_dir: str | Path, result: TrainResult) -> Path:
+    return _write_json_atomically(Path(output_dir) / RESULT_FILENAME, asdict(result))
+
+
+def write_error(output_dir: str | Path, code: ErrorCode | str, message: str) -> Path:
+    return _write_json_atomically(Path(output_dir) / ERROR_FILENAME, {"code": str(code), "message": message})
+
+
+def read_result(output_dir: str | Path) -> TrainResult | None:
+    path = Path(output_dir) / RESULT_FILENAME
+    if not path.is_file():
+        return None
+    return TrainResult(**json.loads(path.read_text(encoding="utf-8")))
+
+
+def read_error(output_dir: str | Path) -> dict[str, str] | None:
+    """`{"code", "message"}` of a failed run, or None when the trainer wrote no error."""
+    path = Path(output_dir) / ERROR_FILENAME
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))

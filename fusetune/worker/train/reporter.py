@@ -1,0 +1,172 @@
+"""Where rank 0 sends events, per-step metrics and checkpoints: SQL for service jobs, stdout otherwise.
+
+Other ranks get a `NullReporter`, so the trainer calls one object the same way on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Protocol, TextIO
+
+# Job statuses (set by the API, the worker or a reaper) that ask a running trainer to stop; a job row that is
+# gone stops it too.
+STOP_STATUSES = frozenset({"cancelled", "paused", "failed", "succeeded"})
+
+
+class Reporter(Protocol):
+    def event(
+        self, message: str, *, level: str = "info", type: str = "message", data: dict[str, Any] | None = None
+    ) -> None: ...
+
+    def metric(self, step: int, values: dict[str, float]) -> None: ...
+
+    def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None: ...
+
+    def stop_requested(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class NullReporter:
+    def event(self, message: str, *, level: str = "info", type: str = "message", data=None) -> None:
+        pass
+
+    def metric(self, step: int, values: dict[str, float]) -> None:
+        pass
+
+    def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        pass
+
+    def stop_requested(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class ConsoleReporter:
+    """Prints one JSON object per line: `{"kind": "event" | "metric" | "checkpoint", ...}`."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream
+
+    def _print(self, record: dict[str, Any]) -> None:
+        stream = self._stream or sys.stdout
+        stream.write(json.dumps(record) + "\n")
+        stream.flush()
+
+    def event(self, message: str, *, level: str = "info", type: str = "message", data=None) -> None:
+        self._print({"kind": "event", "level": level, "type": type, "message": message, "data": data or {}})
+
+    def metric(self, step: int, values: dict[str, float]) -> None:
+        self._print({"kind": "metric", "step": step, "values": values})
+
+    def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        self._print({"kind": "checkpoint", "step": step, "path": path, "metrics": metrics})
+
+    def stop_requested(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def parse_console_records(text: str) -> list[dict[str, Any]]:
+    """The records a `ConsoleReporter` printed, from a log that may hold other lines (torchrun, warnings)."""
+    records = []
+    for line in text.splitlines():
+        start = line.find('{"kind": ')
+        if start < 0:
+            continue
+        try:
+            records.append(json.loads(line[start:]))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class SqlReporter:
+    """Writes through `fusetune.db.queries`, committing after each call.
+
+    A failed write is rolled back and logged to stderr rather than raised: losing one metric row is better than
+    losing hours of training to a database hiccup.
+    """
+
+    def __init__(self, database_url: str, job_id: str, status_poll_interval_s: float = 5.0) -> None:
+        from fusetune.db.session import make_engine, make_session_factory
+
+        self._engine = make_engine(database_url)
+        self._session = make_session_factory(self._engine)()
+        self._job_id = job_id
+        self._status_poll_interval_s = status_poll_interval_s
+        self._last_status_poll = float("-inf")
+        self._stop = False
+
+    def _write(self, what: str, call) -> None:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        try:
+            call(self._session)
+            self._session.commit()
+        except SQLAlchemyError as exc:
+            self._session.rollback()
+            print(f"fusetune trainer: could not record {what} for job {self._job_id}: {exc}", file=sys.stderr)
+
+    def event(self, message: str, *, level: str = "info", type: str = "message", data=None) -> None:
+        from fusetune.db import queries
+
+        self._write(
+            "an event",
+            lambda s: queries.add_event(s, self._job_id, message, level=level, type=type, data=data),
+        )
+
+    def metric(self, step: int, values: dict[str, float]) -> None:
+        from fusetune.db import queries
+
+        self._write(f"metrics of step {step}", lambda s: queries.add_metric(s, self._job_id, step, values))
+
+    def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        from fusetune.db import queries
+
+        self._write(
+            f"the checkpoint of step {step}",
+            lambda s: queries.add_checkpoint(s, self._job_id, step, path, metrics),
+        )
+
+    def stop_requested(self) -> bool:
+        """True once the job's status asks to stop; polls the database at most every few seconds."""
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from fusetune.db import queries
+
+        now = time.monotonic()
+        if self._stop or now - self._last_status_poll < self._status_poll_interval_s:
+            return self._stop
+        self._last_status_poll = now
+        try:
+            status = queries.get_job_status(self._session, self._job_id)
+            self._session.commit()  # end the read transaction so the next poll sees new rows
+        except SQLAlchemyError as exc:
+            self._session.rollback()
+            print(
+                f"fusetune trainer: could not read the status of job {self._job_id}: {exc}", file=sys.stderr
+            )
+            return False
+        self._stop = status is None or status in STOP_STATUSES
+        return self._stop
+
+    def close(self) -> None:
+        self._session.close()
+        self._engine.dispose()
+
+
+def make_reporter(database_url: str | None, job_id: str | None, is_main_process: bool) -> Reporter:
+    if not is_main_process:
+        return NullReporter()
+    if database_url is None:
+        return ConsoleReporter()
+    if job_id is None:
+        raise ValueError("a job_id is needed to report to a database")
+    return SqlReporter(database_url, job_id)

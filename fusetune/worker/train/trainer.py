@@ -1,0 +1,537 @@
+"""The training loop: the same code for one process or N under torchrun (DDP).
+
+`train()` runs epochs of `train_step()`s; a step runs one `forward_backward_step()` per micro-batch of this
+rank, then clips, checks the loss and gradient are finite and steps AdamW. The loss of every micro-batch is its
+sum of token losses divided by the number of trained tokens in the whole step on all ranks, so any split of a
+global batch over micro-batches and processes gives the same gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.data import (
+    IGNORE_INDEX,
+    LoadedData,
+    TokenizedSequence,
+    collate,
+    epoch_order,
+    load_sequences,
+    rank_micro_batches,
+)
+from fusetune.worker.train.distributed import DistInfo, all_reduce, barrier, init_distributed, shutdown
+from fusetune.worker.train.metrics import (
+    peak_bf16_flops,
+    peak_memory_bytes,
+    reset_peak_memory,
+    training_flops_per_token,
+)
+from fusetune.worker.train.outcome import (
+    ERROR_FILENAME,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    OUT_OF_MEMORY_HINT,
+    RESULT_FILENAME,
+    ErrorCode,
+    JobStopped,
+    TrainingFailure,
+    TrainResult,
+    write_error,
+    write_result,
+)
+from fusetune.worker.train.reporter import Reporter, make_reporter
+
+# How long ranks other than 0 wait, after a known failure, for rank 0 to write error.json before they exit:
+# torchrun tears down the whole group as soon as one process exits with an error.
+ERROR_FILE_WAIT_S = 10.0
+ETA_WINDOW_STEPS = 20
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        return "bf16-mixed" if device.type == "cuda" else "fp32"
+    if precision != "fp32" and device.type != "cuda":
+        raise TrainingFailure(
+            ErrorCode.TRAINER_ERROR, f"precision {precision!r} needs a GPU; use 'fp32' on CPU"
+        )
+    return precision
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (0-based): a linear warmup that reaches
+    the peak at the last warmup step, then a cosine or linear decay towards zero over the remaining steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TrainingFailure(
+            ErrorCode.MODEL_NOT_FOUND, f"could not load a tokenizer from model path '{model_path}': {exc}"
+        ) from exc
+
+
+def load_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TrainingFailure(
+            ErrorCode.MODEL_NOT_FOUND, f"could not load a causal LM from model path '{model_path}': {exc}"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class StepStats:
+    train_loss: float
+    grad_norm: float
+    learning_rate: float
+    n_input_tokens: int  # all ranks, padding excluded
+    n_trained_tokens: int  # all ranks, tokens with a label
+    mean_padded_length: float
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, dist_info: DistInfo, reporter: Reporter) -> None:
+        self.config = config
+        self.dist = dist_info
+        self.device = dist_info.device
+        self.reporter = reporter
+        self.precision = resolve_precision(config.precision, self.device)
+        try:
+            self.micro_batch_size, self.grad_accum_steps = config.micro_batches_per_rank(dist_info.world_size)
+        except ValueError as exc:
+            raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
+        if config.lora is not None:
+            raise TrainingFailure(ErrorCode.TRAINER_ERROR, "LoRA training is not available yet")
+        torch.manual_seed(config.seed)
+
+        self.tokenizer = load_tokenizer(config.model_path)
+        self.pad_token_id = next(
+            (t for t in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if t is not None), 0
+        )
+        self.train_data = self._load_data(config.training_file, packing=config.packing)
+        self.valid_data = (
+            self._load_data(config.validation_file, packing=False) if config.validation_file else None
+        )
+
+        weights_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self.model = load_model(config.model_path, weights_dtype)
+        self.model.config.use_cache = False
+        self.kernels_applied = self._apply_kernels()
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.to(self.device)
+        self.model.train()
+        self.ddp_model: torch.nn.Module = self.model
+        if dist_info.world_size > 1:
+            self.ddp_model = DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+            )
+
+        self.steps_per_epoch = math.ceil(len(self.train_data.sequences) / config.batch_size)
+        self.total_steps = self.steps_per_epoch * config.n_epochs
+        if config.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.max_steps)
+        self.warmup_steps = math.ceil(config.warmup_ratio * self.total_steps)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, self.warmup_steps, self.total_steps, config.lr_scheduler),
+        )
+
+        self.step = 0
+        self.trained_tokens = 0
+        self.last_checkpoint: Path | None = None
+        self._recent_step_times: deque[float] = deque(maxlen=ETA_WINDOW_STEPS)
+        self._peak_flops = (
+            peak_bf16_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        )
+
+    # ----------------------------------------------------------------------------------------------- setup
+
+    def _load_data(self, path: str, packing: bool) -> LoadedData:
+        data = load_sequences(
+            path,
+            self.tokenizer,
+            self.config.max_seq_length,
+            train_on_inputs=self.config.train_on_inputs,
+            packing=packing,
+        )
+        if data.n_truncated or data.n_dropped:
+            self.reporter.event(
+                f"{Path(path).name}: {data.n_truncated} of {data.n_examples} examples were cut to "
+                f"max_seq_length={self.config.max_seq_length}; {data.n_dropped} were left out because no "
+                "trained token remained",
+                level="warning",
+                data={"event": "data", "n_truncated": data.n_truncated, "n_dropped": data.n_dropped},
+            )
+        return data
+
+    def _apply_kernels(self) -> bool:
+        if not self.config.kernels:
+            return False
+        if self.device.type != "cuda":
+            self.reporter.event(
+                "Fused kernels need a GPU; training on CPU runs the model unpatched",
+                data={"event": "kernels", "applied": False},
+            )
+            return False
+        try:
+            from fusetune.models import apply_fusetune  # type: ignore[attr-defined]
+        except ImportError:
+            self.reporter.event(
+                "Fused kernels are not available in this build; training runs unpatched",
+                level="warning",
+                data={"event": "kernels", "applied": False},
+            )
+            return False
+        apply_fusetune(self.model)
+        return True
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        # No weight decay on biases and norm weights (1-D), as is usual for transformers.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": self.config.weight_decay},
+            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.config.learning_rate, fused=self.device.type == "cuda")
+
+    def _autocast(self):
+        if self.precision == "bf16-mixed":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _batch(self, rows: list[TokenizedSequence], packed: bool) -> dict[str, torch.Tensor]:
+        batch = collate(rows, self.pad_token_id, packed=packed)
+        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+
+    # ------------------------------------------------------------------------------------------- training
+
+    def forward_backward_step(self, batch: dict[str, torch.Tensor], n_trained_tokens_global: torch.Tensor):
+        """Forward and backward of one micro-batch; returns its share of the step's mean loss (detached)."""
+        model_inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        with self._autocast():
+            outputs = self.ddp_model(
+                **model_inputs,
+                labels=batch["shifted_labels"],
+                shift_labels=batch["shifted_labels"],
+                num_items_in_batch=n_trained_tokens_global,
+                use_cache=False,
+            )
+        loss = outputs.loss
+        # DDP averages gradients over ranks; scaling by the world size turns that average into the sum that
+        # the global token count normalises.
+        (loss * self.dist.world_size).backward()
+        return loss.detach()
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepStats:
+        counts = torch.tensor(
+            [
+                sum(int((mb["shifted_labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
+                sum(int(mb["n_input_tokens"]) for mb in micro_batches),
+            ],
+            dtype=torch.long,
+            device=self.device,
+        )
+        all_reduce(counts)
+        n_trained_global, n_input_global = counts[0], int(counts[1])
+
+        loss_share = torch.zeros((), dtype=torch.float32, device=self.device)
+        for index, batch in enumerate(micro_batches):
+            is_last = index == len(micro_batches) - 1
+            # Gradients are all-reduced once per step, after the last micro-batch.
+            sync = (
+                contextlib.nullcontext()
+                if is_last or not isinstance(self.ddp_model, DistributedDataParallel)
+                else self.ddp_model.no_sync()
+            )
+            with sync:
+                loss_share += self.forward_backward_step(batch, n_trained_global)
+        train_loss = float(all_reduce(loss_share))
+        step_number = self.step + 1
+        if not math.isfinite(train_loss):
+            raise TrainingFailure(
+                ErrorCode.NON_FINITE_LOSS, f"the training loss is {train_loss} at step {step_number}"
+            )
+        max_norm = self.config.max_grad_norm or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if not math.isfinite(grad_norm):
+            raise TrainingFailure(
+                ErrorCode.NON_FINITE_LOSS, f"the gradient norm is {grad_norm} at step {step_number}"
+            )
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        padded = sum(mb["input_ids"].shape[1] for mb in micro_batches) / len(micro_batches)
+        return StepStats(
+            train_loss=train_loss,
+            grad_norm=grad_norm,
+            learning_rate=learning_rate,
+            n_input_tokens=n_input_global,
+            n_trained_tokens=int(n_trained_global),
+            mean_padded_length=padded,
+        )
+
+    def train(self) -> TrainResult:
+        config = self.config
+        n_params = sum(p.numel() for p in self.model.parameters())
+        n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.reporter.event(
+            f"Training started: {self.dist.world_size} process(es) on {self.device.type}, "
+            f"{n_params:,} parameters, {self.total_steps} steps",
+            data={
+                "event": "started",
+                "world_size": self.dist.world_size,
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+                "model_parameters": n_params,
+                "trainable_parameters": n_trainable,
+                "precision": self.precision,
+                "kernels": self.kernels_applied,
+                "n_train_sequences": len(self.train_data.sequences),
+                "steps_per_epoch": self.steps_per_epoch,
+                "total_steps": self.total_steps,
+                "micro_batch_size": self.micro_batch_size,
+                "grad_accum_steps": self.grad_accum_steps,
+                "memory_metrics": "CUDA allocator peaks of each step, max over ranks"
+                if self.device.type == "cuda"
+                else "peak resident set size of each process since its start, max over ranks",
+            },
+        )
+        train_loss = float("nan")
+        for epoch in range(config.n_epochs):
+            order = epoch_order(
+                len(self.train_data.sequences), self.steps_per_epoch, config.batch_size, config.seed, epoch
+            )
+            for batch_index in range(self.steps_per_epoch):
+                if self.step >= self.total_steps:
+                    break
+                global_batch = order[batch_index * config.batch_size : (batch_index + 1) * config.batch_size]
+                rows = self.train_data.sequences
+                micro_batches = [
+                    self._batch([rows[i] for i in chunk], packed=config.packing)
+                    for chunk in rank_micro_batches(
+                        global_batch, self.micro_batch_size, self.dist.rank, self.dist.world_size
+                    )
+                ]
+                started = time.perf_counter()
+                stats = self.train_step(micro_batches)
+                step_time = time.perf_counter() - started
+                self.step += 1
+                self.trained_tokens += stats.n_input_tokens
+                train_loss = stats.train_loss
+                self._after_step(stats, step_time, epoch_done=batch_index == self.steps_per_epoch - 1)
+            else:
+                self.reporter.event(
+                    f"Epoch {epoch + 1}/{config.n_epochs} done at step {self.step}",
+                    data={
+                        "event": "epoch_done",
+                        "epoch": epoch + 1,
+                        "step": self.step,
+                        "train_loss": train_loss,
+                    },
+                )
+                continue
+            break  # max_steps reached inside the epoch
+
+        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"-{self.step}"):
+            self._save_checkpoint({"train_loss": train_loss})
+        assert self.last_checkpoint is not None
+        result = TrainResult(
+            trained_tokens=self.trained_tokens,
+            final_checkpoint=str(self.last_checkpoint),
+            steps=self.step,
+            final_train_loss=train_loss,
+        )
+        self.reporter.event(
+            f"Training finished: {self.step} steps, {self.trained_tokens:,} tokens, final loss {train_loss:.4f}",
+            data={"event": "finished", **result.__dict__},
+        )
+        return result
+
+    def _after_step(self, stats: StepStats, step_time: float, epoch_done: bool) -> None:
+        config = self.config
+        self._recent_step_times.append(step_time)
+        allocated, reserved = peak_memory_bytes(self.device)
+        reset_peak_memory(self.device)
+        stop = 1 if self.reporter.stop_requested() else 0
+        shared = all_reduce(
+            torch.tensor([allocated, reserved, stop], dtype=torch.long, device=self.device),
+            op=torch.distributed.ReduceOp.MAX,
+        ).tolist()
+        mean_step_time = sum(self._recent_step_times) / len(self._recent_step_times)
+        tokens_per_second = stats.n_input_tokens / step_time
+        per_device = tokens_per_second / self.dist.world_size
+        values: dict[str, float] = {
+            "train_loss": stats.train_loss,
+            "learning_rate": stats.learning_rate,
+            "grad_norm": stats.grad_norm,
+            "tokens_per_second": tokens_per_second,
+            "tokens_per_second_per_device": per_device,
+            "peak_memory_allocated_bytes": float(shared[0]),
+            "peak_memory_reserved_bytes": float(shared[1]),
+            "step_time_s": step_time,
+            "epoch": self.step / self.steps_per_epoch,
+            "eta_s": mean_step_time * (self.total_steps - self.step),
+        }
+        if self._peak_flops:
+            flops_per_token = training_flops_per_token(self.model, stats.mean_padded_length)
+            values["mfu"] = per_device * flops_per_token / self._peak_flops
+        evaluate_now = self.valid_data is not None and (
+            epoch_done
+            or self.step == self.total_steps
+            or (config.eval_every_steps is not None and self.step % config.eval_every_steps == 0)
+        )
+        if evaluate_now:
+            values.update(self.evaluate())
+        self.reporter.metric(self.step, values)
+        checkpoint_now = (
+            config.checkpoint_every_steps is not None and self.step % config.checkpoint_every_steps == 0
+        )
+        if checkpoint_now and self.step < self.total_steps:
+            self._save_checkpoint({k: v for k, v in values.items() if k in ("train_loss", "valid_loss")})
+        if shared[2]:
+            raise JobStopped(f"stopped at step {self.step}: the job was cancelled")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss and next-token accuracy over the trained tokens of the validation set, all ranks together."""
+        assert self.valid_data is not None
+        self.model.eval()
+        rows = self.valid_data.sequences
+        chunks = [
+            list(range(i, min(i + self.micro_batch_size, len(rows))))
+            for i in range(0, len(rows), self.micro_batch_size)
+        ]
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, tokens, correct
+        for chunk in chunks[self.dist.rank :: self.dist.world_size]:
+            batch = self._batch([rows[i] for i in chunk], packed=False)
+            with self._autocast():
+                logits = self.model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+                ).logits
+            labels = batch["shifted_labels"]
+            trained = labels != IGNORE_INDEX
+            token_logits = logits[trained].float()
+            sums[0] += torch.nn.functional.cross_entropy(
+                token_logits, labels[trained], reduction="sum"
+            ).double()
+            sums[1] += trained.sum()
+            sums[2] += (token_logits.argmax(-1) == labels[trained]).sum()
+        all_reduce(sums)
+        self.model.train()
+        loss, tokens, correct = sums.tolist()
+        results = {"valid_loss": loss / tokens, "valid_token_accuracy": correct / tokens}
+        self.reporter.event(
+            f"Evaluation at step {self.step}: valid_loss {results['valid_loss']:.4f}, "
+            f"token accuracy {results['valid_token_accuracy']:.3f}",
+            data={"event": "eval", "step": self.step, **results},
+        )
+        return results
+
+    def _save_checkpoint(self, metrics: dict[str, float]) -> None:
+        path = ckpt.checkpoint_path(self.config.output_dir, self.step)
+        base = self.config.checkpoint_paths_relative_to
+        reported_path = os.path.relpath(path, base) if base else str(path)
+        if self.dist.is_main:
+            ckpt.save_checkpoint(
+                self.model,
+                self.tokenizer,
+                self.config.output_dir,
+                self.step,
+                self.step / self.steps_per_epoch,
+                metrics,
+            )
+            ckpt.prune_checkpoints(self.config.output_dir, self.config.keep_last_checkpoints)
+            self.reporter.checkpoint(self.step, reported_path, metrics)
+            self.reporter.event(
+                f"Saved checkpoint at step {self.step}",
+                data={"event": "checkpoint_saved", "step": self.step, "path": reported_path},
+            )
+        self.last_checkpoint = path
+        barrier()
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+
+
+def _wait_for_error_file(output_dir: str) -> None:
+    deadline = time.monotonic() + ERROR_FILE_WAIT_S
+    while time.monotonic() < deadline and not (Path(output_dir) / ERROR_FILENAME).exists():
+        time.sleep(0.1)
+
+
+def run(config: TrainConfig) -> int:
+    """Train as one rank of the job; returns the process exit status. Rank 0 writes the outcome file."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dist_info = init_distributed()
+    output_dir = Path(config.output_dir)
+    if dist_info.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for stale in (RESULT_FILENAME, ERROR_FILENAME):
+            (output_dir / stale).unlink(missing_ok=True)
+    barrier()
+
+    reporter: Reporter | None = None
+    failure: tuple[ErrorCode, str] | None = None
+    try:
+        reporter = make_reporter(config.database_url, config.job_id, dist_info.is_main)
+        result = Trainer(config, dist_info, reporter).train()
+        if dist_info.is_main:
+            write_result(output_dir, result)
+    except JobStopped as stopped:
+        if reporter is not None:
+            reporter.event(str(stopped), level="warning", data={"event": "stopped"})
+        return EXIT_STOPPED
+    except TrainingFailure as exc:
+        failure = (exc.code, exc.message)
+    except torch.OutOfMemoryError as exc:
+        traceback.print_exc()
+        failure = (
+            ErrorCode.OUT_OF_MEMORY,
+            f"out of memory: {str(exc).splitlines()[0]}. {OUT_OF_MEMORY_HINT}",
+        )
+    except Exception as exc:
+        traceback.print_exc()
+        failure = (ErrorCode.TRAINER_ERROR, f"{type(exc).__name__}: {exc}")
+    finally:
+        if reporter is not None:
+            reporter.close()
+
+    if failure is not None:
+        code, message = failure
+        print(f"fusetune trainer (rank {dist_info.rank}) failed [{code}]: {message}", flush=True)
+        if dist_info.is_main:
+            write_error(output_dir, code, message)
+        else:
+            _wait_for_error_file(config.output_dir)
+        return EXIT_FAILED
+    shutdown()
+    return 0

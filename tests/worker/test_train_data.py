@@ -1,0 +1,206 @@
+"""Chat tokenisation, labels, packing and the split of batches over ranks."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fusetune.demo import assets
+from fusetune.worker.train.data import (
+    IGNORE_INDEX,
+    TokenizedSequence,
+    TrainingDataError,
+    collate,
+    epoch_order,
+    load_sequences,
+    pack_sequences,
+    rank_micro_batches,
+    read_chat_jsonl,
+    tokenize_conversation,
+)
+from fusetune.worker.train.outcome import ErrorCode
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "Reverse the word: abc"},
+    {"role": "assistant", "content": "cba"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return assets.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _trained_text(tokenizer, sequence: TokenizedSequence) -> list[str]:
+    """The decoded runs of consecutive trained target tokens."""
+    runs, current = [], []
+    for label in sequence.shifted_labels:
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(label)
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def test_labels_cover_only_assistant_turns(tokenizer):
+    sequence, full_length = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=512)
+    assert full_length == len(sequence.input_ids)
+    eot = tokenizer.eos_token
+    assert _trained_text(tokenizer, sequence) == ["5" + eot, "cba" + eot]
+    # Labels are the next token: wherever a label is set, it equals the following input id.
+    for i, label in enumerate(sequence.shifted_labels[:-1]):
+        assert label in (IGNORE_INDEX, sequence.input_ids[i + 1])
+    assert sequence.shifted_labels[-1] == IGNORE_INDEX
+
+
+def test_template_without_generation_markers_gives_the_same_labels(tokenizer):
+    marked, _ = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=512)
+    plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = assets.CHAT_TEMPLATE.replace("{%- generation %}", "").replace(
+        "{%- endgeneration %}", ""
+    )
+    assert "{%- generation %}" not in plain.chat_template
+    by_prefixes, _ = tokenize_conversation(plain, MESSAGES, max_seq_length=512)
+    assert by_prefixes == marked
+
+
+def test_train_on_inputs_trains_every_next_token(tokenizer):
+    sequence, _ = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=512, train_on_inputs=True)
+    assert sequence.shifted_labels == sequence.input_ids[1:] + [IGNORE_INDEX]
+
+
+def test_truncation_keeps_the_prefix(tokenizer):
+    full, full_length = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=512)
+    cut, cut_full_length = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=10)
+    assert cut_full_length == full_length > 10
+    assert cut.input_ids == full.input_ids[:10]
+    assert cut.shifted_labels == full.shifted_labels[:9] + [IGNORE_INDEX]
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("{not json", "line 2: not valid JSON"),
+        (json.dumps({"prompt": "x"}), "line 2: expected a non-empty 'messages' list"),
+        (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "line 2: message 0 has role 'robot'"),
+        (json.dumps({"messages": [{"role": "user", "content": 3}]}), "line 2: message 0 needs a string"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "line 2: no assistant message"),
+    ],
+)
+def test_bad_lines_are_named(tmp_path, line, expected):
+    good = json.dumps({"messages": MESSAGES})
+    path = _write(tmp_path / "train.jsonl", [good, line, good])
+    with pytest.raises(TrainingDataError) as raised:
+        read_chat_jsonl(path)
+    assert raised.value.code == ErrorCode.INVALID_TRAINING_FILE
+    assert expected in raised.value.message
+
+
+def test_missing_and_empty_files(tmp_path):
+    with pytest.raises(TrainingDataError, match="not found"):
+        read_chat_jsonl(tmp_path / "absent.jsonl")
+    with pytest.raises(TrainingDataError, match="no examples"):
+        read_chat_jsonl(_write(tmp_path / "empty.jsonl", [""]))
+
+
+def test_examples_without_trained_tokens_after_truncation_are_dropped(tmp_path, tokenizer):
+    long_prompt = {
+        "messages": [{"role": "user", "content": "x " * 100}, {"role": "assistant", "content": "y"}]
+    }
+    short = {"messages": MESSAGES[1:3]}
+    path = _write(tmp_path / "t.jsonl", [json.dumps(long_prompt), json.dumps(short)])
+    data = load_sequences(path, tokenizer, max_seq_length=40)
+    assert (data.n_examples, data.n_truncated, data.n_dropped, len(data.sequences)) == (2, 1, 1, 1)
+    only_long = _write(tmp_path / "long.jsonl", [json.dumps(long_prompt)])
+    with pytest.raises(TrainingDataError, match="max_seq_length=40"):
+        load_sequences(only_long, tokenizer, max_seq_length=40)
+
+
+def test_packing_concatenates_and_restarts_positions(tokenizer):
+    sequences = [tokenize_conversation(tokenizer, MESSAGES[:3], 512)[0] for _ in range(5)]
+    length = len(sequences[0].input_ids)
+    rows = pack_sequences(sequences, max_seq_length=2 * length + 1)
+    assert [len(row.input_ids) for row in rows] == [2 * length, 2 * length, length]
+    assert rows[0].position_ids == list(range(length)) * 2
+    assert rows[0].shifted_labels == sequences[0].shifted_labels * 2
+    assert sum(row.n_label_tokens for row in rows) == sum(s.n_label_tokens for s in sequences)
+
+
+def _packed_logits_error(model, tokenizer, restart_positions: bool) -> float:
+    conversations = [MESSAGES[:3], MESSAGES[:1] + MESSAGES[3:], MESSAGES]
+    sequences = [tokenize_conversation(tokenizer, messages, 512)[0] for messages in conversations]
+    (row,) = pack_sequences(sequences, max_seq_length=1024)
+    if not restart_positions:
+        row = TokenizedSequence(row.input_ids, row.shifted_labels, list(range(len(row.input_ids))))
+    # A padded batch of 2 rows, so the padding segment is exercised too.
+    packed = collate([row, sequences[0]], tokenizer.pad_token_id, packed=True)
+    with torch.no_grad():
+        # No KV cache: with one, transformers does not look for packed sequences in the positions.
+        packed_logits = model(
+            input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False
+        ).logits[0]
+        start, worst = 0, 0.0
+        for sequence in sequences:
+            alone = model(input_ids=torch.tensor([sequence.input_ids]), use_cache=False).logits[0]
+            end = start + len(sequence.input_ids)
+            worst = max(worst, (packed_logits[start:end] - alone).abs().max().item())
+            start = end
+    return worst
+
+
+def test_packed_examples_do_not_attend_to_each_other(model_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    assert _packed_logits_error(model, tokenizer, restart_positions=True) < 1e-5
+    # Control: with positions running on, attention crosses examples and the logits change.
+    assert _packed_logits_error(model, tokenizer, restart_positions=False) > 1e-3
+
+
+def test_collate_pads_right_and_masks(tokenizer):
+    a = TokenizedSequence([5, 6, 7], [6, 7, IGNORE_INDEX], [0, 1, 2])
+    b = TokenizedSequence([8, 9], [IGNORE_INDEX, IGNORE_INDEX], [0, 1])
+    batch = collate([a, b], pad_token_id=2, packed=False)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 2]]
+    assert batch["shifted_labels"].tolist() == [[6, 7, -100], [-100, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert int(batch["n_input_tokens"]) == 5
+    assert "position_ids" not in batch
+    packed = collate([a, b], pad_token_id=2, packed=True)
+    assert packed["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
+    assert "attention_mask" not in packed
+
+
+def test_epoch_order_is_shared_and_wraps():
+    order = epoch_order(10, steps_per_epoch=3, batch_size=4, seed=0, epoch=0)
+    assert len(order) == 12
+    assert sorted(order[:10]) == list(range(10))
+    assert order[10:] == order[:2]
+    assert order == epoch_order(10, 3, 4, seed=0, epoch=0)
+    assert order != epoch_order(10, 3, 4, seed=0, epoch=1)
+
+
+def test_ranks_split_a_global_batch_like_accumulation():
+    global_batch = list(range(8))
+    one_process = rank_micro_batches(global_batch, micro_batch_size=2, rank=0, world_size=1)
+    two_processes = [rank_micro_batches(global_batch, 2, rank, world_size=2) for rank in (0, 1)]
+    four_processes = [rank_micro_batches(global_batch, 2, rank, world_size=4) for rank in range(4)]
+    assert one_process == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert two_processes == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert sorted(sum(four_processes, [])) == one_process

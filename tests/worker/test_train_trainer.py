@@ -1,0 +1,381 @@
+"""The trainer in this process (one rank, CPU): config, schedule, loss normalisation, checkpoints, failures and
+reporting to SQL."""
+
+import json
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from fusetune.demo import assets
+from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train import trainer as trainer_module
+from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.data import epoch_order, rank_micro_batches
+from fusetune.worker.train.distributed import DistInfo
+from fusetune.worker.train.outcome import (
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    ErrorCode,
+    JobStopped,
+    read_error,
+    read_result,
+)
+from fusetune.worker.train.reporter import ConsoleReporter, NullReporter, parse_console_records
+from fusetune.worker.train.trainer import Trainer, lr_factor, run
+
+ONE_CPU_RANK = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return assets.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def small_train_file(tmp_path_factory):
+    return assets.write_demo_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n_examples=48, seed=5)
+
+
+def make_config(model_dir, train_file, output_dir, **overrides) -> TrainConfig:
+    fields = dict(
+        model_path=str(model_dir),
+        training_file=str(train_file),
+        output_dir=str(output_dir),
+        batch_size=8,
+        learning_rate=3e-3,
+        max_seq_length=128,
+        warmup_ratio=0.0,
+    )
+    return TrainConfig(**{**fields, **overrides})
+
+
+class RecordingReporter(NullReporter):
+    def __init__(self, stop_after_step: int | None = None):
+        self.events, self.metrics, self.checkpoints = [], [], []
+        self._stop_after_step = stop_after_step
+        self._stop_checks = 0
+
+    def event(self, message, *, level="info", type="message", data=None):
+        self.events.append((message, data or {}))
+
+    def metric(self, step, values):
+        self.metrics.append((step, values))
+
+    def checkpoint(self, step, path, metrics):
+        self.checkpoints.append((step, path))
+
+    def stop_requested(self):  # asked once per step
+        self._stop_checks += 1
+        return self._stop_after_step is not None and self._stop_checks >= self._stop_after_step
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def test_config_json_round_trip(tmp_path):
+    config = TrainConfig(
+        model_path="m", training_file="t.jsonl", output_dir="o", micro_batch_size=4, lora={"r": 8}
+    )
+    assert TrainConfig.from_json(config.to_json()) == config
+    assert TrainConfig.read(config.write(tmp_path / "c.json")) == config
+
+
+def test_config_is_validated():
+    with pytest.raises(ValidationError, match="multiple of micro_batch_size"):
+        TrainConfig(model_path="m", training_file="t", output_dir="o", batch_size=8, micro_batch_size=3)
+    with pytest.raises(ValidationError):
+        TrainConfig(model_path="m", training_file="t", output_dir="o", n_epochs=0)
+    with pytest.raises(ValidationError):
+        TrainConfig(model_path="m", training_file="t", output_dir="o", learning_rate_multiplier=2)
+
+
+def test_micro_batches_per_rank():
+    config = TrainConfig(model_path="m", training_file="t", output_dir="o", batch_size=8, micro_batch_size=2)
+    assert config.micro_batches_per_rank(1) == (2, 4)
+    assert config.micro_batches_per_rank(4) == (2, 1)
+    with pytest.raises(ValueError, match="number of processes"):
+        config.micro_batches_per_rank(3)
+    default = TrainConfig(model_path="m", training_file="t", output_dir="o", batch_size=8)
+    assert default.micro_batches_per_rank(2) == (4, 1)
+
+
+# -------------------------------------------------------------------------------------------- schedule
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_lr_schedule_warms_up_then_decays(schedule):
+    factors = [lr_factor(step, warmup_steps=4, total_steps=20, schedule=schedule) for step in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0
+    assert all(a > b for a, b in zip(factors[4:], factors[5:], strict=False))
+    assert 0 < factors[-1] < 0.1
+    middle = lr_factor(12, 4, 20, schedule)  # halfway through the decay
+    assert middle == pytest.approx(0.5)
+
+
+def test_lr_schedule_without_warmup_starts_at_peak():
+    assert lr_factor(0, 0, 10, "cosine") == 1.0
+    assert lr_factor(5, 0, 10, "linear") == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------------- loss normalisation
+
+
+def test_loss_is_normalised_by_the_trained_tokens_of_the_whole_step(model_dir, small_train_file, tmp_path):
+    trainer = Trainer(make_config(model_dir, small_train_file, tmp_path), ONE_CPU_RANK, NullReporter())
+    rows = trainer.train_data.sequences[:4]
+    batches = [trainer._batch(rows[:1], packed=False), trainer._batch(rows[1:], packed=False)]
+    n_trained = sum(int((b["shifted_labels"] != -100).sum()) for b in batches)
+    returned = sum(trainer.forward_backward_step(b, torch.tensor(n_trained)) for b in batches)
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    total = 0.0
+    for batch in batches:
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        total += torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch["shifted_labels"].flatten(), ignore_index=-100, reduction="sum"
+        )
+    torch.testing.assert_close(returned, (total / n_trained).detach(), atol=1e-6, rtol=1e-5)
+
+
+def _train_steps(model_dir, train_file, output_dir, micro_batch_size):
+    reporter = RecordingReporter()
+    config = make_config(model_dir, train_file, output_dir, micro_batch_size=micro_batch_size, max_steps=3)
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    trainer.train()
+    return [values["train_loss"] for _, values in reporter.metrics], trainer
+
+
+def _first_step_gradients(model_dir, train_file, output_dir, micro_batch_size, per_micro_batch_mean=False):
+    config = make_config(model_dir, train_file, output_dir, micro_batch_size=micro_batch_size)
+    trainer = Trainer(config, ONE_CPU_RANK, NullReporter())
+    order = epoch_order(len(trainer.train_data.sequences), trainer.steps_per_epoch, 8, seed=0, epoch=0)
+    rows = trainer.train_data.sequences
+    batches = [
+        trainer._batch([rows[i] for i in chunk], packed=False)
+        for chunk in rank_micro_batches(order[:8], micro_batch_size, rank=0, world_size=1)
+    ]
+    counts = [int((b["shifted_labels"] != -100).sum()) for b in batches]
+    for batch, count in zip(batches, counts, strict=True):
+        # The control weighs each micro-batch's mean loss equally instead of every token equally.
+        normaliser = count * len(batches) if per_micro_batch_mean else sum(counts)
+        trainer.forward_backward_step(batch, torch.tensor(normaliser))
+    return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}, counts
+
+
+def test_micro_batches_give_the_same_gradients_as_one_batch(model_dir, small_train_file, tmp_path):
+    whole, _ = _first_step_gradients(model_dir, small_train_file, tmp_path, micro_batch_size=8)
+    split, counts = _first_step_gradients(model_dir, small_train_file, tmp_path, micro_batch_size=2)
+    assert len(counts) == 4 and len(set(counts)) > 1  # unequal micro-batches, or the control proves nothing
+    for name, grad in whole.items():
+        torch.testing.assert_close(split[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    control, _ = _first_step_gradients(model_dir, small_train_file, tmp_path, 2, per_micro_batch_mean=True)
+    with pytest.raises(AssertionError):
+        for name, grad in whole.items():
+            torch.testing.assert_close(control[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_micro_batches_give_the_same_loss_curve_as_one_batch(model_dir, small_train_file, tmp_path):
+    whole_losses, whole = _train_steps(model_dir, small_train_file, tmp_path / "whole", micro_batch_size=8)
+    split_losses, split = _train_steps(model_dir, small_train_file, tmp_path / "split", micro_batch_size=2)
+    torch.testing.assert_close(split_losses, whole_losses, rtol=1e-5, atol=0)
+    # An AdamW step moves weights by about the learning rate (3e-3); the runs agree far more closely than that.
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoints_every_n_steps_keep_the_last_k(model_dir, small_train_file, tmp_path):
+    reporter = RecordingReporter()
+    config = make_config(
+        model_dir,
+        small_train_file,
+        tmp_path / "out",
+        checkpoint_every_steps=2,
+        keep_last_checkpoints=2,
+        checkpoint_paths_relative_to=str(tmp_path),
+    )
+    result = Trainer(config, ONE_CPU_RANK, reporter).train()  # 48 examples / 8 = 6 steps
+    assert result.steps == 6
+    assert [step for step, _ in reporter.checkpoints] == [2, 4, 6]
+    assert reporter.checkpoints[-1][1] == "out/checkpoints/step-6"
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "out")] == [4, 6]
+    assert result.final_checkpoint == str(ckpt.checkpoint_path(tmp_path / "out", 6))
+    state = json.loads((tmp_path / "out/checkpoints/step-6" / ckpt.TRAINER_STATE_FILENAME).read_text())
+    assert state[ckpt.STATE_STEP] == 6
+    assert state[ckpt.STATE_METRICS]["train_loss"] == pytest.approx(result.final_train_loss)
+
+
+def test_incomplete_checkpoints_are_not_listed(tmp_path):
+    root = ckpt.checkpoints_root(tmp_path)
+    (root / "step-3").mkdir(parents=True)
+    (root / f"step-5{ckpt.INCOMPLETE_SUFFIX}").mkdir()
+    (root / "step-10").mkdir()
+    (root / "other").mkdir()
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [3, 10]
+    assert ckpt.prune_checkpoints(tmp_path, keep_last=1) == [root / "step-3"]
+
+
+# --------------------------------------------------------------------------------------------- failures
+
+
+def test_missing_model_fails_with_model_not_found(small_train_file, tmp_path):
+    config = make_config(tmp_path / "no-such-model", small_train_file, tmp_path / "out")
+    assert run(config) == EXIT_FAILED
+    error = read_error(tmp_path / "out")
+    assert error["code"] == ErrorCode.MODEL_NOT_FOUND
+    assert str(tmp_path / "no-such-model") in error["message"]
+    assert read_result(tmp_path / "out") is None
+
+
+def test_broken_training_file_fails_with_invalid_training_file(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(assets.TRAIN_FILE.read_text().splitlines()[0] + "\n{oops\n")
+    assert run(make_config(model_dir, bad, tmp_path / "out")) == EXIT_FAILED
+    error = read_error(tmp_path / "out")
+    assert error["code"] == ErrorCode.INVALID_TRAINING_FILE
+    assert "line 2" in error["message"]
+
+
+def test_huge_learning_rate_fails_with_non_finite_loss_before_the_update(
+    model_dir, small_train_file, tmp_path
+):
+    config = make_config(
+        model_dir, small_train_file, tmp_path / "out", learning_rate=1e30, max_grad_norm=None
+    )
+    reporter = RecordingReporter()
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    with pytest.raises(trainer_module.TrainingFailure) as raised:
+        trainer.train()
+    assert raised.value.code == ErrorCode.NON_FINITE_LOSS
+    failed_step = len(reporter.metrics) + 1
+    assert f"at step {failed_step}" in raised.value.message
+    # The bad step's optimizer update was not applied: the step counter and the schedule did not move.
+    assert trainer.step == failed_step - 1
+    assert trainer.scheduler.last_epoch == failed_step - 1
+
+    assert run(config) == EXIT_FAILED
+    error = read_error(tmp_path / "out")
+    assert error["code"] == ErrorCode.NON_FINITE_LOSS
+    assert error["message"] == raised.value.message
+    assert ckpt.list_checkpoints(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize(
+    ("exception", "code", "expected"),
+    [
+        (
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+            "out_of_memory",
+            "gradient_checkpointing",
+        ),
+        (RuntimeError("boom"), "trainer_error", "RuntimeError: boom"),
+    ],
+)
+def test_other_failures_are_classified(
+    model_dir, small_train_file, tmp_path, monkeypatch, exception, code, expected
+):
+    def fail(self):
+        raise exception
+
+    monkeypatch.setattr(Trainer, "train", fail)
+    assert run(make_config(model_dir, small_train_file, tmp_path / "out")) == EXIT_FAILED
+    error = read_error(tmp_path / "out")
+    assert error["code"] == code
+    assert expected in error["message"]
+
+
+def test_a_stop_request_ends_the_run_without_a_result(model_dir, small_train_file, tmp_path, monkeypatch):
+    reporter = RecordingReporter(stop_after_step=2)
+    with pytest.raises(JobStopped):
+        Trainer(make_config(model_dir, small_train_file, tmp_path), ONE_CPU_RANK, reporter).train()
+    assert len(reporter.metrics) == 2
+
+    monkeypatch.setattr(trainer_module, "make_reporter", lambda *args: RecordingReporter(stop_after_step=1))
+    assert run(make_config(model_dir, small_train_file, tmp_path / "out")) == EXIT_STOPPED
+    assert read_result(tmp_path / "out") is None and read_error(tmp_path / "out") is None
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+
+
+def test_console_records_survive_surrounding_noise():
+    lines = []
+
+    class Sink:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    reporter = ConsoleReporter(Sink())
+    reporter.metric(3, {"train_loss": 1.5})
+    reporter.event("hello", data={"a": 1})
+    log = "W1122 torchrun warning\n[rank0]: " + "".join(lines) + "not json {\n"
+    records = parse_console_records(log)
+    assert records[0] == {"kind": "metric", "step": 3, "values": {"train_loss": 1.5}}
+    assert records[1]["message"] == "hello" and records[1]["data"] == {"a": 1}
+
+
+def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
+    from fusetune.db import queries
+    from fusetune.db.migrate import upgrade
+    from fusetune.db.models import File, Job
+    from fusetune.db.session import make_engine, make_session_factory
+
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    sessions = make_session_factory(engine)
+    with sessions() as session:
+        file = File(filename="train.jsonl", purpose="fine-tune", bytes=1, storage_name="train.jsonl")
+        session.add(file)
+        session.flush()
+        job = Job(model="tiny", training_file_id=file.id, status="running")
+        session.add(job)
+        session.commit()
+        job_id = job.id
+
+    config = make_config(
+        model_dir,
+        small_train_file,
+        tmp_path / "runs" / job_id,
+        database_url=url,
+        job_id=job_id,
+        validation_file=str(small_train_file),
+        checkpoint_paths_relative_to=str(tmp_path / "runs"),
+    )
+    assert run(config) == 0
+    with sessions() as session:
+        metrics = queries.list_metrics(session, job_id)
+        assert [m.step for m in metrics] == list(range(1, 7))
+        assert all(math.isfinite(m.train_loss) for m in metrics)
+        assert {
+            "learning_rate",
+            "grad_norm",
+            "tokens_per_second",
+            "peak_memory_allocated_bytes",
+            "eta_s",
+        } <= set(metrics[0].values)
+        assert "valid_loss" in metrics[-1].values
+        (checkpoint,) = queries.list_checkpoints(session, job_id)
+        assert (checkpoint.step, checkpoint.storage_path) == (6, f"{job_id}/checkpoints/step-6")
+        events, _ = queries.list_events(session, job_id, limit=100)
+        kinds = [(e.data or {}).get("event") for e in reversed(events)]
+        assert None not in kinds
+        assert (
+            kinds.index("started")
+            < kinds.index("eval")
+            < kinds.index("checkpoint_saved")
+            < kinds.index("finished")
+        )
+        assert kinds[-1] == "finished"
+        assert {"epoch_done", "eval", "checkpoint_saved"} <= set(kinds)
+        assert queries.get_job_status(session, job_id) == "running"  # the worker owns status changes
+    engine.dispose()
