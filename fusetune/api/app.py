@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from fusetune import __version__
 from fusetune.api.errors import install_error_handlers
-from fusetune.api.routes import files, jobs, models
+from fusetune.api.middleware import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, RequestMetrics
+from fusetune.api.routes import files, jobs, metrics, models
 from fusetune.config import Settings
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.queue import JobQueue, make_celery_app
@@ -24,8 +26,13 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     app.state.session_factory = make_session_factory(engine)
     app.state.queue = queue or JobQueue(make_celery_app(settings))
     install_error_handlers(app)
-    for module in (files, jobs, models):
+    for module in (files, jobs, models, metrics):
         app.include_router(module.router)
+    # A registry per app, so several apps in one process (tests) don't share counters.
+    app.state.metrics_registry = CollectorRegistry()
+    metrics.install_state_collector(app.state.metrics_registry, app.state.session_factory)
+    app.add_middleware(RequestMetrics, registry=app.state.metrics_registry)
+    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

@@ -1,0 +1,99 @@
+"""ASGI middleware: request-size limit while the body streams in, and Prometheus request metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from fusetune.api.errors import error_body
+
+# Multipart framing around the file itself (boundaries, part headers, the purpose field).
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
+
+
+class BodySizeLimit:
+    """Refuses a request body over the limit with a 413 as soon as the limit is crossed, before it is buffered.
+
+    A Content-Length over the limit is refused before any byte is read; a chunked body is counted as it
+    arrives and cut off at the limit.
+    """
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await self._reject(send)
+        received = 0
+        too_large = False
+        rejected = False
+
+        async def counting_receive():
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    # The app's body parser turns exceptions into its own errors; cut the body off instead and
+                    # answer 413 in place of whatever the app says about the truncated request.
+                    too_large = True
+                    return {"type": "http.request", "body": b"", "more_body": False}
+            return message
+
+        async def guarded_send(message):
+            nonlocal rejected
+            if not too_large:
+                return await send(message)
+            if not rejected:
+                rejected = True
+                await self._reject(send)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    async def _reject(self, send):
+        limit = self.max_body_bytes - MULTIPART_OVERHEAD_BYTES
+        body = json.dumps(error_body(413, f"Request body is larger than the upload limit of {limit} bytes.", "file",
+                                     "file_too_large")).encode()  # fmt: skip
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+class RequestMetrics:
+    """Counts requests and their latency per route template (not per URL, so ids don't explode the labels)."""
+
+    def __init__(self, app, registry: CollectorRegistry):
+        self.app = app
+        self.requests = Counter("fusetune_http_requests_total", "HTTP requests", ["method", "route", "status"],
+                                registry=registry)  # fmt: skip
+        self.latency = Histogram("fusetune_http_request_duration_seconds", "HTTP request latency",
+                                 ["method", "route"], registry=registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))  # fmt: skip
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+
+        async def recording_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.requests.labels(scope["method"], template, str(status)).inc()
+            self.latency.labels(scope["method"], template).observe(time.perf_counter() - start)

@@ -1,0 +1,60 @@
+"""/metrics for Prometheus: request counts and latency, jobs by status, queue depth, training throughput."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy import func, select
+
+from fusetune.db.models import Job, JobMetric, JobStatus
+
+router = APIRouter(tags=["observability"])
+
+ALL_STATUSES = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED,
+                JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)  # fmt: skip
+
+
+class JobStateCollector:
+    """Read from SQL at scrape time, so every API replica reports the same truth."""
+
+    def __init__(self, session_factory):
+        self.session_factory = session_factory
+
+    def collect(self):
+        with self.session_factory() as session:
+            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+            running = list(session.scalars(select(Job.id).where(Job.status == JobStatus.RUNNING)))
+            throughput = {}
+            for job_id in running:
+                latest = session.scalar(
+                    select(JobMetric)
+                    .where(JobMetric.job_id == job_id)
+                    .order_by(JobMetric.step.desc())
+                    .limit(1)
+                )
+                if latest is not None:
+                    throughput[job_id] = float(latest.values.get("tokens_per_second", 0.0))
+        jobs = GaugeMetricFamily("fusetune_jobs", "Fine-tuning jobs by status", labels=["status"])
+        for status in ALL_STATUSES:
+            jobs.add_metric([status], counts.get(status, 0))
+        yield jobs
+        yield GaugeMetricFamily(
+            "fusetune_queue_depth", "Jobs waiting for a worker", value=counts.get("queued", 0)
+        )
+        tokens = GaugeMetricFamily(
+            "fusetune_job_tokens_per_second", "Latest training throughput", labels=["job_id"]
+        )
+        for job_id, value in throughput.items():
+            tokens.add_metric([job_id], value)
+        yield tokens
+
+
+def install_state_collector(registry: CollectorRegistry, session_factory) -> None:
+    registry.register(JobStateCollector(session_factory))
+
+
+@router.get("/metrics", include_in_schema=False)
+def prometheus_metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,144 @@
+"""API keys and tenants, idempotency, job-list filters, the streaming size limit and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fusetune.api.app import create_app
+from fusetune.config import Settings
+from fusetune.db import queries
+from fusetune.db.migrate import upgrade
+from fusetune.db.session import make_engine, make_session_factory
+
+LINE = json.dumps(
+    {"messages": [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]}
+)
+TRAINING = ("train.jsonl", ("\n".join([LINE] * 4)).encode())
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    settings = Settings(data_dir=tmp_path / "data", max_upload_bytes=4096)
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    (settings.models_dir / "tiny").mkdir()
+    (settings.models_dir / "tiny" / "config.json").write_text("{}")
+    return settings
+
+
+def _key(settings: Settings, tenant: str) -> str:
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        _, plaintext = queries.create_api_key(session, tenant, "test")
+        session.commit()
+    return plaintext
+
+
+@pytest.fixture
+def app(settings):
+    return create_app(settings)
+
+
+def _client(app, key: str | None) -> TestClient:
+    return TestClient(app, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def _job(client: TestClient, file_id: str, **extra):
+    return client.post("/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": file_id, **extra})
+
+
+def test_missing_or_wrong_key_is_401(app):
+    for client in (_client(app, None), _client(app, "sk-wrong")):
+        response = client.get("/v1/files")
+        assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+
+
+def test_revoked_key_stops_working(app, settings):
+    key = _key(settings, "acme")
+    client = _client(app, key)
+    assert client.get("/v1/files").status_code == 200
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        (row,) = [k for k in queries.list_api_keys(session) if k.tenant == "acme"]
+        assert row.key_hash != key and len(row.key_hash) == 64  # only a hash is stored
+        assert queries.revoke_api_key(session, row.id)
+        session.commit()
+    assert client.get("/v1/files").status_code == 401
+
+
+def test_tenants_cannot_see_each_others_anything(app, settings):
+    alice, bob = _client(app, _key(settings, "alice")), _client(app, _key(settings, "bob"))
+    file_id = alice.post("/v1/files", files={"file": TRAINING}, data={"purpose": "fine-tune"}).json()["id"]
+    job_id = _job(alice, file_id).json()["id"]
+    for path in (f"/v1/files/{file_id}", f"/v1/files/{file_id}/content", f"/v1/fine_tuning/jobs/{job_id}",
+                 f"/v1/fine_tuning/jobs/{job_id}/events", f"/v1/fine_tuning/jobs/{job_id}/checkpoints",
+                 f"/v1/fine_tuning/jobs/{job_id}/metrics"):  # fmt: skip
+        assert bob.get(path).status_code == 404, path
+        assert alice.get(path).status_code == 200, path
+    assert bob.post(f"/v1/fine_tuning/jobs/{job_id}/cancel").status_code == 404
+    assert bob.delete(f"/v1/files/{file_id}").status_code == 404
+    assert bob.get("/v1/files").json()["data"] == [] and bob.get("/v1/fine_tuning/jobs").json()["data"] == []
+    # Bob cannot train on Alice's file either.
+    assert _job(bob, file_id).json()["error"]["param"] == "training_file"
+
+
+def test_idempotency_key_returns_the_same_objects(app, settings):
+    client = _client(app, settings.dev_api_key)
+    first = client.post("/v1/files", files={"file": TRAINING}, data={"purpose": "fine-tune"},
+                        headers={"Idempotency-Key": "upload-1"})  # fmt: skip
+    again = client.post("/v1/files", files={"file": TRAINING}, data={"purpose": "fine-tune"},
+                        headers={"Idempotency-Key": "upload-1"})  # fmt: skip
+    assert first.status_code == again.status_code == 200 and first.json()["id"] == again.json()["id"]
+    assert len(client.get("/v1/files").json()["data"]) == 1
+    file_id = first.json()["id"]
+    job_a = client.post("/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": file_id},
+                        headers={"Idempotency-Key": "job-1"})  # fmt: skip
+    job_b = client.post("/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": file_id},
+                        headers={"Idempotency-Key": "job-1"})  # fmt: skip
+    assert job_a.json()["id"] == job_b.json()["id"]
+    assert len(client.get("/v1/fine_tuning/jobs").json()["data"]) == 1
+    reused = client.post("/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": file_id, "seed": 3},
+                         headers={"Idempotency-Key": "job-1"})  # fmt: skip
+    assert reused.status_code == 400 and reused.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_job_list_pagination_and_metadata_filter(app, settings):
+    client = _client(app, settings.dev_api_key)
+    file_id = client.post("/v1/files", files={"file": TRAINING}, data={"purpose": "fine-tune"}).json()["id"]
+    ids = [_job(client, file_id, metadata={"team": "a" if i % 2 else "b"}).json()["id"] for i in range(5)]
+    page = client.get("/v1/fine_tuning/jobs", params={"limit": 2}).json()
+    assert page["has_more"] and len(page["data"]) == 2
+    rest = client.get("/v1/fine_tuning/jobs", params={"limit": 10, "after": page["data"][-1]["id"]}).json()
+    seen = [j["id"] for j in page["data"] + rest["data"]]
+    assert sorted(seen) == sorted(ids) and len(set(seen)) == 5 and not rest["has_more"]
+    team_a = client.get("/v1/fine_tuning/jobs", params={"metadata[team]": "a"}).json()["data"]
+    assert {j["id"] for j in team_a} == {ids[1], ids[3]}
+
+
+def test_body_over_the_limit_is_413_before_it_is_read(app, settings):
+    client = _client(app, settings.dev_api_key)
+    oversized = ("big.jsonl", b"x" * (settings.max_upload_bytes + 128 * 1024))
+    response = client.post("/v1/files", files={"file": oversized}, data={"purpose": "fine-tune"})
+    assert response.status_code == 413 and response.json()["error"]["param"] == "file"
+
+    def chunked():  # no Content-Length: the limit applies as the body streams in
+        for _ in range(200):
+            yield b"y" * 1024
+
+    response = client.post(
+        "/v1/files", content=chunked(), headers={"Content-Type": "multipart/form-data; boundary=x"}
+    )
+    assert response.status_code == 413
+    assert list(settings.files_dir.iterdir()) == []
+
+
+def test_prometheus_metrics(app, settings):
+    client = _client(app, settings.dev_api_key)
+    file_id = client.post("/v1/files", files={"file": TRAINING}, data={"purpose": "fine-tune"}).json()["id"]
+    _job(client, file_id)
+    client.get("/v1/fine_tuning/jobs/ftjob-missing")
+    text = client.get("/metrics").text
+    assert 'fusetune_jobs{status="queued"} 1.0' in text and "fusetune_queue_depth 1.0" in text
+    assert 'route="/v1/fine_tuning/jobs/{job_id}",status="404"' in text
+    assert client.get("/docs").status_code == 200 and client.get("/openapi.json").status_code == 200
