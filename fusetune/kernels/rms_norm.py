@@ -1,0 +1,746 @@
+"""RMSNorm and fused residual-add + RMSNorm as Triton kernels.
+
+    y = x * rstd * (offset + w),   rstd = 1 / sqrt(mean(x^2) + eps)
+
+Two casting modes mirror the Hugging Face classes exactly:
+
+- "llama" (LlamaRMSNorm): rstd and the normalised row in fp32, the normalised row cast to the input dtype,
+  then multiplied by the weight; the result has the promoted dtype of input and weight (fp32 weights on bf16
+  activations give an fp32 output, as in HF).
+- "gemma" (GemmaRMSNorm, offset 1.0): everything in fp32, `(x * rstd) * (offset + w.float())`, cast to the
+  input dtype at the end.
+
+`add_rms_norm(x, residual, ...)` returns `(rms_norm(x + residual), x + residual)` from one pass over memory,
+and its backward adds the gradient of the new residual stream (arriving from later layers) to the gradient
+through the norm in the same pass.
+
+In-place backward: with `inplace_backward=True` the backward writes dx into the buffer of the incoming
+gradient dy instead of allocating one. That is only done when dy is contiguous, has the shape and dtype of
+the input, and the caller guarantees that nothing else needs dy once the norm's backward has run. Only the
+caller can know: autograd hands the *same* gradient tensor to both inputs of an addition, so a norm whose
+output is added to another tensor (Gemma-2/3 post-norms: `residual + post_norm(h)`) must not use it, while a
+norm feeding only matmuls (the pre-norms of Llama-style layers, the final norm) can. It is off by default.
+Under torch.compile the in-place variant is a declared mutation, so the compiler keeps it correct either way.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from fusetune.kernels._norm_utils import (
+    NormLaunchSettings,
+    as_rows,
+    check_casting_mode,
+    norm_launch_settings,
+    persistent_grid_size,
+    round_to,
+    software_bf16_rounding,
+)
+
+__all__ = [
+    "FusedRMSNorm",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _effective_weight(w, offset, CAST_BEFORE_WEIGHT: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.constexpr):
+    """offset + w in fp32; in llama mode rounded to the weight dtype first, as HF's `(offset + weight)` is."""
+    w_eff = w.to(tl.float32) + offset
+    if CAST_BEFORE_WEIGHT:
+        w_eff = round_to(w_eff, w.dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+    return w_eff
+
+
+@triton.jit
+def _scale_by_weight(
+    xhat,
+    w,
+    offset,
+    INPUT_DTYPE: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Apply the affine weight to an fp32 normalised tile in the chosen casting mode (fp32 result)."""
+    w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
+    if CAST_BEFORE_WEIGHT:
+        # llama: the normalised row is rounded to the input dtype before the weight multiplies it
+        xhat = round_to(xhat, INPUT_DTYPE, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+    return xhat * w_eff
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr,
+    x_row_stride,
+    residual_ptr,
+    residual_row_stride,
+    new_residual_ptr,
+    new_residual_row_stride,
+    weight_ptr,
+    y_ptr,
+    y_row_stride,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    eps,
+    offset,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOP_COLUMNS: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Forward of (add +) RMSNorm over a tile of BLOCK_ROWS rows.
+
+    With HAS_RESIDUAL the normalised row is h = round(x + residual), which is also stored as the new residual.
+    Saves rstd (fp32, one per row) for the backward.
+    """
+    input_dtype = x_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + rows64[:, None] * x_row_stride
+    y_rows = y_ptr + rows64[:, None] * y_row_stride
+    residual_rows = residual_ptr + rows64[:, None] * residual_row_stride
+    new_residual_rows = new_residual_ptr + rows64[:, None] * new_residual_row_stride
+
+    if not LOOP_COLUMNS:
+        mask = row_mask[:, None] & (cols[None, :] < n_cols)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            residual = tl.load(
+                residual_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+            )
+            h = round_to(x + residual.to(tl.float32), input_dtype, SOFTWARE_BF16_ROUNDING)
+            tl.store(new_residual_rows + cols[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        xhat = x * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
+            y = _scale_by_weight(
+                xhat, w[None, :], offset, input_dtype, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING
+            )
+        else:
+            y = xhat
+        tl.store(
+            y_rows + cols[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+        )
+    else:
+        # Pass 1: sum of squares (and the new residual); pass 2 re-reads the row, now in L2, and normalises.
+        sum_sq = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = row_mask[:, None] & (c[None, :] < n_cols)
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                residual = tl.load(residual_rows + c[None, :], mask=mask, other=0.0)
+                h = round_to(x + residual.to(tl.float32), input_dtype, SOFTWARE_BF16_ROUNDING)
+                tl.store(new_residual_rows + c[None, :], h, mask=mask)
+                x = h.to(tl.float32)
+            sum_sq += tl.sum(x * x, axis=1)
+        rstd = tl.rsqrt(sum_sq / n_cols + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        if HAS_RESIDUAL:
+            # the new residual written above is read back by other threads of this program
+            tl.debug_barrier()
+            source_rows = new_residual_rows
+        else:
+            source_rows = x_rows
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = row_mask[:, None] & (c[None, :] < n_cols)
+            x = tl.load(source_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            xhat = x.to(tl.float32) * rstd[:, None]
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + c, mask=c < n_cols, other=0.0, eviction_policy="evict_last")
+                y = _scale_by_weight(
+                    xhat, w[None, :], offset, input_dtype, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING
+                )
+            else:
+                y = xhat
+            tl.store(
+                y_rows + c[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+            )
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    weight_ptr,
+    rstd_ptr,
+    d_residual_ptr,
+    d_residual_row_stride,
+    dx_ptr,
+    dx_row_stride,
+    dw_partial_ptr,
+    n_rows,
+    n_cols,
+    offset,
+    HAS_D_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOP_COLUMNS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Backward of (add +) RMSNorm; a persistent program walks row tiles pid, pid + P, pid + 2P, ...
+
+    With xhat = x * rstd, w_eff = offset + w and g = dy * w_eff (g = dy without a weight), per row:
+
+        dx = rstd * (g - xhat * mean(g * xhat))
+        dw = sum over rows of dy * xhat          (llama mode: xhat rounded to the input dtype first,
+                                                  since that rounded value is what multiplied w)
+
+    The rounding of xhat in llama mode has zero derivative almost everywhere and is passed straight through,
+    as autograd does. For the fused add the normalised row is the new residual h = x + residual, and the
+    gradient reaching both x and residual is dh = dx_from_norm + d_new_residual (HAS_D_RESIDUAL).
+
+    Each program accumulates dw over its rows in fp32 and stores one row of dw_partial [P, n_cols]; the
+    launcher sums the P rows. In the column-looping variant the program's dw_partial row is updated per tile.
+    """
+    input_dtype = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    n_row_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    dw_partial_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
+
+    if not LOOP_COLUMNS:
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+            w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            dy = dy.to(tl.float32)
+            x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            xhat = x * rstd[:, None]
+            if HAS_WEIGHT:
+                g = dy * w_eff[None, :]
+            else:
+                g = dy
+            mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
+            dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+            if HAS_D_RESIDUAL:
+                d_residual = tl.load(
+                    d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :],
+                    mask=mask,
+                    other=0.0,
+                )
+                dx += d_residual.to(tl.float32)
+            tl.store(
+                dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
+                round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                mask=mask,
+            )
+            if HAS_WEIGHT:
+                if CAST_BEFORE_WEIGHT:
+                    xhat = round_to(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+                dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_WEIGHT:
+            tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
+    else:
+        for tile in tl.range(pid, n_row_tiles, num_programs):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            dy_rows = dy_ptr + rows64[:, None] * dy_row_stride
+            x_rows = x_ptr + rows64[:, None] * x_row_stride
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            # Pass 1: mean(g * xhat) over the whole row.
+            sum_g_xhat = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0)
+                    w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
+                    dy = dy * w_eff[None, :]
+                sum_g_xhat += tl.sum(dy * x, axis=1)
+            mean_g_xhat = sum_g_xhat * rstd / n_cols
+            # Pass 2 (row now in L2): dx, and this program's dw partial sums.
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                xhat = x * rstd[:, None]
+                if HAS_WEIGHT:
+                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0)
+                    w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
+                    g = dy * w_eff[None, :]
+                else:
+                    g = dy
+                dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+                if HAS_D_RESIDUAL:
+                    d_residual = tl.load(
+                        d_residual_ptr + rows64[:, None] * d_residual_row_stride + c[None, :],
+                        mask=mask,
+                        other=0.0,
+                    )
+                    dx += d_residual.to(tl.float32)
+                tl.store(
+                    dx_ptr + rows64[:, None] * dx_row_stride + c[None, :],
+                    round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                    mask=mask,
+                )
+                if HAS_WEIGHT:
+                    if CAST_BEFORE_WEIGHT:
+                        xhat = round_to(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+                    # each program owns its dw_partial row, and the same thread touches the same columns
+                    # on every visit, so this read-modify-write needs no synchronisation
+                    dw = tl.load(dw_partial_row + c, mask=col_mask, other=0.0)
+                    tl.store(dw_partial_row + c, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting_mode: str) -> torch.dtype:
+    if weight is not None and casting_mode == "llama":
+        return torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype
+
+
+def _launch_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    casting_mode: str,
+    settings: NormLaunchSettings | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Run the forward kernel; returns (y, new_residual or None, rstd [rows] fp32)."""
+    n_cols = x.shape[-1]
+    x_rows = as_rows(x, n_cols)
+    n_rows = x_rows.shape[0]
+    if settings is None:
+        settings = norm_launch_settings(n_cols, backward=False)
+    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting_mode), device=x.device)
+    y_rows = y.view(-1, n_cols)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if residual is not None:
+        residual_rows = as_rows(residual, n_cols)
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        new_residual_rows = new_residual.view(-1, n_cols)
+    else:
+        residual_rows = new_residual_rows = x_rows  # unused by the kernel
+        new_residual = None
+    if n_rows == 0:
+        return y, new_residual, rstd
+    grid = (triton.cdiv(n_rows, settings.rows_per_tile),)
+    torch.library.wrap_triton(_rms_norm_fwd_kernel)[grid](
+        x_rows,
+        x_rows.stride(0),
+        residual_rows,
+        residual_rows.stride(0),
+        new_residual_rows,
+        new_residual_rows.stride(0),
+        weight if weight is not None else x_rows,
+        y_rows,
+        y_rows.stride(0),
+        rstd,
+        n_rows,
+        n_cols,
+        eps,
+        offset,
+        HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None,
+        CAST_BEFORE_WEIGHT=casting_mode == "llama",
+        BLOCK_ROWS=settings.rows_per_tile,
+        BLOCK_N=settings.block_n,
+        LOOP_COLUMNS=settings.loop_columns(n_cols),
+        SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+        num_warps=settings.num_warps,
+    )
+    return y, new_residual, rstd
+
+
+def _launch_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    d_residual: torch.Tensor | None,
+    offset: float,
+    casting_mode: str,
+    dx: torch.Tensor,
+    settings: NormLaunchSettings | None = None,
+) -> torch.Tensor | None:
+    """Run the backward kernel, writing dx (which may be dy itself); returns dw or None."""
+    n_cols = x.shape[-1]
+    x_rows = as_rows(x, n_cols)
+    n_rows = x_rows.shape[0]
+    dy_rows = as_rows(dy, n_cols)
+    dx_rows = dx.view(-1, n_cols)
+    d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else dy_rows
+    if settings is None:
+        settings = norm_launch_settings(n_cols, backward=True)
+    n_row_tiles = triton.cdiv(n_rows, settings.rows_per_tile)
+    num_programs = persistent_grid_size(n_row_tiles, settings, x.device)
+    loop_columns = settings.loop_columns(n_cols)
+    if weight is not None:
+        # The column-looping kernel accumulates into its partial row, so it must start from zero.
+        allocate = torch.zeros if loop_columns else torch.empty
+        dw_partial = allocate((num_programs, n_cols), dtype=torch.float32, device=x.device)
+    else:
+        dw_partial = rstd  # unused by the kernel
+    if n_rows > 0:
+        torch.library.wrap_triton(_rms_norm_bwd_kernel)[(num_programs,)](
+            dy_rows,
+            dy_rows.stride(0),
+            x_rows,
+            x_rows.stride(0),
+            weight if weight is not None else x_rows,
+            rstd,
+            d_residual_rows,
+            d_residual_rows.stride(0),
+            dx_rows,
+            dx_rows.stride(0),
+            dw_partial,
+            n_rows,
+            n_cols,
+            offset,
+            HAS_D_RESIDUAL=d_residual is not None,
+            HAS_WEIGHT=weight is not None,
+            CAST_BEFORE_WEIGHT=casting_mode == "llama",
+            BLOCK_ROWS=settings.rows_per_tile,
+            BLOCK_N=settings.block_n,
+            LOOP_COLUMNS=loop_columns,
+            NUM_STAGES=settings.num_stages,
+            SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+            num_warps=settings.num_warps,
+        )
+    if weight is None:
+        return None
+    if n_rows == 0:
+        return torch.zeros_like(weight)
+    return dw_partial.sum(0).to(weight.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# torch.library ops (so torch.compile(fullgraph=True) traces through them)
+# ------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.triton_op("fusetune::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _launch_forward(x, None, weight, eps, offset, casting_mode)
+    return y, rstd
+
+
+@torch.library.triton_op("fusetune::add_rms_norm_fwd", mutates_args=())
+def _add_rms_norm_fwd_op(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    casting_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, new_residual, rstd = _launch_forward(x, residual, weight, eps, offset, casting_mode)
+    assert new_residual is not None
+    return y, new_residual, rstd
+
+
+@torch.library.triton_op("fusetune::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    d_residual: torch.Tensor | None,
+    offset: float,
+    casting_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dw = _launch_backward(dy, x, weight, rstd, d_residual, offset, casting_mode, dx)
+    return dx, dw if dw is not None else x.new_empty(0)
+
+
+@torch.library.triton_op("fusetune::rms_norm_bwd_inplace", mutates_args=("dy",))
+def _rms_norm_bwd_inplace_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    d_residual: torch.Tensor | None,
+    offset: float,
+    casting_mode: str,
+) -> torch.Tensor:
+    """Like rms_norm_bwd, but dx overwrites dy (contiguous, x's shape and dtype); returns dw."""
+    dw = _launch_backward(dy, x, weight, rstd, d_residual, offset, casting_mode, dy)
+    return dw if dw is not None else x.new_empty(0)
+
+
+def _dx_can_overwrite_dy(dy: torch.Tensor, x: torch.Tensor, inplace_backward: bool) -> bool:
+    return inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape
+
+
+def _backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    d_residual: torch.Tensor | None,
+    offset: float,
+    casting_mode: str,
+    inplace_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if _dx_can_overwrite_dy(dy, x, inplace_backward):
+        dw = torch.ops.fusetune.rms_norm_bwd_inplace(dy, x, weight, rstd, d_residual, offset, casting_mode)
+        dx = dy
+    else:
+        dx, dw = torch.ops.fusetune.rms_norm_bwd(dy, x, weight, rstd, d_residual, offset, casting_mode)
+    return dx, dw if weight is not None else None
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd for rms_norm: saves x and the fp32 rstd [rows]; the backward kernel recomputes xhat."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, inplace_backward):
+        y, rstd = torch.ops.fusetune.rms_norm_fwd(x, weight, eps, offset, casting_mode)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        ctx.casting_mode = casting_mode
+        ctx.inplace_backward = inplace_backward
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(dy, x, weight, rstd, None, ctx.offset, ctx.casting_mode, ctx.inplace_backward)
+        return dx, dw, None, None, None, None
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """Autograd for add_rms_norm: saves the new residual h (an output anyway) and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, casting_mode, inplace_backward):
+        y, new_residual, rstd = torch.ops.fusetune.add_rms_norm_fwd(
+            x, residual, weight, eps, offset, casting_mode
+        )
+        ctx.save_for_backward(new_residual, weight, rstd)
+        ctx.offset = offset
+        ctx.casting_mode = casting_mode
+        ctx.inplace_backward = inplace_backward
+        return y, new_residual
+
+    @staticmethod
+    def backward(ctx, dy, d_new_residual):
+        new_residual, weight, rstd = ctx.saved_tensors
+        dh, dw = _backward(
+            dy, new_residual, weight, rstd, d_new_residual, ctx.offset, ctx.casting_mode, ctx.inplace_backward
+        )
+        # h = x + residual: both inputs receive dh
+        return dh, dh, dw, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _check_arguments(x: torch.Tensor, weight: torch.Tensor | None, offset: float, casting_mode: str) -> None:
+    check_casting_mode(casting_mode)
+    if not x.is_floating_point():
+        raise TypeError(f"rms_norm: x must be a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
+    if weight is None:
+        if offset != 0.0:
+            raise ValueError(
+                "rms_norm: offset is added to the weight, so it needs a weight (got weight=None)"
+            )
+    elif weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"rms_norm: weight must have shape ({x.shape[-1]},) (x's last dim), got {tuple(weight.shape)}"
+        )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    inplace_backward: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (offset + weight).
+
+    `casting_mode` "llama" matches HF LlamaRMSNorm (output dtype promoted from x and weight), "gemma" matches
+    HF GemmaRMSNorm (fp32 throughout, output in x's dtype; use offset=1.0). `inplace_backward`: see the module
+    docstring for when dx may overwrite the incoming gradient.
+    """
+    _check_arguments(x, weight, offset, casting_mode)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, inplace_backward)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    inplace_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype before the norm."""
+    _check_arguments(x, weight, offset, casting_mode)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            "add_rms_norm: residual must match x in shape and dtype, got "
+            f"{tuple(residual.shape)} {residual.dtype} for x {tuple(x.shape)} {x.dtype}"
+        )
+    return AddRMSNormFunction.apply(
+        x, residual, weight, float(eps), float(offset), casting_mode, inplace_backward
+    )
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    input_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Pure-PyTorch RMSNorm with the forward values of the HF classes, differentiable by autograd.
+
+    The forward rounds exactly where LlamaRMSNorm / GemmaRMSNorm round. The backward runs in fp32 up to the
+    inputs: the llama-mode rounding of the normalised row is applied as `a + (round(a) - a).detach()` (the
+    same value, a straight-through gradient), and the weight product is done in fp32 on the rounded operands
+    (the same value as HF's product in the low-precision dtype). So on bf16/fp16 inputs its gradients carry
+    only the final rounding to the input dtype, which makes it a sharp reference for the kernels.
+
+    `input_dtype` (default x.dtype) is the dtype the row stands for when x is an fp32 stand-in for it.
+    """
+    check_casting_mode(casting_mode)
+    input_dtype = input_dtype or x.dtype
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if casting_mode == "gemma":
+        if weight is not None:
+            normed = normed * (offset + weight.float())
+        return normed.to(input_dtype)
+    normed = normed + (normed.to(input_dtype).to(torch.float32) - normed).detach()
+    if weight is None:
+        return normed.to(input_dtype)
+    output_dtype = torch.promote_types(input_dtype, weight.dtype)
+    return ((offset + weight).to(torch.float32) * normed).to(output_dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch add + RMSNorm: `new_residual = x + residual` in x's dtype, then rms_norm_reference.
+
+    The sum is formed in fp32 and rounded once (the value of the low-precision add); the norm reads it through
+    a straight-through rounding so the gradient from the norm and the one of the new residual meet in fp32.
+    """
+    sum32 = x.to(torch.float32) + residual.to(torch.float32)
+    new_residual = sum32.to(x.dtype)
+    norm_input = sum32 + (new_residual.to(torch.float32) - sum32).detach()
+    normed = rms_norm_reference(norm_input, weight, eps, offset, casting_mode, input_dtype=x.dtype)
+    return normed, new_residual
+
+
+class FusedRMSNorm(nn.Module):
+    """Drop-in for HF LlamaRMSNorm (defaults) and GemmaRMSNorm (offset=1.0, casting_mode="gemma",
+    init_ones=False): same `weight` parameter and state_dict, same outputs and output dtypes."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        init_ones: bool = True,
+        inplace_backward: bool = False,
+    ) -> None:
+        super().__init__()
+        check_casting_mode(casting_mode)
+        self.weight = nn.Parameter(torch.ones(hidden_size) if init_ones else torch.zeros(hidden_size))
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+        self.inplace_backward = inplace_backward
+
+    @property
+    def eps(self) -> float:
+        """GemmaRMSNorm's name for variance_epsilon."""
+        return self.variance_epsilon
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(
+            hidden_states,
+            self.weight,
+            self.variance_epsilon,
+            self.offset,
+            self.casting_mode,
+            self.inplace_backward,
+        )
+
+    def forward_with_residual(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(hidden_states + residual), hidden_states + residual) through the fused kernel."""
+        return add_rms_norm(
+            hidden_states,
+            residual,
+            self.weight,
+            self.variance_epsilon,
+            self.offset,
+            self.casting_mode,
+            self.inplace_backward,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, offset={self.offset}, "
+            f"casting_mode={self.casting_mode!r}"
+        )
