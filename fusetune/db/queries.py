@@ -127,6 +127,13 @@ def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any])
     metric.train_loss = values.get("train_loss")
     metric.values = dict(values)
     metric.created_at = now_s()
+    # Clients of the OpenAI API read training progress from "metrics" events; they mirror the metric row.
+    data = {"step": step, **{k: v for k, v in values.items() if isinstance(v, int | float)}}
+    if "peak_memory_allocated_bytes" in values:
+        data["peak_memory_bytes"] = values["peak_memory_allocated_bytes"]
+    loss = values.get("train_loss")
+    message = f"Step {step}: training loss={loss:.4f}" if isinstance(loss, int | float) else f"Step {step}"
+    add_event(session, job_id, message, type="metrics", data=data)
     return metric
 
 

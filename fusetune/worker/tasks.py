@@ -86,6 +86,8 @@ class JobRunner:
         with self.session_factory() as session:
             if queries.finish_job(session, job_id, outcome.status, **outcome.fields):
                 queries.add_event(session, job_id, outcome.message, level=outcome.level)
+            elif outcome.status != JobStatus.SUCCEEDED:
+                queries.add_event(session, job_id, outcome.message, level=outcome.level)
             session.commit()
         return outcome.status
 
@@ -168,24 +170,26 @@ class JobRunner:
                 self._launch_command(config_path, nproc), stdout=log_file, stderr=subprocess.STDOUT,
                 env=env, cwd=run_dir, start_new_session=True,
             )  # fmt: skip
-            cancelled = self._watch(job.id, process)
-        if cancelled:
-            return Outcome(JobStatus.CANCELLED, {}, "Training processes stopped after cancellation")
+            stopped_for = self._watch(job.id, process)
+        if stopped_for is not None:
+            # The job already left `running` (cancelled or paused by the user); finish_job will leave it so.
+            return Outcome(stopped_for, {}, f"Training processes stopped: the job was {stopped_for}")
         return self._read_outcome(job, run_dir, process.returncode, log_path)
 
-    def _watch(self, job_id: str, process: subprocess.Popen) -> bool:
-        """Waits for the trainer; returns True if the job was cancelled and the processes were stopped."""
+    def _watch(self, job_id: str, process: subprocess.Popen) -> str | None:
+        """Waits for the trainer. If the job leaves `running` meanwhile (cancel, pause), stops the processes
+        and returns the job's new status; returns None when the trainer exited by itself."""
         while True:
             try:
                 process.wait(timeout=WATCH_INTERVAL_S)
-                return False
+                return None
             except subprocess.TimeoutExpired:
                 pass
             with self.session_factory() as session:
                 status = queries.get_job_status(session, job_id)
             if status != JobStatus.RUNNING:
                 self._stop(process)
-                return True
+                return status or JobStatus.CANCELLED
 
     def _stop(self, process: subprocess.Popen) -> None:
         try:

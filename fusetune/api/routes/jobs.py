@@ -212,27 +212,52 @@ def retrieve_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObje
     return to_schema(_get_job(session, job_id, tenant))
 
 
-@router.post("/{job_id}/cancel", response_model=JobObject)
-def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject:
-    job = _get_job(session, job_id, tenant)
-    # The worker watching a running job sees the new status and stops its processes.
+def _transition(
+    session: Session, job: Job, allowed_from: tuple[str, ...], to: str, verb: str, event: str
+) -> Job:
+    values: dict = {"status": to}
+    if to in JobStatus.FINISHED:
+        values["finished_at"] = now_s()
     result = session.execute(
-        update(Job)
-        .where(Job.id == job.id, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED]))
-        .values(status=JobStatus.CANCELLED, finished_at=now_s())
+        update(Job).where(Job.id == job.id, Job.status.in_(allowed_from)).values(**values)
     )
     if result.rowcount != 1:
         session.rollback()
-        # 400, not 409: clients retry 409s, and retrying cannot make a finished job cancellable.
-        raise ApiError(
-            400,
-            f"Job '{job_id}' is {job.status} and can no longer be cancelled.",
-            param="fine_tuning_job_id",
-            code="invalid_state",
-        )
-    queries.add_event(session, job.id, "Job cancelled by the user")
+        session.refresh(job)
+        # 400, not 409: clients retry 409s, and retrying cannot make the change valid.
+        raise ApiError(400, f"Job '{job.id}' is {job.status} and cannot be {verb}.", param="fine_tuning_job_id",
+                       code="invalid_state")  # fmt: skip
+    queries.add_event(session, job.id, event)
     session.commit()
     session.refresh(job)
+    return job
+
+
+@router.post("/{job_id}/cancel", response_model=JobObject)
+def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject:
+    job = _get_job(session, job_id, tenant)
+    # A worker watching a running job sees the new status and stops its processes.
+    allowed = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED)
+    return to_schema(
+        _transition(session, job, allowed, JobStatus.CANCELLED, "cancelled", "Job cancelled by the user")
+    )
+
+
+@router.post("/{job_id}/pause", response_model=JobObject)
+def pause_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject:
+    job = _get_job(session, job_id, tenant)
+    # The worker stops the training processes, which frees the GPUs; resume queues the job again.
+    allowed = (JobStatus.QUEUED, JobStatus.RUNNING)
+    return to_schema(_transition(session, job, allowed, JobStatus.PAUSED, "paused", "Job paused by the user"))
+
+
+@router.post("/{job_id}/resume", response_model=JobObject)
+def resume_job(job_id: str, session: SessionDep, tenant: TenantDep, queue: QueueDep) -> JobObject:
+    job = _get_job(session, job_id, tenant)
+    job = _transition(
+        session, job, (JobStatus.PAUSED,), JobStatus.QUEUED, "resumed", "Job resumed by the user"
+    )
+    queue.enqueue(job.id)
     return to_schema(job)
 
 

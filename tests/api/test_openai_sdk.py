@@ -1,0 +1,135 @@
+"""The official ``openai`` SDK, unmodified, against a running fusetune service (embedded mode, real worker)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
+from tests.services import running_service
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("sdk") / "data"
+    build_tiny_model(data_dir / "models" / MODEL)
+    with running_service(data_dir) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def client(service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.base_url}/v1", api_key=service.api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def training_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sdkdata") / "train.jsonl"
+    path.write_text("".join(TRAIN_FILE.read_text().splitlines(keepends=True)[:64]))
+    return path
+
+
+def _wait(client: openai.OpenAI, job_id: str, statuses: set[str], timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        time.sleep(0.5)
+    raise TimeoutError(f"{job_id} never reached {statuses}")
+
+
+def test_files(client, training_path):
+    with open(training_path, "rb") as handle:
+        created = client.files.create(file=handle, purpose="fine-tune")
+    assert created.id.startswith("file-") and created.purpose == "fine-tune" and created.bytes > 0
+    assert client.files.retrieve(created.id).filename == "train.jsonl"
+    assert created.id in [f.id for f in client.files.list()]
+    assert client.files.content(created.id).text == training_path.read_text()
+    deleted = client.files.delete(created.id)
+    assert deleted.deleted and deleted.id == created.id
+    with pytest.raises(openai.NotFoundError) as error:
+        client.files.retrieve(created.id)
+    assert error.value.status_code == 404 and error.value.body["code"] == "file_not_found"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.files.create(file=("bad.jsonl", b'{"messages": 1}\n'), purpose="fine-tune")
+    assert "line 1" in error.value.message
+
+
+def test_models(client):
+    assert MODEL in [m.id for m in client.models.list()]
+    assert client.models.retrieve(MODEL).owned_by == "system"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_jobs_train_to_the_end(client, training_path):
+    with open(training_path, "rb") as handle:
+        training = client.files.create(file=handle, purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=training.id, seed=1, suffix="sdk", metadata={"suite": "sdk"},
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 8,
+                                                                         "learning_rate_multiplier": 20}}},
+    )  # fmt: skip
+    assert job.id.startswith("ftjob-") and job.status == "queued" and job.method.type == "supervised"
+    assert job.hyperparameters.n_epochs == 2 and job.metadata == {"suite": "sdk"}
+    done = _wait(client, job.id, {"succeeded", "failed", "cancelled"})
+    assert done.status == "succeeded", done.error
+    assert done.trained_tokens > 0 and done.fine_tuned_model.startswith(f"ft:{MODEL}:")
+    assert done.fine_tuned_model in [m.id for m in client.models.list()]
+
+    events = client.fine_tuning.jobs.list_events(job.id, limit=5)
+    assert len(events.data) == 5 and all(e.id.startswith("ftevent-") for e in events.data)
+    assert events.data[0].created_at >= events.data[-1].created_at  # newest first
+    everything = list(client.fine_tuning.jobs.list_events(job.id, limit=3))  # the SDK follows `after` cursors
+    assert len({e.id for e in everything}) == len(everything) > 5
+    metrics = [e for e in everything if e.type == "metrics"]
+    assert len(metrics) == 2 * 64 // 8
+    for key in ("step", "train_loss", "tokens_per_second", "peak_memory_bytes", "learning_rate"):
+        assert key in metrics[0].data, key
+
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id)
+    assert checkpoints.data and checkpoints.data[0].id.startswith("ftckpt_")
+    assert checkpoints.data[0].step_number == 2 * 64 // 8 and checkpoints.data[0].fine_tuning_job_id == job.id
+
+    listed = client.fine_tuning.jobs.list(limit=10, metadata={"suite": "sdk"})
+    assert [j.id for j in listed.data] == [job.id]
+    with pytest.raises(openai.BadRequestError) as error:  # 400, never a retried 409
+        client.fine_tuning.jobs.cancel(job.id)
+    assert error.value.body["code"] == "invalid_state"
+
+
+def test_jobs_pause_resume_cancel(client, training_path):
+    with open(training_path, "rb") as handle:
+        training = client.files.create(file=handle, purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model=MODEL, training_file=training.id,
+                                         hyperparameters={"n_epochs": 50, "batch_size": 8})  # fmt: skip
+    _wait(client, job.id, {"running"})
+    assert client.fine_tuning.jobs.pause(job.id).status == "paused"
+    assert client.fine_tuning.jobs.resume(job.id).status == "queued"
+    _wait(client, job.id, {"running"})
+    cancelled = client.fine_tuning.jobs.cancel(job.id)
+    assert cancelled.status == "cancelled"
+    time.sleep(3)
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+    page = client.fine_tuning.jobs.list(limit=1)
+    assert len(page.data) == 1 and page.has_more
+    second = client.fine_tuning.jobs.list(limit=1, after=page.data[0].id)
+    assert second.data[0].id != page.data[0].id
+
+
+def test_errors_have_the_openai_shape(client):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.fine_tuning.jobs.create(model="gpt-4o-mini", training_file="file-nope")
+    assert error.value.body["param"] == "training_file"
+    with pytest.raises(openai.NotFoundError):
+        client.fine_tuning.jobs.retrieve("ftjob-nope")
+    bad_key = openai.OpenAI(base_url=str(client.base_url), api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.files.list()
