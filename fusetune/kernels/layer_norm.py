@@ -1,0 +1,528 @@
+"""LayerNorm as Triton kernels: y = (x - mean) * rstd * w + b over the last dim, rstd = 1 / sqrt(var + eps).
+
+Statistics and the affine step run in fp32 and the result is rounded to x's dtype, as torch's LayerNorm does
+(also with fp32 parameters on bf16 activations). Weight and bias are each optional.
+
+`inplace_backward=True` lets the backward write dx into the incoming gradient's buffer, under the conditions
+spelled out in rms_norm.py: dy contiguous with x's shape and dtype, and nothing else needing dy afterwards
+(which only the caller can promise). Off by default.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from fusetune.kernels._norm_utils import (
+    NormLaunchSettings,
+    as_rows,
+    norm_launch_settings,
+    persistent_grid_size,
+    round_to,
+    software_bf16_rounding,
+)
+
+__all__ = ["FusedLayerNorm", "layer_norm", "layer_norm_reference"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,
+    x_row_stride,
+    weight_ptr,
+    bias_ptr,
+    y_ptr,
+    y_row_stride,
+    mean_ptr,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOP_COLUMNS: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Forward of LayerNorm over a tile of BLOCK_ROWS rows; saves mean and rstd (fp32) per row.
+
+    Rows wider than BLOCK_N are reduced block by block: each block's mean and sum of squared deviations are
+    exact within the block and merged into the running ones (Chan et al.), so the variance never comes from
+    the cancelling E[x^2] - E[x]^2.
+    """
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + rows64[:, None] * x_row_stride
+    y_rows = y_ptr + rows64[:, None] * y_row_stride
+
+    if not LOOP_COLUMNS:
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        mean = tl.sum(x, axis=1) / n_cols
+        centred = tl.where(col_mask[None, :], x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
+        y = centred * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+            y = y * w.to(tl.float32)[None, :]
+        if HAS_BIAS:
+            b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+            y = y + b.to(tl.float32)[None, :]
+        tl.store(
+            y_rows + cols[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+        )
+    else:
+        mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            col_mask = c < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            seen = start * 1.0  # columns merged so far, as fp32
+            block_count = tl.minimum(n_cols - start, BLOCK_N).to(tl.float32)
+            block_mean = tl.sum(x, axis=1) / block_count
+            deviation = tl.where(col_mask[None, :], x - block_mean[:, None], 0.0)
+            block_m2 = tl.sum(deviation * deviation, axis=1)
+            total = seen + block_count
+            delta = block_mean - mean
+            mean += delta * (block_count / total)
+            m2 += block_m2 + delta * delta * (seen * block_count / total)
+        rstd = tl.rsqrt(m2 / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            col_mask = c < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + c, mask=col_mask, other=0.0, eviction_policy="evict_last")
+                y = y * w.to(tl.float32)[None, :]
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + c, mask=col_mask, other=0.0, eviction_policy="evict_last")
+                y = y + b.to(tl.float32)[None, :]
+            tl.store(
+                y_rows + c[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+            )
+    tl.store(mean_ptr + rows, mean, mask=row_mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    weight_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_row_stride,
+    dw_partial_ptr,
+    db_partial_ptr,
+    n_rows,
+    n_cols,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOP_COLUMNS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Backward of LayerNorm; a persistent program walks row tiles pid, pid + P, pid + 2P, ...
+
+    With xhat = (x - mean) * rstd and g = dy * w (g = dy without a weight), per row:
+
+        dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+        dw = sum over rows of dy * xhat,    db = sum over rows of dy
+
+    Masked columns load dy = 0, so g and every product with it vanish there without a select.
+    Each program accumulates dw and db over its rows in fp32 and stores one row of dw_partial / db_partial
+    [P, n_cols]; the launcher sums the P rows. The column-looping variant updates its partial rows per tile.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    n_row_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    dw_partial_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
+    db_partial_row = db_partial_ptr + pid.to(tl.int64) * n_cols
+
+    if not LOOP_COLUMNS:
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+            dy = dy.to(tl.float32)
+            x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            mean_g = tl.sum(g, axis=1) / n_cols
+            mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
+            dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+            dx_ptrs = dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :]
+            tl.store(dx_ptrs, round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask)
+            if HAS_WEIGHT:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if HAS_BIAS:
+                db_acc += tl.sum(dy, axis=0)
+        if HAS_WEIGHT:
+            tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
+        if HAS_BIAS:
+            tl.store(db_partial_row + cols, db_acc, mask=col_mask)
+    else:
+        for tile in tl.range(pid, n_row_tiles, num_programs):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            dy_rows = dy_ptr + rows64[:, None] * dy_row_stride
+            x_rows = x_ptr + rows64[:, None] * x_row_stride
+            dx_rows = dx_ptr + rows64[:, None] * dx_row_stride
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            # Pass 1: mean(g) and mean(g * xhat) over the whole row.
+            sum_g = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            sum_g_xhat = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                g = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                xhat = (x - mean[:, None]) * rstd[:, None]
+                if HAS_WEIGHT:
+                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+                    g = g * w[None, :]
+                sum_g += tl.sum(g, axis=1)
+                sum_g_xhat += tl.sum(g * xhat, axis=1)
+            mean_g = sum_g / n_cols
+            mean_g_xhat = sum_g_xhat / n_cols
+            # Pass 2 (row now in L2): dx, and this program's partial sums.
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                xhat = (x - mean[:, None]) * rstd[:, None]
+                if HAS_WEIGHT:
+                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
+                    g = dy * w[None, :]
+                else:
+                    g = dy
+                dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+                tl.store(
+                    dx_rows + c[None, :],
+                    round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                    mask=mask,
+                )
+                # each program owns its partial rows and the same thread revisits the same columns
+                if HAS_WEIGHT:
+                    dw = tl.load(dw_partial_row + c, mask=col_mask, other=0.0)
+                    tl.store(dw_partial_row + c, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
+                if HAS_BIAS:
+                    db = tl.load(db_partial_row + c, mask=col_mask, other=0.0)
+                    tl.store(db_partial_row + c, db + tl.sum(dy, axis=0), mask=col_mask)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _launch_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    settings: NormLaunchSettings | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the forward kernel; returns (y, mean, rstd), the statistics fp32 [rows]."""
+    n_cols = x.shape[-1]
+    x_rows = as_rows(x, n_cols)
+    n_rows = x_rows.shape[0]
+    if settings is None:
+        settings = norm_launch_settings(n_cols, backward=False)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y_rows = y.view(-1, n_cols)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows == 0:
+        return y, mean, rstd
+    grid = (triton.cdiv(n_rows, settings.rows_per_tile),)
+    torch.library.wrap_triton(_layer_norm_fwd_kernel)[grid](
+        x_rows,
+        x_rows.stride(0),
+        weight if weight is not None else x_rows,
+        bias if bias is not None else x_rows,
+        y_rows,
+        y_rows.stride(0),
+        mean,
+        rstd,
+        n_rows,
+        n_cols,
+        eps,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_ROWS=settings.rows_per_tile,
+        BLOCK_N=settings.block_n,
+        LOOP_COLUMNS=settings.loop_columns(n_cols),
+        SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+        num_warps=settings.num_warps,
+    )
+    return y, mean, rstd
+
+
+def _launch_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    has_bias: bool,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dx: torch.Tensor,
+    settings: NormLaunchSettings | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Run the backward kernel, writing dx (which may be dy itself); returns (dw, db), each fp32 or None."""
+    n_cols = x.shape[-1]
+    x_rows = as_rows(x, n_cols)
+    n_rows = x_rows.shape[0]
+    dy_rows = as_rows(dy, n_cols)
+    dx_rows = dx.view(-1, n_cols)
+    if settings is None:
+        settings = norm_launch_settings(n_cols, backward=True)
+    n_row_tiles = triton.cdiv(n_rows, settings.rows_per_tile)
+    num_programs = persistent_grid_size(n_row_tiles, settings, x.device)
+    loop_columns = settings.loop_columns(n_cols)
+    # The column-looping kernel accumulates into its partial rows, so they must start from zero.
+    allocate = torch.zeros if loop_columns else torch.empty
+    dw_partial = (
+        allocate((num_programs, n_cols), dtype=torch.float32, device=x.device) if weight is not None else None
+    )
+    db_partial = allocate((num_programs, n_cols), dtype=torch.float32, device=x.device) if has_bias else None
+    if n_rows > 0:
+        torch.library.wrap_triton(_layer_norm_bwd_kernel)[(num_programs,)](
+            dy_rows,
+            dy_rows.stride(0),
+            x_rows,
+            x_rows.stride(0),
+            weight if weight is not None else x_rows,
+            mean,
+            rstd,
+            dx_rows,
+            dx_rows.stride(0),
+            dw_partial if dw_partial is not None else rstd,
+            db_partial if db_partial is not None else rstd,
+            n_rows,
+            n_cols,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=has_bias,
+            BLOCK_ROWS=settings.rows_per_tile,
+            BLOCK_N=settings.block_n,
+            LOOP_COLUMNS=loop_columns,
+            NUM_STAGES=settings.num_stages,
+            SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+            num_warps=settings.num_warps,
+        )
+    elif dw_partial is not None or db_partial is not None:
+        # no rows: the gradients are zero
+        dw_partial = dw_partial.zero_() if dw_partial is not None else None
+        db_partial = db_partial.zero_() if db_partial is not None else None
+    dw = dw_partial.sum(0) if dw_partial is not None else None
+    db = db_partial.sum(0) if db_partial is not None else None
+    return dw, db
+
+
+# ------------------------------------------------------------------------------------------------------------
+# torch.library ops (so torch.compile(fullgraph=True) traces through them)
+# ------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.triton_op("fusetune::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_forward(x, weight, bias, eps)
+
+
+@torch.library.triton_op("fusetune::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dw, db = _launch_backward(dy, x, weight, bias is not None, mean, rstd, dx)
+    return (dx, *_parameter_grads_or_empty(dw, db, weight, bias, x))
+
+
+@torch.library.triton_op("fusetune::layer_norm_bwd_inplace", mutates_args=("dy",))
+def _layer_norm_bwd_inplace_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like layer_norm_bwd, but dx overwrites dy (contiguous, x's shape and dtype); returns (dw, db)."""
+    dw, db = _launch_backward(dy, x, weight, bias is not None, mean, rstd, dy)
+    return _parameter_grads_or_empty(dw, db, weight, bias, x)
+
+
+def _parameter_grads_or_empty(
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parameter gradients in the parameters' dtypes; ops cannot return None, so an empty tensor stands in."""
+    dw_out = dw.to(weight.dtype) if dw is not None and weight is not None else x.new_empty(0)
+    db_out = db.to(bias.dtype) if db is not None and bias is not None else x.new_empty(0)
+    return dw_out, db_out
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Autograd for layer_norm: saves x and the fp32 mean and rstd [rows]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, inplace_backward):
+        y, mean, rstd = torch.ops.fusetune.layer_norm_fwd(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.inplace_backward = inplace_backward
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if ctx.inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape:
+            dw, db = torch.ops.fusetune.layer_norm_bwd_inplace(dy, x, weight, bias, mean, rstd)
+            dx = dy
+        else:
+            dx, dw, db = torch.ops.fusetune.layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+        return dx, dw if weight is not None else None, db if bias is not None else None, None, None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------------------
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
+    """LayerNorm over the last dim, computed in fp32 and returned in x's dtype (as torch's LayerNorm)."""
+    if not x.is_floating_point():
+        raise TypeError(f"layer_norm: x must be a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("layer_norm: x must have at least one dimension (the normalised one)")
+    for name, parameter in (("weight", weight), ("bias", bias)):
+        if parameter is not None and parameter.shape != (x.shape[-1],):
+            raise ValueError(
+                f"layer_norm: {name} must have shape ({x.shape[-1]},) (x's last dim), "
+                f"got {tuple(parameter.shape)}"
+            )
+    return LayerNormFunction.apply(x, weight, bias, float(eps), inplace_backward)
+
+
+def layer_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> torch.Tensor:
+    """Pure-PyTorch LayerNorm in fp32 (gradients included), rounded to x's dtype at the end."""
+    x32 = x.to(torch.float32)
+    centred = x32 - x32.mean(-1, keepdim=True)
+    y = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(torch.float32)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+class FusedLayerNorm(nn.Module):
+    """Drop-in for torch.nn.LayerNorm: the same constructor, parameters and state_dict keys."""
+
+    def __init__(
+        self,
+        normalized_shape: int | tuple[int, ...] | list[int] | torch.Size,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        inplace_backward: bool = False,
+    ) -> None:
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.inplace_backward = inplace_backward
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+        else:
+            self.register_parameter("weight", None)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n_dims = len(self.normalized_shape)
+        if tuple(x.shape[x.dim() - n_dims :]) != self.normalized_shape:
+            raise ValueError(
+                f"FusedLayerNorm: input's trailing dims {tuple(x.shape[x.dim() - n_dims :])} do not match "
+                f"normalized_shape {self.normalized_shape}"
+            )
+        width = math.prod(self.normalized_shape)
+        # normalising over several trailing dims is normalising over their flattening
+        flat = x.reshape(*x.shape[: x.dim() - n_dims], width) if n_dims != 1 else x
+        weight = self.weight.reshape(width) if self.weight is not None else None
+        bias = self.bias.reshape(width) if self.bias is not None else None
+        y = layer_norm(flat, weight, bias, self.eps, self.inplace_backward)
+        return y.reshape(x.shape) if n_dims != 1 else y
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
