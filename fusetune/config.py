@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     nproc_per_job: int = Field(default=1, ge=1)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
     # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.
+    # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front.
+    gpu_memory_bytes: int | None = Field(default=None, ge=1)
     base_learning_rate: float = Field(default=1e-4, gt=0)
     checkpoint_every_steps: int = Field(default=0, ge=0, description="0: only at the end of training")
     # How long the worker waits for a training process to exit after SIGTERM before SIGKILL.

@@ -95,6 +95,7 @@ class JobCreate(_Request):
     suffix: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     metadata: dict[str, str] | None = None
     integrations: list[dict[str, Any]] | None = None
+    dry_run: bool = Field(default=False, description="Create nothing; return the job's estimate instead")
 
     @field_validator("metadata")
     @classmethod
@@ -204,3 +205,18 @@ class MetricList(BaseModel):
     object: Literal["list"] = "list"
     job_id: str
     data: list[MetricPoint]
+
+
+class EstimateObject(BaseModel):
+    object: Literal["fine_tuning.job.estimate"] = "fine_tuning.job.estimate"
+    model: str
+    training_tokens: int
+    steps: int
+    parameters: int
+    peak_memory_bytes_per_gpu: int
+    memory_breakdown: dict[str, int]
+    gpu_memory_bytes: int | None
+    fits: bool | None
+    tokens_per_second: float | None
+    duration_s: float | None
+    throughput_source: str

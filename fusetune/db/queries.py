@@ -211,3 +211,19 @@ def find_idempotent_request(session: Session, tenant: str, route: str, key: str)
             IdempotentRequest.tenant == tenant, IdempotentRequest.route == route, IdempotentRequest.key == key
         )
     )
+
+
+def median_tokens_per_second(session: Session, model: str, recent_jobs: int = 5) -> float | None:
+    """This server's measured training throughput for a model: the median over its recent finished jobs."""
+    job_ids = list(session.scalars(
+        select(Job.id).where(Job.model == model, Job.status == JobStatus.SUCCEEDED)
+        .order_by(Job.finished_at.desc()).limit(recent_jobs)
+    ))  # fmt: skip
+    if not job_ids:
+        return None
+    values = sorted(
+        float(v["tokens_per_second"])
+        for v in session.scalars(select(JobMetric.values).where(JobMetric.job_id.in_(job_ids)))
+        if isinstance(v, dict) and v.get("tokens_per_second")
+    )
+    return values[len(values) // 2] if values else None

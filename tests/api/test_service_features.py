@@ -142,3 +142,36 @@ def test_prometheus_metrics(app, settings):
     assert 'fusetune_jobs{status="queued"} 1.0' in text and "fusetune_queue_depth 1.0" in text
     assert 'route="/v1/fine_tuning/jobs/{job_id}",status="404"' in text
     assert client.get("/docs").status_code == 200 and client.get("/openapi.json").status_code == 200
+
+
+LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True}  # fmt: skip
+
+
+def test_dry_run_estimates_and_creates_nothing(tmp_path):
+    settings = Settings(data_dir=tmp_path / "est", gpu_memory_bytes=80 * 2**30)
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    (settings.models_dir / "llama-1b").mkdir()
+    (settings.models_dir / "llama-1b" / "config.json").write_text(json.dumps(LLAMA_1B))
+    client = _client(create_app(settings), settings.dev_api_key)
+    file_id = client.post("/v1/files", files={"file": TRAINING}, data={"purpose": "fine-tune"}).json()["id"]
+    body = {
+        "model": "llama-1b",
+        "training_file": file_id,
+        "hyperparameters": {"n_epochs": 2, "batch_size": 4},
+    }
+    estimate = client.post("/v1/fine_tuning/jobs", json={**body, "dry_run": True}).json()
+    assert estimate["object"] == "fine_tuning.job.estimate"
+    # Llama-3.2-1B has 1.236e9 parameters (tied embeddings).
+    assert abs(estimate["parameters"] - 1.2358e9) / 1.2358e9 < 0.01
+    assert estimate["memory_breakdown"]["weights_grads_optimizer"] == 16 * estimate["parameters"]
+    assert estimate["fits"] is True and estimate["steps"] == 2 and estimate["training_tokens"] > 0
+    assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
+
+    tight = Settings(data_dir=tmp_path / "est", gpu_memory_bytes=8 * 2**30)
+    client = _client(create_app(tight), tight.dev_api_key)
+    refused = client.post("/v1/fine_tuning/jobs", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "job_too_large"
+    assert "GiB" in refused.json()["error"]["message"]
+    assert client.get("/v1/fine_tuning/jobs").json()["data"] == []

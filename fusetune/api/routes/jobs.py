@@ -20,6 +20,7 @@ from fusetune.api.errors import ApiError, not_found
 from fusetune.api.schemas import (
     CheckpointList,
     CheckpointObject,
+    EstimateObject,
     EventList,
     EventObject,
     JobCreate,
@@ -32,7 +33,8 @@ from fusetune.api.schemas import (
 from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.models import Checkpoint, Job, JobEvent, JobStatus, new_id, now_s
+from fusetune.db.models import Checkpoint, File, Job, JobEvent, JobStatus, new_id, now_s
+from fusetune.estimate import ModelShape, estimate_job
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -87,7 +89,36 @@ def _check_model(session: Session, settings: Settings, tenant: str, model: str) 
     )
 
 
-@router.post("", response_model=JobObject)
+def _model_config_path(session: Session, settings: Settings, tenant: str, model: str) -> Path | None:
+    location = base_model_location(settings, model)
+    if location is None:
+        source = session.scalar(select(Job).where(Job.fine_tuned_model == model, Job.tenant == tenant))
+        checkpoints = queries.list_checkpoints(session, source.id) if source is not None else []
+        location = str(settings.runs_dir / checkpoints[0].storage_path) if checkpoints else None
+    path = Path(location) / "config.json" if location else None
+    return path if path is not None and path.is_file() else None
+
+
+def _estimate(session: Session, settings: Settings, tenant: str, model: str, training: File, hyper: dict):
+    config_path = _model_config_path(session, settings, tenant, model)
+    if config_path is None:
+        return None
+    try:
+        shape = ModelShape.from_config_file(config_path)
+    except (KeyError, ValueError, TypeError):
+        return None
+    measured = queries.median_tokens_per_second(session, model)
+    estimate = estimate_job(
+        shape, example_count=training.example_count, token_estimate=training.token_estimate,
+        n_epochs=hyper["n_epochs"], batch_size=hyper["batch_size"], max_seq_length=hyper["max_seq_length"],
+        n_gpus=hyper["n_gpus"], fused_kernels=hyper["kernels"], measured_tokens_per_second=measured,
+    )  # fmt: skip
+    capacity = settings.gpu_memory_bytes
+    fits = None if capacity is None else estimate.peak_memory_bytes_per_gpu <= capacity
+    return EstimateObject(model=model, gpu_memory_bytes=capacity, fits=fits, **estimate.as_dict())
+
+
+@router.post("", response_model=JobObject | EstimateObject)
 def create_job(
     body: JobCreate,
     session: SessionDep,
@@ -95,7 +126,7 @@ def create_job(
     tenant: TenantDep,
     queue: QueueDep,
     idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
-) -> JobObject:
+) -> JobObject | EstimateObject:
     key = idempotency.check_key(idempotency_key)
     request_hash = idempotency.body_hash(body.model_dump(mode="json"))
     earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
@@ -138,6 +169,23 @@ def create_job(
         hyper["learning_rate_multiplier"] = DEFAULT_LR_MULTIPLIER
     if hyper["learning_rate"] is None:
         hyper["learning_rate"] = settings.base_learning_rate * hyper["learning_rate_multiplier"]
+
+    estimate = _estimate(session, settings, tenant, body.model, training, hyper)
+    if body.dry_run:
+        if estimate is None:
+            raise ApiError(
+                400, f"No estimate for model '{body.model}': it has no local config.json.", param="model"
+            )
+        return estimate
+    if estimate is not None and estimate.fits is False:
+        raise ApiError(
+            400,
+            f"The job needs about {estimate.peak_memory_bytes_per_gpu / 2**30:.1f} GiB per GPU, more "
+            f"than the {estimate.gpu_memory_bytes / 2**30:.1f} GiB a worker GPU has. Use a smaller "
+            "batch_size or max_seq_length, or more GPUs.",
+            param="hyperparameters",
+            code="job_too_large",
+        )
 
     job = Job(
         id=new_id("ftjob-"),
