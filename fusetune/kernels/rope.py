@@ -26,6 +26,7 @@ writes the input gradients into fresh buffers: autograd does not promise that an
 ours to overwrite (a caller may hold it, it may be an expanded zero-stride tensor).
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,24 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------
+
+
+# The CPU interpreter (TRITON_INTERPRET=1, used by the tests on machines without a GPU) converts fp32 to bf16
+# by truncation where the GPU rounds to nearest even. With ROUND_BF16 (set only under the interpreter) bf16
+# results are rounded explicitly first, so CPU tests see the numbers the GPU produces.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _to_dtype(value, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """fp32 value -> dtype, rounding to nearest even."""
+    if ROUND_BF16:
+        if dtype == tl.bfloat16:
+            bits = value.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+            value = tl.where(value != value, value, rounded)
+    return value.to(dtype)
 
 
 @triton.jit
@@ -67,6 +86,7 @@ def _rotate_head_block(
     BLOCK_PASS: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     COPY_PASS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """Rotate heads [head_start, head_start + BLOCK_HEADS) of one token (pointers already at that token)."""
     heads = head_start + tl.arange(0, BLOCK_HEADS)
@@ -93,8 +113,10 @@ def _rotate_head_block(
         y_hi = x_hi * cos_hi + x_lo * sin_hi
 
     out_lo_ptrs = out_ptr + heads[:, None] * stride_out_h + cols[None, :] * stride_out_d
-    tl.store(out_lo_ptrs, y_lo.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_lo_ptrs + HALF * stride_out_d, y_hi.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_lo_ptrs, _to_dtype(y_lo, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+    tl.store(
+        out_lo_ptrs + HALF * stride_out_d, _to_dtype(y_hi, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask
+    )
 
     if COPY_PASS:
         # Columns past the rotated width pass through unchanged (only needed when out is not x itself).
@@ -154,6 +176,7 @@ def _rope_program(
     HAS_POSITIONS: tl.constexpr,
     COPY_PASS: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -190,6 +213,7 @@ def _rope_program(
             BLOCK_PASS,
             TRANSPOSE,
             COPY_PASS,
+            ROUND_BF16,
         )
     else:
         _rotate_head_block(
@@ -212,6 +236,7 @@ def _rope_program(
             BLOCK_PASS,
             TRANSPOSE,
             COPY_PASS,
+            ROUND_BF16,
         )
 
 
@@ -258,6 +283,7 @@ def _rope_forward_kernel(
     BLOCK_PASS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     COPY_PASS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """y_lo = x_lo * c_lo - x_hi * s_lo;  y_hi = x_hi * c_hi + x_lo * s_hi;  y[R:] = x[R:]  (x is q or k).
 
@@ -270,7 +296,7 @@ def _rope_forward_kernel(
         stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d,
         stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
         stride_pos_b, stride_pos_s,
-        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, False,
+        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, False, ROUND_BF16,
     )  # fmt: skip
 
 
@@ -317,6 +343,7 @@ def _rope_backward_kernel(
     BLOCK_PASS: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     COPY_PASS: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """The forward is linear in x, y = M x, so dx = M^T dy:
 
@@ -334,7 +361,7 @@ def _rope_backward_kernel(
         stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d,
         stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
         stride_pos_b, stride_pos_s,
-        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, True,
+        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, True, ROUND_BF16,
     )  # fmt: skip
 
 
@@ -407,6 +434,7 @@ def _launch_rope(
         BLOCK_PASS=triton.next_power_of_2(max(pass_width, 1)),
         HAS_POSITIONS=position_ids is not None,
         COPY_PASS=copy_pass and pass_width > 0,
+        ROUND_BF16=_INTERPRETED,
         num_warps=settings.num_warps,
     )  # fmt: skip
 

@@ -286,7 +286,13 @@ def test_rejects_inputs_it_cannot_handle(device):
 # Mutation tests: a deliberately broken kernel must fail the same comparisons.
 # ----------------------------------------------------------------------------------------------------------
 
-_KERNEL_CHAIN = ["_rotate_head_block", "_rope_program", "_rope_forward_kernel", "_rope_backward_kernel"]
+_KERNEL_CHAIN = [
+    "_to_dtype",
+    "_rotate_head_block",
+    "_rope_program",
+    "_rope_forward_kernel",
+    "_rope_backward_kernel",
+]
 _mutant_ids = itertools.count()
 
 

@@ -1,0 +1,599 @@
+"""Gated activations ``act(a) * b`` (SwiGLU: silu, GeGLU: gelu tanh or exact) and the gated MLP modules.
+
+The forward computes the activation in fp32 and rounds the product once. The backward recomputes the
+activation from the saved ``a`` and writes the two input gradients over the saved ``a`` and ``b`` buffers, so
+a gated MLP keeps nothing beyond the two projection outputs. Writing over them is done only when ``a`` and
+``b`` are intermediates of the autograd graph (not leaves) that do not share memory; their version counters
+are bumped afterwards, so any other user that saved them for its own backward fails loudly instead of reading
+gradients. Under ``torch.compile`` the registered functional ops are used instead and the compiler plans the
+memory.
+
+``FusedSwiGLUMLP`` / ``FusedGeGLUMLP`` replace transformers' LlamaMLP / GemmaMLP. Their forward and backward run
+as one autograd node that saves only x, the weights, and the gate and up projections (the product
+``act(gate) * up`` that down_proj needs for its weight gradient is recomputed). Backward, in order:
+
+    grad_hidden = grad_out @ W_down                        (the only new [tokens, intermediate] buffer)
+    one kernel: gate <- d gate, up <- d up, grad_hidden <- act(gate) * up
+    dW_down = grad_out^T @ hidden;  hidden is then freed
+    dx = d gate @ W_gate (+)= d up @ W_up;  dW_gate = d gate^T @ x;  dW_up = d up^T @ x
+    (gate and up are freed as soon as their last product is queued)
+
+so the peak of a forward+backward holds three [tokens, intermediate] buffers where a plain autograd graph holds
+four or more.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+from torch.library import triton_op, wrap_triton
+
+__all__ = [
+    "FusedGeGLUMLP",
+    "FusedSwiGLUMLP",
+    "GatedLaunchSettings",
+    "gated_launch_settings",
+    "geglu",
+    "geglu_reference",
+    "swiglu",
+    "swiglu_reference",
+]
+
+# Activation codes shared by the Python side and the kernels.
+_SILU, _GELU_TANH, _GELU_ERF = 0, 1, 2
+_ACTIVATION_CODES = {"silu": _SILU, "gelu_tanh": _GELU_TANH, "gelu": _GELU_ERF}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+# The CPU interpreter (TRITON_INTERPRET=1, used by the tests on machines without a GPU) converts fp32 to bf16
+# by truncation where the GPU rounds to nearest even. With ROUND_BF16 (set only under the interpreter) bf16
+# results are rounded explicitly first, so CPU tests see the numbers the GPU produces.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _to_dtype(value, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """fp32 value -> dtype, rounding to nearest even."""
+    if ROUND_BF16:
+        if dtype == tl.bfloat16:
+            bits = value.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+            value = tl.where(value != value, value, rounded)
+    return value.to(dtype)
+
+
+@triton.jit
+def _activation_and_slope(a, ACTIVATION: tl.constexpr):
+    """act(a) and act'(a) in fp32."""
+    if ACTIVATION == 0:
+        # silu(a) = a * sigmoid(a);  silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a)))
+        sig = tl.sigmoid(a)
+        act = a * sig
+        slope = sig * (1.0 + a * (1.0 - sig))
+    elif ACTIVATION == 1:
+        # gelu_tanh(a) = a/2 * (1 + tanh(u)),  u = sqrt(2/pi) * (a + 0.044715 a^3)
+        # slope = (1 + tanh(u))/2 + a/2 * (1 - tanh(u)^2) * sqrt(2/pi) * (1 + 3 * 0.044715 a^2)
+        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+        tanh_u = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+        act = 0.5 * a * (1.0 + tanh_u)
+        slope = 0.5 * (1.0 + tanh_u) + 0.5 * a * (1.0 - tanh_u * tanh_u) * 0.7978845608028654 * (
+            1.0 + 0.134145 * a * a
+        )
+    else:
+        # gelu(a) = a * Phi(a);  gelu'(a) = Phi(a) + a * phi(a)  (Phi, phi: standard normal cdf and pdf)
+        cdf = 0.5 * (1.0 + tl.erf(a * 0.7071067811865476))
+        act = a * cdf
+        slope = cdf + a * tl.exp(-0.5 * a * a) * 0.3989422804014327
+    return act, slope
+
+
+@triton.jit
+def _gated_forward_kernel(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    n_cols,
+    n_col_blocks,
+    stride_a_row,
+    stride_b_row,
+    stride_out_row,
+    ACTIVATION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """out = act(a) * b, over [rows, n_cols] with unit column stride. Grid: rows * n_col_blocks programs."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    a = tl.load(a_ptr + row * stride_a_row + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_b_row + cols, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _activation_and_slope(a, ACTIVATION)
+    tl.store(
+        out_ptr + row * stride_out_row + cols,
+        _to_dtype(act * b, out_ptr.dtype.element_ty, ROUND_BF16),
+        mask=mask,
+    )
+
+
+@triton.jit
+def _gated_backward_kernel(
+    grad_ptr,
+    a_ptr,
+    b_ptr,
+    grad_a_ptr,
+    grad_b_ptr,
+    hidden_ptr,
+    n_cols,
+    n_col_blocks,
+    stride_grad_row,
+    stride_a_row,
+    stride_b_row,
+    stride_grad_a_row,
+    stride_grad_b_row,
+    stride_hidden_row,
+    ACTIVATION: tl.constexpr,
+    STORE_HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """For out = act(a) * b and incoming g = d loss / d out:
+
+        d a = g * b * act'(a)
+        d b = g * act(a)
+        hidden = act(a) * b            (only with STORE_HIDDEN: the forward product, recomputed)
+
+    act(a) and act'(a) are recomputed from a. grad_a/grad_b may be a/b themselves and hidden may be grad:
+    every element is read before it is written, by the same program.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    grad = tl.load(grad_ptr + row * stride_grad_row + cols, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row * stride_a_row + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_b_row + cols, mask=mask, other=0.0).to(tl.float32)
+    act, slope = _activation_and_slope(a, ACTIVATION)
+    tl.store(
+        grad_a_ptr + row * stride_grad_a_row + cols,
+        _to_dtype(grad * b * slope, grad_a_ptr.dtype.element_ty, ROUND_BF16),
+        mask=mask,
+    )
+    tl.store(
+        grad_b_ptr + row * stride_grad_b_row + cols,
+        _to_dtype(grad * act, grad_b_ptr.dtype.element_ty, ROUND_BF16),
+        mask=mask,
+    )
+    if STORE_HIDDEN:
+        tl.store(
+            hidden_ptr + row * stride_hidden_row + cols,
+            _to_dtype(act * b, hidden_ptr.dtype.element_ty, ROUND_BF16),
+            mask=mask,
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch settings and launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatedLaunchSettings:
+    block: int
+    num_warps: int
+
+
+def gated_launch_settings(n_cols: int) -> GatedLaunchSettings:
+    """Elements per program and warps for the elementwise kernels.
+
+    Placeholder until the H100 measurement at T=8192, I=14336, bf16 (.scratch timing) picks the values.
+    """
+    block = min(2048, triton.next_power_of_2(max(n_cols, 16)))
+    return GatedLaunchSettings(block=block, num_warps=8 if block >= 2048 else 4)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D [rows, cols] view (a copy only when the layout cannot be viewed so) with unit column stride."""
+    rows = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    if rows.shape[-1] > 1 and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def _row_geometry(*tensors: torch.Tensor) -> tuple[int, int, list[int]]:
+    """(rows, cols, row strides); one flat row when every tensor is contiguous, so no block straddles rows."""
+    n_rows, n_cols = tensors[0].shape
+    if all(t.is_contiguous() for t in tensors):
+        return 1, n_rows * n_cols, [0] * len(tensors)
+    return n_rows, n_cols, [t.stride(0) for t in tensors]
+
+
+def _launch_gated_forward(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, activation: str) -> None:
+    """a, b, out: [rows, cols] with unit column stride."""
+    if a.numel() == 0:
+        return
+    n_rows, n_cols, strides = _row_geometry(a, b, out)
+    settings = gated_launch_settings(n_cols)
+    n_col_blocks = triton.cdiv(n_cols, settings.block)
+    wrap_triton(_gated_forward_kernel)[(n_rows * n_col_blocks,)](
+        a, b, out, n_cols, n_col_blocks, *strides,
+        ACTIVATION=_ACTIVATION_CODES[activation], BLOCK=settings.block, ROUND_BF16=_INTERPRETED,
+        num_warps=settings.num_warps,
+    )  # fmt: skip
+
+
+def _launch_gated_backward(
+    grad: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    grad_a: torch.Tensor,
+    grad_b: torch.Tensor,
+    hidden: torch.Tensor | None,
+    activation: str,
+) -> None:
+    """All [rows, cols] with unit column stride; grad_a/grad_b may be a/b and hidden may be grad (in place)."""
+    if a.numel() == 0:
+        return
+    hidden_arg = grad if hidden is None else hidden
+    n_rows, n_cols, strides = _row_geometry(grad, a, b, grad_a, grad_b, hidden_arg)
+    settings = gated_launch_settings(n_cols)
+    n_col_blocks = triton.cdiv(n_cols, settings.block)
+    wrap_triton(_gated_backward_kernel)[(n_rows * n_col_blocks,)](
+        grad, a, b, grad_a, grad_b, hidden_arg, n_cols, n_col_blocks, *strides,
+        ACTIVATION=_ACTIVATION_CODES[activation], STORE_HIDDEN=hidden is not None,
+        BLOCK=settings.block, ROUND_BF16=_INTERPRETED, num_warps=settings.num_warps,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Registered functional ops (torch.compile path)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton_op("fusetune::gated_act", mutates_args=())
+def _gated_act_op(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    _launch_gated_forward(_as_rows(a), _as_rows(b), out.view(-1, a.shape[-1]), activation)
+    return out
+
+
+@triton_op("fusetune::gated_act_backward", mutates_args=())
+def _gated_act_backward_op(
+    grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    grad_b = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    n_cols = a.shape[-1]
+    _launch_gated_backward(
+        _as_rows(grad),
+        _as_rows(a),
+        _as_rows(b),
+        grad_a.view(-1, n_cols),
+        grad_b.view(-1, n_cols),
+        None,
+        activation,
+    )
+    return grad_a, grad_b
+
+
+def _gated_act_setup_context(ctx, inputs, output) -> None:
+    a, b, activation = inputs
+    ctx.save_for_backward(a, b)
+    ctx.activation = activation
+
+
+def _gated_act_op_backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    grad_a, grad_b = torch.ops.fusetune.gated_act_backward(grad_out, a, b, ctx.activation)
+    return grad_a, grad_b, None
+
+
+_gated_act_op.register_autograd(_gated_act_op_backward, setup_context=_gated_act_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Eager path: gradients written over the saved inputs
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    return start, start + extent * t.element_size()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _storage_span(a), _storage_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    extent = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride < extent:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
+def _may_overwrite(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the backward may write d a, d b over a, b: both autograd intermediates, disjoint, no aliasing."""
+    return (
+        a.grad_fn is not None
+        and b.grad_fn is not None
+        and not _has_internal_overlap(a)
+        and not _has_internal_overlap(b)
+        and not _overlap(a, b)
+    )
+
+
+class _GatedActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, activation):
+        out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        _launch_gated_forward(_as_rows(a), _as_rows(b), out.view(-1, a.shape[-1]), activation)
+        ctx.save_for_backward(a, b)
+        ctx.activation = activation
+        ctx.overwrite_inputs = _may_overwrite(a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        grad_rows, a_rows, b_rows = _as_rows(grad_out), _as_rows(a), _as_rows(b)
+        if ctx.overwrite_inputs:
+            grad_a, grad_b = a_rows, b_rows
+        else:
+            grad_a, grad_b = torch.empty_like(a_rows), torch.empty_like(b_rows)
+        _launch_gated_backward(grad_rows, a_rows, b_rows, grad_a, grad_b, None, ctx.activation)
+        if ctx.overwrite_inputs:
+            # a and b now hold gradients: make any later unpack of them by another node fail loudly.
+            torch.autograd.graph.increment_version(a)
+            torch.autograd.graph.increment_version(b)
+        return grad_a.reshape(a.shape), grad_b.reshape(b.shape), None
+
+
+def _check_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"a and b must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"a and b must have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.dim() == 0:
+        raise ValueError("a and b must have at least one dimension")
+
+
+def _gated_activation(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
+    _check_pair(a, b)
+    if torch.compiler.is_compiling():
+        return torch.ops.fusetune.gated_act(a, b, activation)
+    return _GatedActivation.apply(a, b, activation)
+
+
+def _gelu_activation(approximate: str) -> str:
+    if approximate == "tanh":
+        return "gelu_tanh"
+    if approximate == "none":
+        return "gelu"
+    raise ValueError(f'approximate must be "tanh" or "none", got {approximate!r}')
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b. The backward overwrites a and b with their gradients when they are graph intermediates."""
+    return _gated_activation(a, b, "silu")
+
+
+def geglu(a: torch.Tensor, b: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(a) * b with gelu's ``approximate`` ("tanh" or "none"); same in-place backward as swiglu."""
+    return _gated_activation(a, b, _gelu_activation(approximate))
+
+
+def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pure PyTorch in fp32, cast back to a's dtype."""
+    return (F.silu(a.float()) * b.float()).to(a.dtype)
+
+
+def geglu_reference(a: torch.Tensor, b: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """Pure PyTorch in fp32, cast back to a's dtype."""
+    _gelu_activation(approximate)
+    return (F.gelu(a.float(), approximate=approximate) * b.float()).to(a.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Whole-MLP autograd node (eager)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _release_storage(t: torch.Tensor) -> None:
+    # The saved-tensor slot keeps its tensor alive until the whole backward returns; freeing the storage
+    # lets the next products reuse the memory. The tensor is private to this node (never returned).
+    t.untyped_storage().resize_(0)
+
+
+class _GatedMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation):
+        gate = F.linear(x, gate_weight, gate_bias)
+        up = F.linear(x, up_weight, up_bias)
+        hidden = torch.empty_like(gate)
+        n_cols = gate.shape[-1]
+        _launch_gated_forward(gate.view(-1, n_cols), up.view(-1, n_cols), hidden.view(-1, n_cols), activation)
+        out = F.linear(hidden, down_weight, down_bias)
+        del hidden  # recomputed in the backward
+        ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate, up)
+        ctx.activation = activation
+        ctx.consumed = False
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.consumed:
+            raise RuntimeError(
+                "the fused gated MLP overwrites its saved activations in the backward; a second backward "
+                "through the same graph (retain_graph=True) is not supported"
+            )
+        ctx.consumed = True
+        x, gate_weight, up_weight, down_weight, gate, up = ctx.saved_tensors
+        (need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b, _) = (
+            ctx.needs_input_grad
+        )
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
+        x_rows = x.reshape(-1, x.shape[-1])
+        gate_rows, up_rows = _as_rows(gate), _as_rows(up)
+
+        grad_hidden = torch.mm(grad_rows, down_weight)
+        # gate <- d gate, up <- d up, grad_hidden <- act(gate) * up (the forward product, for dW_down).
+        _launch_gated_backward(
+            grad_hidden,
+            gate_rows,
+            up_rows,
+            gate_rows,
+            up_rows,
+            grad_hidden if need_down_w else None,
+            ctx.activation,
+        )
+        grad_down_weight = torch.mm(grad_rows.t(), grad_hidden) if need_down_w else None
+        grad_down_bias = grad_rows.sum(0) if need_down_b else None
+        del grad_hidden
+
+        grad_x_rows = torch.mm(gate_rows, gate_weight) if need_x else None
+        grad_gate_weight = torch.mm(gate_rows.t(), x_rows) if need_gate_w else None
+        grad_gate_bias = gate_rows.sum(0) if need_gate_b else None
+        del gate_rows
+        _release_storage(gate)
+        if need_x:
+            grad_x_rows.addmm_(up_rows, up_weight)
+        grad_up_weight = torch.mm(up_rows.t(), x_rows) if need_up_w else None
+        grad_up_bias = up_rows.sum(0) if need_up_b else None
+        del up_rows
+        _release_storage(up)
+
+        grad_x = grad_x_rows.view(x.shape) if need_x else None
+        return (
+            grad_x,
+            grad_gate_weight,
+            grad_gate_bias,
+            grad_up_weight,
+            grad_up_bias,
+            grad_down_weight,
+            grad_down_bias,
+            None,
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear whose forward is exactly F.linear on plain tensors (no adapters, hooks or sharded params)."""
+    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    params = [module.weight] if module.bias is None else [module.weight, module.bias]
+    return all(type(p.data) is torch.Tensor for p in params)
+
+
+def _global_module_hooks_present() -> bool:
+    from torch.nn.modules import module as module_internals
+
+    return bool(module_internals._global_forward_hooks or module_internals._global_forward_pre_hooks)
+
+
+class _GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)) with the state_dict keys of transformers' gated MLPs."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if torch.compiler.is_compiling() or not all(_is_plain_linear(m) for m in projections):
+            return False
+        if _global_module_hooks_present() or torch.is_autocast_enabled(x.device.type):
+            return False
+        tensors = [x] + [p for m in projections for p in m.parameters()]
+        return all(t.dtype == x.dtype and t.device == x.device for t in tensors)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fusable(x):
+            return _GatedMLPFunction.apply(
+                x,
+                self.gate_proj.weight,
+                self.gate_proj.bias,
+                self.up_proj.weight,
+                self.up_proj.bias,
+                self.down_proj.weight,
+                self.down_proj.bias,
+                self.activation,
+            )
+        # Adapters (e.g. LoRA-wrapped projections), hooks, autocast, mixed dtypes, torch.compile: call the
+        # projections as modules and fuse only the activation.
+        return self.down_proj(_gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
+
+
+class FusedSwiGLUMLP(_GatedMLP):
+    """Drop-in for transformers' LlamaMLP (and the same MLP of Mistral, Qwen2/3, ...)."""
+
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
+        hidden_act = getattr(config, "hidden_act", "silu")
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(
+                f"FusedSwiGLUMLP needs config.hidden_act 'silu' (or 'swish'), got {hidden_act!r}"
+            )
+        super().__init__(
+            config.hidden_size,
+            config.intermediate_size if intermediate_size is None else intermediate_size,
+            bool(getattr(config, "mlp_bias", False)),
+            "silu",
+        )
+        self.config = config
+
+
+_GELU_NAMES = {
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+}
+
+
+class FusedGeGLUMLP(_GatedMLP):
+    """Drop-in for transformers' GemmaMLP / Gemma2MLP / Gemma3MLP.
+
+    The activation comes from ``config.hidden_activation`` (Gemma 2 and later) or else ``config.hidden_act``
+    (Gemma 1, whose config already maps the legacy "gelu" to the tanh form): tanh-approximate names
+    ("gelu_pytorch_tanh", "gelu_new", ...) use the tanh form, "gelu" the exact erf form.
+    """
+
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
+        name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if name not in _GELU_NAMES:
+            raise ValueError(
+                f"FusedGeGLUMLP needs a gelu activation ({', '.join(sorted(_GELU_NAMES))}), got {name!r}"
+            )
+        super().__init__(
+            config.hidden_size,
+            config.intermediate_size if intermediate_size is None else intermediate_size,
+            bool(getattr(config, "mlp_bias", False)),
+            _GELU_NAMES[name],
+        )
+        self.config = config
