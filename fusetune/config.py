@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     checkpoint_every_steps: int = Field(default=0, ge=0, description="0: only at the end of training")
     # How long the worker waits for a training process to exit after SIGTERM before SIGKILL.
     terminate_grace_s: float = 5.0
+    # Crash recovery: a worker renews its job's lease every lease_s / 3; a job whose lease lapsed is requeued
+    # (by any worker's reaper, every reaper_interval_s) until it has been started max_attempts times.
+    lease_s: int = Field(default=60, ge=3)
+    reaper_interval_s: float = Field(default=10.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:
@@ -80,4 +85,7 @@ class Settings(BaseSettings):
             "FUSETUNE_BASE_LEARNING_RATE": str(self.base_learning_rate),
             "FUSETUNE_CHECKPOINT_EVERY_STEPS": str(self.checkpoint_every_steps),
             "FUSETUNE_DEV_API_KEY": self.dev_api_key,
+            "FUSETUNE_LEASE_S": str(self.lease_s),
+            "FUSETUNE_REAPER_INTERVAL_S": str(self.reaper_interval_s),
+            "FUSETUNE_MAX_ATTEMPTS": str(self.max_attempts),
         }

@@ -120,19 +120,19 @@ class Service:
         raise TimeoutError(f"job {job_id} did not finish in {timeout_s} s; server log tail:\n{log}")
 
 
+def service_env(settings: Settings, extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, **settings.subprocess_env(), **(extra_env or {})}
+
+
 @contextmanager
-def running_service(data_dir: Path, **env_overrides: str) -> Iterator[Service]:
+def running_service(
+    data_dir: Path, extra_env: dict[str, str] | None = None, **settings_overrides: str
+) -> Iterator[Service]:
+    """``fusetune serve`` on a free port; ``extra_env`` reaches the server and its embedded worker."""
     port = free_port()
-    settings = Settings(
-        data_dir=data_dir, port=port, **{k: v for k, v in env_overrides.items() if k in Settings.model_fields}
-    )
+    settings = Settings(data_dir=data_dir, port=port, **settings_overrides)
     settings.ensure_dirs()
-    env = {
-        **os.environ,
-        **settings.subprocess_env(),
-        "FUSETUNE_PORT": str(port),
-        "FUSETUNE_HOST": "127.0.0.1",
-    }
+    env = {**service_env(settings, extra_env), "FUSETUNE_PORT": str(port), "FUSETUNE_HOST": "127.0.0.1"}
     log = open(data_dir / "server.log", "ab")
     process = subprocess.Popen([sys.executable, "-m", "fusetune.cli", "serve"], env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -157,3 +157,16 @@ def running_service(data_dir: Path, **env_overrides: str) -> Iterator[Service]:
         service.client.close()
         _stop(process)
         log.close()
+
+
+def start_worker(
+    settings: Settings, log_path: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """A standalone ``fusetune worker`` process (as docker-compose runs it), in a session of its own."""
+    log = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+    return subprocess.Popen([sys.executable, "-m", "fusetune.cli", "worker"], env=service_env(settings, extra_env),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    _stop(process)

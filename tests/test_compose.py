@@ -28,11 +28,17 @@ def test_compose_services_and_commands():
     for name in ("migrate", "api", "worker"):
         command = services[name]["command"]
         assert command[0] == "fusetune"
-        result = subprocess.run([sys.executable, "-m", "fusetune.cli", *command[1:2], "--help"], capture_output=True)
+        result = subprocess.run(
+            [sys.executable, "-m", "fusetune.cli", *command[1:2], "--help"], capture_output=True
+        )
         assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed")
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None, reason="docker-compose (Debian package) not installed"
+)
 def test_compose_file_parses_with_docker_compose():
-    result = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True)
+    result = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr

@@ -74,6 +74,8 @@ class Job(Base):
     # Which worker holds the job and how often it was started: crash recovery and the "no two copies" rule.
     worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # The worker renews this while it trains the job; a lapsed lease means the worker died (see the reaper).
+    lease_expires_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")

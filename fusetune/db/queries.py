@@ -74,13 +74,42 @@ def list_jobs(
     return page, False
 
 
-def claim_job(session: Session, job_id: str, worker: str) -> bool:
+def claim_job(session: Session, job_id: str, worker: str, lease_s: int) -> bool:
     """queued -> running in one statement, so two workers given the same message cannot both win."""
+    now = now_s()
     result = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
-        .values(status=JobStatus.RUNNING, started_at=now_s(), worker=worker, attempts=Job.attempts + 1)
+        .values(status=JobStatus.RUNNING, started_at=now, worker=worker, attempts=Job.attempts + 1,
+                lease_expires_at=now + lease_s)
+    )  # fmt: skip
+    return result.rowcount == 1
+
+
+def renew_lease(session: Session, job_id: str, worker: str, lease_s: int) -> bool:
+    """Extends the lease of a job this worker is training; False if the job is no longer this worker's."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.worker == worker, Job.status == JobStatus.RUNNING)
+        .values(lease_expires_at=now_s() + lease_s)
     )
+    return result.rowcount == 1
+
+
+def lapsed_jobs(session: Session) -> list[Job]:
+    """Running jobs whose worker stopped renewing the lease: it died, or lost the database."""
+    query = select(Job).where(Job.status == JobStatus.RUNNING, Job.lease_expires_at < now_s())
+    return list(session.scalars(query))
+
+
+def requeue_job(
+    session: Session, job_id: str, from_status: str = JobStatus.RUNNING, worker: str | None = None
+) -> bool:
+    """Back to queued, for another attempt. With `worker`, only if that worker still holds the job."""
+    query = update(Job).where(Job.id == job_id, Job.status == from_status)
+    if worker is not None:
+        query = query.where(Job.worker == worker)
+    result = session.execute(query.values(status=JobStatus.QUEUED, worker=None, lease_expires_at=None))
     return result.rowcount == 1
 
 

@@ -1,23 +1,44 @@
-"""The worker side of the job queue: the Celery app with the training task registered on it."""
+"""The worker side of the job queue: the Celery app with the training task, and the reaper beside it."""
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import threading
 
 from celery import Celery
+from celery.signals import worker_ready
 
 from fusetune.config import Settings
-from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, make_celery_app
-from fusetune.worker.tasks import JobRunner
+from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, JobQueue, make_celery_app
+from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
+
+log = logging.getLogger(__name__)
 
 
 def make_worker_app(settings: Settings) -> Celery:
     app = make_celery_app(settings)
-    runner = JobRunner(settings)
+    queue = JobQueue(app)
+    runner = JobRunner(settings, requeue=queue.enqueue)
 
     @app.task(name=RUN_JOB_TASK)
     def run_job(job_id: str) -> str:
         return runner.run(job_id)
+
+    def reap_forever() -> None:
+        while True:
+            try:
+                requeued = reap_lapsed_jobs(settings, runner.session_factory, queue.enqueue)
+                if requeued:
+                    log.warning("requeued jobs whose worker stopped renewing its lease: %s", requeued)
+            except Exception:  # a database hiccup must not end the reaper
+                log.exception("reaper pass failed")
+            threading.Event().wait(settings.reaper_interval_s)
+
+    @worker_ready.connect(weak=False)
+    def _start_reaper(**_kwargs) -> None:
+        threading.Thread(target=reap_forever, name="fusetune-reaper", daemon=True).start()
 
     return app
 
@@ -32,7 +53,7 @@ def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
             "--concurrency=1",
             f"--queues={JOBS_QUEUE}",
             f"--loglevel={loglevel}",
-            f"--hostname=fusetune@{socket.gethostname()}",
+            f"--hostname=fusetune-{os.getpid()}@{socket.gethostname()}",
             "--without-gossip",
             "--without-mingle",
         ]

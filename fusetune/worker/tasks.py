@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
+from fusetune.worker.process import die_with_parent
 from fusetune.worker.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,9 @@ class Outcome:
     fields: dict
     message: str
     level: str = "info"
+    # A crash without a diagnosis (killed process, lost node) may succeed on another attempt; a known error
+    # (bad model, out of memory, non-finite loss) would only fail again.
+    retryable: bool = False
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -53,8 +58,9 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class JobRunner:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, requeue: Callable[[str], None]):
         self.settings = settings
+        self.requeue = requeue
         self.session_factory = make_session_factory(make_engine(settings.database_url))
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -62,7 +68,7 @@ class JobRunner:
 
     def run(self, job_id: str) -> str:
         with self.session_factory() as session:
-            if not queries.claim_job(session, job_id, self.worker_name):
+            if not queries.claim_job(session, job_id, self.worker_name, self.settings.lease_s):
                 session.rollback()
                 log.info(
                     "job %s is not queued (status %s); nothing to do",
@@ -71,7 +77,11 @@ class JobRunner:
                 )
                 return "skipped"
             job = queries.get_job(session, job_id)
-            queries.add_event(session, job_id, f"Fine-tuning job started on worker {self.worker_name}")
+            queries.add_event(
+                session,
+                job_id,
+                f"Fine-tuning job started on worker {self.worker_name} (attempt {job.attempts})",
+            )
             session.commit()
         try:
             outcome = self._train(job)
@@ -83,11 +93,23 @@ class JobRunner:
                 f"Job failed in the worker: {exc}",
                 "error",
             )
+        return self._record(job, outcome)
+
+    def _record(self, job: Job, outcome: Outcome) -> str:
         with self.session_factory() as session:
-            if queries.finish_job(session, job_id, outcome.status, **outcome.fields):
-                queries.add_event(session, job_id, outcome.message, level=outcome.level)
+            if outcome.retryable and job.attempts < self.settings.max_attempts:
+                if queries.requeue_job(session, job.id, worker=self.worker_name):
+                    queries.add_event(session, job.id, f"{outcome.message}\nRetrying: attempt {job.attempts + 1} of "
+                                      f"{self.settings.max_attempts}.", level="warning")  # fmt: skip
+                    session.commit()
+                    self.requeue(job.id)
+                    return JobStatus.QUEUED
+            if outcome.retryable:
+                outcome.fields["error"]["message"] += f" (gave up after {job.attempts} attempts)"
+            if queries.finish_job(session, job.id, outcome.status, **outcome.fields):
+                queries.add_event(session, job.id, outcome.message, level=outcome.level)
             elif outcome.status != JobStatus.SUCCEEDED:
-                queries.add_event(session, job_id, outcome.message, level=outcome.level)
+                queries.add_event(session, job.id, outcome.message, level=outcome.level)
             session.commit()
         return outcome.status
 
@@ -168,7 +190,7 @@ class JobRunner:
             # A session of its own, so cancel can signal torchrun and every rank it started, and nothing else.
             process = subprocess.Popen(
                 self._launch_command(config_path, nproc), stdout=log_file, stderr=subprocess.STDOUT,
-                env=env, cwd=run_dir, start_new_session=True,
+                env=env, cwd=run_dir, start_new_session=True, preexec_fn=die_with_parent,
             )  # fmt: skip
             stopped_for = self._watch(job.id, process)
         if stopped_for is not None:
@@ -177,8 +199,11 @@ class JobRunner:
         return self._read_outcome(job, run_dir, process.returncode, log_path)
 
     def _watch(self, job_id: str, process: subprocess.Popen) -> str | None:
-        """Waits for the trainer. If the job leaves `running` meanwhile (cancel, pause), stops the processes
-        and returns the job's new status; returns None when the trainer exited by itself."""
+        """Waits for the trainer, renewing the job's lease. If the job leaves `running` meanwhile (cancel,
+        pause) or stops being this worker's, stops the processes and returns the job's new status; returns
+        None when the trainer exited by itself."""
+        renew_every_s = self.settings.lease_s / 3
+        last_renewal = time.monotonic()
         while True:
             try:
                 process.wait(timeout=WATCH_INTERVAL_S)
@@ -187,9 +212,14 @@ class JobRunner:
                 pass
             with self.session_factory() as session:
                 status = queries.get_job_status(session, job_id)
-            if status != JobStatus.RUNNING:
+                still_ours = status == JobStatus.RUNNING
+                if still_ours and time.monotonic() - last_renewal >= renew_every_s:
+                    still_ours = queries.renew_lease(session, job_id, self.worker_name, self.settings.lease_s)
+                    session.commit()
+                    last_renewal = time.monotonic()
+            if not still_ours:
                 self._stop(process)
-                return status or JobStatus.CANCELLED
+                return status if status != JobStatus.RUNNING else JobStatus.QUEUED
 
     def _stop(self, process: subprocess.Popen) -> None:
         try:
@@ -223,6 +253,28 @@ class JobRunner:
             )
         tail = _tail(log_path)
         message = f"The training process exited with code {returncode}. Last lines of its log:\n{tail}"
-        return Outcome(
-            JobStatus.FAILED, {"error": {"code": "trainer_crashed", "message": message}}, message, "error"
-        )
+        error = {"code": "trainer_crashed", "message": message}
+        return Outcome(JobStatus.FAILED, {"error": error}, message, "error", retryable=True)
+
+
+def reap_lapsed_jobs(settings: Settings, session_factory, requeue: Callable[[str], None]) -> list[str]:
+    """Requeues running jobs whose worker stopped renewing the lease (killed, frozen, cut off from the
+    database), or fails them once they have used up their attempts. Any worker may run this."""
+    requeued = []
+    with session_factory() as session:
+        for job in queries.lapsed_jobs(session):
+            if job.attempts < settings.max_attempts:
+                if queries.requeue_job(session, job.id, worker=job.worker):
+                    queries.add_event(session, job.id, f"Worker {job.worker} stopped renewing its lease; job "
+                                      f"requeued for attempt {job.attempts + 1} of {settings.max_attempts}.",
+                                      level="warning")  # fmt: skip
+                    session.commit()
+                    requeue(job.id)
+                    requeued.append(job.id)
+            else:
+                error = {"code": "worker_lost", "message": f"The job's worker stopped responding {job.attempts} "
+                         "times; giving up."}  # fmt: skip
+                if queries.finish_job(session, job.id, JobStatus.FAILED, error=error):
+                    queries.add_event(session, job.id, error["message"], level="error")
+                session.commit()
+    return requeued

@@ -1,0 +1,20 @@
+"""Process hygiene for training: no training process may outlive the worker that started it."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (a `kill -9` of the worker or of torchrun).
+
+    Without this, ranks orphaned by a killed worker would keep training while another worker restarts the
+    job: two copies of one job. Other platforms have no such call; there the worker's cleanup is all there is.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
