@@ -1,0 +1,856 @@
+"""Cross-entropy over given logits, with the gradient written during the forward.
+
+One persistent Triton kernel walks each row of ``logits [N, V]`` twice: a first sweep keeps an online
+max / sum-of-exponentials per lane (never the whole row in registers, so vocabularies of 32k-262k
+cost the same per element), a second sweep, in reverse order so that it starts on the lines the first
+sweep touched last and are most likely still in L2, writes the gradient of the per-token loss. The
+backward is then only a multiplication by the upstream gradient, skipped on the device when that
+gradient is exactly 1 (the usual ``loss.backward()``).
+
+Per valid token (label ``y`` != ``ignore_index``), with ``s = softcap * tanh(x / softcap)`` when a
+softcap is set (else ``s = x``), ``lse = logsumexp(s)``, class weights ``w`` (all ones when absent),
+``W = sum_j w_j``, smoothing ``eps`` and z-loss scale ``z``::
+
+    loss = (1 - eps) * w_y * (lse - s_y) + eps / V * sum_j w_j * (lse - s_j) + z * lse**2
+
+which is ``torch.nn.functional.cross_entropy`` (weights, ``label_smoothing``) plus the z-loss term
+(unweighted). "mean" divides the summed loss by ``sum of w_y`` over valid tokens (the token count
+without weights), as torch does; with no valid token the loss is 0, not NaN. Ignored tokens have
+loss 0 and gradient 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+__all__ = [
+    "CrossEntropyLaunchConfig",
+    "FusedCrossEntropyLoss",
+    "cross_entropy",
+    "cross_entropy_launch_config",
+    "cross_entropy_reference",
+]
+
+_REDUCTIONS = ("mean", "sum", "none")
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# Start value of the running maxima: finite, so that (s - m) is never (-inf) - (-inf) = NaN on lanes
+# that have seen only masked (-inf) columns so far.
+_LOWEST: tl.constexpr = tl.constexpr(-3.0e38)
+_INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(u):
+    # One exp2 and one division; exact to ~1e-7 absolute and saturating cleanly for large |u|.
+    e = tl.exp2(tl.abs(u) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0.0, -t, t)
+
+
+@triton.jit
+def _cross_entropy_forward_kernel(
+    logits_ptr,
+    logits_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    labels_ptr,
+    class_weight_ptr,
+    stats_ptr,
+    grad_scale_ptr,
+    grad_scale_row_stride,
+    loss_ptr,
+    correct_ptr,
+    n_rows,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    z_loss_scale,
+    softcap,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_ACCURACY: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    FIRST_SWEEP_EVICTION: tl.constexpr,
+):
+    """Per-token loss (and optionally the gradient of ``scale_i * loss_i``) for rows of logits.
+
+    Backward math, for a valid row with label y, p = softmax(s), scale c (1/denominator for "mean",
+    1 for "sum"/"none" -- the backward multiplies by the upstream gradient afterwards)::
+
+        dloss/ds_j = (1-eps) * w_y * (p_j - [j == y]) + eps/V * (W * p_j - w_j) + 2 * z * lse * p_j
+        dloss/dx_j = dloss/ds_j * (1 - (s_j / softcap)**2)        (only with a softcap)
+        grad_j     = c * dloss/dx_j
+
+    Ignored rows get loss 0 and gradient 0 and their logits are never read. ``grad_ptr`` may equal
+    ``logits_ptr`` (in place): every element is read before it is written, by the same program.
+    ``stats_ptr`` holds [denominator, inverse denominator, sum of class weights].
+    """
+    program = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK_V)
+    n_blocks = tl.cdiv(n_cols, BLOCK_V)
+    inv_n_cols = 1.0 / n_cols
+    for row in range(program, n_rows, n_programs):
+        row64 = tl.cast(row, tl.int64)
+        label = tl.load(labels_ptr + row64)
+        grad_row = grad_ptr + row64 * grad_row_stride
+        if label == ignore_index:
+            tl.store(loss_ptr + row64, 0.0)
+            if COMPUTE_ACCURACY:
+                tl.store(correct_ptr + row64, 0.0)
+            if WRITE_GRAD:
+                zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
+                for block in range(0, n_blocks):
+                    cols = block * BLOCK_V + lanes
+                    tl.store(grad_row + cols, zeros, mask=cols < n_cols)
+        else:
+            label32 = label.to(tl.int32)
+            logits_row = logits_ptr + row64 * logits_row_stride
+            # Sweep 1: per-lane online max (log2 domain) and sum of 2^(s*log2e - max). Updating with
+            # e = 2^-|s2 - m| needs one exponential per element, not two.
+            running_max = tl.full([BLOCK_V], _LOWEST, dtype=tl.float32)
+            running_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
+            weighted_logit_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
+            best_logit = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+            best_col = tl.zeros([BLOCK_V], dtype=tl.int32)
+            next_x = tl.load(
+                logits_row + lanes,
+                mask=lanes < n_cols,
+                other=float("-inf"),
+                eviction_policy=FIRST_SWEEP_EVICTION,
+            )
+            for block in range(0, n_blocks):
+                cols = block * BLOCK_V + lanes
+                mask = cols < n_cols
+                x = next_x.to(tl.float32)
+                # Issue the next block's load before this block's arithmetic, so it is in flight.
+                next_cols = cols + BLOCK_V
+                next_x = tl.load(
+                    logits_row + next_cols,
+                    mask=next_cols < n_cols,
+                    other=float("-inf"),
+                    eviction_policy=FIRST_SWEEP_EVICTION,
+                )
+                if HAS_SOFTCAP:
+                    s = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
+                else:
+                    s = x
+                s2 = s * LOG2E
+                delta = s2 - running_max
+                e = tl.exp2(-tl.abs(delta))
+                grows = delta > 0.0
+                running_sum = tl.where(grows, running_sum * e + 1.0, running_sum + e)
+                running_max = tl.where(grows, s2, running_max)
+                if HAS_SMOOTHING:
+                    s_or_zero = tl.where(mask, s, 0.0)
+                    if HAS_CLASS_WEIGHT:
+                        w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                        weighted_logit_sum += w * s_or_zero
+                    else:
+                        weighted_logit_sum += s_or_zero
+                if COMPUTE_ACCURACY:
+                    better = x > best_logit
+                    best_logit = tl.where(better, x, best_logit)
+                    best_col = tl.where(better, cols, best_col)
+            row_max = tl.max(running_max, axis=0)
+            row_sum = tl.sum(running_sum * tl.exp2(running_max - row_max), axis=0)
+            lse2 = row_max + tl.log2(row_sum)
+            lse = lse2 * LN2
+
+            x_label = tl.load(logits_row + label32).to(tl.float32)
+            if HAS_SOFTCAP:
+                s_label = softcap * _tanh(x_label / softcap)
+            else:
+                s_label = x_label
+            if HAS_CLASS_WEIGHT:
+                w_label = tl.load(class_weight_ptr + label32).to(tl.float32)
+            else:
+                w_label = 1.0
+            nll_coef = w_label
+            if HAS_SMOOTHING:
+                nll_coef = (1.0 - label_smoothing) * w_label
+                if HAS_CLASS_WEIGHT:
+                    class_weight_sum = tl.load(stats_ptr + 2)
+                else:
+                    class_weight_sum = n_cols * 1.0
+            loss = nll_coef * (lse - s_label)
+            if HAS_SMOOTHING:
+                smooth = class_weight_sum * lse - tl.sum(weighted_logit_sum, axis=0)
+                loss += label_smoothing * inv_n_cols * smooth
+            if HAS_Z_LOSS:
+                loss += z_loss_scale * lse * lse
+            tl.store(loss_ptr + row64, loss)
+            if COMPUTE_ACCURACY:
+                top = tl.max(best_logit, axis=0)
+                predicted = tl.min(tl.where(best_logit == top, best_col, _INT32_MAX), axis=0)
+                tl.store(correct_ptr + row64, (predicted == label32).to(tl.float32))
+
+            if WRITE_GRAD:
+                scale = tl.load(grad_scale_ptr + row64 * grad_scale_row_stride).to(tl.float32)
+                coef_p = nll_coef
+                if HAS_SMOOTHING:
+                    coef_p += label_smoothing * inv_n_cols * class_weight_sum
+                if HAS_Z_LOSS:
+                    coef_p += 2.0 * z_loss_scale * lse
+                coef_p = coef_p * scale
+                coef_label = nll_coef * scale
+                coef_uniform = label_smoothing * inv_n_cols * scale
+                # Sweep 2, last block first: those lines were read most recently.
+                last = (n_blocks - 1) * BLOCK_V
+                next_x = tl.load(
+                    logits_row + last + lanes,
+                    mask=last + lanes < n_cols,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+                for block in range(0, n_blocks):
+                    cols = (n_blocks - 1 - block) * BLOCK_V + lanes
+                    mask = cols < n_cols
+                    x = next_x.to(tl.float32)
+                    prev_cols = cols - BLOCK_V
+                    next_x = tl.load(
+                        logits_row + prev_cols,
+                        mask=(prev_cols >= 0) & (prev_cols < n_cols),
+                        other=0.0,
+                        eviction_policy="evict_first",
+                    )
+                    if HAS_SOFTCAP:
+                        t = _tanh(x / softcap)
+                        s = softcap * t
+                    else:
+                        s = x
+                    p = tl.exp2(s * LOG2E - lse2)
+                    g = coef_p * p - tl.where(cols == label32, coef_label, 0.0)
+                    if HAS_SMOOTHING:
+                        if HAS_CLASS_WEIGHT:
+                            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                            g -= coef_uniform * w
+                        else:
+                            g -= coef_uniform
+                    if HAS_SOFTCAP:
+                        g = g * (1.0 - t * t)
+                    tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _cross_entropy_stats_kernel(
+    labels_ptr,
+    class_weight_ptr,
+    stats_ptr,
+    n_rows,
+    n_cols,
+    ignore_index,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: stats = [denominator, grad scale (1/denominator for "mean", 0 if none valid), sum(w)]."""
+    offsets = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + offsets
+        labels = tl.load(labels_ptr + rows, mask=rows < n_rows, other=ignore_index)
+        valid = labels != ignore_index
+        if HAS_CLASS_WEIGHT:
+            w = tl.load(class_weight_ptr + labels, mask=valid, other=0.0).to(tl.float32)
+        else:
+            w = valid.to(tl.float32)
+        total += tl.where(valid, w, 0.0)
+    denominator = tl.sum(total, axis=0)
+    if MEAN:
+        scale = tl.where(denominator > 0.0, 1.0 / tl.where(denominator > 0.0, denominator, 1.0), 0.0)
+    else:
+        scale = 1.0
+    weight_sum = 0.0
+    if HAS_CLASS_WEIGHT:
+        weight_total = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offsets
+            weight_total += tl.load(class_weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        weight_sum = tl.sum(weight_total, axis=0)
+    tl.store(stats_ptr, denominator)
+    tl.store(stats_ptr + 1, scale)
+    tl.store(stats_ptr + 2, weight_sum)
+
+
+@triton.jit
+def _scale_rows_kernel(
+    x_ptr,
+    row_stride,
+    n_rows,
+    n_cols,
+    factor_ptr,
+    factor_row_stride,
+    BLOCK: tl.constexpr,
+):
+    """x[i, :] *= factor[i * factor_row_stride], in place; rows whose factor is exactly 1 are not touched.
+
+    The check runs on the device, so ``loss.backward()`` (upstream gradient 1) costs one tiny launch and
+    no host synchronisation.
+    """
+    program = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK)
+    for row in range(program, n_rows, n_programs):
+        row64 = tl.cast(row, tl.int64)
+        factor = tl.load(factor_ptr + row64 * factor_row_stride).to(tl.float32)
+        if factor != 1.0:
+            x_row = x_ptr + row64 * row_stride
+            for start in range(0, n_cols, BLOCK):
+                cols = start + lanes
+                mask = cols < n_cols
+                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(x_row + cols, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch settings
+# --------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _multiprocessor_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_processors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessor_count(index)
+
+
+@dataclass(frozen=True)
+class CrossEntropyLaunchConfig:
+    """How the forward kernel is launched.
+
+    block_v: vocabulary columns per loop step (per-lane state is block_v / (32 * num_warps) floats).
+    num_warps: warps per program.
+    programs_per_processor: persistent grid size per SM. Each program keeps one row "in flight" between
+        its two sweeps, so the number of programs bounds the L2 working set (rows * V * itemsize).
+    first_sweep_eviction: L2 hint for the first sweep's loads ("evict_last" keeps them for the second).
+    """
+
+    block_v: int
+    num_warps: int
+    programs_per_processor: int
+    first_sweep_eviction: str
+
+
+def cross_entropy_launch_config(n_cols: int, device: torch.device) -> CrossEntropyLaunchConfig:
+    """Launch settings for the forward kernel (the only place they are chosen).
+
+    GPU: one 16-warp program per SM walking 8192-column blocks; the first measurement (H100, bf16,
+    N=8192, V=128256) is recorded in the module's benchmark notes and in the report of the issue.
+    Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
+    still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
+    cost is per operation, not per element, so smaller blocks only make the tests slower.
+    """
+    if _interpreting() or device.type != "cuda":
+        return CrossEntropyLaunchConfig(
+            block_v=min(512, triton.next_power_of_2(n_cols)),
+            num_warps=1,
+            programs_per_processor=1,
+            first_sweep_eviction="",
+        )
+    return CrossEntropyLaunchConfig(
+        block_v=min(8192, triton.next_power_of_2(n_cols)),
+        num_warps=16,
+        programs_per_processor=1,
+        first_sweep_eviction="evict_last",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers (plain functions: used by the custom ops below and by fused_linear_cross_entropy)
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def launch_cross_entropy_stats(
+    labels: Tensor, class_weight: Tensor | None, n_cols: int, ignore_index: int, mean: bool
+) -> Tensor:
+    """Returns a float32 [3] tensor: [denominator, gradient scale, sum of class weights] (see the kernel)."""
+    stats = torch.empty(3, dtype=torch.float32, device=labels.device)
+    _cross_entropy_stats_kernel[(1,)](
+        labels,
+        class_weight if class_weight is not None else stats,
+        stats,
+        labels.numel(),
+        n_cols,
+        ignore_index,
+        HAS_CLASS_WEIGHT=class_weight is not None,
+        MEAN=mean,
+        BLOCK=1024,
+        num_warps=4,
+    )
+    return stats
+
+
+def launch_cross_entropy_forward(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    loss_out: Tensor,
+    grad_out: Tensor | None,
+    grad_scale: Tensor,
+    correct_out: Tensor | None = None,
+    class_weight: Tensor | None = None,
+    stats: Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float = 0.0,
+) -> None:
+    """Runs the forward kernel over ``logits [N, V]`` (last dimension contiguous).
+
+    loss_out: float32 [N] per-token losses. grad_out: [N, V] (may be ``logits`` itself) or None.
+    grad_scale: float32 tensor; one value (stride 0) or one per row, multiplied into the gradient.
+    stats: the [3] tensor from :func:`launch_cross_entropy_stats` (needed with class weights + smoothing).
+    """
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    config = cross_entropy_launch_config(n_cols, logits.device)
+    grid = (max(1, min(n_rows, config.programs_per_processor * _num_processors(logits.device))),)
+    write_grad = grad_out is not None
+    scale_row_stride = 0 if grad_scale.numel() == 1 else grad_scale.stride(0)
+    _cross_entropy_forward_kernel[grid](
+        logits,
+        logits.stride(0),
+        grad_out if write_grad else logits,
+        grad_out.stride(0) if write_grad else 0,
+        labels,
+        class_weight if class_weight is not None else loss_out,
+        stats if stats is not None else loss_out,
+        grad_scale,
+        scale_row_stride,
+        loss_out,
+        correct_out if correct_out is not None else loss_out,
+        n_rows,
+        n_cols,
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss_scale),
+        float(softcap),
+        HAS_CLASS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_Z_LOSS=z_loss_scale != 0.0,
+        HAS_SOFTCAP=softcap > 0.0,
+        COMPUTE_ACCURACY=correct_out is not None,
+        WRITE_GRAD=write_grad,
+        BLOCK_V=config.block_v,
+        FIRST_SWEEP_EVICTION=config.first_sweep_eviction,
+        num_warps=config.num_warps,
+    )
+
+
+def launch_scale_rows_(x: Tensor, factor: Tensor) -> None:
+    """x [R, C] (last dim contiguous) *= factor, in place; factor is one value or one per row."""
+    n_rows, n_cols = x.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    factor = factor.reshape(-1)
+    factor_row_stride = 0 if factor.numel() == 1 else factor.stride(0)
+    if _interpreting() or x.device.type != "cuda":
+        grid, block, warps = (min(n_rows, 4),), 1024, 1
+    else:
+        grid, block, warps = (min(n_rows, 4 * _num_processors(x.device)),), 4096, 8
+    _scale_rows_kernel[grid](
+        x, x.stride(0), n_rows, n_cols, factor, factor_row_stride, BLOCK=block, num_warps=warps
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library custom ops (opaque to torch.compile, which sees them through their fake impls)
+# --------------------------------------------------------------------------------------------------
+
+
+def _forward_impl(
+    logits: Tensor,
+    labels: Tensor,
+    class_weight: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+    compute_accuracy: bool,
+    grad_out: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    n_rows, n_cols = logits.shape
+    device = logits.device
+    stats = launch_cross_entropy_stats(labels, class_weight, n_cols, ignore_index, mean=reduction == "mean")
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+    correct = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
+    launch_cross_entropy_forward(
+        logits,
+        labels,
+        loss_out=loss_rows,
+        grad_out=grad_out,
+        grad_scale=stats[1:2],
+        correct_out=correct,
+        class_weight=class_weight,
+        stats=stats,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+        softcap=softcap,
+    )
+    if reduction == "none":
+        loss = loss_rows
+        accuracy = correct if correct is not None else loss_rows.new_empty(0)
+    else:
+        loss = loss_rows.sum()
+        if reduction == "mean":
+            loss = loss * stats[1]
+        if correct is not None:
+            n_valid = (labels != ignore_index).sum()
+            accuracy = correct.sum() / n_valid.clamp_min(1)
+        else:
+            accuracy = loss_rows.new_empty(0)
+    return loss, accuracy
+
+
+@torch.library.custom_op("fusetune::cross_entropy_forward", mutates_args=())
+def _cross_entropy_forward_op(
+    logits: Tensor,
+    labels: Tensor,
+    class_weight: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+    compute_accuracy: bool,
+    write_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    grad = torch.empty_like(logits) if write_grad else logits.new_empty(0)
+    loss, accuracy = _forward_impl(
+        logits,
+        labels,
+        class_weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss_scale,
+        softcap,
+        compute_accuracy,
+        grad if write_grad else None,
+    )
+    return loss, accuracy, grad
+
+
+@_cross_entropy_forward_op.register_fake
+def _(
+    logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+    compute_accuracy, write_grad,
+):  # fmt: skip
+    n_rows = logits.shape[0]
+    loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
+    if compute_accuracy:
+        accuracy = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
+    else:
+        accuracy = logits.new_empty(0, dtype=torch.float32)
+    grad = torch.empty_like(logits) if write_grad else logits.new_empty(0)
+    return loss, accuracy, grad
+
+
+@torch.library.custom_op("fusetune::cross_entropy_forward_inplace", mutates_args=("logits",))
+def _cross_entropy_forward_inplace_op(
+    logits: Tensor,
+    labels: Tensor,
+    class_weight: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+    compute_accuracy: bool,
+) -> tuple[Tensor, Tensor]:
+    """Like cross_entropy_forward, but the gradient overwrites ``logits``."""
+    return _forward_impl(
+        logits,
+        labels,
+        class_weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss_scale,
+        softcap,
+        compute_accuracy,
+        logits,
+    )
+
+
+@_cross_entropy_forward_inplace_op.register_fake
+def _(
+    logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
+    compute_accuracy,
+):  # fmt: skip
+    n_rows = logits.shape[0]
+    loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
+    shape = ((n_rows,) if reduction == "none" else ()) if compute_accuracy else (0,)
+    return loss, logits.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("fusetune::scale_rows_", mutates_args=("x",))
+def _scale_rows_op(x: Tensor, factor: Tensor) -> None:
+    """x [R, C] *= factor (one value, or one per row), in place; skipped on the device where factor == 1."""
+    launch_scale_rows_(x, factor.to(torch.float32))
+
+
+@_scale_rows_op.register_fake
+def _(x, factor):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        logits: Tensor,
+        labels: Tensor,
+        class_weight: Tensor | None,
+        ignore_index: int,
+        reduction: str,
+        label_smoothing: float,
+        z_loss_scale: float,
+        softcap: float,
+        compute_accuracy: bool,
+        inplace: bool,
+    ) -> tuple[Tensor, Tensor]:
+        if inplace:
+            loss, accuracy = torch.ops.fusetune.cross_entropy_forward_inplace(
+                logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale,
+                softcap, compute_accuracy,
+            )  # fmt: skip
+            grad = logits
+        else:
+            loss, accuracy, grad = torch.ops.fusetune.cross_entropy_forward(
+                logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale,
+                softcap, compute_accuracy, True,
+            )  # fmt: skip
+        ctx.save_for_backward(grad)
+        ctx.reduction = reduction
+        ctx.mark_non_differentiable(accuracy)
+        return loss, accuracy
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, grad_accuracy: Tensor):
+        (grad,) = ctx.saved_tensors
+        factor = grad_loss.to(torch.float32)
+        if torch.compiler.is_compiling():
+            # Under torch.compile a plain multiply; Inductor fuses it into one pass.
+            scaled = grad * (factor.unsqueeze(-1) if ctx.reduction == "none" else factor)
+            return scaled.to(grad.dtype), None, None, None, None, None, None, None, None, None
+        torch.ops.fusetune.scale_rows_(grad, factor.contiguous())
+        return grad, None, None, None, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def _validate(logits: Tensor, labels: Tensor, weight: Tensor | None, reduction: str, softcap: float | None):
+    _check_reduction(reduction)
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits must be [..., V] and labels the leading shape: got logits {tuple(logits.shape)}, "
+            f"labels {tuple(labels.shape)}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be int64 or int32, got {labels.dtype}")
+    if weight is not None and weight.shape != (logits.shape[-1],):
+        raise ValueError(f"weight must have shape [V]=[{logits.shape[-1]}], got {tuple(weight.shape)}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+
+
+def cross_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    weight: Tensor | None = None,
+    return_accuracy: bool = False,
+    inplace_backward: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Fused cross-entropy of ``logits [..., V]`` against ``labels [...]`` (see the module docstring).
+
+    Returns the float32 loss (a scalar, or the leading shape for ``reduction="none"``), and with
+    ``return_accuracy`` also the token accuracy: argmax(logits) == label, as a fraction of the valid
+    tokens ("mean"/"sum") or per token as 0/1 ("none"; 0 at ignored tokens).
+
+    ``inplace_backward=True`` lets the forward overwrite ``logits`` with the gradient (saves a [N, V]
+    buffer); the caller must not read ``logits`` afterwards, and nothing else may have saved it for its
+    own backward (autograd then reports the in-place modification). Under torch.compile the
+    out-of-place kernel is used. Backward twice through the same graph (retain_graph) is not supported.
+    """
+    _validate(logits, labels, weight, reduction, softcap)
+    vocab = logits.shape[-1]
+    leading_shape = labels.shape
+    logits2d = logits.reshape(-1, vocab)
+    if logits2d.stride(-1) != 1:
+        logits2d = logits2d.contiguous()
+    labels1d = labels.reshape(-1).contiguous()
+    class_weight = weight.contiguous() if weight is not None else None
+    cap = float(softcap) if softcap is not None else 0.0
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    if needs_grad:
+        inplace = inplace_backward and not torch.compiler.is_compiling()
+        loss, accuracy = _CrossEntropyFunction.apply(
+            logits2d, labels1d, class_weight, ignore_index, reduction, float(label_smoothing),
+            float(z_loss_scale), cap, return_accuracy, inplace,
+        )  # fmt: skip
+    else:
+        loss, accuracy, _ = torch.ops.fusetune.cross_entropy_forward(
+            logits2d, labels1d, class_weight, ignore_index, reduction, float(label_smoothing),
+            float(z_loss_scale), cap, return_accuracy, False,
+        )  # fmt: skip
+    if reduction == "none":
+        loss = loss.view(leading_shape)
+        if return_accuracy:
+            accuracy = accuracy.view(leading_shape)
+    return (loss, accuracy) if return_accuracy else loss
+
+
+def cross_entropy_reference(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    weight: Tensor | None = None,
+    return_accuracy: bool = False,
+    inplace_backward: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Pure-PyTorch definition of :func:`cross_entropy` (float32 math, float64 if given float64).
+
+    ``inplace_backward`` is accepted for signature parity and ignored.
+    """
+    del inplace_backward
+    _validate(logits, labels, weight, reduction, softcap)
+    compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    vocab = logits.shape[-1]
+    leading_shape = labels.shape
+    x = logits.reshape(-1, vocab).to(compute_dtype)
+    labels1d = labels.reshape(-1)
+    s = softcap * torch.tanh(x / softcap) if softcap is not None else x
+    valid = labels1d != ignore_index
+    safe_labels = torch.where(valid, labels1d, torch.zeros_like(labels1d))
+    w = (
+        weight.to(compute_dtype)
+        if weight is not None
+        else torch.ones(vocab, dtype=compute_dtype, device=x.device)
+    )
+    lse = torch.logsumexp(s, dim=-1)
+    s_label = s.gather(1, safe_labels[:, None]).squeeze(1)
+    w_label = w[safe_labels]
+    per_token = (1.0 - label_smoothing) * w_label * (lse - s_label)
+    if label_smoothing > 0.0:
+        per_token = per_token + label_smoothing / vocab * (w.sum() * lse - (s * w).sum(-1))
+    if z_loss_scale != 0.0:
+        per_token = per_token + z_loss_scale * lse * lse
+    zero = torch.zeros((), dtype=compute_dtype, device=x.device)
+    per_token = torch.where(valid, per_token, zero)
+    if reduction == "none":
+        loss = per_token.view(leading_shape)
+    elif reduction == "sum":
+        loss = per_token.sum()
+    else:
+        denominator = torch.where(valid, w_label, zero).sum()
+        loss = per_token.sum() / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    if not return_accuracy:
+        return loss
+    correct = ((x.argmax(dim=-1) == labels1d) & valid).to(compute_dtype)
+    if reduction == "none":
+        accuracy = correct.view(leading_shape)
+    else:
+        accuracy = correct.sum() / valid.sum().clamp_min(1)
+    return loss, accuracy
+
+
+class FusedCrossEntropyLoss(nn.Module):
+    """nn.Module form of :func:`cross_entropy`; ``weight`` is a buffer, as in ``nn.CrossEntropyLoss``."""
+
+    def __init__(
+        self,
+        weight: Tensor | None = None,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        z_loss_scale: float = 0.0,
+        softcap: float | None = None,
+        return_accuracy: bool = False,
+        inplace_backward: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_reduction(reduction)
+        self.register_buffer("weight", weight)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.z_loss_scale = z_loss_scale
+        self.softcap = softcap
+        self.return_accuracy = return_accuracy
+        self.inplace_backward = inplace_backward
+
+    def forward(self, logits: Tensor, labels: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return cross_entropy(
+            logits,
+            labels,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss_scale=self.z_loss_scale,
+            softcap=self.softcap,
+            weight=self.weight,
+            return_accuracy=self.return_accuracy,
+            inplace_backward=self.inplace_backward,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, z_loss_scale={self.z_loss_scale}, softcap={self.softcap}"
+        )

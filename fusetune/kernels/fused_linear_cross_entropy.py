@@ -1,0 +1,660 @@
+"""Linear projection + cross-entropy without ever holding the [T, V] logits.
+
+``loss = cross_entropy(hidden [T, H] @ weight[V, H]^T (+ bias), labels)`` computed chunk by chunk over
+the tokens: for each chunk of C valid tokens
+
+    logits_c  = h_c @ W^T (+ b)                       one [C, V] buffer, reused for every chunk
+    (loss_c, dlogits_c) = cross-entropy kernel          gradient written in place into that buffer
+    dh_c      = dlogits_c @ W                           written straight into grad_hidden
+    dW       += dlogits_c^T @ h_c                       accumulated in weight's dtype, or in float32
+    db       += column sums of dlogits_c
+
+Tokens labelled ``ignore_index`` are dropped before any matmul (their rows are gathered away first;
+their gradients are 0). Gradients are computed during the forward for reductions "mean" and "sum",
+so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
+For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
+the sum over tokens in dW, so the forward computes only the losses and the backward recomputes the
+logits chunk by chunk with the per-token weights folded into the cross-entropy kernel (one extra
+[T, H] x [H, V] matmul).
+
+Memory: beyond the gradients themselves (grad_hidden [T, H], grad_weight [V, H], plus a float32 copy
+of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
+:func:`fused_linear_cross_entropy_chunk_rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor, nn
+
+from fusetune.kernels.cross_entropy import (
+    _check_reduction,
+    _interpreting,
+    _num_processors,
+    cross_entropy_reference,
+    launch_cross_entropy_forward,
+)
+
+__all__ = [
+    "FusedLinearCrossEntropyLoss",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_chunk_rows",
+    "fused_linear_cross_entropy_reference",
+]
+
+# Below this many rows a chunk's matmuls are bound by reading all of W (V x H) per chunk, so the chunk
+# is never made smaller than this, whatever the default budget says (costs <= 64 MB at V=262k, bf16).
+_MIN_CHUNK_ROWS = 128
+
+
+def fused_linear_cross_entropy_chunk_rows(
+    n_tokens: int,
+    hidden_size: int,
+    vocab_size: int,
+    logits_dtype: torch.dtype,
+    device: torch.device,
+    logits_chunk_bytes: int | None = None,
+) -> int:
+    """Rows per chunk of logits: the one place the chunking is chosen.
+
+    Default budget for the [C, V] chunk: the bytes of ``hidden`` itself (T x H elements), the same
+    transient as Liger-Kernel's chunking, so peak memory matches it; C is rounded down to a multiple of
+    64 rows (full matmul tiles) and kept >= 128 rows. ``logits_chunk_bytes`` overrides the budget: larger
+    chunks are faster because dW += dlogits_c^T @ h_c reads and writes all of dW once per chunk (4*V*H
+    bytes in bf16), which dominates at small C (measured trade-off in the issue report: H100, T=8192,
+    H=4096, V=128256). Either way at most half of the free device memory is used.
+    """
+    itemsize = torch.empty((), dtype=logits_dtype).element_size()
+    row_bytes = max(1, vocab_size * itemsize)
+    budget = n_tokens * hidden_size * itemsize if logits_chunk_bytes is None else int(logits_chunk_bytes)
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(budget, (free_bytes + cached_free) // 2)
+    rows = budget // row_bytes
+    if rows >= 64:
+        rows -= rows % 64
+    if logits_chunk_bytes is None:
+        rows = max(rows, _MIN_CHUNK_ROWS)
+    return int(max(1, min(rows, n_tokens)))
+
+
+def _valid_token_rows(labels: Tensor, ignore_index: int) -> Tensor:
+    """Indices of the tokens whose label is not ``ignore_index`` (synchronises with the device once)."""
+    return torch.nonzero(labels != ignore_index).squeeze(1)
+
+
+def _addmm_float32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
+    """accumulator (float32) += a @ b for low-precision a, b, without a float32 copy of the product."""
+    if accumulator.device.type == "cuda":
+        try:
+            torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):  # torch without the out_dtype overload
+            pass
+    accumulator.addmm_(a.to(torch.float32), b.to(torch.float32))
+
+
+def _chunked_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    *,
+    ignore_index: int,
+    reduction: str,
+    num_items: float | None,
+    softcap: float,
+    label_smoothing: float,
+    z_loss_scale: float,
+    accumulate_dw_in_fp32: bool,
+    compute_accuracy: bool,
+    grad_hidden_needed: bool,
+    grad_weight_needed: bool,
+    grad_bias_needed: bool,
+    token_upstream: Tensor | None,
+    logits_chunk_bytes: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The chunk loop; returns (loss, accuracy, grad_hidden, grad_weight, grad_bias), empty when not asked.
+
+    With ``token_upstream`` ([T] float32) the gradients are those of sum_t upstream_t * loss_t (the
+    backward of reduction "none"); otherwise of the reduced loss.
+    """
+    n_tokens, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    device = hidden.device
+    compute_grads = grad_hidden_needed or grad_weight_needed or grad_bias_needed
+
+    valid_rows = _valid_token_rows(labels, ignore_index)
+    n_valid = valid_rows.numel()
+    all_valid = n_valid == n_tokens
+
+    if reduction == "none":
+        denominator = 1.0
+    elif num_items is not None:
+        denominator = float(num_items)
+    else:
+        denominator = float(n_valid) if reduction == "mean" else 1.0
+    grad_scale_value = 1.0 / denominator if denominator != 0.0 else 0.0
+    grad_scale = torch.full((1,), grad_scale_value, dtype=torch.float32, device=device)
+
+    loss_rows = torch.empty(n_valid, dtype=torch.float32, device=device)
+    correct_rows = torch.empty(n_valid, dtype=torch.float32, device=device) if compute_accuracy else None
+    # Distinct empty tensors: a custom op's outputs may not alias one another.
+    grad_hidden = hidden.new_empty(0)
+    if grad_hidden_needed:
+        grad_hidden = torch.empty_like(hidden) if all_valid and n_valid > 0 else torch.zeros_like(hidden)
+    grad_weight = hidden.new_empty(0)
+    if grad_weight_needed:
+        dw_dtype = torch.float32 if accumulate_dw_in_fp32 else weight.dtype
+        # The first chunk writes dW with a plain matmul, so it needs no zero fill unless nothing is valid.
+        first_chunk_overwrites = dw_dtype == weight.dtype and n_valid > 0
+        grad_weight = (torch.empty if first_chunk_overwrites else torch.zeros)(
+            weight.shape, dtype=dw_dtype, device=device
+        )
+    grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
+
+    if n_valid > 0:
+        chunk_rows = fused_linear_cross_entropy_chunk_rows(
+            n_tokens, hidden_size, vocab_size, hidden.dtype, device, logits_chunk_bytes
+        )
+        chunk_rows = min(chunk_rows, n_valid)
+        logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+        weight_t = weight.t()
+        for start in range(0, n_valid, chunk_rows):
+            end = min(start + chunk_rows, n_valid)
+            if all_valid:
+                hidden_c, labels_c = hidden[start:end], labels[start:end]
+                rows_c = None
+            else:
+                rows_c = valid_rows[start:end]
+                hidden_c, labels_c = hidden.index_select(0, rows_c), labels.index_select(0, rows_c)
+            logits_c = logits_buffer[: end - start]
+            if bias is None:
+                torch.mm(hidden_c, weight_t, out=logits_c)
+            else:
+                torch.addmm(bias, hidden_c, weight_t, out=logits_c)
+            if token_upstream is None:
+                scale_c = grad_scale
+            else:
+                upstream = (
+                    token_upstream[start:end] if rows_c is None else token_upstream.index_select(0, rows_c)
+                )
+                scale_c = upstream.to(torch.float32).contiguous()
+            launch_cross_entropy_forward(
+                logits_c,
+                labels_c,
+                loss_out=loss_rows[start:end],
+                grad_out=logits_c if compute_grads else None,
+                grad_scale=scale_c,
+                correct_out=correct_rows[start:end] if correct_rows is not None else None,
+                ignore_index=ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss_scale=z_loss_scale,
+                softcap=softcap,
+            )
+            if not compute_grads:
+                continue
+            grad_logits_c = logits_c
+            if grad_hidden_needed:
+                if rows_c is None:
+                    torch.mm(grad_logits_c, weight, out=grad_hidden[start:end])
+                else:
+                    grad_hidden.index_copy_(0, rows_c, grad_logits_c @ weight)
+            if grad_weight_needed:
+                if grad_weight.dtype == grad_logits_c.dtype:
+                    if start == 0 and first_chunk_overwrites:
+                        torch.mm(grad_logits_c.t(), hidden_c, out=grad_weight)
+                    else:
+                        grad_weight.addmm_(grad_logits_c.t(), hidden_c)
+                else:
+                    _addmm_float32_(grad_weight, grad_logits_c.t(), hidden_c)
+            if grad_bias_acc is not None:
+                grad_bias_acc += grad_logits_c.sum(dim=0, dtype=torch.float32)
+        del logits_buffer
+
+    if reduction == "none":
+        loss = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+        loss.index_copy_(0, valid_rows, loss_rows)
+    else:
+        loss = loss_rows.sum() * grad_scale_value
+    if correct_rows is None:
+        accuracy = loss.new_empty(0)
+    elif reduction == "none":
+        accuracy = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+        accuracy.index_copy_(0, valid_rows, correct_rows)
+    else:
+        accuracy = correct_rows.sum() / max(n_valid, 1)
+    if grad_weight_needed and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    grad_bias = (
+        grad_bias_acc.to(bias.dtype)
+        if grad_bias_acc is not None and bias is not None
+        else hidden.new_empty(0)
+    )
+    return loss, accuracy, grad_hidden, grad_weight, grad_bias
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.library custom ops: opaque to torch.compile (the chunk loop, its host synchronisation for the
+# valid-token count and its buffer reuse stay eager), seen through their fake implementations.
+# --------------------------------------------------------------------------------------------------
+
+
+def _num_items(num_items_tensor: Tensor | None, num_items_value: float) -> float | None:
+    if num_items_tensor is not None:
+        return float(num_items_tensor.item())
+    return num_items_value if num_items_value > 0.0 else None
+
+
+def _chunk_bytes(logits_chunk_bytes: int) -> int | None:
+    return logits_chunk_bytes if logits_chunk_bytes > 0 else None
+
+
+@torch.library.custom_op("fusetune::fused_linear_cross_entropy_forward", mutates_args=())
+def _forward_op(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    num_items_tensor: Tensor | None,
+    num_items_value: float,
+    ignore_index: int,
+    reduction: str,
+    softcap: float,
+    label_smoothing: float,
+    z_loss_scale: float,
+    accumulate_dw_in_fp32: bool,
+    compute_accuracy: bool,
+    grad_hidden_needed: bool,
+    grad_weight_needed: bool,
+    grad_bias_needed: bool,
+    logits_chunk_bytes: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _chunked_linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        num_items=_num_items(num_items_tensor, num_items_value),
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+        accumulate_dw_in_fp32=accumulate_dw_in_fp32,
+        compute_accuracy=compute_accuracy,
+        grad_hidden_needed=grad_hidden_needed,
+        grad_weight_needed=grad_weight_needed,
+        grad_bias_needed=grad_bias_needed,
+        token_upstream=None,
+        logits_chunk_bytes=_chunk_bytes(logits_chunk_bytes),
+    )
+
+
+@_forward_op.register_fake
+def _(
+    hidden, weight, labels, bias, num_items_tensor, num_items_value, ignore_index, reduction, softcap,
+    label_smoothing, z_loss_scale, accumulate_dw_in_fp32, compute_accuracy, grad_hidden_needed,
+    grad_weight_needed, grad_bias_needed, logits_chunk_bytes,
+):  # fmt: skip
+    per_token = (hidden.shape[0],) if reduction == "none" else ()
+    loss = hidden.new_empty(per_token, dtype=torch.float32)
+    accuracy = hidden.new_empty(per_token if compute_accuracy else (0,), dtype=torch.float32)
+    grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty(0)
+    grad_weight = torch.empty_like(weight) if grad_weight_needed else hidden.new_empty(0)
+    grad_bias = torch.empty_like(bias) if grad_bias_needed and bias is not None else hidden.new_empty(0)
+    return loss, accuracy, grad_hidden, grad_weight, grad_bias
+
+
+@torch.library.custom_op("fusetune::fused_linear_cross_entropy_backward", mutates_args=())
+def _backward_op(
+    token_upstream: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    softcap: float,
+    label_smoothing: float,
+    z_loss_scale: float,
+    accumulate_dw_in_fp32: bool,
+    grad_hidden_needed: bool,
+    grad_weight_needed: bool,
+    grad_bias_needed: bool,
+    logits_chunk_bytes: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of sum_t token_upstream[t] * loss[t] (the backward of reduction "none"), recomputed."""
+    _, _, grad_hidden, grad_weight, grad_bias = _chunked_linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index=ignore_index,
+        reduction="none",
+        num_items=None,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+        accumulate_dw_in_fp32=accumulate_dw_in_fp32,
+        compute_accuracy=False,
+        grad_hidden_needed=grad_hidden_needed,
+        grad_weight_needed=grad_weight_needed,
+        grad_bias_needed=grad_bias_needed,
+        token_upstream=token_upstream,
+        logits_chunk_bytes=_chunk_bytes(logits_chunk_bytes),
+    )
+    return grad_hidden, grad_weight, grad_bias
+
+
+@_backward_op.register_fake
+def _(
+    token_upstream, hidden, weight, labels, bias, ignore_index, softcap, label_smoothing, z_loss_scale,
+    accumulate_dw_in_fp32, grad_hidden_needed, grad_weight_needed, grad_bias_needed, logits_chunk_bytes,
+):  # fmt: skip
+    grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty(0)
+    grad_weight = torch.empty_like(weight) if grad_weight_needed else hidden.new_empty(0)
+    grad_bias = torch.empty_like(bias) if grad_bias_needed and bias is not None else hidden.new_empty(0)
+    return grad_hidden, grad_weight, grad_bias
+
+
+@triton.jit
+def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
+    """x *= factor over a flat contiguous tensor, grid-stride; nothing is touched when factor == 1."""
+    factor = tl.load(factor_ptr).to(tl.float32)
+    if factor != 1.0:
+        program = tl.program_id(0)
+        n_programs = tl.num_programs(0)
+        lanes = tl.arange(0, BLOCK)
+        for block in range(program, tl.cdiv(n_elements, BLOCK), n_programs):
+            offsets = tl.cast(block, tl.int64) * BLOCK + lanes
+            mask = offsets < n_elements
+            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            tl.store(x_ptr + offsets, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@torch.library.custom_op("fusetune::scale_", mutates_args=("x",))
+def _scale_op(x: Tensor, factor: Tensor) -> None:
+    """x (contiguous) *= factor (one element), in place; skipped on the device when factor == 1, so the
+    usual ``loss.backward()`` costs one tiny launch and no host synchronisation."""
+    n_elements = x.numel()
+    if n_elements == 0:
+        return
+    factor = factor.to(torch.float32).reshape(1)
+    if _interpreting() or x.device.type != "cuda":
+        block, programs = 4096, 2
+    else:
+        block, programs = 4096, 4 * _num_processors(x.device)
+    grid = (max(1, min(programs, triton.cdiv(n_elements, block))),)
+    _scale_kernel[grid](x, n_elements, factor, BLOCK=block, num_warps=8)
+
+
+@_scale_op.register_fake
+def _(x, factor):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------
+
+
+class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        bias: Tensor | None,
+        num_items_tensor: Tensor | None,
+        num_items_value: float,
+        ignore_index: int,
+        reduction: str,
+        softcap: float,
+        label_smoothing: float,
+        z_loss_scale: float,
+        accumulate_dw_in_fp32: bool,
+        compute_accuracy: bool,
+        logits_chunk_bytes: int,
+        grad_hidden_needed: bool,
+        grad_weight_needed: bool,
+        grad_bias_needed: bool,
+    ) -> tuple[Tensor, Tensor]:
+        per_token = reduction == "none"
+        loss, accuracy, grad_hidden, grad_weight, grad_bias = torch.ops.fusetune.fused_linear_cross_entropy_forward(
+            hidden, weight, labels, bias, num_items_tensor, num_items_value, ignore_index, reduction, softcap,
+            label_smoothing, z_loss_scale, accumulate_dw_in_fp32, compute_accuracy,
+            grad_hidden_needed and not per_token, grad_weight_needed and not per_token,
+            grad_bias_needed and not per_token, logits_chunk_bytes,
+        )  # fmt: skip
+        ctx.per_token = per_token
+        ctx.needed = (grad_hidden_needed, grad_weight_needed, grad_bias_needed)
+        if per_token:
+            ctx.options = (ignore_index, softcap, label_smoothing, z_loss_scale, accumulate_dw_in_fp32,
+                           logits_chunk_bytes)  # fmt: skip
+            ctx.save_for_backward(hidden, weight, labels, bias)
+        else:
+            ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.mark_non_differentiable(accuracy)
+        return loss, accuracy
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, grad_accuracy: Tensor):
+        grad_hidden_needed, grad_weight_needed, grad_bias_needed = ctx.needed
+        if ctx.per_token:
+            hidden, weight, labels, bias = ctx.saved_tensors
+            grads = torch.ops.fusetune.fused_linear_cross_entropy_backward(
+                grad_loss.to(torch.float32).contiguous(), hidden, weight, labels, bias, *ctx.options[:5],
+                grad_hidden_needed, grad_weight_needed, grad_bias_needed, ctx.options[5],
+            )  # fmt: skip
+        else:
+            grads = ctx.saved_tensors
+            factor = grad_loss.to(torch.float32)
+            if torch.compiler.is_compiling():
+                grads = tuple(None if g is None else (g * factor).to(g.dtype) for g in grads)
+            else:
+                for g in grads:
+                    if g is not None and g.numel() > 0:
+                        torch.ops.fusetune.scale_(g, factor)
+        grad_hidden, grad_weight, grad_bias = grads
+        return (
+            grad_hidden if grad_hidden_needed else None,
+            grad_weight if grad_weight_needed else None,
+            None,
+            grad_bias if grad_bias_needed else None,
+            *([None] * 13),
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+
+def _validate(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, reduction: str) -> None:
+    _check_reduction(reduction)
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [..., H] and weight [V, H]: got hidden {tuple(hidden.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
+        )
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise ValueError(
+            f"hidden, weight and bias must share a dtype: got {hidden.dtype}, {weight.dtype}, "
+            f"{None if bias is None else bias.dtype}"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape [V]=[{weight.shape[0]}], got {tuple(bias.shape)}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be int64 or int32, got {labels.dtype}")
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | float | Tensor | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    accumulate_dw_in_fp32: bool = False,
+    return_accuracy: bool = False,
+    logits_chunk_bytes: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Cross-entropy of ``hidden [..., H] @ weight[V, H]^T (+ bias)`` against ``labels [...]``.
+
+    The per-token loss is that of :func:`fusetune.kernels.cross_entropy.cross_entropy` (softcap,
+    label smoothing, z-loss). "mean" averages over non-ignored tokens; with ``num_items_in_batch`` (a
+    number or a one-element tensor) "mean" and "sum" both return sum / num_items_in_batch, the Hugging
+    Face gradient-accumulation convention. "none" returns the per-token losses (0 at ignored tokens).
+    The loss is float32. ``weight`` may be a tied embedding: its gradient is returned through autograd
+    and accumulates with the embedding's.
+
+    accumulate_dw_in_fp32: accumulate grad_weight over the token chunks in float32 (one rounding to
+        weight's dtype at the end) instead of in weight's dtype (one rounding per chunk; each chunk's
+        matmul itself accumulates in float32). Costs a float32 [V, H] buffer.
+    logits_chunk_bytes: budget for the [C, V] logits chunk; None picks the default of
+        :func:`fused_linear_cross_entropy_chunk_rows` (as much memory as ``hidden``). A larger budget
+        trades memory for speed.
+    return_accuracy: also return argmax == label over valid tokens (a fraction; per token for "none").
+    """
+    _validate(hidden, weight, labels, bias, reduction)
+    hidden_size = hidden.shape[-1]
+    leading_shape = labels.shape
+    hidden2d = hidden.reshape(-1, hidden_size)
+    labels1d = labels.reshape(-1).contiguous()
+    num_items_tensor = num_items_in_batch if isinstance(num_items_in_batch, Tensor) else None
+    num_items_value = (
+        float(num_items_in_batch) if num_items_in_batch is not None and num_items_tensor is None else 0.0
+    )
+    if num_items_tensor is None and num_items_in_batch is not None and num_items_value <= 0.0:
+        raise ValueError(f"num_items_in_batch must be positive, got {num_items_in_batch}")
+    grad_enabled = torch.is_grad_enabled()
+    loss, accuracy = _FusedLinearCrossEntropyFunction.apply(
+        hidden2d,
+        weight,
+        labels1d,
+        bias,
+        num_items_tensor,
+        num_items_value,
+        ignore_index,
+        reduction,
+        float(softcap) if softcap is not None else 0.0,
+        float(label_smoothing),
+        float(z_loss_scale),
+        accumulate_dw_in_fp32,
+        return_accuracy,
+        int(logits_chunk_bytes) if logits_chunk_bytes is not None else 0,
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+    if reduction == "none":
+        loss = loss.view(leading_shape)
+        if return_accuracy:
+            accuracy = accuracy.view(leading_shape)
+    return (loss, accuracy) if return_accuracy else loss
+
+
+def fused_linear_cross_entropy_reference(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | float | Tensor | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    accumulate_dw_in_fp32: bool = False,
+    return_accuracy: bool = False,
+    logits_chunk_bytes: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Pure-PyTorch definition of :func:`fused_linear_cross_entropy`: full logits in float32 (float64
+    when given float64). ``accumulate_dw_in_fp32`` and ``logits_chunk_bytes`` are accepted and ignored."""
+    del accumulate_dw_in_fp32, logits_chunk_bytes
+    _validate(hidden, weight, labels, bias, reduction)
+    compute_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
+    if bias is not None:
+        logits = logits + bias.to(compute_dtype)
+    options = dict(ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing,
+                   z_loss_scale=z_loss_scale)  # fmt: skip
+    divide = num_items_in_batch is not None and reduction != "none"
+    loss = cross_entropy_reference(logits, labels, reduction="sum" if divide else reduction, **options)
+    if divide:
+        loss = loss / num_items_in_batch
+    if not return_accuracy:
+        return loss
+    _, accuracy = cross_entropy_reference(
+        logits.detach(), labels, reduction=reduction if reduction == "none" else "mean", return_accuracy=True,
+        **options,
+    )  # fmt: skip
+    return loss, accuracy
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """nn.Module form of :func:`fused_linear_cross_entropy`; the projection weight is passed to forward
+    (it belongs to the model's lm_head or tied embedding)."""
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        softcap: float | None = None,
+        label_smoothing: float = 0.0,
+        z_loss_scale: float = 0.0,
+        accumulate_dw_in_fp32: bool = False,
+        return_accuracy: bool = False,
+        logits_chunk_bytes: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_reduction(reduction)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.softcap = softcap
+        self.label_smoothing = label_smoothing
+        self.z_loss_scale = z_loss_scale
+        self.accumulate_dw_in_fp32 = accumulate_dw_in_fp32
+        self.return_accuracy = return_accuracy
+        self.logits_chunk_bytes = logits_chunk_bytes
+
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        bias: Tensor | None = None,
+        num_items_in_batch: int | float | Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        return fused_linear_cross_entropy(
+            hidden,
+            weight,
+            labels,
+            bias,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            num_items_in_batch=num_items_in_batch,
+            softcap=self.softcap,
+            label_smoothing=self.label_smoothing,
+            z_loss_scale=self.z_loss_scale,
+            accumulate_dw_in_fp32=self.accumulate_dw_in_fp32,
+            return_accuracy=self.return_accuracy,
+            logits_chunk_bytes=self.logits_chunk_bytes,
+        )
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, softcap={self.softcap}"

@@ -1,0 +1,351 @@
+"""Fused linear + cross-entropy against its float64 reference.
+
+On CPU the cross-entropy kernel runs under TRITON_INTERPRET=1 at small shapes (T <= 32, H = 48,
+V = 777: not a multiple of the interpreter's 512-column block), with a tiny ``logits_chunk_bytes`` so
+that every test walks several token chunks. Tests marked gpu run real shapes and Inductor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusetune.kernels import cross_entropy as ce_module
+from fusetune.kernels import fused_linear_cross_entropy as flce_module
+from fusetune.kernels.fused_linear_cross_entropy import (
+    FusedLinearCrossEntropyLoss,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_chunk_rows,
+    fused_linear_cross_entropy_reference,
+)
+from tests.kernels.test_cross_entropy import mutated_kernel
+
+# Gradients are matmul outputs: their error scales with the operands, not with each element, so the
+# absolute part of the tolerance is relative to the largest reference magnitude of that tensor:
+# assert_close(actual, expected, atol=atol * max|expected|, rtol=rtol).
+# float32: float32 matmuls and kernel against float64, ~1e-7 of the largest value.
+# bfloat16: the logits chunk is bfloat16, so logits of magnitude ~4 carry an error of up to 2**-8 * 4,
+#   which moves softmax probabilities (and every gradient) by up to ~1.6%; measured max error 3e-4 of
+#   the largest value for the absolute part.
+TOLERANCES = {
+    torch.float32: (1e-6, 1e-5),
+    torch.bfloat16: (1e-3, 2e-2),
+}
+VOCAB = 777
+HIDDEN = 48
+
+
+def chunk_bytes(rows: int, dtype: torch.dtype) -> int:
+    return rows * VOCAB * torch.empty((), dtype=dtype).element_size()
+
+
+def make_inputs(n_tokens, dtype, device, *, ignored_every=4, bias=False, logit_scale=1.0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n_tokens, HIDDEN, generator=generator) * logit_scale
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator) / HIDDEN**0.5
+    labels = torch.randint(0, VOCAB, (n_tokens,), generator=generator)
+    if ignored_every:
+        labels[1::ignored_every] = -100
+    bias_tensor = torch.randn(VOCAB, generator=generator) * 0.1 if bias else None
+    to = dict(dtype=dtype, device=device)
+    return (
+        hidden.to(**to),
+        weight.to(**to),
+        labels.to(device),
+        bias_tensor.to(**to) if bias_tensor is not None else None,
+    )
+
+
+def run(fn, hidden, weight, labels, bias, upstream, *, dtype=None, **options):
+    """Loss (and accuracy) and gradients of hidden, weight and bias under ``fn``."""
+    leaves = [
+        t.detach().to(dtype or t.dtype).requires_grad_() if t is not None else None
+        for t in (hidden, weight, bias)
+    ]
+    out = fn(leaves[0], leaves[1], labels, leaves[2], **options)
+    loss, accuracy = out if isinstance(out, tuple) else (out, None)
+    upstream = upstream if upstream is not None else torch.ones_like(loss)
+    loss.backward(upstream.to(loss.dtype))
+    grads = [t.grad if t is not None else None for t in leaves]
+    return loss.detach(), accuracy, grads
+
+
+def assert_close_scaled(actual, expected, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    expected = expected.double()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual.double(), expected, atol=atol * max(scale, 1e-30), rtol=rtol)
+
+
+def assert_matches_reference(hidden, weight, labels, bias=None, upstream=None, **options):
+    dtype = hidden.dtype
+    loss, accuracy, grads = run(fused_linear_cross_entropy, hidden, weight, labels, bias, upstream, **options)
+    ref_loss, ref_accuracy, ref_grads = run(
+        fused_linear_cross_entropy_reference,
+        hidden,
+        weight,
+        labels,
+        bias,
+        upstream,
+        dtype=torch.float64,
+        **options,
+    )
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+    assert_close_scaled(loss, ref_loss, dtype)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        if ref_grad is None:
+            assert grad is None
+            continue
+        assert grad.dtype == dtype and torch.isfinite(grad).all()
+        assert_close_scaled(grad, ref_grad, dtype)
+    if accuracy is not None:
+        torch.testing.assert_close(accuracy.double(), ref_accuracy, atol=0.0, rtol=0.0)
+
+
+CASES = [
+    # (dtype, options, ignored_every, bias)
+    (torch.float32, {"reduction": "mean"}, 0, False),
+    (torch.bfloat16, {"reduction": "mean"}, 4, False),
+    (torch.float32, {"reduction": "sum", "softcap": 4.0, "z_loss_scale": 1e-3}, 4, True),
+    (torch.bfloat16, {"reduction": "none", "label_smoothing": 0.1, "return_accuracy": True}, 3, False),
+    (torch.float32, {"reduction": "mean", "num_items_in_batch": 37, "accumulate_dw_in_fp32": True}, 5, False),
+    (
+        torch.bfloat16,
+        {"reduction": "sum", "num_items_in_batch": "tensor", "accumulate_dw_in_fp32": True},
+        4,
+        True,
+    ),
+    (torch.float32, {"reduction": "none", "softcap": 4.0, "return_accuracy": True}, 4, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "options", "ignored_every", "bias"),
+    CASES,
+    ids=[
+        f"{str(d)[6:]}-{o['reduction']}-{'+'.join(k for k in o if k != 'reduction') or 'plain'}-ign{i}-bias{int(b)}"
+        for d, o, i, b in CASES
+    ],
+)
+def test_matches_reference(device, dtype, options, ignored_every, bias):
+    hidden, weight, labels, bias_tensor = make_inputs(
+        32, dtype, device, ignored_every=ignored_every, bias=bias
+    )
+    options = dict(options)
+    if options.get("num_items_in_batch") == "tensor":
+        options["num_items_in_batch"] = torch.tensor(41, device=device)
+    upstream = (torch.randn(32) if options["reduction"] == "none" else torch.tensor(2.5)).to(device)
+    assert_matches_reference(
+        hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=chunk_bytes(8, dtype), **options
+    )
+
+
+def test_single_token(device):
+    hidden, weight, labels, _ = make_inputs(1, torch.float32, device, ignored_every=0)
+    assert_matches_reference(hidden, weight, labels, reduction="mean", return_accuracy=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_all_ignored_gives_zero_loss_and_gradients(device, reduction):
+    hidden, weight, _, bias = make_inputs(6, torch.float32, device, bias=True)
+    labels = torch.full((6,), -100, device=device)
+    loss, accuracy, grads = run(
+        fused_linear_cross_entropy,
+        hidden,
+        weight,
+        labels,
+        bias,
+        None,
+        reduction=reduction,
+        return_accuracy=True,
+    )
+    assert torch.equal(loss, torch.zeros_like(loss))
+    assert torch.equal(accuracy, torch.zeros_like(accuracy))
+    for grad in grads:
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_huge_logits_do_not_overflow(device):
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device, logit_scale=1e4)
+    assert_matches_reference(
+        hidden,
+        weight,
+        labels,
+        reduction="sum",
+        z_loss_scale=1e-4,
+        logits_chunk_bytes=chunk_bytes(8, torch.float32),
+    )
+
+
+def test_ignored_tokens_never_reach_a_matmul(device):
+    # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul.
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
+    ignored = labels == -100
+    poisoned = hidden.masked_fill(ignored[:, None], float("nan"))
+    loss, _, (grad_hidden, grad_weight, _) = run(
+        fused_linear_cross_entropy,
+        poisoned,
+        weight,
+        labels,
+        None,
+        None,
+        logits_chunk_bytes=chunk_bytes(8, hidden.dtype),
+    )
+    ref_loss, _, (ref_grad_hidden, ref_grad_weight, _) = run(
+        fused_linear_cross_entropy_reference, hidden, weight, labels, None, None, dtype=torch.float64
+    )
+    assert_close_scaled(loss, ref_loss, torch.float32)
+    assert_close_scaled(grad_weight, ref_grad_weight, torch.float32)
+    assert_close_scaled(grad_hidden, ref_grad_hidden, torch.float32)
+    assert torch.equal(grad_hidden[ignored], torch.zeros_like(grad_hidden[ignored]))
+
+
+def test_tied_embedding_gradient_accumulates(device):
+    hidden, weight, labels, _ = make_inputs(12, torch.float32, device, ignored_every=5)
+    input_ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).to(device)
+    noise = hidden * 0.5
+
+    def model(fn, table, dtype):
+        table = table.detach().to(dtype).requires_grad_()
+        states = torch.nn.functional.embedding(input_ids, table) * 2.0 + noise.to(dtype)
+        loss = fn(states, table, labels, logits_chunk_bytes=chunk_bytes(4, dtype))
+        loss.backward()
+        return loss.detach(), table.grad
+
+    loss, grad = model(fused_linear_cross_entropy, weight, torch.float32)
+    ref_loss, ref_grad = model(fused_linear_cross_entropy_reference, weight, torch.float64)
+    assert_close_scaled(loss, ref_loss, torch.float32)
+    assert_close_scaled(grad, ref_grad, torch.float32)
+
+
+def test_module_and_no_grad_path(device):
+    hidden, weight, labels, bias = make_inputs(16, torch.float32, device, bias=True)
+    module = FusedLinearCrossEntropyLoss(softcap=5.0, return_accuracy=True)
+    with torch.no_grad():
+        loss, accuracy = module(hidden, weight, labels, bias)
+    ref_loss, ref_accuracy = fused_linear_cross_entropy_reference(
+        hidden.double(), weight.double(), labels, bias.double(), softcap=5.0, return_accuracy=True
+    )
+    assert_close_scaled(loss, ref_loss, torch.float32)
+    torch.testing.assert_close(accuracy.double(), ref_accuracy, atol=0.0, rtol=0.0)
+
+
+def test_leading_dims(device):
+    hidden, weight, labels, _ = make_inputs(12, torch.float32, device)
+    assert_matches_reference(hidden.view(3, 4, HIDDEN), weight, labels.view(3, 4), reduction="mean")
+
+
+def test_chunk_rows_choice():
+    cpu = torch.device("cpu")
+    # Default budget = the bytes of hidden: at T=8192, H=4096, V=128256 that is 256 rows of logits.
+    assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, torch.bfloat16, cpu) == 256
+    # Never fewer than 128 rows by default, never more than the tokens.
+    assert fused_linear_cross_entropy_chunk_rows(1024, 2048, 262144, torch.bfloat16, cpu) == 128
+    assert fused_linear_cross_entropy_chunk_rows(40, 64, 1000, torch.float32, cpu) == 40
+    # An explicit budget is honoured (rounded down to whole 64-row tiles).
+    assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, torch.bfloat16, cpu, 2**30) == 4160
+    assert fused_linear_cross_entropy_chunk_rows(100, 64, 1000, torch.float32, cpu, 8 * 4000) == 8
+
+
+def test_rejects_bad_arguments():
+    hidden, weight, labels, _ = make_inputs(4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        fused_linear_cross_entropy(hidden, weight.double(), labels)
+    with pytest.raises(ValueError, match="labels"):
+        fused_linear_cross_entropy(hidden, weight, labels[:3])
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        fused_linear_cross_entropy(hidden, weight, labels, num_items_in_batch=0)
+
+
+# --- mutation tests ---------------------------------------------------------------------------------
+
+
+def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch):
+    mutant = mutated_kernel(
+        ce_module._cross_entropy_forward_kernel,
+        "g = g * (1.0 - t * t)",
+        "g = g * 1.0",
+        tmp_path,
+        "no_softcap_grad",
+    )
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device, logit_scale=3.0)
+    options = {"reduction": "sum", "softcap": 4.0, "logits_chunk_bytes": chunk_bytes(8, torch.float32)}
+    assert_matches_reference(hidden, weight, labels, **options)  # the real kernel passes
+    monkeypatch.setattr(ce_module, "_cross_entropy_forward_kernel", mutant)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_matches_reference(hidden, weight, labels, **options)
+
+
+def test_mutant_keeping_ignored_tokens_fails(device, monkeypatch):
+    # Ignored tokens kept in the chunks: the kernel zeroes their loss, but "mean" then divides by T.
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
+    assert_matches_reference(hidden, weight, labels, reduction="mean")
+    monkeypatch.setattr(
+        flce_module,
+        "_valid_token_rows",
+        lambda labels, ignore_index: torch.arange(labels.numel(), device=device),
+    )
+    with pytest.raises(AssertionError, match="not close"):
+        assert_matches_reference(hidden, weight, labels, reduction="mean")
+
+
+# --- compile ---------------------------------------------------------------------------------------
+
+
+def test_traces_with_fullgraph_aot_eager(device):
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
+    options = {
+        "num_items_in_batch": torch.tensor(9, device=device),
+        "logits_chunk_bytes": chunk_bytes(8, torch.float32),
+    }
+    expected_loss, _, expected_grads = run(
+        fused_linear_cross_entropy, hidden, weight, labels, None, None, **options
+    )
+    compiled = torch.compile(fused_linear_cross_entropy, fullgraph=True, backend="aot_eager")
+    loss, _, grads = run(compiled, hidden, weight, labels, None, None, **options)
+    torch.testing.assert_close(loss, expected_loss, atol=0.0, rtol=0.0)
+    for grad, expected in zip(grads[:2], expected_grads[:2], strict=True):
+        torch.testing.assert_close(grad, expected, atol=0.0, rtol=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_inductor_fullgraph_matches_eager(reduction):
+    hidden, weight, labels, bias = make_inputs(512, torch.bfloat16, "cuda", bias=True)
+    upstream = torch.randn(512, device="cuda") if reduction == "none" else torch.tensor(0.5, device="cuda")
+    options = {
+        "reduction": reduction,
+        "softcap": 30.0,
+        "logits_chunk_bytes": chunk_bytes(128, torch.bfloat16),
+    }
+    expected_loss, _, expected_grads = run(
+        fused_linear_cross_entropy, hidden, weight, labels, bias, upstream, **options
+    )
+    compiled = torch.compile(fused_linear_cross_entropy, fullgraph=True)
+    loss, _, grads = run(compiled, hidden, weight, labels, bias, upstream, **options)
+    torch.testing.assert_close(loss, expected_loss, atol=0.0, rtol=0.0)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        assert_close_scaled(grad, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n_tokens", "hidden_size", "vocab", "options"),
+    [
+        (2048, 2048, 128256, {"reduction": "mean"}),
+        (1024, 1024, 262144, {"reduction": "sum", "softcap": 30.0, "num_items_in_batch": 700}),
+        (777, 896, 151936, {"reduction": "none", "accumulate_dw_in_fp32": True}),
+    ],
+    ids=["llama3", "gemma2-softcap", "qwen-none"],
+)
+def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n_tokens, hidden_size, generator=generator).to("cuda", torch.bfloat16)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) / hidden_size**0.5).to(
+        "cuda", torch.bfloat16
+    )
+    labels = torch.randint(0, vocab, (n_tokens,), generator=generator).to("cuda")
+    labels[::9] = -100
+    upstream = torch.randn(n_tokens, device="cuda") if options["reduction"] == "none" else None
+    # Default chunking (several chunks at these shapes: at least 128 rows, about T*H/V of them).
+    assert_matches_reference(hidden, weight, labels, None, upstream, **options)
