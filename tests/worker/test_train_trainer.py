@@ -224,12 +224,18 @@ def test_incomplete_checkpoints_are_not_listed(tmp_path):
 # --------------------------------------------------------------------------------------------- failures
 
 
-def test_missing_model_fails_with_model_not_found(small_train_file, tmp_path):
-    config = make_config(tmp_path / "no-such-model", small_train_file, tmp_path / "out")
-    assert run(config) == EXIT_FAILED
+@pytest.mark.parametrize("model", ["missing", "empty directory", "config without weights"])
+def test_unloadable_model_fails_with_model_not_found(model_dir, small_train_file, tmp_path, model):
+    model_path = tmp_path / "model"
+    if model != "missing":
+        model_path.mkdir()
+    if model == "config without weights":
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (model_path / name).write_bytes((model_dir / name).read_bytes())
+    assert run(make_config(model_path, small_train_file, tmp_path / "out")) == EXIT_FAILED
     error = read_error(tmp_path / "out")
     assert error["code"] == ErrorCode.MODEL_NOT_FOUND
-    assert str(tmp_path / "no-such-model") in error["message"]
+    assert f"model path '{model_path}'" in error["message"]
     assert read_result(tmp_path / "out") is None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fusetune.worker.train.config import TrainConfig
@@ -13,6 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="path of the job's TrainConfig JSON")
     args = parser.parse_args(argv)
     config = TrainConfig.read(args.config)
+    # Models come from local directories or the local cache only: without this, transformers still probes
+    # the hub for some files (retrying for half a minute) when a model id is not in the cache. Set before
+    # huggingface_hub is first imported, which reads it once.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from fusetune.worker.train.trainer import run  # torch and transformers load only once the config is good
 

@@ -80,15 +80,25 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     return 1.0 - progress
 
 
+def _model_not_found(model_path: str, what: str, exc: Exception) -> TrainingFailure:
+    if Path(model_path).exists():
+        detail = " ".join(str(exc).split())[:500] or type(exc).__name__
+        message = f"could not load a {what} from model path '{model_path}': {detail}"
+    else:
+        message = (
+            f"model path '{model_path}' is neither a local directory nor a model in the local Hugging Face "
+            "cache"
+        )
+    return TrainingFailure(ErrorCode.MODEL_NOT_FOUND, message)
+
+
 def load_tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise TrainingFailure(
-            ErrorCode.MODEL_NOT_FOUND, f"could not load a tokenizer from model path '{model_path}': {exc}"
-        ) from exc
+        raise _model_not_found(model_path, "tokenizer", exc) from exc
 
 
 def load_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -97,9 +107,7 @@ def load_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
     try:
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise TrainingFailure(
-            ErrorCode.MODEL_NOT_FOUND, f"could not load a causal LM from model path '{model_path}': {exc}"
-        ) from exc
+        raise _model_not_found(model_path, "causal LM", exc) from exc
 
 
 @dataclass(frozen=True)
@@ -166,6 +174,7 @@ class Trainer:
         self.step = 0
         self.trained_tokens = 0
         self.last_checkpoint: Path | None = None
+        self.last_checkpoint_step: int | None = None
         self._recent_step_times: deque[float] = deque(maxlen=ETA_WINDOW_STEPS)
         self._peak_flops = (
             peak_bf16_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
@@ -209,7 +218,20 @@ class Trainer:
                 data={"event": "kernels", "applied": False},
             )
             return False
-        apply_fusetune(self.model)
+        # strict=False: a family without fused kernels trains unpatched instead of failing the job.
+        handle = apply_fusetune(self.model, strict=False)
+        model_type = getattr(self.model.config, "model_type", "?")
+        if not handle.active:
+            self.reporter.event(
+                f"No fused kernels for model type '{model_type}'; training runs unpatched",
+                level="warning",
+                data={"event": "kernels", "applied": False},
+            )
+            return False
+        self.reporter.event(
+            f"Fused kernels applied to '{model_type}': {', '.join(sorted(handle.patched))}",
+            data={"event": "kernels", "applied": True, "patched": dict(handle.patched)},
+        )
         return True
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -359,7 +381,7 @@ class Trainer:
                 continue
             break  # max_steps reached inside the epoch
 
-        if self.last_checkpoint is None or not self.last_checkpoint.name.endswith(f"-{self.step}"):
+        if self.last_checkpoint_step != self.step:
             self._save_checkpoint({"train_loss": train_loss})
         assert self.last_checkpoint is not None
         result = TrainResult(
@@ -473,7 +495,7 @@ class Trainer:
                 f"Saved checkpoint at step {self.step}",
                 data={"event": "checkpoint_saved", "step": self.step, "path": reported_path},
             )
-        self.last_checkpoint = path
+        self.last_checkpoint, self.last_checkpoint_step = path, self.step
         barrier()
 
 
