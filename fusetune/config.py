@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     terminate_grace_s: float = 5.0
     # Crash recovery: a worker renews its job's lease every lease_s / 3; a job whose lease lapsed is requeued
     # (by any worker's reaper, every reaper_interval_s) until it has been started max_attempts times.
+    # CPU priority of training processes relative to the API and worker (0 = same).
+    training_niceness: int = Field(default=10, ge=0, le=19)
     lease_s: int = Field(default=60, ge=3)
     reaper_interval_s: float = Field(default=10.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)

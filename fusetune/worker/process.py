@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 
@@ -18,3 +19,11 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def prepare_training_process(niceness: int) -> None:
+    """Runs in the forked child before torchrun starts: dies with the worker, and yields the CPU to the API
+    and the worker's own bookkeeping when cores are scarce (training is throughput work, the API is not)."""
+    die_with_parent()
+    if niceness:
+        os.nice(niceness)

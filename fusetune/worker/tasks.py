@@ -6,6 +6,7 @@ nothing, and the worker, not the trainer, owns every status transition of the jo
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
-from fusetune.worker.process import die_with_parent
+from fusetune.worker.process import prepare_training_process
 from fusetune.worker.train.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,8 @@ class JobRunner:
             # A session of its own, so cancel can signal torchrun and every rank it started, and nothing else.
             process = subprocess.Popen(
                 self._launch_command(config_path, nproc), stdout=log_file, stderr=subprocess.STDOUT,
-                env=env, cwd=run_dir, start_new_session=True, preexec_fn=die_with_parent,
+                env=env, cwd=run_dir, start_new_session=True,
+                preexec_fn=functools.partial(prepare_training_process, self.settings.training_niceness),
             )  # fmt: skip
             stopped_for = self._watch(job.id, process)
         if stopped_for is not None:

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from fusetune.worker.process import die_with_parent
 from fusetune.worker.train.config import TrainConfig
 
 
@@ -13,6 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusetune.worker.train", description=__doc__)
     parser.add_argument("--config", required=True, help="path of the job's TrainConfig JSON")
     args = parser.parse_args(argv)
+    # Under torchrun each rank is a child of the launcher: if the launcher is killed (a `kill -9` of the
+    # worker takes it down), the ranks must go too, or an orphan would keep training beside the retry.
+    die_with_parent()
     config = TrainConfig.read(args.config)
     # Models come from local directories or the local cache only: without this, transformers still probes
     # the hub for some files (retrying for half a minute) when a model id is not in the cache. Set before
