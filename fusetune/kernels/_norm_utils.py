@@ -87,7 +87,9 @@ def norm_launch_settings(n_cols: int, backward: bool) -> NormLaunchSettings:
     # About 16 fp32 values per thread and tensor: wide enough for 16-byte accesses, few enough to stay in
     # registers next to the other tensors of the backward.
     num_warps = max(1, min(16, tile_elements // 512))
-    programs_per_sm = 4 if tile_elements <= 4096 else 2
+    # The persistent backward must fit in one wave: at 4096 elements and 8 warps it needs ~108 registers a
+    # thread (2 programs per SM), at 8192 and 16 warps ~112 (1 per SM), per the sm_90 compiler's report.
+    programs_per_sm = 2 if tile_elements <= 4096 else 1
     return NormLaunchSettings(
         block_n=block_n, rows_per_tile=rows_per_tile, num_warps=num_warps, programs_per_sm=programs_per_sm
     )

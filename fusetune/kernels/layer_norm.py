@@ -5,7 +5,7 @@ Statistics and the affine step run in fp32 and the result is rounded to x's dtyp
 
 `inplace_backward=True` lets the backward write dx into the incoming gradient's buffer, under the conditions
 spelled out in rms_norm.py: dy contiguous with x's shape and dtype, and nothing else needing dy afterwards
-(which only the caller can promise). Off by default.
+(which only the caller can promise). Off by default, and not used under torch.compile.
 """
 
 import math
@@ -424,7 +424,13 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        if ctx.inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape:
+        if (
+            ctx.inplace_backward
+            and not torch.compiler.is_compiling()
+            and dy.is_contiguous()
+            and dy.dtype == x.dtype
+            and dy.shape == x.shape
+        ):
             dw, db = torch.ops.fusetune.layer_norm_bwd_inplace(dy, x, weight, bias, mean, rstd)
             dx = dy
         else:

@@ -20,7 +20,7 @@ the input, and the caller guarantees that nothing else needs dy once the norm's 
 caller can know: autograd hands the *same* gradient tensor to both inputs of an addition, so a norm whose
 output is added to another tensor (Gemma-2/3 post-norms: `residual + post_norm(h)`) must not use it, while a
 norm feeding only matmuls (the pre-norms of Llama-style layers, the final norm) can. It is off by default.
-Under torch.compile the in-place variant is a declared mutation, so the compiler keeps it correct either way.
+Under torch.compile the functional backward is traced instead, and the compiler plans the buffers.
 """
 
 import torch
@@ -511,7 +511,17 @@ def _rms_norm_bwd_inplace_op(
 
 
 def _dx_can_overwrite_dy(dy: torch.Tensor, x: torch.Tensor, inplace_backward: bool) -> bool:
-    return inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape
+    """The in-place condition of the module docstring (the caller's promise is `inplace_backward`).
+
+    Under torch.compile the functional op is traced instead: the compiler plans the buffers itself.
+    """
+    return (
+        inplace_backward
+        and not torch.compiler.is_compiling()
+        and dy.is_contiguous()
+        and dy.dtype == x.dtype
+        and dy.shape == x.shape
+    )
 
 
 def _backward(
