@@ -142,6 +142,7 @@ def _rope_program(
     sin_ptr,
     pos_ptr,
     seq_len,
+    n_tokens,
     n_q_heads,
     n_k_heads,
     stride_q_b,
@@ -177,9 +178,19 @@ def _rope_program(
     COPY_PASS: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
+    # 1-D grid over (token, head block); which of the two varies fastest between neighbouring programs is a
+    # launch setting (neighbours then touch neighbouring memory for one layout or the other).
+    pid = tl.program_id(0).to(tl.int64)
+    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_HEADS)
+    n_blocks = n_q_blocks + tl.cdiv(n_k_heads, BLOCK_HEADS)
+    if HEADS_FASTEST:
+        token = pid // n_blocks
+        head_block = (pid % n_blocks).to(tl.int32)
+    else:
+        token = pid % n_tokens
+        head_block = (pid // n_tokens).to(tl.int32)
     batch = token // seq_len
     seq = token % seq_len
 
@@ -191,7 +202,6 @@ def _rope_program(
     cos_row_ptr = cos_ptr + batch * stride_cos_b + angle_row * stride_cos_s
     sin_row_ptr = sin_ptr + batch * stride_sin_b + angle_row * stride_sin_s
 
-    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_HEADS)
     if head_block < n_q_blocks:
         _rotate_head_block(
             q_ptr + batch * stride_q_b + seq * stride_q_s,
@@ -250,6 +260,7 @@ def _rope_forward_kernel(
     sin_ptr,
     pos_ptr,
     seq_len,
+    n_tokens,
     n_q_heads,
     n_k_heads,
     stride_q_b,
@@ -284,19 +295,21 @@ def _rope_forward_kernel(
     HAS_POSITIONS: tl.constexpr,
     COPY_PASS: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
     """y_lo = x_lo * c_lo - x_hi * s_lo;  y_hi = x_hi * c_hi + x_lo * s_hi;  y[R:] = x[R:]  (x is q or k).
 
-    Grid: (batch * seq_len, cdiv(n_q_heads, BLOCK_HEADS) + cdiv(n_k_heads, BLOCK_HEADS)). q_out/k_out may be
-    q/k themselves (in place): every element is read and written by the same program, read first.
+    Grid: batch * seq_len * (cdiv(n_q_heads, BLOCK_HEADS) + cdiv(n_k_heads, BLOCK_HEADS)) programs, one per
+    (token, head block). q_out/k_out may be q/k themselves (in place): every element is read and written by
+    the same program, read first.
     """
     _rope_program(
-        q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_q_heads, n_k_heads,
+        q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_tokens, n_q_heads, n_k_heads,
         stride_q_b, stride_q_h, stride_q_s, stride_q_d, stride_k_b, stride_k_h, stride_k_s, stride_k_d,
         stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d,
         stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
         stride_pos_b, stride_pos_s,
-        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, False, ROUND_BF16,
+        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, False, ROUND_BF16, HEADS_FASTEST,
     )  # fmt: skip
 
 
@@ -310,6 +323,7 @@ def _rope_backward_kernel(
     sin_ptr,
     pos_ptr,
     seq_len,
+    n_tokens,
     n_q_heads,
     n_k_heads,
     stride_q_b,
@@ -344,6 +358,7 @@ def _rope_backward_kernel(
     HAS_POSITIONS: tl.constexpr,
     COPY_PASS: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
     """The forward is linear in x, y = M x, so dx = M^T dy:
 
@@ -356,12 +371,13 @@ def _rope_backward_kernel(
     cos/sin. Same grid and in-place rule as the forward.
     """
     _rope_program(
-        dy_q_ptr, dy_k_ptr, dx_q_ptr, dx_k_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_q_heads, n_k_heads,
+        dy_q_ptr, dy_k_ptr, dx_q_ptr, dx_k_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_tokens, n_q_heads,
+        n_k_heads,
         stride_q_b, stride_q_h, stride_q_s, stride_q_d, stride_k_b, stride_k_h, stride_k_s, stride_k_d,
         stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d,
         stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
         stride_pos_b, stride_pos_s,
-        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, True, ROUND_BF16,
+        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, True, ROUND_BF16, HEADS_FASTEST,
     )  # fmt: skip
 
 
@@ -374,18 +390,19 @@ def _rope_backward_kernel(
 class RopeLaunchSettings:
     block_heads: int
     num_warps: int
+    heads_fastest: bool
 
 
-def rope_launch_settings(n_heads: int, rotary_dim: int) -> RopeLaunchSettings:
-    """Heads per program and warps.
+def rope_launch_settings(n_heads: int, rotary_dim: int, tokens_major: bool) -> RopeLaunchSettings:
+    """Heads per program, warps, and the program order.
 
-    Chosen to keep about 2048 rotated elements (block_heads * rotary_dim) per program with 4 warps; to be
-    replaced by the H100 measurement at B=8, S=2048, 32 q / 8 kv heads, D=128, bf16 (see .scratch timing).
+    Provisional (about 1024 rotated elements per program, 4 warps, neighbouring programs on neighbouring
+    memory); to be replaced by the H100 measurement at B=8, S=2048, 32 q / 8 kv heads, D=128, bf16.
     """
     half_block = triton.next_power_of_2(max(rotary_dim // 2, 1))
-    target_heads = max(1, 1024 // half_block)
+    target_heads = max(1, 512 // half_block)
     block_heads = min(triton.next_power_of_2(max(n_heads, 1)), target_heads)
-    return RopeLaunchSettings(block_heads=block_heads, num_warps=4)
+    return RopeLaunchSettings(block_heads=block_heads, num_warps=4, heads_fastest=tokens_major)
 
 
 def _angle_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -412,9 +429,10 @@ def _launch_rope(
     pass_width = head_dim - rotary_dim
     if batch * seq_len == 0 or n_q_heads + n_k_heads == 0:
         return
-    settings = rope_launch_settings(max(n_q_heads, n_k_heads), rotary_dim)
+    settings = rope_launch_settings(max(n_q_heads, n_k_heads), rotary_dim, _is_tokens_major(q))
     block_heads = settings.block_heads
-    grid = (batch * seq_len, triton.cdiv(n_q_heads, block_heads) + triton.cdiv(n_k_heads, block_heads))
+    n_tokens = batch * seq_len
+    grid = (n_tokens * (triton.cdiv(n_q_heads, block_heads) + triton.cdiv(n_k_heads, block_heads)),)
     if position_ids is None:
         positions, stride_pos_b, stride_pos_s = cos, 0, 0  # unused placeholder pointer
     else:
@@ -423,7 +441,7 @@ def _launch_rope(
         stride_pos_s = position_ids.stride(1)
     wrap_triton(kernel)[grid](
         q, k, q_out, k_out, cos, sin, positions,
-        seq_len, n_q_heads, n_k_heads,
+        seq_len, n_tokens, n_q_heads, n_k_heads,
         *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
         *_angle_strides(cos), *_angle_strides(sin),
         stride_pos_b, stride_pos_s,
@@ -435,6 +453,7 @@ def _launch_rope(
         HAS_POSITIONS=position_ids is not None,
         COPY_PASS=copy_pass and pass_width > 0,
         ROUND_BF16=_INTERPRETED,
+        HEADS_FASTEST=settings.heads_fastest,
         num_warps=settings.num_warps,
     )  # fmt: skip
 

@@ -38,23 +38,27 @@ def _rotary_angles(positions: torch.Tensor, rotary_dim: int, base: float = 10000
     return emb.cos(), emb.sin()
 
 
+def _randn(*shape, device, seed):
+    # Drawn on the test device: real-size GPU cases would spend seconds drawing on the CPU.
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(*shape, generator=generator, device=device)
+
+
 def _angles(cos_batch: int, seq_len: int, rotary_dim: int, kind: str, dtype, device, seed: int = 3):
-    generator = torch.Generator().manual_seed(seed)
     if kind == "rotary":
         # Positions that do not start at 0 and differ per batch row, so a wrong row/batch index shows.
-        start = torch.randint(0, 50, (cos_batch, 1), generator=generator)
+        start = torch.randint(0, 50, (cos_batch, 1), generator=torch.Generator().manual_seed(seed))
         cos, sin = _rotary_angles(start + torch.arange(seq_len), rotary_dim)
     else:
-        cos = torch.randn(cos_batch, seq_len, rotary_dim, generator=generator)
-        sin = torch.randn(cos_batch, seq_len, rotary_dim, generator=generator)
+        cos = _randn(cos_batch, seq_len, rotary_dim, device=device, seed=seed)
+        sin = _randn(cos_batch, seq_len, rotary_dim, device=device, seed=seed + 100)
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def _projection(batch, seq_len, heads, head_dim, dtype, device, seed):
     """A [B, S, H*D] leaf standing for a projection's output."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, seq_len, heads * head_dim, generator=generator)
-    return x.to(device=device, dtype=dtype).requires_grad_(True)
+    x = _randn(batch, seq_len, heads * head_dim, device=device, seed=seed)
+    return x.to(dtype=dtype).requires_grad_(True)
 
 
 def _as_heads(x: torch.Tensor, heads: int, path: str) -> torch.Tensor:
@@ -89,10 +93,9 @@ def _check_rope(batch, seq_len, n_q, n_kv, head_dim, rotary_dim, cos_batch, kind
     k_proj = _projection(batch, seq_len, n_kv, head_dim, dtype, device, seed=2)
     q_proj_ref = q_proj.detach().clone().requires_grad_(True)
     k_proj_ref = k_proj.detach().clone().requires_grad_(True)
-    generator = torch.Generator().manual_seed(4)
     grads = (
-        torch.randn(batch, n_q, seq_len, head_dim, generator=generator).to(device=device, dtype=dtype),
-        torch.randn(batch, n_kv, seq_len, head_dim, generator=generator).to(device=device, dtype=dtype),
+        _randn(batch, n_q, seq_len, head_dim, device=device, seed=4).to(dtype),
+        _randn(batch, n_kv, seq_len, head_dim, device=device, seed=5).to(dtype),
     )
     q_embed, k_embed = _run_rope(apply_rotary_pos_emb, q_proj, k_proj, n_q, n_kv, cos, sin, path, grads)
     q_ref, k_ref = _run_rope(rope_reference, q_proj_ref, k_proj_ref, n_q, n_kv, cos, sin, path, grads)

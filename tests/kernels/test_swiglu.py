@@ -48,8 +48,9 @@ def _assert_matches(actual, expected, dtype, table=TOLERANCES) -> None:
 
 
 def _randn(shape, dtype, device, seed, scale=1.0):
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=generator) * scale).to(device=device, dtype=dtype)
+    # Drawn on the test device: real-size GPU cases would spend seconds drawing on the CPU.
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=generator, device=device) * scale).to(dtype=dtype)
 
 
 def _check_gated(fn, reference, shape, dtype, device, intermediate: bool, layout: str = "contiguous"):
@@ -505,10 +506,11 @@ def test_real_size_mlp_as_accurate_as_transformers(device):
 
     config = _llama_config(hidden=4096, intermediate=14336)
     torch.manual_seed(0)
-    hf = LlamaMLP(config).to(device=device, dtype=torch.bfloat16)
-    fused = FusedSwiGLUMLP(config).to(device=device, dtype=torch.bfloat16)
+    with torch.device(device):  # initialise on the GPU: 3 x 58M weights are slow to draw on the CPU
+        hf = LlamaMLP(config).to(dtype=torch.bfloat16)
+        fused = FusedSwiGLUMLP(config).to(dtype=torch.bfloat16)
+        truth = LlamaMLP(config)
     fused.load_state_dict(hf.state_dict())
-    truth = LlamaMLP(config).to(device)
     truth.load_state_dict({k: v.float() for k, v in hf.state_dict().items()})
     x = torch.randn(2048, 4096, device=device, dtype=torch.bfloat16)
     grad = torch.randn_like(x)
@@ -518,7 +520,7 @@ def test_real_size_mlp_as_accurate_as_transformers(device):
         ("fused", fused, torch.bfloat16),
         ("truth", truth, torch.float32),
     ):
-        x_in = x.to(dtype).requires_grad_(True)
+        x_in = x.detach().to(dtype).clone().requires_grad_(True)
         out = module(x_in * 1)
         out.backward(grad.to(dtype))
         results[name] = [out.detach(), x_in.grad] + [p.grad for p in module.parameters()]
