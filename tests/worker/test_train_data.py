@@ -180,7 +180,7 @@ def test_collate_pads_right_and_masks(tokenizer):
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 2]]
     assert batch["shifted_labels"].tolist() == [[6, 7, -100], [-100, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
-    assert int(batch["n_input_tokens"]) == 5
+    assert (int(batch["n_input_tokens"]), int(batch["n_trained_tokens"])) == (5, 2)
     assert "position_ids" not in batch
     packed = collate([a, b], pad_token_id=2, packed=True)
     assert packed["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
@@ -204,3 +204,18 @@ def test_ranks_split_a_global_batch_like_accumulation():
     assert one_process == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert two_processes == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     assert sorted(sum(four_processes, [])) == one_process
+
+
+def test_a_template_that_rejects_an_example_names_it(tmp_path, tokenizer):
+    strict = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    strict.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    path = _write(
+        tmp_path / "t.jsonl", [json.dumps({"messages": MESSAGES[1:3]}), json.dumps({"messages": MESSAGES})]
+    )
+    with pytest.raises(
+        TrainingDataError, match="t.jsonl, example 2: the chat template failed: no system turns"
+    ):
+        load_sequences(path, strict, max_seq_length=64)

@@ -156,15 +156,12 @@ def load_sequences(
             sequence, full_length = tokenize_conversation(
                 tokenizer, messages, max_seq_length, train_on_inputs
             )
-        except TrainingDataError:
-            raise
+        except TrainingDataError as exc:
+            raise TrainingDataError(f"{Path(path).name}, example {line_index + 1}: {exc.message}") from exc
         except Exception as exc:  # a template may raise on content it does not accept (e.g. role order)
             raise TrainingDataError(
                 f"{Path(path).name}, example {line_index + 1}: the chat template failed: {exc}"
             ) from exc
-        full_length = (
-            len(_render_ids(tokenizer, messages)) if len(sequence.input_ids) == max_seq_length else 0
-        )
         n_truncated += full_length > max_seq_length
         if sequence.n_label_tokens == 0:
             n_dropped += 1
@@ -234,7 +231,12 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
         position_ids[i, :n] = torch.tensor(row.position_ids)
         position_ids[i, n:] = torch.arange(length - n)
         attention_mask[i, :n] = 1
-    batch = {"input_ids": input_ids, "shifted_labels": shifted_labels, "n_input_tokens": attention_mask.sum()}
+    batch = {
+        "input_ids": input_ids,
+        "shifted_labels": shifted_labels,
+        "n_input_tokens": attention_mask.sum(),
+        "n_trained_tokens": (shifted_labels != IGNORE_INDEX).sum(),
+    }
     if packed:
         batch["position_ids"] = position_ids
     else:

@@ -250,7 +250,11 @@ class Trainer:
 
     def _batch(self, rows: list[TokenizedSequence], packed: bool) -> dict[str, torch.Tensor]:
         batch = collate(rows, self.pad_token_id, packed=packed)
-        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+        # The token counts stay on the CPU so that reading them never waits for the GPU.
+        return {
+            key: value if value.ndim == 0 else value.to(self.device, non_blocking=True)
+            for key, value in batch.items()
+        }
 
     # ------------------------------------------------------------------------------------------- training
 
@@ -274,14 +278,14 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepStats:
         counts = torch.tensor(
             [
-                sum(int((mb["shifted_labels"] != IGNORE_INDEX).sum()) for mb in micro_batches),
+                sum(int(mb["n_trained_tokens"]) for mb in micro_batches),
                 sum(int(mb["n_input_tokens"]) for mb in micro_batches),
             ],
             dtype=torch.long,
             device=self.device,
         )
         all_reduce(counts)
-        n_trained_global, n_input_global = counts[0], int(counts[1])
+        n_trained_global, n_input_global = counts[0], counts[1]
 
         loss_share = torch.zeros((), dtype=torch.float32, device=self.device)
         for index, batch in enumerate(micro_batches):
@@ -315,7 +319,7 @@ class Trainer:
             train_loss=train_loss,
             grad_norm=grad_norm,
             learning_rate=learning_rate,
-            n_input_tokens=n_input_global,
+            n_input_tokens=int(n_input_global),
             n_trained_tokens=int(n_trained_global),
             mean_padded_length=padded,
         )
