@@ -1,0 +1,624 @@
+"""End-to-end training benchmark: tokens/s, MFU and peak memory of real model shapes with random weights.
+
+Each model is built from its architecture's config (no download), in bf16, and trained on random tokens
+(labels = input ids) with torch.optim.AdamW(fused=True): the median step time of `--steps` steps after
+`--warmup-steps` warm-up steps. Implementations:
+
+    hf                Hugging Face eager
+    compile           torch.compile(model)
+    liger             liger_kernel's apply_liger_kernel_to_<family>(rope, rms_norm, swiglu/geglu,
+                      fused_linear_cross_entropy), applied before the model is built
+    fusetune          AutoFusedModelForCausalLM.from_config (apply_fusetune on the built model)
+    fusetune+compile  the same, then torch.compile(model)
+
+Every (model, impl) pair runs in a fresh subprocess, so no monkey-patch or compiled graph leaks into the
+next. Results go to `benchmarks/results/<gpu-slug>-e2e.json` (format of shared/ANCHORS.md) and a markdown
+twin.
+
+    PYTHONPATH=. python3 benchmarks/e2e.py
+    PYTHONPATH=. python3 benchmarks/e2e.py --models llama-3.2-1b-shape --impls hf,liger,fusetune --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_RESULTS_DIR,
+    GIB,
+    REPO_ROOT,
+    collect_versions,
+    format_cell,
+    gpu_slug,
+    load_results,
+    markdown_table,
+    measure_ceilings,
+    short_error,
+    utc_date,
+    write_json,
+    write_text,
+)
+
+IMPLS = ("hf", "compile", "liger", "fusetune", "fusetune+compile")
+RESULT_MARKER = "E2E_RESULT "
+
+# Architecture shapes of public checkpoints; weights are random. Keys are transformers config fields.
+MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-3.2-1b-shape": (
+        "llama",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "hidden_act": "silu",
+        },
+    ),
+    "qwen2.5-1.5b-shape": (
+        "qwen2",
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768,
+            "hidden_act": "silu",
+        },
+    ),
+    "gemma-2-2b-shape": (
+        "gemma2",
+        {
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "vocab_size": 256000,
+            "tie_word_embeddings": True,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 8192,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+        },
+    ),
+}
+
+# For smoke tests on a CPU: the same families, a few thousand parameters.
+TINY_OVERRIDES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "gemma2": "Gemma2Config"}
+LIGER_PATCHES = {
+    "llama": ("apply_liger_kernel_to_llama", "swiglu"),
+    "qwen2": ("apply_liger_kernel_to_qwen2", "swiglu"),
+    "gemma2": ("apply_liger_kernel_to_gemma2", "geglu"),
+}
+
+MFU_FORMULA = (
+    "mfu = tokens_per_s * flops_per_token / peak, flops_per_token = 6*N + 12*L*(n_heads*head_dim)*S "
+    "(forward + backward; N = parameters that take part in matmuls: all parameters, minus the input "
+    "embedding table unless it is tied to the lm_head; attention term as in the PaLM paper, not halved for "
+    "the causal mask), peak = the bf16 matmul rate measured at the start of the run (8192^3)"
+)
+METHOD = (
+    "bf16 weights, random init (seed 0), random token ids, labels = input ids, torch.optim.AdamW(fused=True, "
+    "lr=1e-5); step = forward with labels + loss.backward() + optimizer.step() + zero_grad(set_to_none=True); "
+    "step time from torch.cuda.synchronize() to torch.cuda.synchronize(), median of the timed steps after "
+    "the warm-up steps (compilation happens there); tokens_per_s = batch*seq / median step time; "
+    "peak_alloc_gb = torch.cuda.max_memory_allocated() over the whole process (weights, gradients, optimizer "
+    "state, activations) / 2**30. Each (model, impl) runs in a fresh process."
+)
+
+
+def build_config(model: str, tiny: bool) -> Any:
+    import transformers
+
+    family, fields = MODEL_SHAPES[model]
+    if tiny:
+        fields = {**fields, **TINY_OVERRIDES}
+        if family == "gemma2":
+            fields["query_pre_attn_scalar"] = fields["head_dim"]
+    return getattr(transformers, CONFIG_CLASSES[family])(**fields)
+
+
+def attention_implementation(requested: str, family: str, device: str) -> str:
+    """sdpa where transformers allows it. Gemma 2 refuses sdpa (attention softcapping), so it gets
+    flex_attention on a GPU (memory-efficient, softcap kept) and eager on a CPU."""
+    if requested != "auto":
+        return requested
+    if family == "gemma2":
+        return "flex_attention" if device == "cuda" else "eager"
+    return "sdpa"
+
+
+def matmul_parameter_count(model: Any) -> int:
+    unique = {id(p): p.numel() for p in model.parameters()}
+    total = sum(unique.values())
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    return total if tied else total - embedding.numel()
+
+
+def flops_per_token(model: Any, config: Any, seq: int) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq
+    return 6 * matmul_parameter_count(model) + attention
+
+
+def _count_modules_from(model: Any, package: str) -> int:
+    count = 0
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        if type(module).__module__.startswith(package) or getattr(forward, "__module__", "").startswith(
+            package
+        ):
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker: one (model, impl) in this process.
+
+
+def train_one(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    model_name, impl, device = spec["model"], spec["impl"], spec["device"]
+    family = MODEL_SHAPES[model_name][0]
+    row: dict[str, Any] = {"model": model_name, "impl": impl, "batch": spec["batch"], "seq": spec["seq"]}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    config = build_config(model_name, spec["tiny"])
+    attn = attention_implementation(spec["attn"], family, device)
+    row["attn_implementation"] = attn
+
+    build_kwargs = {"dtype": torch.bfloat16, "attn_implementation": attn}
+    if impl == "liger":
+        try:
+            import liger_kernel.transformers as liger_transformers
+        except ImportError as error:
+            return {
+                **row,
+                "error": f"skipped: liger-kernel not installed ({short_error(error, 120)})",
+                "skipped": True,
+            }
+        patch_name, mlp_option = LIGER_PATCHES[family]
+        getattr(liger_transformers, patch_name)(
+            rope=True,
+            rms_norm=True,
+            fused_linear_cross_entropy=True,
+            cross_entropy=False,
+            **{mlp_option: True},
+        )
+    with torch.device(device):
+        if impl in ("fusetune", "fusetune+compile"):
+            try:
+                from fusetune.models import AutoFusedModelForCausalLM, fusetune_handle
+            except ImportError as error:
+                return {
+                    **row,
+                    "error": f"skipped: fusetune.models not importable ({short_error(error, 160)})",
+                    "skipped": True,
+                }
+            model = AutoFusedModelForCausalLM.from_config(
+                config,
+                rope=True,
+                rms_norm=True,
+                swiglu=True,
+                fused_linear_cross_entropy=True,
+                strict=True,
+                **build_kwargs,
+            )
+            handle = fusetune_handle(model)
+            row["patched"] = dict(handle.patched) if handle is not None else {}
+            if not row["patched"]:
+                return {**row, "error": "apply_fusetune replaced nothing in this model"}
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config, **build_kwargs)
+    if impl == "liger":
+        row["patched"] = {"liger_modules": _count_modules_from(model, "liger_kernel")}
+        if not row["patched"]["liger_modules"]:
+            return {**row, "error": "the Liger patch replaced no module of this model"}
+    model.to(device=device, dtype=torch.bfloat16)
+    model.train()
+    row["params"] = sum(p.numel() for p in model.parameters())
+    row["flops_per_token"] = flops_per_token(model, config, spec["seq"])
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    step_model = torch.compile(model) if impl in ("compile", "fusetune+compile") else model
+
+    generator = torch.Generator(device=device).manual_seed(1)
+    total_steps = spec["warmup_steps"] + spec["steps"]
+    batches = [
+        torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"]), device=device, generator=generator)
+        for _ in range(total_steps)
+    ]
+
+    def synchronize() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    step_seconds, losses = [], []
+    for input_ids in batches:
+        synchronize()
+        started = time.perf_counter()
+        loss = step_model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize()
+        step_seconds.append(time.perf_counter() - started)
+        losses.append(loss.detach())
+        print(f"    step {len(step_seconds)}/{total_steps}: {step_seconds[-1] * 1e3:.1f} ms", flush=True)
+    losses = [float(loss) for loss in losses]
+    timed = step_seconds[spec["warmup_steps"] :]
+    step_s = statistics.median(timed)
+    tokens_per_s = spec["batch"] * spec["seq"] / step_s
+    row.update(
+        tokens_per_s=round(tokens_per_s, 1),
+        peak_alloc_gb=round(torch.cuda.max_memory_allocated() / GIB, 2) if device == "cuda" else None,
+        mfu=None,
+        step_ms=round(step_s * 1e3, 2),
+        step_ms_min=round(min(timed) * 1e3, 2),
+        step_ms_max=round(max(timed) * 1e3, 2),
+        first_loss=round(losses[0], 4),
+        last_loss=round(losses[-1], 4),
+        steps=spec["steps"],
+        warmup_steps=spec["warmup_steps"],
+    )
+    peak = spec.get("peak_tflops")
+    if peak:
+        row["mfu"] = round(tokens_per_s * row["flops_per_token"] / (peak * 1e12), 4)
+    if not all(map(_finite, losses)):
+        row["error"] = f"non-finite loss {losses}"
+    return row
+
+
+def _finite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
+
+
+def _worker_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    try:
+        row = train_one(spec)
+    except Exception as error:  # noqa: BLE001 - every failure becomes the row's error
+        traceback.print_exc()
+        row = {"model": spec["model"], "impl": spec["impl"], "batch": spec["batch"], "seq": spec["seq"]}
+        import torch
+
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            row["error"] = "OOM: " + short_error(error)
+            if torch.cuda.is_available():
+                row["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        else:
+            row["error"] = short_error(error)
+    print(RESULT_MARKER + json.dumps(row), flush=True)
+    return 0
+
+
+def _device_info_main() -> int:
+    """Run in a subprocess so that the parent never holds a CUDA context while models train."""
+    import torch
+
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "ceilings": measure_ceilings(),
+        "versions": collect_versions(),
+    }
+    print(RESULT_MARKER + json.dumps(info), flush=True)
+    return 0
+
+
+def _run_subprocess(arguments: list[str], timeout_s: float) -> tuple[dict | None, str]:
+    command = [sys.executable, str(Path(__file__).resolve()), *arguments]
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [p for p in (environment.get("PYTHONPATH", ""), str(REPO_ROOT)) if p]
+    )
+    try:
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, env=environment
+        )
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout or ""
+        output = output.decode() if isinstance(output, bytes) else output
+        return None, f"ran past its {timeout_s:.0f} s limit and was stopped; last output: {output[-300:]}"
+    result = None
+    for line in completed.stdout.splitlines():
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER) :])
+        else:
+            print(line, flush=True)
+    if result is None:
+        tail = " | ".join(completed.stderr.strip().splitlines()[-3:])
+        sys.stderr.write(completed.stderr[-4000:])
+        return None, f"exited with code {completed.returncode} and no result: {tail}"
+    if completed.returncode != 0 or "error" in result:
+        sys.stderr.write(completed.stderr[-3000:])
+    return result, ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Results files.
+
+
+def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | None, models: list[str]) -> dict:
+    run_keys = {(row["model"], row["impl"]) for row in rows}
+    kept = [
+        row for row in (previous or {}).get("rows", []) if (row.get("model"), row.get("impl")) not in run_keys
+    ]
+    return {
+        "gpu": meta["gpu"],
+        "date": meta["date"],
+        "versions": meta["versions"],
+        "ceilings": meta["ceilings"],
+        "method": METHOD,
+        "mfu_formula": MFU_FORMULA,
+        "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
+        "rows": kept + rows,
+    }
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in payload["versions"].items())
+    ceilings = payload["ceilings"] or {}
+    lines = [
+        f"# End-to-end training: {payload['gpu']}, {payload['date']}",
+        "",
+        f"Versions: {versions}.",
+        "",
+        f"Measured ceilings: copy {ceilings.get('copy_GBps')} GB/s, bf16 matmul "
+        f"{ceilings.get('bf16_matmul_TFLOPs')} TFLOP/s (the MFU peak).",
+        "",
+        f"Method: {payload['method']}",
+        "",
+        f"MFU: {payload['mfu_formula']}.",
+        "",
+        "`÷ liger` columns: tokens/s and peak memory divided by Liger's in the same run.",
+        "",
+    ]
+    models: list[str] = []
+    for row in payload["rows"]:
+        if row["model"] not in models:
+            models.append(row["model"])
+    for model in models:
+        group = {row["impl"]: row for row in payload["rows"] if row["model"] == model}
+        liger = group.get("liger", {})
+        sample = next(iter(group.values()))
+        lines += [f"## {model}, batch {sample['batch']} x {sample['seq']} tokens", ""]
+        table_rows, notes = [], []
+        for impl in IMPLS:
+            row = group.get(impl)
+            if row is None:
+                continue
+            if "error" in row:
+                notes.append(f"- {impl}: {row['error']}")
+            table_rows.append(
+                [
+                    impl,
+                    row.get("tokens_per_s"),
+                    row.get("peak_alloc_gb"),
+                    row.get("mfu"),
+                    row.get("step_ms"),
+                    _ratio(row.get("tokens_per_s"), liger.get("tokens_per_s")),
+                    _ratio(row.get("peak_alloc_gb"), liger.get("peak_alloc_gb")),
+                    f"{format_cell(row.get('first_loss'))} → {format_cell(row.get('last_loss'))}"
+                    if "first_loss" in row
+                    else None,
+                    row.get("attn_implementation"),
+                ]
+            )
+        lines.append(
+            markdown_table(
+                [
+                    "impl",
+                    "tokens/s",
+                    "peak alloc GB",
+                    "MFU",
+                    "step ms",
+                    "tokens/s ÷ liger",
+                    "memory ÷ liger",
+                    "loss first → last",
+                    "attention",
+                ],
+                table_rows,
+            )
+        )
+        lines += ["", *notes, ""] if notes else [""]
+    return "\n".join(lines)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train real model shapes with random weights: tokens/s, MFU, peak memory per implementation.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--models", default=",".join(MODEL_SHAPES), help=f"comma-separated: {', '.join(MODEL_SHAPES)}"
+    )
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated: {', '.join(IMPLS)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=3, help="untimed steps first (compilation happens here)"
+    )
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--attn",
+        default="auto",
+        help="attention implementation; auto = sdpa, or flex_attention for Gemma 2 (which refuses sdpa)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
+    parser.add_argument(
+        "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
+    )
+    parser.add_argument(
+        "--merge-from",
+        type=Path,
+        default=None,
+        help="like --merge, but take the earlier rows from this file (for a run whose --out starts empty)",
+    )
+    parser.add_argument(
+        "--merge", action="store_true", help="keep rows of other (model, impl) pairs in the file"
+    )
+    parser.add_argument(
+        "--impl-timeout-s",
+        type=float,
+        default=600,
+        help="a (model, impl) process running longer is stopped and recorded as an error",
+    )
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="pairs left after this many seconds are recorded as skipped",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu smoke-tests the harness with tiny configs (batch 2 x 32); numbers mean nothing and it writes "
+        "to a temporary folder unless --out is given",
+    )
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
+    parser.add_argument("--_device-info", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    for name, chosen, known in (("--models", args.models, MODEL_SHAPES), ("--impls", args.impls, IMPLS)):
+        unknown = [value for value in chosen if value not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {unknown}; choose from {', '.join(known)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        return _worker_main(args._worker)
+    if args._device_info:
+        return _device_info_main()
+
+    started = time.time()
+    tiny = args.device == "cpu"
+    if tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if args.out == DEFAULT_RESULTS_DIR:
+            args.out = Path(tempfile.mkdtemp(prefix="fusetune-e2e-cpu-"))
+        if (args.batch, args.seq) == (8, 2048):
+            args.batch, args.seq = 2, 32
+        info = {
+            "gpu": "cpu (smoke test, TRITON_INTERPRET=1)",
+            "ceilings": None,
+            "versions": collect_versions(),
+        }
+    else:
+        print("Measuring ceilings ...", flush=True)
+        info, failure = _run_subprocess(["--_device-info"], timeout_s=300)
+        if info is None:
+            print(f"could not read the device: {failure}", file=sys.stderr)
+            return 2
+    meta = {**info, "date": utc_date()}
+    print(f"{meta['gpu']}: ceilings {meta['ceilings']}\nversions: {meta['versions']}", flush=True)
+    slug = args.gpu_slug or (gpu_slug(meta["gpu"]) if not tiny else "cpu")
+    json_path = args.out / f"{slug}-e2e.json"
+    markdown_path = args.out / f"{slug}-e2e.md"
+    previous = load_results(args.merge_from or json_path) if (args.merge or args.merge_from) else None
+    peak_tflops = (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs")
+
+    rows: list[dict] = []
+    for model in args.models:
+        for impl in args.impls:
+            base = {"model": model, "impl": impl, "batch": args.batch, "seq": args.seq}
+            if args.time_budget_s is not None and time.time() - started > args.time_budget_s:
+                rows.append({**base, "error": "skipped: time budget of the run used up", "skipped": True})
+                continue
+            print(f"{model} / {impl}", flush=True)
+            spec = {
+                **base,
+                "device": args.device,
+                "tiny": tiny,
+                "steps": args.steps,
+                "warmup_steps": args.warmup_steps,
+                "attn": args.attn,
+                "peak_tflops": peak_tflops,
+            }
+            timeout = args.impl_timeout_s
+            if args.time_budget_s is not None:
+                timeout = min(timeout, max(60.0, args.time_budget_s - (time.time() - started) + 60))
+            row, failure = _run_subprocess(["--_worker", json.dumps(spec)], timeout_s=timeout)
+            row = row if row is not None else {**base, "error": short_error(failure, 400)}
+            rows.append(row)
+            outcome = row.get("error") or (
+                f"{row['tokens_per_s']:,.0f} tokens/s, {format_cell(row['peak_alloc_gb'])} GB, "
+                f"MFU {format_cell(row['mfu'])}"
+            )
+            print(f"  -> {outcome}", flush=True)
+            payload = results_payload(meta, rows, previous, args.models)
+            write_json(json_path, payload)
+            write_text(markdown_path, render_markdown(payload))
+    payload = results_payload(meta, rows, previous, args.models)
+    write_json(json_path, payload)
+    write_text(markdown_path, render_markdown(payload))
+    print(f"\nwrote {json_path} and {markdown_path} in {time.time() - started:.0f} s\n")
+    summary = [
+        [r["model"], r["impl"], r.get("tokens_per_s"), r.get("peak_alloc_gb"), r.get("mfu"), r.get("error")]
+        for r in rows
+    ]
+    print(markdown_table(["model", "impl", "tokens/s", "peak GB", "MFU", "error"], summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1217 @@
+"""Kernel benchmark: fusetune against Hugging Face eager, torch.compile and Liger-Kernel, in one run.
+
+For every op and shape it times fwd, bwd and fwd+bwd (median ms), measures the peak extra memory of one
+fwd+bwd, and compares each time with the floor set by the measured device ceilings (copy bandwidth and bf16
+matmul rate, both measured at the start of the run). Results go to
+`benchmarks/results/<gpu-slug>-kernels.json` in the format of shared/ANCHORS.md, with a markdown twin.
+
+Run on a GPU machine from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/kernels.py                 # everything, sweeps included
+    PYTHONPATH=. python3 benchmarks/kernels.py --quick         # main shapes only, fewer repetitions
+    PYTHONPATH=. python3 benchmarks/kernels.py --ops rms_norm,rope --impls fusetune,liger
+
+An implementation that cannot run (not installed, import error, OOM, kernel error) becomes a row with an
+"error" key; the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_RESULTS_DIR,
+    GIB,
+    MIB,
+    collect_versions,
+    format_cell,
+    free_device_memory,
+    gpu_slug,
+    load_results,
+    markdown_table,
+    measure_ceilings,
+    short_error,
+    utc_date,
+    write_json,
+    write_text,
+)
+
+IMPLS = ("hf", "compile", "liger", "fusetune", "fusetune+compile")
+MODES = ("fwd", "bwd", "fwd+bwd")
+BF16_BYTES = 2
+
+METHOD = (
+    "Times: median ms of triton.testing.do_bench(fn, return_mode='median') for fwd and fwd+bwd (L2 flushed "
+    "before each repetition). bwd: the forward runs outside the timed region before every repetition, then "
+    "the backward alone is timed between CUDA events, L2 flushed, median taken. Inputs and parameters require "
+    "grad; backward is torch.autograd.grad(outputs, inputs + parameters, grad_outputs), so no .grad "
+    "accumulation is timed. Peak extra memory: one fwd+bwd after warm-up, with every .grad set to None, "
+    "gc + empty_cache, then torch.cuda.reset_peak_memory_stats(); peak_extra_mb = (max_memory_allocated() "
+    "during it - memory_allocated() just before it) / 2**20; it is reported on the fwd+bwd row only and "
+    "includes the returned gradients. Floors: fewest bytes / measured copy bandwidth (bytes read + written) "
+    "or FLOPs / measured bf16 matmul rate (8192^3), whichever is larger; gbps and tflops are the floor's "
+    "bytes or FLOPs divided by the measured time; floor_ratio = ms / floor_ms. Sweep rows (set 'sweep') are "
+    "fwd+bwd only, with fewer repetitions."
+)
+
+# Minimum traffic per mode, in units of one [T, H]-sized bf16 tensor (or its analogue), and why.
+FLOOR_FORMULAS = {
+    "rms_norm": "fwd 2·T·H·2 B (x read, y written); bwd 3·T·H·2 B (x, dy read, dx written); fwd+bwd "
+    "4·T·H·2 B as in ANCHORS.md (x re-read in backward not counted)",
+    "layer_norm": "same as rms_norm",
+    "add_rms_norm": "fwd 4·T·H·2 B (x, residual read; normed, new residual written); bwd 4·T·H·2 B (dy, "
+    "d_residual_out, new residual read; dx written once); fwd+bwd 7·T·H·2 B (re-read not counted)",
+    "add_then_rms_norm": "same as add_rms_norm (the goal is to reach the fused floor)",
+    "rope": "fwd 2·B·S·(Hq+Hkv)·D·2 B (q, k read and written); bwd the same for dq, dk; fwd+bwd 4x",
+    "swiglu": "fwd 3·T·I·2 B (a, b read; c written); bwd 5·T·I·2 B (a, b, dc read; da, db written); "
+    "fwd+bwd 6·T·I·2 B (re-read of a, b not counted)",
+    "geglu": "same as swiglu",
+    "swiglu_mlp": "FLOPs: fwd 3 GEMMs 6·T·H·I, bwd 12·T·H·I, fwd+bwd 18·T·H·I",
+    "cross_entropy": "fwd T·V·2 B (logits read); bwd T·V·2 B (gradient written); fwd+bwd 2·T·V·2 B",
+    "fused_linear_cross_entropy": "FLOPs: fwd 2·T·H·V (logits), bwd 4·T·H·V (dh, dW), fwd+bwd 6·T·H·V",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases: pure data, so the parent process can enumerate them without touching the GPU.
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    shape: dict[str, int]
+    impl: str
+    set_name: str  # "main" or "sweep"
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return MODES if self.set_name == "main" else ("fwd+bwd",)
+
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.op, self.impl, json.dumps(self.shape, sort_keys=True), self.set_name)
+
+
+OPS = (
+    "rms_norm",
+    "add_rms_norm",
+    "add_then_rms_norm",
+    "layer_norm",
+    "rope",
+    "swiglu",
+    "geglu",
+    "swiglu_mlp",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+)
+
+# add_then_rms_norm is the unfused baseline for our own fused add+RMSNorm: only our kernels run there.
+OP_IMPLS = {op: IMPLS for op in OPS} | {"add_then_rms_norm": ("fusetune",)}
+
+SWEEP_IMPLS = ("hf", "compile", "liger", "fusetune")
+LOSS_SWEEP_VOCABS = (32000, 128256, 151936, 256000)
+LOSS_SWEEP_TOKENS = (1024, 4096, 8192, 16384, 65536)
+NORM_SWEEP_HIDDEN = (1024, 2048, 4096, 8192, 16384, 32768)
+NORM_SWEEP_TOKENS = (1024, 4096, 16384, 65536)
+
+
+def main_shapes(op: str, tiny: bool) -> list[dict[str, int]]:
+    if tiny:
+        small = {
+            "rope": {"B": 2, "S": 16, "Hq": 4, "Hkv": 2, "D": 64},
+            "swiglu": {"T": 32, "I": 96},
+            "geglu": {"T": 32, "I": 96},
+            "swiglu_mlp": {"T": 32, "H": 64, "I": 96},
+            "cross_entropy": {"T": 32, "V": 1000},
+            "fused_linear_cross_entropy": {"T": 32, "H": 64, "V": 1000},
+        }
+        return [small.get(op, {"T": 64, "H": 256})]
+    full = {
+        "rms_norm": {"T": 16384, "H": 4096},
+        "add_rms_norm": {"T": 16384, "H": 4096},
+        "add_then_rms_norm": {"T": 16384, "H": 4096},
+        "layer_norm": {"T": 16384, "H": 4096},
+        "rope": {"B": 8, "S": 2048, "Hq": 32, "Hkv": 8, "D": 128},
+        "swiglu": {"T": 8192, "I": 14336},
+        "geglu": {"T": 8192, "I": 14336},
+        "swiglu_mlp": {"T": 8192, "H": 4096, "I": 14336},
+        "cross_entropy": {"T": 8192, "V": 128256},
+        "fused_linear_cross_entropy": {"T": 8192, "H": 4096, "V": 128256},
+    }
+    return [full[op]]
+
+
+def sweep_shapes(op: str, tiny: bool) -> list[dict[str, int]]:
+    if op == "rms_norm":
+        if tiny:
+            return [{"T": t, "H": h} for h in (64, 1000) for t in (8, 24)]
+        return [{"T": t, "H": h} for h in NORM_SWEEP_HIDDEN for t in NORM_SWEEP_TOKENS]
+    if op == "cross_entropy":
+        if tiny:
+            return [{"T": t, "V": v} for v in (500, 1000) for t in (8, 24)]
+        return [{"T": t, "V": v} for v in LOSS_SWEEP_VOCABS for t in LOSS_SWEEP_TOKENS]
+    if op == "fused_linear_cross_entropy":
+        if tiny:
+            return [{"T": t, "H": 64, "V": v} for v in (500, 1000) for t in (8, 24)]
+        return [{"T": t, "H": 4096, "V": v} for v in LOSS_SWEEP_VOCABS for t in LOSS_SWEEP_TOKENS]
+    return []
+
+
+def enumerate_cases(ops: list[str], impls: list[str], sweeps: str, tiny: bool) -> list[Case]:
+    cases: list[Case] = []
+    for op in ops:
+        main = main_shapes(op, tiny) if sweeps != "only" else []
+        sweep = sweep_shapes(op, tiny) if sweeps != "none" else []
+        for shape in main:
+            cases += [Case(op, shape, impl, "main") for impl in OP_IMPLS[op] if impl in impls]
+        for shape in sweep:
+            if shape in main_shapes(op, tiny) and sweeps != "only":
+                continue  # the main set already has this shape's fwd+bwd
+            cases += [Case(op, shape, impl, "sweep") for impl in SWEEP_IMPLS if impl in impls]
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Floors.
+
+
+def op_cost(op: str, shape: dict[str, int], mode: str) -> tuple[float, float]:
+    """(fewest bytes moved, FLOPs) for one call in the given mode; see FLOOR_FORMULAS."""
+    passes_by_op = {
+        "rms_norm": (2, 3, 4),
+        "layer_norm": (2, 3, 4),
+        "add_rms_norm": (4, 4, 7),
+        "add_then_rms_norm": (4, 4, 7),
+        "rope": (2, 2, 4),
+        "swiglu": (3, 5, 6),
+        "geglu": (3, 5, 6),
+        "cross_entropy": (1, 1, 2),
+    }
+    mode_index = MODES.index(mode)
+    if op in passes_by_op:
+        if op == "rope":
+            elements = shape["B"] * shape["S"] * (shape["Hq"] + shape["Hkv"]) * shape["D"]
+        elif op in ("swiglu", "geglu"):
+            elements = shape["T"] * shape["I"]
+        elif op == "cross_entropy":
+            elements = shape["T"] * shape["V"]
+        else:
+            elements = shape["T"] * shape["H"]
+        return passes_by_op[op][mode_index] * elements * BF16_BYTES, 0.0
+    if op == "swiglu_mlp":
+        return 0.0, (6, 12, 18)[mode_index] * shape["T"] * shape["H"] * shape["I"]
+    if op == "fused_linear_cross_entropy":
+        return 0.0, (2, 4, 6)[mode_index] * shape["T"] * shape["H"] * shape["V"]
+    raise ValueError(f"unknown op {op!r}")
+
+
+def floor_ms(op: str, shape: dict[str, int], mode: str, ceilings: dict[str, float] | None) -> float | None:
+    if not ceilings:
+        return None
+    floor_bytes, flops = op_cost(op, shape, mode)
+    byte_ms = floor_bytes / (ceilings["copy_GBps"] * 1e9) * 1e3
+    flop_ms = flops / (ceilings["bf16_matmul_TFLOPs"] * 1e12) * 1e3
+    return max(byte_ms, flop_ms)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workloads: what one implementation runs, built only inside the measuring process.
+
+
+class Unavailable(Exception):
+    """The implementation is not installed or not written yet: the row is recorded as skipped."""
+
+
+@dataclass
+class Workload:
+    forward: Callable[[], Any]
+    grad_inputs: list  # tensors the backward differentiates with respect to (inputs and parameters)
+    grad_outputs: list | None  # None when the output is a scalar loss
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def import_attr(module_name: str, attribute: str, what: str) -> Any:
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise Unavailable(f"{what}: {module_name} not importable ({short_error(error, 160)})") from None
+    if not hasattr(module, attribute):
+        raise Unavailable(f"{what}: {module_name} has no {attribute}")
+    return getattr(module, attribute)
+
+
+def fusetune_attr(module: str, attribute: str) -> Any:
+    return import_attr(f"fusetune.kernels.{module}", attribute, "fusetune kernel not available")
+
+
+def liger_attr(module: str, attribute: str) -> Any:
+    return import_attr(module, attribute, "liger-kernel not installed")
+
+
+def compiled(fn: Callable, fullgraph: bool = False) -> Callable:
+    import torch
+
+    # dynamic=False: every shape gets its own specialised graph, as a training job with fixed shapes would.
+    return torch.compile(fn, dynamic=False, fullgraph=fullgraph)
+
+
+@dataclass
+class Env:
+    device: str
+    dtype: Any
+    seed: int = 0
+
+
+def build_workload(case: Case, env: Env) -> Workload:
+    import torch
+
+    torch.manual_seed(env.seed)
+    builder = {
+        "rms_norm": _build_rms_norm,
+        "add_rms_norm": _build_add_rms_norm,
+        "add_then_rms_norm": _build_add_rms_norm,
+        "layer_norm": _build_layer_norm,
+        "rope": _build_rope,
+        "swiglu": _build_gated_activation,
+        "geglu": _build_gated_activation,
+        "swiglu_mlp": _build_swiglu_mlp,
+        "cross_entropy": _build_cross_entropy,
+        "fused_linear_cross_entropy": _build_fused_linear_cross_entropy,
+    }[case.op]
+    return builder(case, env)
+
+
+def _hf_llama(attribute: str) -> Any:
+    return import_attr("transformers.models.llama.modeling_llama", attribute, "transformers has no llama")
+
+
+def _build_rms_norm(case: Case, env: Env) -> Workload:
+    import torch
+
+    tokens, hidden = case.shape["T"], case.shape["H"]
+    x = torch.randn(tokens, hidden, device=env.device, dtype=env.dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    weight_values = 1.0 + 0.1 * torch.randn(hidden, device=env.device)
+    impl = case.impl
+    if impl in ("hf", "compile"):
+        module = _hf_llama("LlamaRMSNorm")(hidden, eps=1e-6)
+    elif impl == "liger":
+        module = liger_attr("liger_kernel.transformers.rms_norm", "LigerRMSNorm")(hidden, eps=1e-6)
+    else:
+        module = fusetune_attr("rms_norm", "FusedRMSNorm")(hidden, eps=1e-6)
+    module = module.to(env.device, env.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight_values)
+    callable_module = module
+    if impl == "compile":
+        callable_module = compiled(module)
+    elif impl == "fusetune+compile":
+        callable_module = compiled(module, fullgraph=True)
+    return Workload(lambda: callable_module(x), [x, module.weight], [dy])
+
+
+def _build_add_rms_norm(case: Case, env: Env) -> Workload:
+    import torch
+
+    tokens, hidden = case.shape["T"], case.shape["H"]
+    x = torch.randn(tokens, hidden, device=env.device, dtype=env.dtype, requires_grad=True)
+    residual = torch.randn_like(x).requires_grad_()
+    d_normed, d_residual = torch.randn_like(x), torch.randn_like(x)
+    weight = torch.nn.Parameter((1.0 + 0.1 * torch.randn(hidden, device=env.device)).to(env.dtype))
+    impl = case.impl
+    if case.op == "add_then_rms_norm":
+        rms_norm = fusetune_attr("rms_norm", "rms_norm")
+
+        def forward_fn(x, residual):
+            new_residual = x + residual
+            return rms_norm(new_residual, weight, 1e-6), new_residual
+
+    elif impl in ("hf", "compile"):
+        norm = _hf_llama("LlamaRMSNorm")(hidden, eps=1e-6).to(env.device, env.dtype)
+        norm.weight = weight
+
+        def forward_fn(x, residual):
+            new_residual = x + residual
+            return norm(new_residual), new_residual
+
+    elif impl == "liger":
+        norm = liger_attr("liger_kernel.transformers.fused_add_rms_norm", "LigerFusedAddRMSNorm")(
+            hidden, eps=1e-6
+        )
+        norm = norm.to(env.device, env.dtype)
+        norm.weight = weight
+        forward_fn = norm
+    else:
+        add_rms_norm = fusetune_attr("rms_norm", "add_rms_norm")
+
+        def forward_fn(x, residual):
+            return add_rms_norm(x, residual, weight, 1e-6)
+
+    if impl == "compile":
+        forward_fn = compiled(forward_fn)
+    elif impl == "fusetune+compile":
+        forward_fn = compiled(forward_fn, fullgraph=True)
+    return Workload(lambda: forward_fn(x, residual), [x, residual, weight], [d_normed, d_residual])
+
+
+def _build_layer_norm(case: Case, env: Env) -> Workload:
+    import torch
+
+    tokens, hidden = case.shape["T"], case.shape["H"]
+    x = torch.randn(tokens, hidden, device=env.device, dtype=env.dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    impl = case.impl
+    if impl in ("hf", "compile"):
+        module = torch.nn.LayerNorm(hidden, eps=1e-5)
+    elif impl == "liger":
+        module = liger_attr("liger_kernel.transformers.layer_norm", "LigerLayerNorm")(
+            hidden, eps=1e-5, bias=True
+        )
+    else:
+        module = fusetune_attr("layer_norm", "FusedLayerNorm")(hidden, eps=1e-5)
+    module = module.to(env.device, env.dtype)
+    with torch.no_grad():
+        module.weight.copy_(1.0 + 0.1 * torch.randn(hidden, device=env.device))
+        module.bias.copy_(0.1 * torch.randn(hidden, device=env.device))
+    callable_module = module
+    if impl == "compile":
+        callable_module = compiled(module)
+    elif impl == "fusetune+compile":
+        callable_module = compiled(module, fullgraph=True)
+    return Workload(lambda: callable_module(x), [x, module.weight, module.bias], [dy])
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, device: str, dtype: Any, theta: float = 500000.0):
+    """cos/sin of shape [1, S, D] in the rotate-half layout that Hugging Face's rotary embedding returns."""
+    import torch
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    embedding = torch.cat((angles, angles), dim=-1)
+    return embedding.cos()[None].to(dtype), embedding.sin()[None].to(dtype)
+
+
+def _build_rope(case: Case, env: Env) -> Workload:
+    import torch
+
+    batch, seq, q_heads, kv_heads, head_dim = (case.shape[k] for k in ("B", "S", "Hq", "Hkv", "D"))
+    # Attention projections produce [B, S, H, D]; Hugging Face hands RoPE the transposed view [B, H, S, D].
+    q_storage = torch.randn(
+        batch, seq, q_heads, head_dim, device=env.device, dtype=env.dtype, requires_grad=True
+    )
+    k_storage = torch.randn(
+        batch, seq, kv_heads, head_dim, device=env.device, dtype=env.dtype, requires_grad=True
+    )
+    dq = torch.randn_like(q_storage).transpose(1, 2)
+    dk = torch.randn_like(k_storage).transpose(1, 2)
+    cos, sin = rope_cos_sin(seq, head_dim, env.device, env.dtype)
+    impl = case.impl
+    if impl in ("hf", "compile"):
+        rope_fn = _hf_llama("apply_rotary_pos_emb")
+    elif impl == "liger":
+        rope_fn = liger_attr("liger_kernel.transformers.rope", "liger_rotary_pos_emb")
+    else:
+        rope_fn = fusetune_attr("rope", "apply_rotary_pos_emb")
+
+    def forward_fn(q_storage, k_storage):
+        return rope_fn(q_storage.transpose(1, 2), k_storage.transpose(1, 2), cos, sin)
+
+    if impl == "compile":
+        forward_fn = compiled(forward_fn)
+    elif impl == "fusetune+compile":
+        forward_fn = compiled(forward_fn, fullgraph=True)
+    return Workload(lambda: forward_fn(q_storage, k_storage), [q_storage, k_storage], [dq, dk])
+
+
+def _build_gated_activation(case: Case, env: Env) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    tokens, intermediate = case.shape["T"], case.shape["I"]
+    a = torch.randn(tokens, intermediate, device=env.device, dtype=env.dtype, requires_grad=True)
+    b = torch.randn_like(a).requires_grad_()
+    dc = torch.randn_like(a)
+    impl, is_swiglu = case.impl, case.op == "swiglu"
+    if impl in ("hf", "compile"):
+        if is_swiglu:
+            activation_fn = lambda a, b: F.silu(a) * b
+        else:
+            activation_fn = lambda a, b: F.gelu(a, approximate="tanh") * b
+    elif impl == "liger":
+        if is_swiglu:
+            function = liger_attr("liger_kernel.ops.swiglu", "LigerSiLUMulFunction")
+            activation_fn = lambda a, b: function.apply(a, b, 1.0, 1.0)
+        else:
+            function = liger_attr("liger_kernel.ops.geglu", "LigerGELUMulFunction")
+            activation_fn = function.apply
+    elif is_swiglu:
+        activation_fn = fusetune_attr("swiglu", "swiglu")
+    else:
+        geglu = fusetune_attr("swiglu", "geglu")
+        activation_fn = lambda a, b: geglu(a, b, approximate="tanh")
+    if impl == "compile":
+        activation_fn = compiled(activation_fn)
+    elif impl == "fusetune+compile":
+        activation_fn = compiled(activation_fn, fullgraph=True)
+    return Workload(lambda: activation_fn(a, b), [a, b], [dc])
+
+
+def _build_swiglu_mlp(case: Case, env: Env) -> Workload:
+    import torch
+
+    tokens, hidden, intermediate = case.shape["T"], case.shape["H"], case.shape["I"]
+    config = import_attr("transformers", "LlamaConfig", "transformers missing")(
+        hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu", mlp_bias=False
+    )
+    impl = case.impl
+    with torch.device(env.device):
+        if impl in ("hf", "compile"):
+            module = _hf_llama("LlamaMLP")(config)
+        elif impl == "liger":
+            module = liger_attr("liger_kernel.transformers.swiglu", "LigerSwiGLUMLP")(config)
+        else:
+            module = fusetune_attr("swiglu", "FusedSwiGLUMLP")(config)
+    module = module.to(env.dtype)
+    x = torch.randn(tokens, hidden, device=env.device, dtype=env.dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    callable_module = module
+    if impl == "compile":
+        callable_module = compiled(module)
+    elif impl == "fusetune+compile":
+        callable_module = compiled(module, fullgraph=True)
+    return Workload(lambda: callable_module(x), [x, *module.parameters()], [dy])
+
+
+def _build_cross_entropy(case: Case, env: Env) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    tokens, vocab = case.shape["T"], case.shape["V"]
+    logits = torch.randn(tokens, vocab, device=env.device, dtype=env.dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), device=env.device)
+    impl, options = case.impl, {}
+    if impl in ("hf", "compile"):
+        # As transformers' ForCausalLMLoss: upcast the logits to fp32, then mean over tokens.
+        loss_fn = lambda logits, labels: F.cross_entropy(logits.float(), labels, ignore_index=-100)
+    elif impl == "liger":
+        loss_fn = liger_attr("liger_kernel.transformers.cross_entropy", "LigerCrossEntropyLoss")()
+    else:
+        cross_entropy = fusetune_attr("cross_entropy", "cross_entropy")
+        # In training the logits are dead after the loss, so the gradient may take their buffer (Liger
+        # always does this); the row records the option.
+        options = {"inplace_backward": True}
+        loss_fn = lambda logits, labels: cross_entropy(logits, labels, inplace_backward=True)
+    if impl == "compile":
+        loss_fn = compiled(loss_fn)
+    elif impl == "fusetune+compile":
+        loss_fn = compiled(loss_fn, fullgraph=True)
+    return Workload(lambda: loss_fn(logits, labels), [logits], None, options)
+
+
+def _build_fused_linear_cross_entropy(case: Case, env: Env) -> Workload:
+    import torch
+    import torch.nn.functional as F
+
+    tokens, hidden_size, vocab = case.shape["T"], case.shape["H"], case.shape["V"]
+    hidden = torch.randn(tokens, hidden_size, device=env.device, dtype=env.dtype, requires_grad=True)
+    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device=env.device, dtype=env.dtype))
+    labels = torch.randint(0, vocab, (tokens,), device=env.device)
+    impl = case.impl
+    if impl in ("hf", "compile"):
+        # lm_head Linear, then transformers' loss on upcast logits.
+        loss_fn = lambda hidden, weight, labels: F.cross_entropy(F.linear(hidden, weight).float(), labels)
+    elif impl == "liger":
+        liger_loss = liger_attr(
+            "liger_kernel.transformers.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss"
+        )()
+        loss_fn = lambda hidden, weight, labels: liger_loss(weight, hidden, labels)
+    else:
+        loss_fn = fusetune_attr("fused_linear_cross_entropy", "fused_linear_cross_entropy")
+    if impl == "compile":
+        loss_fn = compiled(loss_fn)
+    elif impl == "fusetune+compile":
+        loss_fn = compiled(loss_fn, fullgraph=True)
+    return Workload(lambda: loss_fn(hidden, weight, labels), [hidden, weight], None)
+
+
+def estimated_bytes(case: Case) -> int:
+    """Rough device memory one fwd+bwd needs, used to skip cases that cannot fit rather than OOM."""
+    shape, impl = case.shape, case.impl
+    if case.op == "cross_entropy":
+        logits = shape["T"] * shape["V"]
+        # inputs + gradient (bf16); eager adds an fp32 copy, fp32 log-softmax and fp32 gradient.
+        per_element = {"hf": 16, "compile": 8}.get(impl, 4)
+        return per_element * logits
+    if case.op == "fused_linear_cross_entropy":
+        logits = shape["T"] * shape["V"]
+        weights = shape["V"] * shape["H"]
+        per_logit = {"hf": 16, "compile": 6}.get(impl, 0)
+        return per_logit * logits + 8 * weights + 4 * shape["T"] * shape["H"]
+    if case.op in ("rms_norm", "layer_norm"):
+        elements = shape["T"] * shape["H"]
+        return (16 if impl == "hf" else 6) * elements
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Timing.
+
+
+@dataclass(frozen=True)
+class Repetitions:
+    warmup_ms: int
+    rep_ms: int
+
+
+MAIN_REPS = Repetitions(warmup_ms=25, rep_ms=100)  # triton's do_bench defaults
+QUICK_REPS = Repetitions(warmup_ms=10, rep_ms=40)
+SWEEP_REPS = Repetitions(warmup_ms=5, rep_ms=20)
+
+
+class CudaTimer:
+    flush_bytes = 256 * MIB  # larger than the L2 of an H100/H200, as do_bench uses
+
+    def time(self, fn: Callable[[], Any], reps: Repetitions) -> float:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=reps.warmup_ms, rep=reps.rep_ms, return_mode="median"))
+
+    def time_backward(
+        self, forward: Callable[[], Any], backward: Callable[[Any], Any], reps: Repetitions
+    ) -> float:
+        """Median of the backward alone; the forward that builds each graph runs outside the timed region."""
+        import torch
+
+        flush = torch.empty(self.flush_bytes, dtype=torch.int8, device="cuda")
+        backward(forward())
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            backward(forward())
+        end.record()
+        torch.cuda.synchronize()
+        iteration_ms = max(start.elapsed_time(end) / 3, 1e-3)
+        warmup = max(1, int(reps.warmup_ms / iteration_ms))
+        repeat = max(3, int(reps.rep_ms / iteration_ms))
+        for _ in range(warmup):
+            backward(forward())
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeat)]
+        for index in range(repeat):
+            outputs = forward()
+            flush.zero_()
+            starts[index].record()
+            backward(outputs)
+            ends[index].record()
+            del outputs
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+    def peak_extra_bytes(self, fwd_bwd: Callable[[], Any], grad_inputs: list) -> int:
+        import torch
+
+        for tensor in grad_inputs:
+            tensor.grad = None
+        free_device_memory()
+        torch.cuda.reset_peak_memory_stats()
+        allocated_before = torch.cuda.memory_allocated()
+        result = fwd_bwd()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - allocated_before
+        del result
+        return peak
+
+    def free_bytes(self) -> int:
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return free
+
+
+class CpuTimer:
+    """Wall-clock timing for smoke-testing the harness on a machine without a GPU; numbers mean nothing."""
+
+    def time(self, fn: Callable[[], Any], reps: Repetitions) -> float:
+        fn()
+        samples = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    def time_backward(
+        self, forward: Callable[[], Any], backward: Callable[[Any], Any], reps: Repetitions
+    ) -> float:
+        samples = []
+        for _ in range(3):
+            outputs = forward()
+            start = time.perf_counter()
+            backward(outputs)
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    def peak_extra_bytes(self, fwd_bwd: Callable[[], Any], grad_inputs: list) -> int | None:
+        return None
+
+    def free_bytes(self) -> int:
+        return 1 << 62
+
+
+def run_backward(workload: Workload, outputs: Any) -> Any:
+    import torch
+
+    outputs = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
+    return torch.autograd.grad(outputs, workload.grad_inputs, workload.grad_outputs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measuring one case.
+
+
+def base_row(case: Case, mode: str, ceilings: dict[str, float] | None) -> dict[str, Any]:
+    return {
+        "op": case.op,
+        "mode": mode,
+        "impl": case.impl,
+        "dtype": "bfloat16",
+        "shape": dict(case.shape),
+        "set": case.set_name,
+        "floor_ms": _round(floor_ms(case.op, case.shape, mode, ceilings)),
+    }
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    if value is None:
+        return None
+    return float(f"{value:.{digits}g}")
+
+
+def error_rows(
+    case: Case, message: str, ceilings: dict[str, float] | None, skipped: bool = False
+) -> list[dict]:
+    rows = []
+    for mode in case.modes:
+        row = base_row(case, mode, ceilings)
+        row["error"] = ("skipped: " if skipped else "") + message
+        if skipped:
+            row["skipped"] = True
+        rows.append(row)
+    return rows
+
+
+def measured_row(case: Case, mode: str, ms: float, ceilings: dict[str, float] | None) -> dict[str, Any]:
+    row = base_row(case, mode, ceilings)
+    row["ms"] = _round(ms)
+    floor_bytes, flops = op_cost(case.op, case.shape, mode)
+    if floor_bytes:
+        row["gbps"] = _round(floor_bytes / (ms * 1e-3) / 1e9)
+    if flops:
+        row["tflops"] = _round(flops / (ms * 1e-3) / 1e12)
+    if row["floor_ms"]:
+        row["floor_ratio"] = _round(ms / row["floor_ms"])
+    return row
+
+
+def measure_case(case: Case, env: Env, timer: Any, reps: Repetitions, ceilings: dict | None) -> list[dict]:
+    import torch
+
+    needed = estimated_bytes(case)
+    free = timer.free_bytes()
+    if needed > 0.92 * free:
+        return error_rows(
+            case,
+            f"needs about {needed / GIB:.1f} GiB by estimate, {free / GIB:.1f} GiB free (would OOM)",
+            ceilings,
+            skipped=True,
+        )
+    if case.impl in ("compile", "fusetune+compile"):
+        torch._dynamo.reset()  # a fresh graph per case: no recompile limit, no shape generalisation
+    try:
+        workload = build_workload(case, env)
+    except Unavailable as reason:
+        return error_rows(case, str(reason), ceilings, skipped=True)
+    except Exception as error:  # noqa: BLE001 - any failure to build becomes the row's error
+        return error_rows(case, "build failed: " + short_error(error), ceilings)
+
+    def fwd_bwd():
+        return run_backward(workload, workload.forward())
+
+    try:
+        fwd_bwd()  # warm-up: compiles Triton kernels and torch.compile graphs outside any measurement
+        peak = timer.peak_extra_bytes(fwd_bwd, workload.grad_inputs)
+    except Exception as error:  # noqa: BLE001
+        if os.environ.get("FUSETUNE_BENCH_TRACEBACK"):
+            traceback.print_exc()
+        return error_rows(case, short_error(error), ceilings)
+
+    rows = []
+    for mode in case.modes:
+        try:
+            if mode == "fwd":
+                ms = timer.time(workload.forward, reps)
+            elif mode == "bwd":
+                ms = timer.time_backward(
+                    workload.forward, lambda outputs: run_backward(workload, outputs), reps
+                )
+            else:
+                ms = timer.time(fwd_bwd, reps)
+        except Exception as error:  # noqa: BLE001
+            row = base_row(case, mode, ceilings)
+            row["error"] = short_error(error)
+            rows.append(row)
+            continue
+        row = measured_row(case, mode, ms, ceilings)
+        if mode == "fwd+bwd" and peak is not None:
+            row["peak_extra_mb"] = round(peak / MIB, 1)
+        if workload.options:
+            row["options"] = workload.options
+        rows.append(row)
+    return rows
+
+
+def run_cases(cases: list[Case], config: dict[str, Any], emit: Callable[[dict], None]) -> None:
+    """Measure the cases in order; every row goes to `emit` as soon as it exists."""
+    import torch
+
+    device = config["device"]
+    env = Env(device=device, dtype=torch.bfloat16)
+    timer = CudaTimer() if device == "cuda" else CpuTimer()
+    main_reps = QUICK_REPS if config["quick"] else MAIN_REPS
+    deadline = config.get("deadline")
+    for case in cases:
+        if deadline is not None and time.time() > deadline:
+            rows = error_rows(case, "time budget of the run used up", config["ceilings"], skipped=True)
+        else:
+            reps = main_reps if case.set_name == "main" else SWEEP_REPS
+            try:
+                rows = measure_case(case, env, timer, reps, config["ceilings"])
+            except torch.cuda.OutOfMemoryError as error:
+                rows = error_rows(case, short_error(error), config["ceilings"])
+            if case.impl in ("compile", "fusetune+compile"):
+                torch._dynamo.reset()
+            free_device_memory()
+        for row in rows:
+            emit(row)
+        _log_rows(rows)
+
+
+def _log_rows(rows: list[dict]) -> None:
+    for row in rows:
+        shape = ",".join(f"{k}={v}" for k, v in row["shape"].items())
+        outcome = row.get("error") or (
+            f"{row['ms']:.4g} ms" + (f", {row['peak_extra_mb']:.0f} MB" if "peak_extra_mb" in row else "")
+        )
+        print(f"  {row['op']:<27} {shape:<34} {row['impl']:<17} {row['mode']:<8} {outcome}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Results files.
+
+
+def results_payload(
+    meta: dict[str, Any], rows: list[dict], previous: dict[str, Any] | None, ops: list[str]
+) -> dict[str, Any]:
+    run = {
+        "date": meta["date"],
+        "ceilings": meta["ceilings"],
+        "fusetune": meta["versions"]["fusetune"],
+        "ops": ops,
+    }
+    kept_rows, runs = [], [run]
+    if previous is not None:
+        kept_rows = [row for row in previous.get("rows", []) if row.get("op") not in ops]
+        runs = [
+            {**earlier, "ops": [op for op in earlier.get("ops", []) if op not in ops]}
+            for earlier in previous.get("runs", [])
+        ]
+        runs = [earlier for earlier in runs if earlier["ops"]] + [run]
+    return {
+        "gpu": meta["gpu"],
+        "date": meta["date"],
+        "versions": meta["versions"],
+        "ceilings": meta["ceilings"],
+        "method": METHOD,
+        "floor_formulas": FLOOR_FORMULAS,
+        "runs": runs,
+        "rows": kept_rows + rows,
+    }
+
+
+def _shape_text(shape: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def _fwd_bwd_lookup(rows: list[dict]) -> dict[tuple, dict]:
+    return {
+        (row["op"], json.dumps(row["shape"], sort_keys=True), row["impl"]): row
+        for row in rows
+        if row["mode"] == "fwd+bwd"
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    versions = ", ".join(f"{k} {v}" for k, v in payload["versions"].items())
+    ceilings = payload["ceilings"] or {}
+    lines = [
+        f"# Kernel benchmarks: {payload['gpu']}, {payload['date']}",
+        "",
+        f"Versions: {versions}.",
+        "",
+        f"Measured ceilings: copy {ceilings.get('copy_GBps')} GB/s (read + written), bf16 matmul "
+        f"{ceilings.get('bf16_matmul_TFLOPs')} TFLOP/s.",
+        "",
+        f"Method: {payload['method']}",
+        "",
+        "`÷ liger` and `÷ compile` are fwd+bwd time divided by that implementation's (below 1 = faster); "
+        "`mem ÷ liger` likewise for peak extra memory.",
+        "",
+    ]
+    lookup = _fwd_bwd_lookup(rows)
+    main_groups: dict[tuple, list[dict]] = {}
+    sweep_groups: dict[str, list[dict]] = {}
+    shape_by_key = {json.dumps(row["shape"], sort_keys=True): row["shape"] for row in rows}
+    for row in rows:
+        if row.get("set", "main") == "main":
+            main_groups.setdefault((row["op"], json.dumps(row["shape"], sort_keys=True)), []).append(row)
+        else:
+            sweep_groups.setdefault(row["op"], []).append(row)
+    for (op, shape_key), group in main_groups.items():
+        shape = shape_by_key[shape_key]
+        floors = {row["mode"]: row.get("floor_ms") for row in group}
+        lines += [
+            f"## {op}: {_shape_text(shape)} (bf16)",
+            "",
+            f"Floor ms: fwd {format_cell(floors.get('fwd'))}, bwd {format_cell(floors.get('bwd'))}, fwd+bwd "
+            f"{format_cell(floors.get('fwd+bwd'))} ({FLOOR_FORMULAS.get(op, '')}).",
+            "",
+        ]
+        table_rows, notes = [], []
+        for impl in IMPLS:
+            by_mode = {row["mode"]: row for row in group if row["impl"] == impl}
+            if not by_mode:
+                continue
+            total = by_mode.get("fwd+bwd", {})
+            liger = lookup.get((op, shape_key, "liger"), {})
+            compile_row = lookup.get((op, shape_key, "compile"), {})
+            throughput = total.get("gbps")
+            throughput_text = (
+                f"{format_cell(throughput)} GB/s"
+                if throughput is not None
+                else (f"{format_cell(total['tflops'])} TFLOP/s" if "tflops" in total else None)
+            )
+            table_rows.append(
+                [
+                    impl,
+                    by_mode.get("fwd", {}).get("ms"),
+                    by_mode.get("bwd", {}).get("ms"),
+                    total.get("ms"),
+                    total.get("peak_extra_mb"),
+                    total.get("floor_ratio"),
+                    throughput_text,
+                    _ratio(total.get("ms"), liger.get("ms")),
+                    _ratio(total.get("ms"), compile_row.get("ms")),
+                    _ratio(total.get("peak_extra_mb"), liger.get("peak_extra_mb")),
+                ]
+            )
+            errors = {row["error"] for row in by_mode.values() if "error" in row}
+            notes += [f"- {impl}: {error}" for error in sorted(errors)]
+        lines.append(
+            markdown_table(
+                [
+                    "impl",
+                    "fwd ms",
+                    "bwd ms",
+                    "fwd+bwd ms",
+                    "peak extra MB",
+                    "× floor",
+                    "fwd+bwd rate",
+                    "÷ liger",
+                    "÷ compile",
+                    "mem ÷ liger",
+                ],
+                table_rows,
+            )
+        )
+        lines += ["", *notes, ""] if notes else [""]
+    for op, group in sweep_groups.items():
+        shapes: list[str] = []
+        for row in group:
+            key = json.dumps(row["shape"], sort_keys=True)
+            if key not in shapes:
+                shapes.append(key)
+        # The main shape's fwd+bwd belongs in the sweep table too.
+        shapes += [key for (main_op, key) in main_groups if main_op == op and key not in shapes]
+        shape_keys = list(shape_by_key[shapes[0]].keys()) if shapes else []
+        shapes.sort(key=lambda key: tuple(shape_by_key[key][k] for k in reversed(shape_keys)))
+        impls = [impl for impl in SWEEP_IMPLS if any(row["impl"] == impl for row in group)]
+        lines += [f"## {op} sweep: fwd+bwd ms / peak extra MB (bf16)", ""]
+        table_rows, notes = [], []
+        for key in shapes:
+            shape = shape_by_key[key]
+            cells = [shape[k] for k in shape_keys]
+            for impl in impls:
+                row = lookup.get((op, key, impl))
+                if row is None:
+                    cells.append(None)
+                elif "error" in row:
+                    cells.append("skipped" if row.get("skipped") else "error")
+                    notes.append(f"- {_shape_text(shape)} {impl}: {row['error']}")
+                else:
+                    cells.append(f"{format_cell(row['ms'])} / {format_cell(row.get('peak_extra_mb'))}")
+            fusetune = lookup.get((op, key, "fusetune"), {})
+            cells.append(_ratio(fusetune.get("ms"), lookup.get((op, key, "liger"), {}).get("ms")))
+            cells.append(_ratio(fusetune.get("ms"), lookup.get((op, key, "compile"), {}).get("ms")))
+            table_rows.append(cells)
+        lines.append(
+            markdown_table([*shape_keys, *impls, "fusetune ÷ liger", "fusetune ÷ compile"], table_rows)
+        )
+        lines += ["", *notes, ""] if notes else [""]
+    return "\n".join(lines)
+
+
+def summary_table(rows: list[dict]) -> str:
+    """The short table printed at the end: main shapes, fwd+bwd ms (peak extra MB) per impl."""
+    lookup = _fwd_bwd_lookup(rows)
+    shape_by_key = {json.dumps(row["shape"], sort_keys=True): row["shape"] for row in rows}
+    keys = []
+    for row in rows:
+        key = (row["op"], json.dumps(row["shape"], sort_keys=True))
+        if row.get("set", "main") == "main" and key not in keys:
+            keys.append(key)
+    table_rows = []
+    for op, shape_key in keys:
+        cells: list[Any] = [op, _shape_text(shape_by_key[shape_key])]
+        for impl in IMPLS:
+            row = lookup.get((op, shape_key, impl))
+            if row is None:
+                cells.append(None)
+            elif "error" in row:
+                cells.append("skip" if row.get("skipped") else "err")
+            else:
+                memory = row.get("peak_extra_mb")
+                cells.append(f"{format_cell(row['ms'])}" + (f" ({memory:.0f})" if memory is not None else ""))
+        floor_value = next(
+            (
+                r.get("floor_ms")
+                for r in rows
+                if (r["op"], json.dumps(r["shape"], sort_keys=True)) == (op, shape_key)
+                and r["mode"] == "fwd+bwd"
+            ),
+            None,
+        )
+        cells.append(floor_value)
+        table_rows.append(cells)
+    return markdown_table(["op", "shape", *[f"{impl} ms (MB)" for impl in IMPLS], "floor ms"], table_rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Processes: each op runs in its own worker so that a crashed kernel (a sticky CUDA error) or a
+# monkey-patch cannot spoil the ops after it.
+
+
+def _worker_main(config_path: str) -> int:
+    with open(config_path) as handle:
+        config = json.load(handle)
+    cases = [Case(c["op"], c["shape"], c["impl"], c["set_name"]) for c in config["cases"]]
+    with open(config["rows_path"], "a") as rows_file:
+
+        def emit(row: dict) -> None:
+            rows_file.write(json.dumps(row) + "\n")
+            rows_file.flush()
+
+        run_cases(cases, config, emit)
+    return 0
+
+
+def _run_op_in_worker(op: str, cases: list[Case], config: dict, timeout_s: float | None) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="fusetune-bench-") as scratch:
+        rows_path = Path(scratch) / "rows.jsonl"
+        rows_path.touch()
+        config_path = Path(scratch) / "config.json"
+        worker_config = dict(config, rows_path=str(rows_path), cases=[c.__dict__ for c in cases])
+        config_path.write_text(json.dumps(worker_config))
+        command = [sys.executable, str(Path(__file__).resolve()), "--_worker", str(config_path)]
+        failure = None
+        try:
+            completed = subprocess.run(
+                command, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True
+            )
+            if completed.returncode != 0:
+                tail = " | ".join(completed.stderr.strip().splitlines()[-3:])
+                failure = f"worker for {op} exited with code {completed.returncode}: {tail}"
+                sys.stderr.write(completed.stderr[-4000:])
+            elif completed.stderr:
+                sys.stderr.write(completed.stderr[-2000:])
+        except subprocess.TimeoutExpired:
+            failure = f"worker for {op} ran past its {timeout_s:.0f} s limit and was stopped"
+        rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
+    if failure:
+        done = {
+            (r["op"], r["impl"], json.dumps(r["shape"], sort_keys=True), r.get("set", "main")) for r in rows
+        }
+        for case in cases:
+            if case.key() not in done:
+                rows += error_rows(case, short_error(failure, 400), config["ceilings"])
+        print(f"  {failure}", flush=True)
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Benchmark fusetune's kernels against Hugging Face eager, torch.compile and Liger-Kernel.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of: {', '.join(OPS)}")
+    parser.add_argument(
+        "--impls", default=",".join(IMPLS), help=f"comma-separated subset of: {', '.join(IMPLS)}"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="main shapes only (no sweeps), fewer repetitions"
+    )
+    parser.add_argument(
+        "--sweeps",
+        choices=("all", "none", "only"),
+        default=None,
+        help="shape sweeps (fwd+bwd only): all, none or only; default all, or none with --quick",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
+    parser.add_argument(
+        "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
+    )
+    parser.add_argument(
+        "--merge-from",
+        type=Path,
+        default=None,
+        help="like --merge, but take the earlier rows from this file (for a run whose --out starts empty)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of other ops already in the results file (a full run split over several calls)",
+    )
+    parser.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="cases left after this many seconds "
+        "are recorded as skipped, so that a run ends inside a hard limit",
+    )
+    parser.add_argument("--op-timeout-s", type=float, default=1800, help="a worker running longer is stopped")
+    parser.add_argument("--no-isolate", action="store_true", help="run every op in this process (debugging)")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu smoke-tests the harness at tiny shapes under TRITON_INTERPRET=1; its numbers mean nothing "
+        "and it writes to a temporary folder unless --out is given",
+    )
+    parser.add_argument("--list-cases", action="store_true", help="print the cases that would run and exit")
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
+    for name, chosen, known in (("--ops", args.ops, OPS), ("--impls", args.impls, IMPLS)):
+        unknown = [value for value in chosen if value not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {unknown}; choose from {', '.join(known)}")
+    if args.sweeps is None:
+        args.sweeps = "none" if args.quick else "all"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        return _worker_main(args._worker)
+    tiny = args.device == "cpu"
+    cases = enumerate_cases(args.ops, args.impls, args.sweeps, tiny)
+    if args.list_cases:
+        for case in cases:
+            print(f"{case.op:<27} {case.set_name:<6} {case.impl:<17} {_shape_text(case.shape)}")
+        print(f"{len(cases)} cases")
+        return 0
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if args.out == DEFAULT_RESULTS_DIR:
+            args.out = Path(tempfile.mkdtemp(prefix="fusetune-bench-cpu-"))
+
+    import torch
+
+    started = time.time()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("no CUDA device: run on a GPU machine, or pass --device cpu to smoke-test", file=sys.stderr)
+            return 2
+        gpu_name = torch.cuda.get_device_name()
+        print(f"Measuring ceilings on {gpu_name} ...", flush=True)
+        ceilings = measure_ceilings()
+    else:
+        gpu_name, ceilings = "cpu (smoke test, TRITON_INTERPRET=1)", None
+    slug = args.gpu_slug or (gpu_slug(gpu_name) if args.device == "cuda" else "cpu")
+    meta = {"gpu": gpu_name, "date": utc_date(), "versions": collect_versions(), "ceilings": ceilings}
+    print(f"ceilings: {ceilings}\nversions: {meta['versions']}", flush=True)
+    json_path = args.out / f"{slug}-kernels.json"
+    markdown_path = args.out / f"{slug}-kernels.md"
+    previous = load_results(args.merge_from or json_path) if (args.merge or args.merge_from) else None
+    config = {
+        "device": args.device,
+        "quick": args.quick,
+        "ceilings": ceilings,
+        "deadline": started + args.time_budget_s if args.time_budget_s else None,
+    }
+
+    rows: list[dict] = []
+
+    def save() -> dict[str, Any]:
+        payload = results_payload(meta, rows, previous, args.ops)
+        write_json(json_path, payload)
+        write_text(markdown_path, render_markdown(payload))
+        return payload
+
+    for op in args.ops:
+        op_cases = [case for case in cases if case.op == op]
+        if not op_cases:
+            continue
+        print(f"{op}: {len(op_cases)} cases", flush=True)
+        if args.no_isolate:
+            run_cases(op_cases, config, rows.append)
+        else:
+            timeout = args.op_timeout_s
+            if config["deadline"] is not None:
+                timeout = min(timeout, max(60.0, config["deadline"] - time.time() + 120))
+            rows += _run_op_in_worker(op, op_cases, config, timeout)
+        save()
+    payload = save()
+    print(f"\nwrote {json_path} and {markdown_path} in {time.time() - started:.0f} s\n")
+    print(summary_table([row for row in payload["rows"] if row["op"] in args.ops]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

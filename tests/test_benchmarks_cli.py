@@ -1,0 +1,127 @@
+"""The benchmark scripts answer --help without a GPU, and their floors agree with shared/ANCHORS.md."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import e2e, kernels
+from benchmarks._common import gpu_slug
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script", ["kernels.py", "e2e.py"])
+def test_help_runs_without_a_gpu(script):
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "--impls" in completed.stdout and "--out" in completed.stdout
+
+
+def test_unknown_op_is_refused():
+    with pytest.raises(SystemExit):
+        kernels.parse_args(["--ops", "rms_norm,not_an_op"])
+
+
+@pytest.mark.parametrize(
+    ("device_name", "slug"),
+    [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")],
+)
+def test_gpu_slug(device_name, slug):
+    assert gpu_slug(device_name) == slug
+
+
+# Floors quoted in ANCHORS.md for the H100 run (copy 3012 GB/s, bf16 matmul 723 TFLOP/s), fwd+bwd.
+ANCHOR_CEILINGS = {"copy_GBps": 3012.0, "bf16_matmul_TFLOPs": 723.0}
+
+
+@pytest.mark.parametrize(
+    ("op", "shape", "anchor_floor_ms"),
+    [
+        ("rms_norm", {"T": 16384, "H": 4096}, 0.178),
+        ("rope", {"B": 8, "S": 2048, "Hq": 32, "Hkv": 8, "D": 128}, 0.223),
+        ("swiglu_mlp", {"T": 8192, "H": 4096, "I": 14336}, 11.97),
+        ("cross_entropy", {"T": 8192, "V": 128256}, 1.395),
+        ("fused_linear_cross_entropy", {"T": 8192, "H": 4096, "V": 128256}, 35.7),
+    ],
+)
+def test_floors_match_anchors(op, shape, anchor_floor_ms):
+    floor = kernels.floor_ms(op, shape, "fwd+bwd", ANCHOR_CEILINGS)
+    assert floor == pytest.approx(anchor_floor_ms, rel=0.01)
+
+
+def test_cases_cover_the_required_shapes():
+    cases = kernels.enumerate_cases(list(kernels.OPS), list(kernels.IMPLS), "all", tiny=False)
+    keys = {(case.op, json.dumps(case.shape, sort_keys=True), case.impl) for case in cases}
+    assert ("rms_norm", json.dumps({"H": 32768, "T": 65536}, sort_keys=True), "compile") in keys
+    assert ("cross_entropy", json.dumps({"T": 65536, "V": 256000}, sort_keys=True), "liger") in keys
+    assert (
+        "fused_linear_cross_entropy",
+        json.dumps({"H": 4096, "T": 1024, "V": 151936}, sort_keys=True),
+        "hf",
+    ) in keys
+    quick = kernels.enumerate_cases(list(kernels.OPS), list(kernels.IMPLS), "none", tiny=False)
+    assert {case.set_name for case in quick} == {"main"}
+
+
+def test_results_file_keeps_the_anchor_format_and_renders():
+    case = kernels.Case("rms_norm", {"T": 16384, "H": 4096}, "fusetune", "main")
+    rows = [kernels.measured_row(case, mode, 0.2, ANCHOR_CEILINGS) for mode in kernels.MODES]
+    rows[-1]["peak_extra_mb"] = 128.0
+    rows += kernels.error_rows(
+        kernels.Case("rms_norm", case.shape, "liger", "main"), "not installed", None, True
+    )
+    meta = {
+        "gpu": "NVIDIA H100 80GB HBM3",
+        "date": "2026-11-23",
+        "versions": {"fusetune": "abc"},
+        "ceilings": ANCHOR_CEILINGS,
+    }
+    payload = kernels.results_payload(meta, rows, None, ["rms_norm"])
+    assert {"gpu", "date", "versions", "ceilings", "rows"} <= payload.keys()
+    total = next(row for row in payload["rows"] if row["mode"] == "fwd+bwd" and row["impl"] == "fusetune")
+    assert {"op", "mode", "impl", "dtype", "shape", "ms", "peak_extra_mb", "floor_ms"} <= total.keys()
+    assert total["floor_ratio"] == pytest.approx(0.2 / total["floor_ms"], rel=1e-3)
+    markdown = kernels.render_markdown(payload)
+    assert "## rms_norm: T=16384, H=4096" in markdown and "skipped: not installed" in markdown
+
+
+def test_e2e_configs_have_the_stated_shapes():
+    family, fields = e2e.MODEL_SHAPES["llama-3.2-1b-shape"]
+    assert family == "llama"
+    assert (fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"]) == (
+        2048,
+        8192,
+        16,
+    )
+    assert (fields["num_attention_heads"], fields["num_key_value_heads"], fields["vocab_size"]) == (
+        32,
+        8,
+        128256,
+    )
+    assert fields["tie_word_embeddings"] and fields["rope_theta"] == 500000.0
+
+
+def test_merge_keeps_rows_of_ops_not_rerun():
+    meta = {"gpu": "g", "date": "d", "versions": {"fusetune": "new"}, "ceilings": ANCHOR_CEILINGS}
+    old_rows = [
+        kernels.measured_row(kernels.Case(op, {"T": 8, "H": 8}, "hf", "main"), "fwd", 1.0, ANCHOR_CEILINGS)
+        for op in ("rms_norm", "layer_norm")
+    ]
+    previous = kernels.results_payload(
+        {**meta, "versions": {"fusetune": "old"}}, old_rows, None, ["rms_norm", "layer_norm"]
+    )
+    new_row = kernels.measured_row(
+        kernels.Case("layer_norm", {"T": 8, "H": 8}, "hf", "main"), "fwd", 2.0, ANCHOR_CEILINGS
+    )
+    merged = kernels.results_payload(meta, [new_row], previous, ["layer_norm"])
+    assert [(row["op"], row["ms"]) for row in merged["rows"]] == [("rms_norm", 1.0), ("layer_norm", 2.0)]
+    assert [run["ops"] for run in merged["runs"]] == [["rms_norm"], ["layer_norm"]]
