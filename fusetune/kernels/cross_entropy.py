@@ -53,6 +53,23 @@ _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
 
 
 @triton.jit
+def _to_storage(value, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """float32 -> dtype, rounding to nearest even.
+
+    The CPU interpreter (TRITON_INTERPRET=1) converts float32 to bfloat16 by truncation where the GPU
+    rounds to nearest; ROUND_BF16 (set only under the interpreter) rounds explicitly first so that CPU
+    tests see the GPU's numbers. It costs nothing on the GPU, where it is False.
+    """
+    if ROUND_BF16:
+        if dtype == tl.bfloat16:
+            bits = value.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+            value = tl.where(value != value, value, rounded)
+    return value.to(dtype)
+
+
+@triton.jit
 def _tanh(u):
     # One exp2 and one division; exact to ~1e-7 absolute and saturating cleanly for large |u|.
     e = tl.exp2(tl.abs(u) * (-2.0 * LOG2E))
@@ -87,6 +104,7 @@ def _cross_entropy_forward_kernel(
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     FIRST_SWEEP_EVICTION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """Per-token loss (and optionally the gradient of ``scale_i * loss_i``) for rows of logits.
 
@@ -245,7 +263,9 @@ def _cross_entropy_forward_kernel(
                             g -= coef_uniform
                     if HAS_SOFTCAP:
                         g = g * (1.0 - t * t)
-                    tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+                    tl.store(
+                        grad_row + cols, _to_storage(g, grad_ptr.dtype.element_ty, ROUND_BF16), mask=mask
+                    )
 
 
 @triton.jit
@@ -298,6 +318,7 @@ def _scale_rows_kernel(
     factor_ptr,
     factor_row_stride,
     BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """x[i, :] *= factor[i * factor_row_stride], in place; rows whose factor is exactly 1 are not touched.
 
@@ -316,7 +337,7 @@ def _scale_rows_kernel(
                 cols = start + lanes
                 mask = cols < n_cols
                 x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(x_row + cols, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
+                tl.store(x_row + cols, _to_storage(x * factor, x_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,6 +486,7 @@ def launch_cross_entropy_forward(
         WRITE_GRAD=write_grad,
         BLOCK_V=config.block_v,
         FIRST_SWEEP_EVICTION=config.first_sweep_eviction,
+        ROUND_BF16=_interpreting(),
         num_warps=config.num_warps,
     )
 
@@ -481,8 +503,9 @@ def launch_scale_rows_(x: Tensor, factor: Tensor) -> None:
     else:
         grid, block, warps = (min(n_rows, 4 * _num_processors(x.device)),), 4096, 8
     _scale_rows_kernel[grid](
-        x, x.stride(0), n_rows, n_cols, factor, factor_row_stride, BLOCK=block, num_warps=warps
-    )
+        x, x.stride(0), n_rows, n_cols, factor, factor_row_stride, BLOCK=block, ROUND_BF16=_interpreting(),
+        num_warps=warps,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------

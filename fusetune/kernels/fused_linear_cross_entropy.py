@@ -33,6 +33,7 @@ from fusetune.kernels.cross_entropy import (
     _check_reduction,
     _interpreting,
     _num_processors,
+    _to_storage,
     cross_entropy_reference,
     launch_cross_entropy_forward,
 )
@@ -361,7 +362,7 @@ def _(
 
 
 @triton.jit
-def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
+def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
     """x *= factor over a flat contiguous tensor, grid-stride; nothing is touched when factor == 1."""
     factor = tl.load(factor_ptr).to(tl.float32)
     if factor != 1.0:
@@ -372,7 +373,7 @@ def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr):
             offsets = tl.cast(block, tl.int64) * BLOCK + lanes
             mask = offsets < n_elements
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(x_ptr + offsets, (x * factor).to(x_ptr.dtype.element_ty), mask=mask)
+            tl.store(x_ptr + offsets, _to_storage(x * factor, x_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 @torch.library.custom_op("fusetune::scale_", mutates_args=("x",))
@@ -388,7 +389,7 @@ def _scale_op(x: Tensor, factor: Tensor) -> None:
     else:
         block, programs = 4096, 4 * _num_processors(x.device)
     grid = (max(1, min(programs, triton.cdiv(n_elements, block))),)
-    _scale_kernel[grid](x, n_elements, factor, BLOCK=block, num_warps=8)
+    _scale_kernel[grid](x, n_elements, factor, BLOCK=block, ROUND_BF16=_interpreting(), num_warps=8)
 
 
 @_scale_op.register_fake
