@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     checkpoint_every_steps: int = Field(default=0, ge=0, description="0: only at the end of training")
     # How long the worker waits for a training process to exit after SIGTERM before SIGKILL.
     terminate_grace_s: float = 5.0
+    # How long a paused job's trainer may take to save its checkpoint and exit before it is stopped.
+    pause_grace_s: float = 300.0
     # Crash recovery: a worker renews its job's lease every lease_s / 3; a job whose lease lapsed is requeued
     # (by any worker's reaper, every reaper_interval_s) until it has been started max_attempts times.
     # CPU priority of training processes relative to the API and worker (0 = same).

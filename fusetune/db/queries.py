@@ -256,3 +256,17 @@ def median_tokens_per_second(session: Session, model: str, recent_jobs: int = 5)
         if isinstance(v, dict) and v.get("tokens_per_second")
     )
     return values[len(values) // 2] if values else None
+
+
+def delete_checkpoints(session: Session, job_id: str, storage_paths: list[str]) -> int:
+    """Forgets checkpoints whose folders were pruned (keep-last-K), so none is listed or served again."""
+    if not storage_paths:
+        return 0
+    rows = session.scalars(
+        select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.storage_path.in_(storage_paths))
+    )
+    count = 0
+    for row in rows:
+        session.delete(row)
+        count += 1
+    return count

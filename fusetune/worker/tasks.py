@@ -7,7 +7,6 @@ nothing, and the worker, not the trainer, owns every status transition of the jo
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -27,12 +26,10 @@ from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.worker.process import prepare_training_process
 from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.outcome import ERROR_FILENAME, RESULT_FILENAME, read_error, read_result
 
 log = logging.getLogger(__name__)
 
-# The trainer's outcome files (written by rank 0 of fusetune.worker.train).
-RESULT_FILE = "result.json"
-ERROR_FILE = "error.json"
 TRAIN_LOG_FILE = "train.log"
 CONFIG_FILE = "train_config.json"
 LOG_TAIL_LINES = 20
@@ -155,6 +152,7 @@ class JobRunner:
             max_seq_length=hyper.get("max_seq_length", 512),
             kernels=hyper.get("kernels", True),
             checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
+            checkpoint_paths_relative_to=str(self.settings.runs_dir),
         )
         return config.write(run_dir / CONFIG_FILE)
 
@@ -167,7 +165,7 @@ class JobRunner:
     def _train(self, job: Job) -> Outcome:
         run_dir = self.settings.runs_dir / job.id
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (RESULT_FILE, ERROR_FILE):
+        for stale in (RESULT_FILENAME, ERROR_FILENAME):
             (run_dir / stale).unlink(missing_ok=True)
         model_location = self._model_location(job)
         if model_location is None:
@@ -220,10 +218,18 @@ class JobRunner:
                     session.commit()
                     last_renewal = time.monotonic()
             if not still_ours:
-                self._stop(process)
+                # A paused trainer saves a resumable checkpoint and exits by itself; give it time to.
+                self._stop(
+                    process, exit_grace_s=self.settings.pause_grace_s if status == JobStatus.PAUSED else 0
+                )
                 return status if status != JobStatus.RUNNING else JobStatus.QUEUED
 
-    def _stop(self, process: subprocess.Popen) -> None:
+    def _stop(self, process: subprocess.Popen, exit_grace_s: float = 0) -> None:
+        try:
+            process.wait(timeout=exit_grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
         try:
             os.killpg(process.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -238,14 +244,13 @@ class JobRunner:
         process.wait()
 
     def _read_outcome(self, job: Job, run_dir: Path, returncode: int, log_path: Path) -> Outcome:
-        result_path, error_path = run_dir / RESULT_FILE, run_dir / ERROR_FILE
-        if returncode == 0 and result_path.exists():
-            result = json.loads(result_path.read_text())
+        result = read_result(run_dir) if returncode == 0 else None
+        if result is not None:
             name = fine_tuned_model_name(job.model, job.tenant, job.suffix, job.id)
-            fields = {"trained_tokens": int(result["trained_tokens"]), "fine_tuned_model": name}
+            fields = {"trained_tokens": result.trained_tokens, "fine_tuned_model": name}
             return Outcome(JobStatus.SUCCEEDED, fields, f"Fine-tuning job successfully completed: {name}")
-        if error_path.exists():
-            error = json.loads(error_path.read_text())
+        error = read_error(run_dir)
+        if error is not None:
             error = {
                 "code": str(error.get("code", "trainer_error")),
                 "message": str(error.get("message", "")),
