@@ -286,7 +286,12 @@ def test_compiled_inductor_fullgraph_matches_eager(reduction):
     ("n_rows", "vocab", "dtype", "options"),
     [
         (2048, 128256, torch.bfloat16, {"reduction": "mean", "return_accuracy": True}),
-        (1024, 32000, torch.float32, {"reduction": "sum", "label_smoothing": 0.1, "z_loss_scale": 1e-4}),
+        (
+            1024,
+            32000,
+            torch.float32,
+            {"reduction": "sum", "label_smoothing": 0.1, "z_loss_scale": 1e-4, "return_accuracy": True},
+        ),
         (512, 262144, torch.bfloat16, {"reduction": "none", "softcap": 30.0}),
         (1, 151936, torch.float16, {"reduction": "mean"}),
     ],
