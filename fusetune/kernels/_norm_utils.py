@@ -22,11 +22,14 @@ import triton
 import triton.language as tl
 
 # Largest row held in registers, in elements (the kernels compute in fp32, so this does not depend on the
-# input dtype). Above it the kernels loop over column blocks of LOOPED_BLOCK_N.
-# Measured on an H100 (see the tuning comment in norm_launch_settings).
+# input dtype); above it the kernels loop over column blocks of LOOPED_BLOCK_N. From the sm_90 compiler's
+# report: the backward spills at 16384 columns (16 or 32 warps), the forward not before 32768. On the H100
+# (launch overhead included, see _norm_launch_settings) the forward held 16384-wide rows at copy speed
+# (8192 x 16384 bf16: 0.185 ms, 2.9 TB/s), and at 8192 x 16384 the backward loop over 8192-column blocks
+# with 16 warps took 0.51 ms against 0.74 ms for 4096-column blocks with 8 warps (4096 x 32768: 0.79 vs 0.91).
 MAX_REGISTER_BLOCK_N_FORWARD = 16384
 MAX_REGISTER_BLOCK_N_BACKWARD = 8192
-LOOPED_BLOCK_N = 4096
+LOOPED_BLOCK_N = 8192
 
 # Programs the interpreter runs when there is no GPU: small, so CPU tests still walk several row tiles per
 # persistent program and reduce several partial dW rows.
@@ -69,27 +72,40 @@ def force_column_block(block_n: int) -> Iterator[None]:
 
 
 def norm_launch_settings(n_cols: int, backward: bool) -> NormLaunchSettings:
+    """Launch settings for a row-wise normalisation of width `n_cols` (cached: this runs on every call)."""
+    return _norm_launch_settings(n_cols, backward, _column_block_limit)
+
+
+@functools.lru_cache(maxsize=1024)
+def _norm_launch_settings(n_cols: int, backward: bool, column_block_limit: int | None) -> NormLaunchSettings:
     """Launch settings for a row-wise normalisation of width `n_cols`.
 
-    Chosen from timings on an H100 (torch 2.11, triton 3.6) of fwd and fwd+bwd at T=16384 and a sweep of
-    hidden sizes; the numbers are quoted beside each constant.
+    From one H100 sweep (torch 2.11, triton 3.6) whose launches went through torch's wrap_triton outside a
+    custom op, which added 0.2 to 0.5 ms of CPU time per call: only settings that stayed slower than that
+    were clearly measured, so the numbers below rule settings out rather than rank the survivors.
+    - backward at 16384 x 4096 bf16: 8 warps 0.25-0.32 ms, against 0.54-0.66 ms for 16 warps and 0.60 ms
+      for 4 warps; 1, 2 or 4 programs per SM were within the noise.
+    - backward at 16384 x 1024: 2 rows x 1024 with 4 warps and 4 programs per SM <= 0.26 ms, 4 rows with
+      8 warps and 2 per SM 0.55 ms.
+    - backward at 16384 x 8192: one 8192-column tile with 16 warps 0.47-0.54 ms, 32 warps 0.60 ms, looping
+      over 4096-column blocks 0.58-0.63 ms.
     """
     max_register_block = MAX_REGISTER_BLOCK_N_BACKWARD if backward else MAX_REGISTER_BLOCK_N_FORWARD
     block_n = triton.next_power_of_2(n_cols)
     if block_n > max_register_block:
         block_n = LOOPED_BLOCK_N
-    if _column_block_limit is not None:
-        block_n = min(block_n, _column_block_limit)
-    # Narrow rows share a tile so each program still moves a few KB per step.
-    target_tile_elements = 4096 if backward else 2048
-    rows_per_tile = max(1, min(64, target_tile_elements // block_n))
+    if column_block_limit is not None:
+        block_n = min(block_n, column_block_limit)
+    # Narrow rows share a tile of at least 2048 elements, so each program moves a few KB per step.
+    rows_per_tile = max(1, min(64, 2048 // block_n))
     tile_elements = rows_per_tile * block_n
-    # About 16 fp32 values per thread and tensor: wide enough for 16-byte accesses, few enough to stay in
-    # registers next to the other tensors of the backward.
+    # About 16 values per thread and tensor: 16-byte accesses, and few enough registers for the backward
+    # (2048 -> 4 warps, 4096 -> 8, 8192 and up -> 16).
     num_warps = max(1, min(16, tile_elements // 512))
-    # The persistent backward must fit in one wave: at 4096 elements and 8 warps it needs ~108 registers a
-    # thread (2 programs per SM), at 8192 and 16 warps ~112 (1 per SM), per the sm_90 compiler's report.
-    programs_per_sm = 2 if tile_elements <= 4096 else 1
+    # The persistent backward should fit in one wave. The sm_90 compiler gives it ~96 registers a thread at
+    # 2048 elements and 4 warps (5 programs fit an SM), ~108 at 4096 and 8 warps (2 fit), ~112 at 8192 and
+    # 16 warps (1 fits).
+    programs_per_sm = max(1, min(8, 8192 // tile_elements))
     return NormLaunchSettings(
         block_n=block_n, rows_per_tile=rows_per_tile, num_warps=num_warps, programs_per_sm=programs_per_sm
     )

@@ -20,7 +20,7 @@ the input, and the caller guarantees that nothing else needs dy once the norm's 
 caller can know: autograd hands the *same* gradient tensor to both inputs of an addition, so a norm whose
 output is added to another tensor (Gemma-2/3 post-norms: `residual + post_norm(h)`) must not use it, while a
 norm feeding only matmuls (the pre-norms of Llama-style layers, the final norm) can. It is off by default.
-Under torch.compile the functional backward is traced instead, and the compiler plans the buffers.
+Under torch.compile the functional backward op is traced instead, and the compiler plans the buffers.
 """
 
 import torch
@@ -344,27 +344,32 @@ def _launch_forward(
     offset: float,
     casting_mode: str,
     settings: NormLaunchSettings | None = None,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Run the forward kernel; returns (y, new_residual or None, rstd [rows] fp32)."""
+    """Run the forward kernel; returns (y, new_residual or None, rstd [rows] fp32).
+
+    `traced`: called from the torch.library op, so the launch goes through wrap_triton for the compiler.
+    """
     n_cols = x.shape[-1]
     x_rows = as_rows(x, n_cols)
     n_rows = x_rows.shape[0]
     if settings is None:
         settings = norm_launch_settings(n_cols, backward=False)
-    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting_mode), device=x.device)
+    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
     y_rows = y.view(-1, n_cols)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = x.new_empty(n_rows, dtype=torch.float32)
     if residual is not None:
         residual_rows = as_rows(residual, n_cols)
-        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        new_residual = x.new_empty(x.shape)
         new_residual_rows = new_residual.view(-1, n_cols)
     else:
         residual_rows = new_residual_rows = x_rows  # unused by the kernel
         new_residual = None
     if n_rows == 0:
         return y, new_residual, rstd
-    grid = (triton.cdiv(n_rows, settings.rows_per_tile),)
-    torch.library.wrap_triton(_rms_norm_fwd_kernel)[grid](
+    grid = ((n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile,)
+    kernel = torch.library.wrap_triton(_rms_norm_fwd_kernel) if traced else _rms_norm_fwd_kernel
+    kernel[grid](
         x_rows,
         x_rows.stride(0),
         residual_rows,
@@ -401,6 +406,7 @@ def _launch_backward(
     casting_mode: str,
     dx: torch.Tensor,
     settings: NormLaunchSettings | None = None,
+    traced: bool = False,
 ) -> torch.Tensor | None:
     """Run the backward kernel, writing dx (which may be dy itself); returns dw or None."""
     n_cols = x.shape[-1]
@@ -411,7 +417,7 @@ def _launch_backward(
     d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else dy_rows
     if settings is None:
         settings = norm_launch_settings(n_cols, backward=True)
-    n_row_tiles = triton.cdiv(n_rows, settings.rows_per_tile)
+    n_row_tiles = (n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile
     num_programs = persistent_grid_size(n_row_tiles, settings, x.device)
     loop_columns = settings.loop_columns(n_cols)
     if weight is not None:
@@ -421,7 +427,8 @@ def _launch_backward(
     else:
         dw_partial = rstd  # unused by the kernel
     if n_rows > 0:
-        torch.library.wrap_triton(_rms_norm_bwd_kernel)[(num_programs,)](
+        kernel = torch.library.wrap_triton(_rms_norm_bwd_kernel) if traced else _rms_norm_bwd_kernel
+        kernel[(num_programs,)](
             dy_rows,
             dy_rows.stride(0),
             x_rows,
@@ -454,7 +461,8 @@ def _launch_backward(
 
 
 # ------------------------------------------------------------------------------------------------------------
-# torch.library ops (so torch.compile(fullgraph=True) traces through them)
+# torch.library ops, which torch.compile(fullgraph=True) traces through. Eager calls skip the op dispatch and
+# launch directly: the dispatcher costs more CPU time per call than the kernels take on the GPU at 16k x 4k.
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -462,7 +470,7 @@ def _launch_backward(
 def _rms_norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, rstd = _launch_forward(x, None, weight, eps, offset, casting_mode)
+    y, _, rstd = _launch_forward(x, None, weight, eps, offset, casting_mode, traced=True)
     return y, rstd
 
 
@@ -475,7 +483,7 @@ def _add_rms_norm_fwd_op(
     offset: float,
     casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, new_residual, rstd = _launch_forward(x, residual, weight, eps, offset, casting_mode)
+    y, new_residual, rstd = _launch_forward(x, residual, weight, eps, offset, casting_mode, traced=True)
     assert new_residual is not None
     return y, new_residual, rstd
 
@@ -490,38 +498,26 @@ def _rms_norm_bwd_op(
     offset: float,
     casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dw = _launch_backward(dy, x, weight, rstd, d_residual, offset, casting_mode, dx)
+    dx = x.new_empty(x.shape)
+    dw = _launch_backward(dy, x, weight, rstd, d_residual, offset, casting_mode, dx, traced=True)
+    # ops cannot return None: an empty tensor stands for "no weight"
     return dx, dw if dw is not None else x.new_empty(0)
 
 
-@torch.library.triton_op("fusetune::rms_norm_bwd_inplace", mutates_args=("dy",))
-def _rms_norm_bwd_inplace_op(
-    dy: torch.Tensor,
+def _forward(
     x: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    d_residual: torch.Tensor | None,
+    eps: float,
     offset: float,
     casting_mode: str,
-) -> torch.Tensor:
-    """Like rms_norm_bwd, but dx overwrites dy (contiguous, x's shape and dtype); returns dw."""
-    dw = _launch_backward(dy, x, weight, rstd, d_residual, offset, casting_mode, dy)
-    return dw if dw is not None else x.new_empty(0)
-
-
-def _dx_can_overwrite_dy(dy: torch.Tensor, x: torch.Tensor, inplace_backward: bool) -> bool:
-    """The in-place condition of the module docstring (the caller's promise is `inplace_backward`).
-
-    Under torch.compile the functional op is traced instead: the compiler plans the buffers itself.
-    """
-    return (
-        inplace_backward
-        and not torch.compiler.is_compiling()
-        and dy.is_contiguous()
-        and dy.dtype == x.dtype
-        and dy.shape == x.shape
-    )
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    if not torch.compiler.is_compiling():
+        return _launch_forward(x, residual, weight, eps, offset, casting_mode)
+    if residual is None:
+        y, rstd = torch.ops.fusetune.rms_norm_fwd(x, weight, eps, offset, casting_mode)
+        return y, None, rstd
+    return torch.ops.fusetune.add_rms_norm_fwd(x, residual, weight, eps, offset, casting_mode)
 
 
 def _backward(
@@ -534,12 +530,16 @@ def _backward(
     casting_mode: str,
     inplace_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if _dx_can_overwrite_dy(dy, x, inplace_backward):
-        dw = torch.ops.fusetune.rms_norm_bwd_inplace(dy, x, weight, rstd, d_residual, offset, casting_mode)
+    if torch.compiler.is_compiling():
+        # functional under the compiler, which plans the buffers itself
+        dx, dw = torch.ops.fusetune.rms_norm_bwd(dy, x, weight, rstd, d_residual, offset, casting_mode)
+        return dx, dw if weight is not None else None
+    # The in-place condition of the module docstring; `inplace_backward` is the caller's promise.
+    if inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape:
         dx = dy
     else:
-        dx, dw = torch.ops.fusetune.rms_norm_bwd(dy, x, weight, rstd, d_residual, offset, casting_mode)
-    return dx, dw if weight is not None else None
+        dx = x.new_empty(x.shape)
+    return dx, _launch_backward(dy, x, weight, rstd, d_residual, offset, casting_mode, dx)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -547,7 +547,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting_mode, inplace_backward):
-        y, rstd = torch.ops.fusetune.rms_norm_fwd(x, weight, eps, offset, casting_mode)
+        y, _, rstd = _forward(x, None, weight, eps, offset, casting_mode)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
         ctx.casting_mode = casting_mode
@@ -566,9 +566,7 @@ class AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting_mode, inplace_backward):
-        y, new_residual, rstd = torch.ops.fusetune.add_rms_norm_fwd(
-            x, residual, weight, eps, offset, casting_mode
-        )
+        y, new_residual, rstd = _forward(x, residual, weight, eps, offset, casting_mode)
         ctx.save_for_backward(new_residual, weight, rstd)
         ctx.offset = offset
         ctx.casting_mode = casting_mode
