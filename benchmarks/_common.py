@@ -114,7 +114,7 @@ def _copy_rate_gbps(copy_bytes: int) -> float:
 
     source = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     destination = torch.empty_like(source)
-    copy_ms = do_bench(lambda: destination.copy_(source), warmup=50, rep=300, return_mode="median")
+    copy_ms = do_bench(lambda: destination.copy_(source), warmup=200, rep=500, return_mode="median")
     return 2 * copy_bytes / (copy_ms * 1e-3) / 1e9
 
 
@@ -124,7 +124,8 @@ def _matmul_rate_tflops(size: int) -> float:
 
     a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    matmul_ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    # A long warm-up lets the clocks settle before timing.
+    matmul_ms = do_bench(lambda: a @ b, warmup=500, rep=1000, return_mode="median")
     return 2 * size**3 / (matmul_ms * 1e-3) / 1e12
 
 

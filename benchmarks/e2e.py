@@ -144,7 +144,7 @@ METHOD = (
     "step time from torch.cuda.synchronize() to torch.cuda.synchronize(), median of the timed steps after "
     "the warm-up steps (compilation happens there); tokens_per_s = batch*seq / median step time; "
     "peak_alloc_gb = torch.cuda.max_memory_allocated() over the whole process (weights, gradients, optimizer "
-    "state, activations) / 2**30. Each (model, impl) runs in a fresh process."
+    "state, activations) / 2**30 (GiB; peak_alloc_bytes has the exact count). Each (model, impl) runs in a fresh process."
 )
 
 
@@ -298,6 +298,7 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
     row.update(
         tokens_per_s=round(tokens_per_s, 1),
         peak_alloc_gb=round(torch.cuda.max_memory_allocated() / GIB, 2) if device == "cuda" else None,
+        peak_alloc_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,
         mfu=None,
         step_ms=round(step_s * 1e3, 2),
         step_ms_min=round(min(timed) * 1e3, 2),

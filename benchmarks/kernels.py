@@ -66,7 +66,8 @@ METHOD = (
     "includes the returned gradients. Floors: fewest bytes / measured copy bandwidth (bytes read + written) "
     "or FLOPs / measured bf16 matmul rate (8192^3), whichever is larger; gbps and tflops are the floor's "
     "bytes or FLOPs divided by the measured time; floor_ratio = ms / floor_ms. Sweep rows (set 'sweep') are "
-    "fwd+bwd only, with fewer repetitions."
+    "fwd+bwd only, with fewer repetitions. host_ms (main fwd+bwd rows): wall time to issue one fwd+bwd on the "
+    "CPU, averaged over up to 20 calls with no synchronisation between them."
 )
 
 # Minimum traffic per mode, in units of one [T, H]-sized bf16 tensor (or its analogue), and why.
@@ -171,7 +172,10 @@ def sweep_shapes(op: str, tiny: bool) -> list[dict[str, int]]:
     return []
 
 
-def enumerate_cases(ops: list[str], impls: list[str], sweeps: str, tiny: bool) -> list[Case]:
+def enumerate_cases(
+    ops: list[str], impls: list[str], sweeps: str, tiny: bool, sweep_impls: list[str] | None = None
+) -> list[Case]:
+    sweep_impls = [impl for impl in (sweep_impls or SWEEP_IMPLS) if impl in impls]
     cases: list[Case] = []
     for op in ops:
         main = main_shapes(op, tiny) if sweeps != "only" else []
@@ -181,7 +185,7 @@ def enumerate_cases(ops: list[str], impls: list[str], sweeps: str, tiny: bool) -
         for shape in sweep:
             if shape in main_shapes(op, tiny) and sweeps != "only":
                 continue  # the main set already has this shape's fwd+bwd
-            cases += [Case(op, shape, impl, "sweep") for impl in SWEEP_IMPLS if impl in impls]
+            cases += [Case(op, shape, impl, "sweep") for impl in SWEEP_IMPLS if impl in sweep_impls]
     return cases
 
 
@@ -625,6 +629,19 @@ class CudaTimer:
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
+    def host_time(self, fn: Callable[[], Any], calls: int = 20) -> float:
+        """Host milliseconds to issue one call (no synchronisation inside): when this is close to the
+        measured time, the measurement is bound by launch overhead rather than by the GPU."""
+        import torch
+
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        return (issued - started) * 1e3 / calls
+
     def peak_extra_bytes(self, fwd_bwd: Callable[[], Any], grad_inputs: list) -> int:
         import torch
 
@@ -668,6 +685,12 @@ class CpuTimer:
             backward(outputs)
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)
+
+    def host_time(self, fn: Callable[[], Any], calls: int = 3) -> float:
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - started) * 1e3 / calls
 
     def peak_extra_bytes(self, fwd_bwd: Callable[[], Any], grad_inputs: list) -> int | None:
         return None
@@ -763,7 +786,7 @@ def measure_case(case: Case, env: Env, timer: Any, reps: Repetitions, ceilings: 
             traceback.print_exc()
         return error_rows(case, short_error(error), ceilings)
 
-    rows = []
+    rows, host_ms = [], None
     for mode in case.modes:
         try:
             if mode == "fwd":
@@ -774,6 +797,8 @@ def measure_case(case: Case, env: Env, timer: Any, reps: Repetitions, ceilings: 
                 )
             else:
                 ms = timer.time(fwd_bwd, reps)
+                if case.set_name == "main":
+                    host_ms = timer.host_time(fwd_bwd, calls=max(3, min(20, int(100 / max(ms, 1e-3)))))
         except Exception as error:  # noqa: BLE001
             row = base_row(case, mode, ceilings)
             row["error"] = short_error(error)
@@ -782,6 +807,8 @@ def measure_case(case: Case, env: Env, timer: Any, reps: Repetitions, ceilings: 
         row = measured_row(case, mode, ms, ceilings)
         if mode == "fwd+bwd" and peak is not None:
             row["peak_extra_mb"] = round(peak / MIB, 1)
+        if mode == "fwd+bwd" and host_ms is not None:
+            row["host_ms"] = _round(host_ms)
         if workload.options:
             row["options"] = workload.options
         rows.append(row)
@@ -802,6 +829,7 @@ def run_cases(cases: list[Case], config: dict[str, Any], emit: Callable[[dict], 
             rows = error_rows(case, "time budget of the run used up", config["ceilings"], skipped=True)
         else:
             reps = main_reps if case.set_name == "main" else SWEEP_REPS
+            case_started = time.time()
             try:
                 rows = measure_case(case, env, timer, reps, config["ceilings"])
             except torch.cuda.OutOfMemoryError as error:
@@ -809,6 +837,7 @@ def run_cases(cases: list[Case], config: dict[str, Any], emit: Callable[[dict], 
             if case.impl in ("compile", "fusetune+compile"):
                 torch._dynamo.reset()
             free_device_memory()
+            print(f"  ({case.op} {case.impl} {_shape_text(case.shape)}: {time.time() - case_started:.1f} s)")
         for row in rows:
             emit(row)
         _log_rows(rows)
@@ -818,7 +847,9 @@ def _log_rows(rows: list[dict]) -> None:
     for row in rows:
         shape = ",".join(f"{k}={v}" for k, v in row["shape"].items())
         outcome = row.get("error") or (
-            f"{row['ms']:.4g} ms" + (f", {row['peak_extra_mb']:.0f} MB" if "peak_extra_mb" in row else "")
+            f"{row['ms']:.4g} ms"
+            + (f", {row['peak_extra_mb']:.0f} MB" if "peak_extra_mb" in row else "")
+            + (f", host {row['host_ms']:.3g} ms" if "host_ms" in row else "")
         )
         print(f"  {row['op']:<27} {shape:<34} {row['impl']:<17} {row['mode']:<8} {outcome}", flush=True)
 
@@ -874,6 +905,13 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def _memory_ratio(numerator: float | None, denominator: float | None) -> float | None:
+    # Below 1 MiB (Liger's in-place loss) a ratio says nothing; the table shows both numbers.
+    if numerator is None or denominator is None or denominator < 1.0:
+        return None
+    return numerator / denominator
+
+
 def render_markdown(payload: dict[str, Any]) -> str:
     rows = payload["rows"]
     versions = ", ".join(f"{k} {v}" for k, v in payload["versions"].items())
@@ -889,7 +927,9 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"Method: {payload['method']}",
         "",
         "`÷ liger` and `÷ compile` are fwd+bwd time divided by that implementation's (below 1 = faster); "
-        "`mem ÷ liger` likewise for peak extra memory.",
+        "`mem ÷ liger` likewise for peak extra memory (blank when Liger's is under 1 MB). `host ms` is the "
+        "CPU time to issue one fwd+bwd: where it is close to the fwd+bwd time, that time is launch "
+        "overhead, not GPU work.",
         "",
     ]
     lookup = _fwd_bwd_lookup(rows)
@@ -931,12 +971,13 @@ def render_markdown(payload: dict[str, Any]) -> str:
                     by_mode.get("fwd", {}).get("ms"),
                     by_mode.get("bwd", {}).get("ms"),
                     total.get("ms"),
+                    total.get("host_ms"),
                     total.get("peak_extra_mb"),
                     total.get("floor_ratio"),
                     throughput_text,
                     _ratio(total.get("ms"), liger.get("ms")),
                     _ratio(total.get("ms"), compile_row.get("ms")),
-                    _ratio(total.get("peak_extra_mb"), liger.get("peak_extra_mb")),
+                    _memory_ratio(total.get("peak_extra_mb"), liger.get("peak_extra_mb")),
                 ]
             )
             errors = {row["error"] for row in by_mode.values() if "error" in row}
@@ -948,6 +989,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
                     "fwd ms",
                     "bwd ms",
                     "fwd+bwd ms",
+                    "host ms",
                     "peak extra MB",
                     "× floor",
                     "fwd+bwd rate",
@@ -1100,6 +1142,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="shape sweeps (fwd+bwd only): all, none or only; default all, or none with --quick",
     )
+    parser.add_argument(
+        "--sweep-impls",
+        default=",".join(SWEEP_IMPLS),
+        help="implementations run in the sweeps (compile costs a compilation per shape)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
     parser.add_argument(
         "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
@@ -1136,7 +1183,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
-    for name, chosen, known in (("--ops", args.ops, OPS), ("--impls", args.impls, IMPLS)):
+    args.sweep_impls = [impl.strip() for impl in args.sweep_impls.split(",") if impl.strip()]
+    for name, chosen, known in (
+        ("--ops", args.ops, OPS),
+        ("--impls", args.impls, IMPLS),
+        ("--sweep-impls", args.sweep_impls, SWEEP_IMPLS),
+    ):
         unknown = [value for value in chosen if value not in known]
         if unknown:
             parser.error(f"{name}: unknown {unknown}; choose from {', '.join(known)}")
@@ -1150,7 +1202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args._worker:
         return _worker_main(args._worker)
     tiny = args.device == "cpu"
-    cases = enumerate_cases(args.ops, args.impls, args.sweeps, tiny)
+    cases = enumerate_cases(args.ops, args.impls, args.sweeps, tiny, args.sweep_impls)
     if args.list_cases:
         for case in cases:
             print(f"{case.op:<27} {case.set_name:<6} {case.impl:<17} {_shape_text(case.shape)}")
