@@ -387,13 +387,16 @@ def cross_entropy_launch_config(
     ``extra_lane_state`` counts the per-lane vectors beyond the running max and sum: 2 for accuracy
     (best logit, its column), 1 for label smoothing (the logit sum).
 
-    GPU, measured on H100 (N=8192, V=128256, bf16, in place, fwd+bwd; Liger-Kernel 2.71 ms in the same
-    run): one 32-warp program per SM on 16384-column blocks 1.72 ms; 8192/32 warps 1.92; 8192/16 warps
-    2.06; 4096/16 warps 2.30; four 8-warp programs per SM on 2048 columns 2.22 (its first sweep alone is
-    the fastest, 0.80 ms, but 528 rows in flight no longer fit in L2 for the second sweep); without the
-    evict_last hint 2.11 instead of 2.06. The 32-warp program is capped at 64 registers, so with extra
-    lane state (ptxas: 240-800 bytes of spills) the 16-warp programs take over: 8192 columns (no spills
-    with accuracy or smoothing alone) and 4096 with both.
+    GPU, measured on H100 in two runs (N=8192, V=128256, bf16, in place, fwd+bwd; Liger-Kernel 0.8.5
+    2.71 / 2.45 ms in the same runs, floor 1.395 ms): one 32-warp program per SM on 16384-column blocks
+    1.72 / 1.75 ms (first sweep alone 0.82 ms); 8192 columns / 32 warps 1.92; 8192 / 16 warps 2.06-2.12;
+    4096 / 16 warps 2.30; 32768 / 32 warps 4.76 (spills); without the evict_last hint 1.88 instead of
+    1.76; 0.75 or 0.5 programs per SM (fewer rows in flight) 2.09 / 2.61: the first sweep needs every SM;
+    four 8-warp programs per SM on 2048 columns 2.22 (its first sweep alone is the fastest, 0.80 ms,
+    but 528 rows in flight no longer fit in L2 for the second sweep). The 32-warp program is capped at
+    64 registers, so with extra lane state (ptxas: 240-800 bytes of spills) the 16-warp programs take
+    over: 8192 columns (no spills with accuracy or smoothing alone; 2.14 ms with accuracy, Liger 2.55)
+    and 4096 with both.
     Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.
