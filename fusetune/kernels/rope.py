@@ -179,20 +179,25 @@ def _rope_program(
     TRANSPOSE: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    N_Q_BLOCKS: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
 ):
     # 1-D grid over (token, head block); which of the two varies fastest between neighbouring programs is a
-    # launch setting (neighbours then touch neighbouring memory for one layout or the other).
-    pid = tl.program_id(0).to(tl.int64)
-    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_HEADS)
-    n_blocks = n_q_blocks + tl.cdiv(n_k_heads, BLOCK_HEADS)
+    # launch setting (neighbours then touch neighbouring memory for one layout or the other). Every thread
+    # repeats this index arithmetic, so it stays in int32 (the launcher checks the grid fits) and divides by
+    # compile-time block counts where it can; only the pointer offsets are int64.
+    pid = tl.program_id(0)
     if HEADS_FASTEST:
-        token = pid // n_blocks
-        head_block = (pid % n_blocks).to(tl.int32)
+        token = pid // N_BLOCKS
+        head_block = pid - token * N_BLOCKS
     else:
-        token = pid % n_tokens
-        head_block = (pid // n_tokens).to(tl.int32)
-    batch = token // seq_len
-    seq = token % seq_len
+        head_block = pid // n_tokens
+        token = pid - head_block * n_tokens
+    batch_i32 = token // seq_len
+    seq_i32 = token - batch_i32 * seq_len
+    batch = batch_i32.to(tl.int64)
+    seq = seq_i32.to(tl.int64)
+    n_q_blocks = N_Q_BLOCKS
 
     if HAS_POSITIONS:
         # cos/sin are a table indexed by position: row = position_ids[batch, seq].
@@ -296,6 +301,8 @@ def _rope_forward_kernel(
     COPY_PASS: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    N_Q_BLOCKS: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
 ):
     """y_lo = x_lo * c_lo - x_hi * s_lo;  y_hi = x_hi * c_hi + x_lo * s_hi;  y[R:] = x[R:]  (x is q or k).
 
@@ -310,6 +317,7 @@ def _rope_forward_kernel(
         stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
         stride_pos_b, stride_pos_s,
         HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, False, ROUND_BF16, HEADS_FASTEST,
+        N_Q_BLOCKS, N_BLOCKS,
     )  # fmt: skip
 
 
@@ -359,6 +367,8 @@ def _rope_backward_kernel(
     COPY_PASS: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    N_Q_BLOCKS: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
 ):
     """The forward is linear in x, y = M x, so dx = M^T dy:
 
@@ -378,6 +388,7 @@ def _rope_backward_kernel(
         stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
         stride_pos_b, stride_pos_s,
         HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, True, ROUND_BF16, HEADS_FASTEST,
+        N_Q_BLOCKS, N_BLOCKS,
     )  # fmt: skip
 
 
@@ -396,13 +407,19 @@ class RopeLaunchSettings:
 def rope_launch_settings(n_heads: int, rotary_dim: int, tokens_major: bool) -> RopeLaunchSettings:
     """Heads per program, warps, and the program order.
 
-    Provisional (about 1024 rotated elements per program, 4 warps, neighbouring programs on neighbouring
-    memory); to be replaced by the H100 measurement at B=8, S=2048, 32 q / 8 kv heads, D=128, bf16.
+    H100, B=8, S=2048, 32 q / 8 kv heads, D=128, bf16, kernel-level fwd + bwd medians
+    (.scratch/bench_rope_swiglu.py, 2026-11-22), heads per program / warps, heads-fastest order:
+    4/1 0.80 ms, 4/2 0.80, 8/2 0.85, 8/4 0.88, 16/4 0.84, 16/8 0.93, 32/4 0.97, 32/8 1.02; tokens-fastest
+    order on that [B, S, H, D] layout: 8/2 1.10, 16/4 0.91, 32/8 0.93; on a contiguous [B, H, S, D] layout
+    the tokens-fastest order was faster (fwd 0.45 vs 0.53 ms). Hence about 256 rotated pairs (4 heads of
+    D=128) per program, 2 warps, and the order that keeps neighbouring programs on neighbouring memory.
+    Those runs used int64 index arithmetic, since replaced by int32 and compile-time block counts: not yet
+    measured, and all of them are far from the 0.22 ms floor (see the benchmark notes).
     """
     half_block = triton.next_power_of_2(max(rotary_dim // 2, 1))
-    target_heads = max(1, 512 // half_block)
+    target_heads = max(1, 256 // half_block)
     block_heads = min(triton.next_power_of_2(max(n_heads, 1)), target_heads)
-    return RopeLaunchSettings(block_heads=block_heads, num_warps=4, heads_fastest=tokens_major)
+    return RopeLaunchSettings(block_heads=block_heads, num_warps=2, heads_fastest=tokens_major)
 
 
 def _angle_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -432,7 +449,11 @@ def _launch_rope(
     settings = rope_launch_settings(max(n_q_heads, n_k_heads), rotary_dim, _is_tokens_major(q))
     block_heads = settings.block_heads
     n_tokens = batch * seq_len
-    grid = (n_tokens * (triton.cdiv(n_q_heads, block_heads) + triton.cdiv(n_k_heads, block_heads)),)
+    n_q_blocks = triton.cdiv(n_q_heads, block_heads)
+    n_blocks = n_q_blocks + triton.cdiv(n_k_heads, block_heads)
+    if n_tokens * n_blocks >= 2**31:
+        raise ValueError(f"rope: {n_tokens} tokens x {n_blocks} head blocks exceed the int32 program index")
+    grid = (n_tokens * n_blocks,)
     if position_ids is None:
         positions, stride_pos_b, stride_pos_s = cos, 0, 0  # unused placeholder pointer
     else:
@@ -454,6 +475,8 @@ def _launch_rope(
         COPY_PASS=copy_pass and pass_width > 0,
         ROUND_BF16=_INTERPRETED,
         HEADS_FASTEST=settings.heads_fastest,
+        N_Q_BLOCKS=n_q_blocks,
+        N_BLOCKS=n_blocks,
         num_warps=settings.num_warps,
     )  # fmt: skip
 

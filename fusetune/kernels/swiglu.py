@@ -195,10 +195,13 @@ class GatedLaunchSettings:
 def gated_launch_settings(n_cols: int) -> GatedLaunchSettings:
     """Elements per program and warps for the elementwise kernels.
 
-    Placeholder until the H100 measurement at T=8192, I=14336, bf16 (.scratch timing) picks the values.
+    H100, T=8192, I=14336, bf16 (.scratch/bench_rope_swiglu.py, 2026-11-22), fwd / bwd (with the recomputed
+    product) medians: block 1024 warps 8: 0.235 / 0.474 ms (3.00 / 2.98 TB/s, about the 3.01 TB/s copy
+    ceiling); 1024/4: 0.311 / 0.474; 2048/4: 0.237 / 0.477; 2048/8: 0.292 / 0.474; 4096/8: 0.287 / 0.476;
+    8192/16: 0.235 / 0.482.
     """
-    block = min(2048, triton.next_power_of_2(max(n_cols, 16)))
-    return GatedLaunchSettings(block=block, num_warps=8 if block >= 2048 else 4)
+    block = min(1024, triton.next_power_of_2(max(n_cols, 16)))
+    return GatedLaunchSettings(block=block, num_warps=8 if block >= 1024 else 4)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
