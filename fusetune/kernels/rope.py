@@ -8,9 +8,9 @@ split into x_lo = x[:h], x_hi = x[h:R] and the pass-through rest x[R:]:
     y[R:] = x[R:]
 
 which is exactly ``x * cos + rotate_half(x) * sin`` of transformers' ``apply_rotary_pos_emb`` on the first R
-columns. One program handles one token and a block of heads; a second grid axis walks the q heads and then the
-k heads, so q and k (with any numbers of heads, GQA included) go through a single launch forwards and a single
-launch backwards.
+columns. One program handles one token and a block of heads; the programs of one launch cover the q head blocks
+and then the k head blocks of every token, so q and k (with any numbers of heads, GQA included) go through a
+single launch forwards and a single launch backwards.
 
 What is done in place, and why it is safe: when q (and likewise k) is a non-leaf tensor, or a
 reshape/transpose view that covers the whole of a non-leaf contiguous tensor (the ``q_proj(x).view(B, S, H,
