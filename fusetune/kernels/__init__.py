@@ -1,4 +1,55 @@
 """Fused Triton kernels for training causal language models.
 
-This package imports nothing else of fusetune.
+Each op lives in its own module with its Triton kernels, launcher, autograd function, torch.library
+registration (so ``torch.compile(fullgraph=True)`` traces through it), a pure-PyTorch ``*_reference`` and the
+``nn.Module`` drop-ins for the Hugging Face layers. This package imports nothing else of fusetune.
 """
+
+from fusetune.kernels.cross_entropy import FusedCrossEntropyLoss, cross_entropy, cross_entropy_reference
+from fusetune.kernels.fused_linear_cross_entropy import (
+    FusedLinearCrossEntropyLoss,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+from fusetune.kernels.layer_norm import FusedLayerNorm, layer_norm, layer_norm_reference
+from fusetune.kernels.rms_norm import (
+    FusedRMSNorm,
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+from fusetune.kernels.rope import apply_rotary_pos_emb, rope_reference
+from fusetune.kernels.swiglu import (
+    FusedGeGLUMLP,
+    FusedSwiGLUMLP,
+    geglu,
+    geglu_reference,
+    swiglu,
+    swiglu_reference,
+)
+
+__all__ = [
+    "FusedCrossEntropyLoss",
+    "FusedGeGLUMLP",
+    "FusedLayerNorm",
+    "FusedLinearCrossEntropyLoss",
+    "FusedRMSNorm",
+    "FusedSwiGLUMLP",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "apply_rotary_pos_emb",
+    "cross_entropy",
+    "cross_entropy_reference",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_reference",
+    "geglu",
+    "geglu_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope_reference",
+    "swiglu",
+    "swiglu_reference",
+]
