@@ -1,0 +1,181 @@
+"""The table of supported model families: for each Hugging Face `model_type`, what fusetune replaces.
+
+Adding a family is adding a row to `FAMILIES`. Every name in a row is looked up in the family's modeling
+module of the installed transformers when a model is patched, so a row written against transformers 5.x keeps
+working as long as those names exist (checked by `tests/models/test_families.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+CastingMode = Literal["llama", "gemma"]
+MlpLayout = Literal["split", "fused_gate_up"]
+DecoderLayout = Literal["prenorm", "sandwich"]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What to replace in one Hugging Face model family.
+
+    model_type: `config.model_type` of the family.
+    modeling_module: the transformers module that defines the family's classes and rotary function.
+    causal_lm_class: the `*ForCausalLM` class whose forward computes its training loss with the fused linear
+        cross-entropy instead of building the logits.
+    norm_classes: RMSNorm classes whose forward becomes `fusetune.kernels.rms_norm` (Qwen3 and Gemma3 use the
+        same class for their q_norm / k_norm, which are therefore patched too).
+    norm_casting_mode / norm_offset: how the family's RMSNorm computes, "llama" (`w * x_hat.to(dtype)`) or
+        "gemma" (`(x_hat * (1 + w)).to(dtype)` in fp32, with the weight stored as an offset from 1).
+    norm_eps_attribute: the attribute holding epsilon on the family's norm instances.
+    rope_function: the module-level rotary function that the attention layers call by name.
+    mlp_class / mlp_layout: the gated MLP; "split" has gate_proj and up_proj, "fused_gate_up" one gate_up_proj
+        whose output halves are [gate, up] (Phi-3).
+    activation_config_attribute: the config field naming the MLP activation ("hidden_act" or
+        "hidden_activation"); silu selects the SwiGLU kernel, gelu / gelu_pytorch_tanh the GeGLU kernel, and
+        any other activation keeps the original MLP.
+    experts_class: MoE experts stored as fused [gate; up] tensors (Mixtral); their gated activation is fused.
+    decoder_layer_class / decoder_layout: the decoder layer whose "residual add, then RMSNorm" pair becomes one
+        `add_rms_norm` call. "prenorm" is Llama's layer (input norm, attention, add, post-attention norm, MLP,
+        add); "sandwich" is Gemma 2/3's (attention, post-attention norm, add, pre-feed-forward norm, MLP,
+        post-feed-forward norm, add).
+    residual_dropout_attributes: dropout modules applied to the attention and MLP branches before their
+        residual adds (Phi-3's resid_attn_dropout / resid_mlp_dropout).
+    logit_softcap_config_attribute: config field of the final logit soft-capping (Gemma 2/3), or None.
+    router_aux_loss: the CausalLM adds a router load-balancing loss and returns a MoE output (Mixtral).
+    """
+
+    model_type: str
+    modeling_module: str
+    causal_lm_class: str
+    norm_classes: tuple[str, ...]
+    norm_casting_mode: CastingMode = "llama"
+    norm_offset: float = 0.0
+    norm_eps_attribute: str = "variance_epsilon"
+    rope_function: str | None = "apply_rotary_pos_emb"
+    mlp_class: str | None = None
+    mlp_layout: MlpLayout = "split"
+    activation_config_attribute: str = "hidden_act"
+    experts_class: str | None = None
+    decoder_layer_class: str | None = None
+    decoder_layout: DecoderLayout | None = None
+    residual_dropout_attributes: tuple[str, str] | None = None
+    logit_softcap_config_attribute: str | None = None
+    router_aux_loss: bool = False
+
+    def module(self) -> ModuleType:
+        return importlib.import_module(self.modeling_module)
+
+    def resolve(self, name: str) -> object:
+        """The object called `name` in the family's modeling module; a clear error if this transformers
+        version has renamed it."""
+        module = self.module()
+        try:
+            return getattr(module, name)
+        except AttributeError as error:
+            raise AttributeError(
+                f"fusetune's row for model_type {self.model_type!r} names {name!r}, which "
+                f"{self.modeling_module} of the installed transformers does not define"
+            ) from error
+
+
+def _llama_like(model_type: str, family: str, *, prefix: str) -> FamilySpec:
+    """Row of a family that copies Llama's layout under its own class prefix (Mistral, Qwen2, Qwen3)."""
+    return FamilySpec(
+        model_type=model_type,
+        modeling_module=f"transformers.models.{family}.modeling_{family}",
+        causal_lm_class=f"{prefix}ForCausalLM",
+        norm_classes=(f"{prefix}RMSNorm",),
+        mlp_class=f"{prefix}MLP",
+        decoder_layer_class=f"{prefix}DecoderLayer",
+        decoder_layout="prenorm",
+    )
+
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.model_type: spec
+    for spec in (
+        _llama_like("llama", "llama", prefix="Llama"),
+        _llama_like("mistral", "mistral", prefix="Mistral"),
+        _llama_like("qwen2", "qwen2", prefix="Qwen2"),
+        _llama_like("qwen3", "qwen3", prefix="Qwen3"),
+        FamilySpec(
+            model_type="mixtral",
+            modeling_module="transformers.models.mixtral.modeling_mixtral",
+            causal_lm_class="MixtralForCausalLM",
+            norm_classes=("MixtralRMSNorm",),
+            experts_class="MixtralExperts",
+            decoder_layer_class="MixtralDecoderLayer",
+            decoder_layout="prenorm",
+            router_aux_loss=True,
+        ),
+        FamilySpec(
+            model_type="phi3",
+            modeling_module="transformers.models.phi3.modeling_phi3",
+            causal_lm_class="Phi3ForCausalLM",
+            norm_classes=("Phi3RMSNorm",),
+            mlp_class="Phi3MLP",
+            mlp_layout="fused_gate_up",
+            decoder_layer_class="Phi3DecoderLayer",
+            decoder_layout="prenorm",
+            residual_dropout_attributes=("resid_attn_dropout", "resid_mlp_dropout"),
+        ),
+        FamilySpec(
+            model_type="gemma",
+            modeling_module="transformers.models.gemma.modeling_gemma",
+            causal_lm_class="GemmaForCausalLM",
+            norm_classes=("GemmaRMSNorm",),
+            norm_casting_mode="gemma",
+            norm_offset=1.0,
+            norm_eps_attribute="eps",
+            mlp_class="GemmaMLP",
+            decoder_layer_class="GemmaDecoderLayer",
+            decoder_layout="prenorm",
+        ),
+        FamilySpec(
+            model_type="gemma2",
+            modeling_module="transformers.models.gemma2.modeling_gemma2",
+            causal_lm_class="Gemma2ForCausalLM",
+            norm_classes=("Gemma2RMSNorm",),
+            norm_casting_mode="gemma",
+            norm_offset=1.0,
+            norm_eps_attribute="eps",
+            mlp_class="Gemma2MLP",
+            activation_config_attribute="hidden_activation",
+            decoder_layer_class="Gemma2DecoderLayer",
+            decoder_layout="sandwich",
+            logit_softcap_config_attribute="final_logit_softcapping",
+        ),
+        FamilySpec(
+            model_type="gemma3_text",
+            modeling_module="transformers.models.gemma3.modeling_gemma3",
+            causal_lm_class="Gemma3ForCausalLM",
+            norm_classes=("Gemma3RMSNorm",),
+            norm_casting_mode="gemma",
+            norm_offset=1.0,
+            norm_eps_attribute="eps",
+            mlp_class="Gemma3MLP",
+            activation_config_attribute="hidden_activation",
+            decoder_layer_class="Gemma3DecoderLayer",
+            decoder_layout="sandwich",
+            logit_softcap_config_attribute="final_logit_softcapping",
+        ),
+    )
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def family_for(model_type: str) -> FamilySpec:
+    """The row for `model_type`; a ValueError naming the supported ones otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"fusetune has no kernel patches for model_type {model_type!r}; supported model types: "
+            f"{', '.join(supported_model_types())}"
+        ) from None

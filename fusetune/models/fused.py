@@ -1,0 +1,329 @@
+"""The fused forwards that replace Hugging Face ones, built per family from its `FamilySpec` row.
+
+Each factory returns a plain function taking `self` first, used in two ways by `patching.py`: set on an
+HF class (patching by model_type), or as the `forward` of a same-named subclass that one module instance is
+switched to (patching an instance). The kernels are looked up on their modules at call time, so a test can
+swap one for a broken variant and see the patched model go wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+from fusetune.models.families import FamilySpec
+
+
+def _kernel_module(name: str) -> ModuleType:
+    # import_module, not `from fusetune.kernels import rms_norm`: the package re-exports functions named like
+    # their modules (rms_norm, swiglu, ...), which would shadow the submodules as attributes.
+    return importlib.import_module(f"fusetune.kernels.{name}")
+
+
+class _Kernels:
+    """Lazily imported kernel modules, so that importing fusetune.models does not compile anything."""
+
+    @functools.cached_property
+    def rms_norm(self) -> ModuleType:
+        return _kernel_module("rms_norm")
+
+    @functools.cached_property
+    def rope(self) -> ModuleType:
+        return _kernel_module("rope")
+
+    @functools.cached_property
+    def swiglu(self) -> ModuleType:
+        return _kernel_module("swiglu")
+
+    @functools.cached_property
+    def fused_linear_cross_entropy(self) -> ModuleType:
+        return _kernel_module("fused_linear_cross_entropy")
+
+
+kernels = _Kernels()
+
+# Activation names of HF's ACT2FN that a gated MLP can hand to a fused kernel, and the GELU approximation.
+SWIGLU_ACTIVATIONS = frozenset({"silu", "swish"})
+GEGLU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+
+
+def gated_activation_kernel(
+    activation: str | None, *, use_swiglu: bool, use_geglu: bool
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """The fused `act(gate) * up` for an MLP whose activation is `activation`, or None to keep the original."""
+    if activation in SWIGLU_ACTIVATIONS and use_swiglu:
+        return kernels.swiglu.swiglu
+    if activation in GEGLU_APPROXIMATIONS and use_geglu:
+        return functools.partial(kernels.swiglu.geglu, approximate=GEGLU_APPROXIMATIONS[activation])
+    return None
+
+
+def activation_of(module: nn.Module, spec: FamilySpec) -> str | None:
+    config = getattr(module, "config", None)
+    return getattr(config, spec.activation_config_attribute, None) if config is not None else None
+
+
+# ----------------------------------------------------------------------------------------------- rotary
+
+
+def fused_apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for transformers' module-level `apply_rotary_pos_emb` (same signature in 5.x)."""
+    return kernels.rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+
+def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
+    offset, casting_mode, eps_attribute = spec.norm_offset, spec.norm_casting_mode, spec.norm_eps_attribute
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm.rms_norm(
+            hidden_states,
+            self.weight,
+            eps=getattr(self, eps_attribute),
+            offset=offset,
+            casting_mode=casting_mode,
+        )
+
+    return forward
+
+
+# -------------------------------------------------------------------------------------------------- MLP
+
+
+def make_mlp_forward(
+    spec: FamilySpec, original_forward: Callable[..., torch.Tensor], *, use_swiglu: bool, use_geglu: bool
+) -> Callable[..., torch.Tensor]:
+    """Gated MLP forward: the projections stay the module's own (so LoRA-wrapped Linears keep working); only
+    `act(gate) * up` runs in one kernel whose backward reuses the gate and up buffers."""
+    fused_gate_up = spec.mlp_layout == "fused_gate_up"
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        gated = gated_activation_kernel(activation_of(self, spec), use_swiglu=use_swiglu, use_geglu=use_geglu)
+        if gated is None:
+            return original_forward(self, hidden_states)
+        if fused_gate_up:
+            gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
+        return self.down_proj(gated(gate, up))
+
+    return forward
+
+
+def make_experts_apply_gate(
+    spec: FamilySpec, original_apply_gate: Callable[..., torch.Tensor], *, use_swiglu: bool, use_geglu: bool
+) -> Callable[..., torch.Tensor]:
+    """`_apply_gate` of transformers' MoE experts (called by the grouped_mm / batched_mm experts
+    implementations on the [gate; up] projection output). The "eager" experts loop does not call it and keeps
+    its own activation."""
+
+    def apply_gate(self: nn.Module, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gated = gated_activation_kernel(activation_of(self, spec), use_swiglu=use_swiglu, use_geglu=use_geglu)
+        if gated is None or not getattr(self, "is_concatenated", True):
+            return original_apply_gate(self, gate_up_out)
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return gated(gate, up)
+
+    return apply_gate
+
+
+# -------------------------------------------------------------------------------------- decoder layers
+
+
+def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
+    """The family's decoder layer with its middle "residual add, then RMSNorm" done by `add_rms_norm`.
+
+    Everything else (attention, MLP, the other norms, the last residual add) is the layer's own modules in
+    HF's order, so this is exact up to the kernels' rounding. The models call their layers as
+    `layer(hidden_states, attention_mask=..., position_embeddings=..., ...)`; those keywords go to the
+    attention unchanged, as HF's layers do.
+    """
+    offset, casting_mode, eps_attribute = spec.norm_offset, spec.norm_casting_mode, spec.norm_eps_attribute
+    attn_dropout_name, mlp_dropout_name = spec.residual_dropout_attributes or (None, None)
+
+    def add_norm(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
+        return kernels.rms_norm.add_rms_norm(
+            branch,
+            residual,
+            norm.weight,
+            eps=getattr(norm, eps_attribute),
+            offset=offset,
+            casting_mode=casting_mode,
+        )
+
+    def prenorm_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        if attn_dropout_name is not None:
+            hidden_states = getattr(self, attn_dropout_name)(hidden_states)
+        hidden_states, residual = add_norm(self.post_attention_layernorm, hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        if mlp_dropout_name is not None:
+            hidden_states = getattr(self, mlp_dropout_name)(hidden_states)
+        return residual + hidden_states
+
+    def sandwich_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states, residual = add_norm(self.pre_feedforward_layernorm, hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = self.post_feedforward_layernorm(hidden_states)
+        return residual + hidden_states
+
+    if spec.decoder_layout == "prenorm":
+        return prenorm_forward
+    if spec.decoder_layout == "sandwich":
+        return sandwich_forward
+    raise ValueError(f"model_type {spec.model_type!r} has no decoder_layout to fuse")
+
+
+# ------------------------------------------------------------------------------------------ CausalLM
+
+
+def keep_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The hidden states whose logits HF would compute for `logits_to_keep` (0 keeps all)."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states[:, -logits_to_keep:, :] if logits_to_keep else hidden_states
+    if logits_to_keep.dtype == torch.bool and logits_to_keep.dim() == 2:
+        return hidden_states[logits_to_keep]
+    if logits_to_keep.dim() == 2:
+        index = logits_to_keep.unsqueeze(-1).expand(-1, -1, hidden_states.shape[-1])
+        return hidden_states.gather(1, index)
+    return hidden_states[:, logits_to_keep, :]
+
+
+def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """CausalLM forward whose training loss never builds the logits.
+
+    In training with `labels`, the last hidden states go with `lm_head.weight` straight into
+    `fused_linear_cross_entropy`, honouring the loss keywords HF's `ForCausalLMLoss` takes
+    (`num_items_in_batch`, `shift_labels`, `ignore_index`), `logits_to_keep` and the family's final logit
+    soft-capping; the output has `logits=None`. In eval, without labels, or when `lm_head` is not an
+    nn.Linear (a LoRA-wrapped head), the original HF forward runs unchanged.
+    """
+    softcap_attribute = spec.logit_softcap_config_attribute
+
+    @functools.wraps(original_forward)
+    def forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
+        if not (self.training and labels is not None and isinstance(self.lm_head, nn.Linear)):
+            return original_forward(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        if spec.router_aux_loss:
+            output_router_logits = kwargs.pop("output_router_logits", None)
+            if output_router_logits is None:
+                output_router_logits = self.config.output_router_logits
+            kwargs["output_router_logits"] = output_router_logits
+
+        outputs = getattr(self, self.base_model_prefix)(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = keep_positions(outputs.last_hidden_state, logits_to_keep)
+        if shift_labels is None:
+            # Same shift as HF: position t predicts token t + 1, the last position predicts nothing.
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+        shift_labels = shift_labels.reshape(-1).to(hidden_states.device)
+        if shift_labels.shape[0] != hidden_states.shape[0]:
+            raise ValueError(
+                f"labels give {shift_labels.shape[0]} targets but the model kept {hidden_states.shape[0]} "
+                f"positions (logits_to_keep={logits_to_keep!r})"
+            )
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(hidden_states.device)
+        loss = kernels.fused_linear_cross_entropy.fused_linear_cross_entropy(
+            hidden_states,
+            self.lm_head.weight,
+            shift_labels,
+            bias=self.lm_head.bias,
+            ignore_index=ignore_index,
+            num_items_in_batch=num_items_in_batch,
+            softcap=getattr(self.config, softcap_attribute, None) if softcap_attribute else None,
+        )
+
+        if spec.router_aux_loss:
+            output = _moe_output(self, spec, loss, outputs, attention_mask, kwargs["output_router_logits"])
+        else:
+            output = CausalLMOutputWithPast(
+                loss=loss,
+                logits=None,
+                past_key_values=outputs.past_key_values,
+                hidden_states=outputs.hidden_states,
+                attentions=outputs.attentions,
+            )
+        return output if return_dict else output.to_tuple()
+
+    return forward
+
+
+def _moe_output(
+    model: nn.Module,
+    spec: FamilySpec,
+    loss: torch.Tensor,
+    outputs: Any,
+    attention_mask: torch.Tensor | None,
+    output_router_logits: bool,
+) -> MoeCausalLMOutputWithPast:
+    aux_loss = None
+    if output_router_logits:
+        load_balancing_loss = spec.resolve("load_balancing_loss_func")
+        aux_loss = load_balancing_loss(
+            outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask
+        )
+        loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(
+        loss=loss,
+        aux_loss=aux_loss,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        router_logits=outputs.router_logits,
+    )

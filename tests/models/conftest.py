@@ -1,0 +1,27 @@
+"""Every test here must leave transformers as it found it: no class or module patch may outlive a test."""
+
+import pytest
+
+from fusetune.models import patching
+
+
+@pytest.fixture(autouse=True)
+def no_patch_outlives_the_test():
+    yield
+    # Instance patches die with their models; revert them anyway so the shared rotary function is released.
+    for handle in list(patching._instance_handles.values()):
+        handle.revert()
+    forgotten = [
+        model_type for model_type, handles in patching._type_handles.items() if any(h.active for h in handles)
+    ]
+    for handles in patching._type_handles.values():
+        for handle in handles:
+            handle.revert()
+    patching._type_handles.clear()
+    leaked = sorted(
+        f"{getattr(entry[0], '__name__', entry[0])}.{key[1]}"
+        for key, entry in patching._shared._entries.items()
+    )
+    patching._shared._entries.clear()
+    assert not forgotten, f"class patches left applied after the test: {forgotten}"
+    assert not leaked, f"shared attributes still patched after every handle was reverted: {leaked}"
