@@ -8,9 +8,25 @@ split into x_lo = x[:h], x_hi = x[h:R] and the pass-through rest x[R:]:
     y[R:] = x[R:]
 
 which is exactly ``x * cos + rotate_half(x) * sin`` of transformers' ``apply_rotary_pos_emb`` on the first R
-columns. One program handles one token and a block of heads; the programs of one launch cover the q head blocks
-and then the k head blocks of every token, so q and k (with any numbers of heads, GQA included) go through a
-single launch forwards and a single launch backwards.
+columns.
+
+How the kernel is laid out, and why (bandwidth reasoning, to be confirmed by ``benchmarks/kernels.py --ops
+rope``): the op moves 2 bytes in and 2 out per element of q and k and does 3 flops on each, so only the bytes
+matter. One program owns one token (or a few consecutive tokens of one sequence when a token carries little
+work): it reads that token's cos/sin row once and rotates ALL q heads and ALL kv heads of the token as two 2-D
+tiles [heads, h] (heads padded to a power of two and masked), so every access is a run of h contiguous elements
+per head and, for the [B, S, H, D] layout of attention projections (q/k passed as its transposed view), the
+whole token is one contiguous block of H*D elements. The grid is (token blocks, batch): no division or modulo
+anywhere, and per-program offsets are int32 unless a tensor spans 2**31 elements (chosen on the host). q and k
+loads are issued before any store so both are in flight together. Forward and backward are the same kernel:
+the backward is the transpose of the forward map, i.e. the forward with the two halves of sin swapped and
+negated (see ``_rope_kernel``), which is exact also when cos/sin halves differ.
+
+Both halves of cos/sin are always read. transformers' cos/sin repeat their first half, so reading only it would
+save h values of each per token; but knowing that the halves are equal would cost a device-to-host sync per call
+(or trusting the caller), while the second half is a few hundred bytes per token against 2 * (Hq + Hkv) * D
+bytes of q/k (about 5% of the reads at 32/8 heads, D=128, and mostly L2 hits: a [1, S, R] table is shared by
+the whole batch).
 
 What is done in place, and why it is safe: when q (and likewise k) is a non-leaf tensor, or a
 reshape/transpose view that covers the whole of a non-leaf contiguous tensor (the ``q_proj(x).view(B, S, H,
@@ -24,6 +40,12 @@ tensor all take the out-of-place path instead (as does ``inplace=False``, and ev
 ``torch.compile``, where the registered functional op lets the compiler plan the memory). The backward always
 writes the input gradients into fresh buffers: autograd does not promise that an incoming gradient buffer is
 ours to overwrite (a caller may hold it, it may be an expanded zero-stride tensor).
+
+One known cost of the in-place path (reasoned, not measured): its results are views of the projection output,
+so the incoming gradient of q_embed/k_embed passes through those views' backward (a reshape) before reaching the
+rope backward; when that gradient is not laid out as [B, S, H, D] (e.g. a contiguous [B, H, S, D] gradient from
+``repeat_kv`` or a ``.contiguous()`` before attention), autograd makes a transposing copy of it. The
+out-of-place path reads such gradients with their strides and copies nothing.
 """
 
 import os
@@ -66,74 +88,56 @@ def _to_dtype(value, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def _rotate_head_block(
-    x_ptr,
-    out_ptr,
-    cos_ptr,
-    sin_ptr,
-    head_start,
-    n_heads,
+def _rotate_and_store(
+    x_lo,
+    x_hi,
+    out_ptrs,
+    mask,
+    cos_lo,
+    cos_hi,
+    sin_lo,
+    sin_hi,
+    HALF: tl.constexpr,
+    stride_out_d,
+    ROUND_BF16: tl.constexpr,
+):
+    """Writes the rotation of one [heads, h] tile pair (fp32 in) to out_ptrs (the low-half pointers)."""
+    y_lo = x_lo * cos_lo - x_hi * sin_lo
+    y_hi = x_hi * cos_hi + x_lo * sin_hi
+    out_dtype = out_ptrs.dtype.element_ty
+    tl.store(out_ptrs, _to_dtype(y_lo, out_dtype, ROUND_BF16), mask=mask)
+    tl.store(out_ptrs + HALF * stride_out_d, _to_dtype(y_hi, out_dtype, ROUND_BF16), mask=mask)
+
+
+@triton.jit
+def _copy_pass_through(
+    x_token_ptr,
+    out_token_ptr,
+    heads,
+    head_mask,
     stride_x_h,
     stride_x_d,
     stride_out_h,
     stride_out_d,
-    stride_cos_d,
-    stride_sin_d,
-    HALF: tl.constexpr,
+    ROTARY: tl.constexpr,
     PASS: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
-    TRANSPOSE: tl.constexpr,
-    COPY_PASS: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
 ):
-    """Rotate heads [head_start, head_start + BLOCK_HEADS) of one token (pointers already at that token)."""
-    heads = head_start + tl.arange(0, BLOCK_HEADS)
-    cols = tl.arange(0, BLOCK_HALF)
-    head_mask = heads < n_heads
-    col_mask = cols < HALF
-    mask = head_mask[:, None] & col_mask[None, :]
-
-    cos_lo = tl.load(cos_ptr + cols * stride_cos_d, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    cos_hi = tl.load(cos_ptr + (cols + HALF) * stride_cos_d, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    sin_lo = tl.load(sin_ptr + cols * stride_sin_d, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    sin_hi = tl.load(sin_ptr + (cols + HALF) * stride_sin_d, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-
-    x_lo_ptrs = x_ptr + heads[:, None] * stride_x_h + cols[None, :] * stride_x_d
-    x_lo = tl.load(x_lo_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x_hi = tl.load(x_lo_ptrs + HALF * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-
-    if TRANSPOSE:
-        # The transpose of the forward map (see _rope_backward_kernel).
-        y_lo = x_lo * cos_lo + x_hi * sin_hi
-        y_hi = x_hi * cos_hi - x_lo * sin_lo
-    else:
-        y_lo = x_lo * cos_lo - x_hi * sin_lo
-        y_hi = x_hi * cos_hi + x_lo * sin_hi
-
-    out_lo_ptrs = out_ptr + heads[:, None] * stride_out_h + cols[None, :] * stride_out_d
-    tl.store(out_lo_ptrs, _to_dtype(y_lo, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+    """Columns [R, D) of the given heads of one token, unchanged (only when out is not x itself)."""
+    cols = tl.arange(0, BLOCK_PASS)
+    mask = head_mask[:, None] & (cols < PASS)[None, :]
+    values = tl.load(
+        x_token_ptr + heads[:, None] * stride_x_h + (ROTARY + cols)[None, :] * stride_x_d, mask=mask
+    )
     tl.store(
-        out_lo_ptrs + HALF * stride_out_d, _to_dtype(y_hi, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask
+        out_token_ptr + heads[:, None] * stride_out_h + (ROTARY + cols)[None, :] * stride_out_d,
+        values.to(out_token_ptr.dtype.element_ty),
+        mask=mask,
     )
 
-    if COPY_PASS:
-        # Columns past the rotated width pass through unchanged (only needed when out is not x itself).
-        pass_cols = tl.arange(0, BLOCK_PASS)
-        pass_mask = head_mask[:, None] & (pass_cols < PASS)[None, :]
-        passthrough = tl.load(
-            x_ptr + heads[:, None] * stride_x_h + (2 * HALF + pass_cols)[None, :] * stride_x_d, mask=pass_mask
-        )
-        tl.store(
-            out_ptr + heads[:, None] * stride_out_h + (2 * HALF + pass_cols)[None, :] * stride_out_d,
-            passthrough.to(out_ptr.dtype.element_ty),
-            mask=pass_mask,
-        )
-
 
 @triton.jit
-def _rope_program(
+def _rope_kernel(
     q_ptr,
     k_ptr,
     q_out_ptr,
@@ -142,9 +146,6 @@ def _rope_program(
     sin_ptr,
     pos_ptr,
     seq_len,
-    n_tokens,
-    n_q_heads,
-    n_k_heads,
     stride_q_b,
     stride_q_h,
     stride_q_s,
@@ -169,257 +170,181 @@ def _rope_program(
     stride_sin_d,
     stride_pos_b,
     stride_pos_s,
+    N_Q_HEADS: tl.constexpr,
+    N_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     PASS: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_K_HEADS: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
     COPY_PASS: tl.constexpr,
-    TRANSPOSE: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    INDEX_64: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr,
-    N_Q_BLOCKS: tl.constexpr,
-    N_BLOCKS: tl.constexpr,
 ):
-    # 1-D grid over (token, head block); which of the two varies fastest between neighbouring programs is a
-    # launch setting (neighbours then touch neighbouring memory for one layout or the other). Every thread
-    # repeats this index arithmetic, so it stays in int32 (the launcher checks the grid fits) and divides by
-    # compile-time block counts where it can; only the pointer offsets are int64.
-    pid = tl.program_id(0)
-    if HEADS_FASTEST:
-        token = pid // N_BLOCKS
-        head_block = pid - token * N_BLOCKS
-    else:
-        head_block = pid // n_tokens
-        token = pid - head_block * n_tokens
-    batch_i32 = token // seq_len
-    seq_i32 = token - batch_i32 * seq_len
-    batch = batch_i32.to(tl.int64)
-    seq = seq_i32.to(tl.int64)
-    n_q_blocks = N_Q_BLOCKS
+    """Forward (x = q, k; out = rotated) or backward (x = dy; out = dx) of the rotation, all heads of a token.
 
-    if HAS_POSITIONS:
-        # cos/sin are a table indexed by position: row = position_ids[batch, seq].
-        angle_row = tl.load(pos_ptr + batch * stride_pos_b + seq * stride_pos_s).to(tl.int64)
-    else:
-        angle_row = seq
-    cos_row_ptr = cos_ptr + batch * stride_cos_b + angle_row * stride_cos_s
-    sin_row_ptr = sin_ptr + batch * stride_sin_b + angle_row * stride_sin_s
+    Forward:   y_lo = x_lo * c_lo - x_hi * s_lo;  y_hi = x_hi * c_hi + x_lo * s_hi;  y[R:] = x[R:].
+    The forward is linear in x, y = M x, so the backward is dx = M^T dy:
+               dx_lo = dy_lo * c_lo + dy_hi * s_hi;  dx_hi = dy_hi * c_hi - dy_lo * s_lo;  dx[R:] = dy[R:],
+    i.e. the forward formula with (s_lo, s_hi) replaced by (-s_hi, -s_lo). With transformers' cos/sin (equal
+    halves) that is the forward with sin negated; the swap keeps it exact for any cos/sin. No gradient flows to
+    cos/sin.
 
-    if head_block < n_q_blocks:
-        _rotate_head_block(
-            q_ptr + batch * stride_q_b + seq * stride_q_s,
-            q_out_ptr + batch * stride_qo_b + seq * stride_qo_s,
-            cos_row_ptr,
-            sin_row_ptr,
-            head_block * BLOCK_HEADS,
-            n_q_heads,
-            stride_q_h,
-            stride_q_d,
-            stride_qo_h,
-            stride_qo_d,
-            stride_cos_d,
-            stride_sin_d,
-            HALF,
-            PASS,
-            BLOCK_HEADS,
-            BLOCK_HALF,
-            BLOCK_PASS,
-            TRANSPOSE,
-            COPY_PASS,
-            ROUND_BF16,
-        )
-    else:
-        _rotate_head_block(
-            k_ptr + batch * stride_k_b + seq * stride_k_s,
-            k_out_ptr + batch * stride_ko_b + seq * stride_ko_s,
-            cos_row_ptr,
-            sin_row_ptr,
-            (head_block - n_q_blocks) * BLOCK_HEADS,
-            n_k_heads,
-            stride_k_h,
-            stride_k_d,
-            stride_ko_h,
-            stride_ko_d,
-            stride_cos_d,
-            stride_sin_d,
-            HALF,
-            PASS,
-            BLOCK_HEADS,
-            BLOCK_HALF,
-            BLOCK_PASS,
-            TRANSPOSE,
-            COPY_PASS,
-            ROUND_BF16,
-        )
-
-
-@triton.jit
-def _rope_forward_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    seq_len,
-    n_tokens,
-    n_q_heads,
-    n_k_heads,
-    stride_q_b,
-    stride_q_h,
-    stride_q_s,
-    stride_q_d,
-    stride_k_b,
-    stride_k_h,
-    stride_k_s,
-    stride_k_d,
-    stride_qo_b,
-    stride_qo_h,
-    stride_qo_s,
-    stride_qo_d,
-    stride_ko_b,
-    stride_ko_h,
-    stride_ko_s,
-    stride_ko_d,
-    stride_cos_b,
-    stride_cos_s,
-    stride_cos_d,
-    stride_sin_b,
-    stride_sin_s,
-    stride_sin_d,
-    stride_pos_b,
-    stride_pos_s,
-    HALF: tl.constexpr,
-    PASS: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr,
-    COPY_PASS: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr,
-    N_Q_BLOCKS: tl.constexpr,
-    N_BLOCKS: tl.constexpr,
-):
-    """y_lo = x_lo * c_lo - x_hi * s_lo;  y_hi = x_hi * c_hi + x_lo * s_hi;  y[R:] = x[R:]  (x is q or k).
-
-    Grid: batch * seq_len * (cdiv(n_q_heads, BLOCK_HEADS) + cdiv(n_k_heads, BLOCK_HEADS)) programs, one per
-    (token, head block). q_out/k_out may be q/k themselves (in place): every element is read and written by
-    the same program, read first.
+    Grid: (cdiv(seq_len, TOKENS_PER_PROGRAM), batch). Program (i, b) handles tokens s = i * TOKENS_PER_PROGRAM
+    + t of sequence b; per token it reads one cos/sin row and rotates heads in HEAD_BLOCKS steps of
+    BLOCK_Q_HEADS q heads and BLOCK_K_HEADS kv heads (one step unless a token is very wide). q_out/k_out may be
+    q/k themselves (in place): every element is read and written by the same program, read first.
     """
-    _rope_program(
-        q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_tokens, n_q_heads, n_k_heads,
-        stride_q_b, stride_q_h, stride_q_s, stride_q_d, stride_k_b, stride_k_h, stride_k_s, stride_k_d,
-        stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d,
-        stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
-        stride_pos_b, stride_pos_s,
-        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, False, ROUND_BF16, HEADS_FASTEST,
-        N_Q_BLOCKS, N_BLOCKS,
-    )  # fmt: skip
+    seq_block = tl.program_id(0)
+    batch = tl.program_id(1)
+    if INDEX_64:
+        batch = batch.to(tl.int64)
+        seq_block = seq_block.to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < HALF
 
+    for t in range(TOKENS_PER_PROGRAM):
+        seq = seq_block * TOKENS_PER_PROGRAM + t
+        token_in_range = seq < seq_len
 
-@triton.jit
-def _rope_backward_kernel(
-    dy_q_ptr,
-    dy_k_ptr,
-    dx_q_ptr,
-    dx_k_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    seq_len,
-    n_tokens,
-    n_q_heads,
-    n_k_heads,
-    stride_q_b,
-    stride_q_h,
-    stride_q_s,
-    stride_q_d,
-    stride_k_b,
-    stride_k_h,
-    stride_k_s,
-    stride_k_d,
-    stride_qo_b,
-    stride_qo_h,
-    stride_qo_s,
-    stride_qo_d,
-    stride_ko_b,
-    stride_ko_h,
-    stride_ko_s,
-    stride_ko_d,
-    stride_cos_b,
-    stride_cos_s,
-    stride_cos_d,
-    stride_sin_b,
-    stride_sin_s,
-    stride_sin_d,
-    stride_pos_b,
-    stride_pos_s,
-    HALF: tl.constexpr,
-    PASS: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr,
-    HAS_POSITIONS: tl.constexpr,
-    COPY_PASS: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr,
-    N_Q_BLOCKS: tl.constexpr,
-    N_BLOCKS: tl.constexpr,
-):
-    """The forward is linear in x, y = M x, so dx = M^T dy:
+        # The token's cos/sin row: its own row, or row position_ids[b, s] of a table.
+        if HAS_POSITIONS:
+            angle_row = tl.load(
+                pos_ptr + batch * stride_pos_b + seq * stride_pos_s, mask=token_in_range, other=0
+            )
+            if INDEX_64:
+                angle_row = angle_row.to(tl.int64)
+            else:
+                angle_row = angle_row.to(tl.int32)
+        else:
+            angle_row = seq
+        cos_row = cos_ptr + batch * stride_cos_b + angle_row * stride_cos_s
+        sin_row = sin_ptr + batch * stride_sin_b + angle_row * stride_sin_s
+        angle_mask = col_mask & token_in_range
+        cos_lo = tl.load(cos_row + cols * stride_cos_d, mask=angle_mask, other=0.0)
+        cos_hi = tl.load(cos_row + (cols + HALF) * stride_cos_d, mask=angle_mask, other=0.0)
+        sin_first = tl.load(sin_row + cols * stride_sin_d, mask=angle_mask, other=0.0)
+        sin_second = tl.load(sin_row + (cols + HALF) * stride_sin_d, mask=angle_mask, other=0.0)
+        cos_lo = cos_lo.to(tl.float32)[None, :]
+        cos_hi = cos_hi.to(tl.float32)[None, :]
+        if BACKWARD:
+            # dx = M^T dy (docstring): the forward formula with sin's halves swapped and negated.
+            sin_lo = -sin_second.to(tl.float32)[None, :]
+            sin_hi = -sin_first.to(tl.float32)[None, :]
+        else:
+            sin_lo = sin_first.to(tl.float32)[None, :]
+            sin_hi = sin_second.to(tl.float32)[None, :]
 
-        dx_lo = dy_lo * c_lo + dy_hi * s_hi
-        dx_hi = dy_hi * c_hi - dy_lo * s_lo
-        dx[R:] = dy[R:]
+        q_token = q_ptr + batch * stride_q_b + seq * stride_q_s
+        k_token = k_ptr + batch * stride_k_b + seq * stride_k_s
+        q_out_token = q_out_ptr + batch * stride_qo_b + seq * stride_qo_s
+        k_out_token = k_out_ptr + batch * stride_ko_b + seq * stride_ko_s
 
-    With the cos/sin of a rotary embedding (both halves equal: c_lo = c_hi, s_lo = s_hi) this is the forward
-    rotation with sin negated; the form above is the exact transpose for any cos/sin. No gradient flows to
-    cos/sin. Same grid and in-place rule as the forward.
-    """
-    _rope_program(
-        dy_q_ptr, dy_k_ptr, dx_q_ptr, dx_k_ptr, cos_ptr, sin_ptr, pos_ptr, seq_len, n_tokens, n_q_heads,
-        n_k_heads,
-        stride_q_b, stride_q_h, stride_q_s, stride_q_d, stride_k_b, stride_k_h, stride_k_s, stride_k_d,
-        stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d,
-        stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
-        stride_pos_b, stride_pos_s,
-        HALF, PASS, BLOCK_HEADS, BLOCK_HALF, BLOCK_PASS, HAS_POSITIONS, COPY_PASS, True, ROUND_BF16, HEADS_FASTEST,
-        N_Q_BLOCKS, N_BLOCKS,
-    )  # fmt: skip
+        for head_block in range(HEAD_BLOCKS):
+            q_heads = head_block * BLOCK_Q_HEADS + tl.arange(0, BLOCK_Q_HEADS)
+            k_heads = head_block * BLOCK_K_HEADS + tl.arange(0, BLOCK_K_HEADS)
+            if INDEX_64:
+                q_heads = q_heads.to(tl.int64)
+                k_heads = k_heads.to(tl.int64)
+            q_head_mask = (q_heads < N_Q_HEADS) & token_in_range
+            k_head_mask = (k_heads < N_K_HEADS) & token_in_range
+            if BLOCK_HALF == HALF:
+                # Masks constant along D, so the loads stay full-width vector accesses.
+                q_mask = q_head_mask[:, None]
+                k_mask = k_head_mask[:, None]
+            else:
+                q_mask = q_head_mask[:, None] & col_mask[None, :]
+                k_mask = k_head_mask[:, None] & col_mask[None, :]
+
+            # All loads of the step first, so q and k are in flight together.
+            q_lo_ptrs = q_token + q_heads[:, None] * stride_q_h + cols[None, :] * stride_q_d
+            k_lo_ptrs = k_token + k_heads[:, None] * stride_k_h + cols[None, :] * stride_k_d
+            q_lo = tl.load(q_lo_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+            q_hi = tl.load(q_lo_ptrs + HALF * stride_q_d, mask=q_mask, other=0.0).to(tl.float32)
+            k_lo = tl.load(k_lo_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            k_hi = tl.load(k_lo_ptrs + HALF * stride_k_d, mask=k_mask, other=0.0).to(tl.float32)
+
+            _rotate_and_store(
+                q_lo, q_hi,
+                q_out_token + q_heads[:, None] * stride_qo_h + cols[None, :] * stride_qo_d,
+                q_mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF, stride_qo_d, ROUND_BF16,
+            )  # fmt: skip
+            _rotate_and_store(
+                k_lo, k_hi,
+                k_out_token + k_heads[:, None] * stride_ko_h + cols[None, :] * stride_ko_d,
+                k_mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF, stride_ko_d, ROUND_BF16,
+            )  # fmt: skip
+
+            if COPY_PASS:
+                _copy_pass_through(
+                    q_token, q_out_token, q_heads, q_head_mask, stride_q_h, stride_q_d, stride_qo_h,
+                    stride_qo_d, 2 * HALF, PASS, BLOCK_PASS,
+                )  # fmt: skip
+                _copy_pass_through(
+                    k_token, k_out_token, k_heads, k_head_mask, stride_k_h, stride_k_d, stride_ko_h,
+                    stride_ko_d, 2 * HALF, PASS, BLOCK_PASS,
+                )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Launch settings and launcher
 # ----------------------------------------------------------------------------------------------------------
 
+# Rotated pairs (elements of one half) per operand tile; wider tokens are rotated in several head steps so that
+# a tile stays a few fp32 registers per thread. 32 heads of D=128 (2048 pairs) fit in one step.
+_MAX_PAIRS_PER_TILE = 2048
+# Work one program should have at least (rotated pairs over its tokens), so that tiny heads do not make tiny
+# programs: below it, a program takes several consecutive tokens.
+_MIN_PAIRS_PER_PROGRAM = 1024
+
 
 @dataclass(frozen=True)
 class RopeLaunchSettings:
-    block_heads: int
+    block_q_heads: int
+    block_k_heads: int
+    head_blocks: int
+    tokens_per_program: int
     num_warps: int
-    heads_fastest: bool
 
 
-def rope_launch_settings(n_heads: int, rotary_dim: int, tokens_major: bool) -> RopeLaunchSettings:
-    """Heads per program, warps, and the program order.
+def _previous_power_of_2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
 
-    H100, B=8, S=2048, 32 q / 8 kv heads, D=128, bf16, kernel-level fwd + bwd medians
-    (.scratch/bench_rope_swiglu.py, 2026-11-22), heads per program / warps, heads-fastest order:
-    4/1 0.80 ms, 4/2 0.80, 8/2 0.85, 8/4 0.88, 16/4 0.84, 16/8 0.93, 32/4 0.97, 32/8 1.02; tokens-fastest
-    order on that [B, S, H, D] layout: 8/2 1.10, 16/4 0.91, 32/8 0.93; on a contiguous [B, H, S, D] layout
-    the tokens-fastest order was faster (fwd 0.45 vs 0.53 ms). Hence about 256 rotated pairs (4 heads of
-    D=128) per program, 2 warps, and the order that keeps neighbouring programs on neighbouring memory.
-    Those runs used int64 index arithmetic, since replaced by int32 and compile-time block counts: not yet
-    measured, and all of them are far from the 0.22 ms floor (see the benchmark notes).
+
+def rope_launch_settings(n_q_heads: int, n_k_heads: int, rotary_dim: int) -> RopeLaunchSettings:
+    """Heads per step, head steps and tokens per program, and warps.
+
+    NOT YET MEASURED: the values below are reasoning, to be confirmed on the GPU with
+    ``benchmarks/kernels.py --ops rope`` (B=8, S=2048, 32 q / 8 kv heads, D=128 gives one program per token,
+    one step of 32 + 8 heads, 4 warps). The reasoning: about 16 rotated pairs per thread per step, i.e. each
+    thread reads one 16-byte vector of bf16 from each half of each q head row it owns (8 warps would leave the
+    narrower kv tile with 4-byte accesses); a program of 4 warps moving ~20 KB leaves room for many programs per
+    SM, which is what keeps enough bytes in flight for a memory-bound kernel.
     """
-    half_block = triton.next_power_of_2(max(rotary_dim // 2, 1))
-    target_heads = max(1, 256 // half_block)
-    block_heads = min(triton.next_power_of_2(max(n_heads, 1)), target_heads)
-    return RopeLaunchSettings(block_heads=block_heads, num_warps=2, heads_fastest=tokens_major)
+    block_half = triton.next_power_of_2(max(rotary_dim // 2, 1))
+    max_heads = max(1, _MAX_PAIRS_PER_TILE // block_half)
+    q_block = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
+    k_block = min(triton.next_power_of_2(max(n_k_heads, 1)), max_heads)
+    head_blocks = max(triton.cdiv(n_q_heads, q_block), triton.cdiv(n_k_heads, k_block), 1)
+    # Spread both operands over the same number of steps (no step with one side fully masked off).
+    q_block = triton.next_power_of_2(max(triton.cdiv(n_q_heads, head_blocks), 1))
+    k_block = triton.next_power_of_2(max(triton.cdiv(n_k_heads, head_blocks), 1))
+    pairs_per_step = (q_block + k_block) * block_half
+    num_warps = min(8, _previous_power_of_2(pairs_per_step // (32 * 16)))
+    pairs_per_token = (n_q_heads + n_k_heads) * block_half
+    tokens_per_program = min(8, _previous_power_of_2(_MIN_PAIRS_PER_PROGRAM // max(pairs_per_token, 1)))
+    return RopeLaunchSettings(
+        block_q_heads=q_block,
+        block_k_heads=k_block,
+        head_blocks=head_blocks,
+        tokens_per_program=tokens_per_program,
+        num_warps=num_warps,
+    )
 
 
 def _angle_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -427,8 +352,15 @@ def _angle_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1), t.stride(2))
 
 
+# Element offsets at or above this use int64 arithmetic in the kernel.
+_INT32_OFFSET_LIMIT = 2**31 - 1
+
+
+def _largest_offset(t: torch.Tensor) -> int:
+    return sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
+
+
 def _launch_rope(
-    kernel,
     q: torch.Tensor,
     k: torch.Tensor,
     q_out: torch.Tensor,
@@ -437,8 +369,13 @@ def _launch_rope(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None,
     copy_pass: bool,
+    backward: bool,
+    traced: bool = False,
 ) -> None:
-    """q, k, q_out, k_out: [B, H, S, D] with any strides; cos/sin: [1 or B, S or P, R]; position_ids: [1 or B, S]."""
+    """q, k, q_out, k_out: [B, H, S, D] with any strides; cos/sin: [1 or B, S or P, R]; position_ids: [1 or B, S].
+
+    `traced`: called from a torch.library op, so the launch goes through wrap_triton for the compiler.
+    """
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
     rotary_dim = cos.shape[-1]
@@ -446,37 +383,41 @@ def _launch_rope(
     pass_width = head_dim - rotary_dim
     if batch * seq_len == 0 or n_q_heads + n_k_heads == 0:
         return
-    settings = rope_launch_settings(max(n_q_heads, n_k_heads), rotary_dim, _is_tokens_major(q))
-    block_heads = settings.block_heads
-    n_tokens = batch * seq_len
-    n_q_blocks = triton.cdiv(n_q_heads, block_heads)
-    n_blocks = n_q_blocks + triton.cdiv(n_k_heads, block_heads)
-    if n_tokens * n_blocks >= 2**31:
-        raise ValueError(f"rope: {n_tokens} tokens x {n_blocks} head blocks exceed the int32 program index")
-    grid = (n_tokens * n_blocks,)
+    settings = rope_launch_settings(n_q_heads, n_k_heads, rotary_dim)
+    if batch > 65535:
+        raise ValueError(f"rope: batch {batch} exceeds the grid limit of 65535")
     if position_ids is None:
         positions, stride_pos_b, stride_pos_s = cos, 0, 0  # unused placeholder pointer
     else:
         positions = position_ids
         stride_pos_b = position_ids.stride(0) if position_ids.shape[0] > 1 else 0
         stride_pos_s = position_ids.stride(1)
-    wrap_triton(kernel)[grid](
-        q, k, q_out, k_out, cos, sin, positions,
-        seq_len, n_tokens, n_q_heads, n_k_heads,
+    # int32 offsets unless some tensor spans 2**31 elements (a table row index times its stride included).
+    index_64 = max(_largest_offset(t) for t in (q, k, q_out, k_out, cos, sin)) >= _INT32_OFFSET_LIMIT
+    if position_ids is not None:
+        index_64 = index_64 or cos.shape[1] * max(cos.stride(1), sin.stride(1)) >= _INT32_OFFSET_LIMIT
+    kernel = wrap_triton(_rope_kernel) if traced else _rope_kernel
+    grid = (triton.cdiv(seq_len, settings.tokens_per_program), batch)
+    kernel[grid](
+        q, k, q_out, k_out, cos, sin, positions, seq_len,
         *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
         *_angle_strides(cos), *_angle_strides(sin),
         stride_pos_b, stride_pos_s,
+        N_Q_HEADS=n_q_heads,
+        N_K_HEADS=n_k_heads,
         HALF=half,
         PASS=pass_width,
-        BLOCK_HEADS=block_heads,
         BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_PASS=triton.next_power_of_2(max(pass_width, 1)),
+        BLOCK_Q_HEADS=settings.block_q_heads,
+        BLOCK_K_HEADS=settings.block_k_heads,
+        HEAD_BLOCKS=settings.head_blocks,
+        TOKENS_PER_PROGRAM=settings.tokens_per_program,
         HAS_POSITIONS=position_ids is not None,
         COPY_PASS=copy_pass and pass_width > 0,
+        BACKWARD=backward,
+        INDEX_64=index_64,
         ROUND_BF16=_INTERPRETED,
-        HEADS_FASTEST=settings.heads_fastest,
-        N_Q_BLOCKS=n_q_blocks,
-        N_BLOCKS=n_blocks,
         num_warps=settings.num_warps,
     )  # fmt: skip
 
@@ -498,6 +439,20 @@ def _empty_bhsd(like: torch.Tensor, tokens_major: bool) -> torch.Tensor:
     return torch.empty_strided(like.shape, strides, dtype=like.dtype, device=like.device)
 
 
+def _rope_forward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    traced: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out = _empty_bhsd(q, _is_tokens_major(q))
+    k_out = _empty_bhsd(k, _is_tokens_major(k))
+    _launch_rope(q, k, q_out, k_out, cos, sin, position_ids, copy_pass=True, backward=False, traced=traced)
+    return q_out, k_out
+
+
 def _rope_backward_impl(
     grad_q: torch.Tensor,
     grad_k: torch.Tensor,
@@ -506,15 +461,16 @@ def _rope_backward_impl(
     position_ids: torch.Tensor | None,
     q_tokens_major: bool,
     k_tokens_major: bool,
+    traced: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     grad_q_in = _empty_bhsd(grad_q, q_tokens_major)
     grad_k_in = _empty_bhsd(grad_k, k_tokens_major)
-    _launch_rope(_rope_backward_kernel, grad_q, grad_k, grad_q_in, grad_k_in, cos, sin, position_ids, True)
+    _launch_rope(grad_q, grad_k, grad_q_in, grad_k_in, cos, sin, position_ids, True, True, traced)
     return grad_q_in, grad_k_in
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Registered ops (functional: used under torch.compile and whenever the in-place path is not allowed)
+# Registered ops (functional: used under torch.compile)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -526,10 +482,7 @@ def _rope_op(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    q_out = _empty_bhsd(q, _is_tokens_major(q))
-    k_out = _empty_bhsd(k, _is_tokens_major(k))
-    _launch_rope(_rope_forward_kernel, q, k, q_out, k_out, cos, sin, position_ids, True)
-    return q_out, k_out
+    return _rope_forward_impl(q, k, cos, sin, position_ids, traced=True)
 
 
 @triton_op("fusetune::rope_backward", mutates_args=())
@@ -542,7 +495,9 @@ def _rope_backward_op(
     q_tokens_major: bool,
     k_tokens_major: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rope_backward_impl(grad_q, grad_k, cos, sin, position_ids, q_tokens_major, k_tokens_major)
+    return _rope_backward_impl(
+        grad_q, grad_k, cos, sin, position_ids, q_tokens_major, k_tokens_major, traced=True
+    )
 
 
 def _rope_setup_context(ctx, inputs, output) -> None:
@@ -560,6 +515,26 @@ def _rope_op_backward(ctx, grad_q_out, grad_k_out):
 
 
 _rope_op.register_autograd(_rope_op_backward, setup_context=_rope_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Out-of-place path in eager mode: the same kernels launched directly (no op dispatch on the host)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _RotaryOutOfPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids):
+        q_out, k_out = _rope_forward_impl(q, k, cos, sin, position_ids)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.layouts = (_is_tokens_major(q), _is_tokens_major(k))
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, grad_q_out, grad_k_out):
+        cos, sin, position_ids = ctx.saved_tensors
+        grad_q, grad_k = _rope_backward_impl(grad_q_out, grad_k_out, cos, sin, position_ids, *ctx.layouts)
+        return grad_q, grad_k, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -628,7 +603,7 @@ class _RotaryInPlace(torch.autograd.Function):
     def forward(ctx, q_source, k_source, q_shape, k_shape, layouts, cos, sin, position_ids):
         q = _bhsd_view(q_source, q_shape, layouts[0])
         k = _bhsd_view(k_source, k_shape, layouts[1])
-        _launch_rope(_rope_forward_kernel, q, k, q, k, cos, sin, position_ids, False)
+        _launch_rope(q, k, q, k, cos, sin, position_ids, copy_pass=False, backward=False)
         ctx.mark_dirty(q_source, k_source)
         ctx.save_for_backward(cos, sin, position_ids)
         ctx.geometry = (q_shape, k_shape, layouts)
@@ -767,7 +742,10 @@ def apply_rotary_pos_emb(
             q_embed = _bhsd_view(q_src, tuple(q_bhsd.shape), q_layout)
             k_embed = _bhsd_view(k_src, tuple(k_bhsd.shape), k_layout)
     if q_embed is None:
-        q_embed, k_embed = torch.ops.fusetune.rope(q_bhsd, k_bhsd, cos, sin, position_ids)
+        if torch.compiler.is_compiling():
+            q_embed, k_embed = torch.ops.fusetune.rope(q_bhsd, k_bhsd, cos, sin, position_ids)
+        else:
+            q_embed, k_embed = _RotaryOutOfPlace.apply(q_bhsd, k_bhsd, cos, sin, position_ids)
     if heads_dim_is_2:
         q_embed, k_embed = q_embed.transpose(1, 2), k_embed.transpose(1, 2)
     return q_embed, k_embed

@@ -65,7 +65,8 @@ def _as_heads(x: torch.Tensor, heads: int, path: str) -> torch.Tensor:
     """q/k as attention layers pass them, from a [B, S, H*D] leaf.
 
     "projection": non-leaf transposed view (the HF layout; in-place path); "leaf": a leaf view (out-of-place
-    path); "strided": a non-contiguous slice of a wider non-leaf tensor (out-of-place path, arbitrary strides).
+    path); "strided": a non-contiguous slice of a wider non-leaf tensor (out-of-place path, arbitrary strides);
+    "strided-d": like "strided" with stride 2 along head_dim.
     """
     batch, seq_len, width = x.shape
     head_dim = width // heads
@@ -76,6 +77,10 @@ def _as_heads(x: torch.Tensor, heads: int, path: str) -> torch.Tensor:
     if path == "strided":
         wide = torch.cat((x * 1, x.detach()[..., :5]), dim=-1)
         return wide[..., :width].view(batch, seq_len, heads, head_dim).transpose(1, 2)
+    if path == "strided-d":
+        # Every other element of a wider tensor: stride 2 along head_dim.
+        interleaved = torch.stack((x * 1, x.detach()), dim=-1)[..., 0]
+        return interleaved.view(batch, seq_len, heads, head_dim).transpose(1, 2)
     raise ValueError(path)
 
 
@@ -112,6 +117,8 @@ CASES = [
     pytest.param(2, 1, 4, 2, 64, 64, 1, "rotary", id="one-token-cos1"),
     pytest.param(1, 3, 4, 2, 64, 32, 1, "random", id="partial-rotary-32of64"),
     pytest.param(2, 2, 3, 1, 128, 96, 2, "rotary", id="mqa-oddheads-rot96of128"),
+    # Head counts that are not powers of two; 2 tokens per program, so S=5 leaves a half-empty last program.
+    pytest.param(2, 5, 6, 3, 64, 64, 1, "random", id="heads6-3-S5"),
 ]
 CASE_ARGS = ("batch", "seq_len", "n_q", "n_kv", "head_dim", "rotary_dim", "cos_batch", "kind")
 
@@ -137,6 +144,53 @@ def test_out_of_place_path_matches_reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_strided_inputs_and_head_dim_256(dtype, device):
     _check_rope(1, 3, 2, 1, 256, 256, 1, "random", "strided", dtype, device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_stride_along_head_dim(dtype, device):
+    _check_rope(2, 3, 3, 2, 64, 48, 2, "random", "strided-d", dtype, device)
+
+
+@pytest.mark.parametrize("path", ["projection", "leaf"])
+def test_several_head_steps_and_tokens_per_program(path, monkeypatch, device):
+    """Tiles smaller than a token (3 head steps) and 8 tokens per program (S=5: a partly empty program)."""
+    monkeypatch.setattr(rope_module, "_MAX_PAIRS_PER_TILE", 64)
+    monkeypatch.setattr(rope_module, "_MIN_PAIRS_PER_PROGRAM", 1 << 20)
+    settings = rope_module.rope_launch_settings(6, 3, 48)
+    assert settings.head_blocks == 3 and settings.tokens_per_program == 8
+    _check_rope(2, 5, 6, 3, 64, 48, 2, "random", path, torch.float32, device)
+
+
+def test_int64_offsets(monkeypatch, device):
+    """The int64 index path (taken for tensors of 2**31 elements or more), forced at a small shape."""
+    monkeypatch.setattr(rope_module, "_INT32_OFFSET_LIMIT", 0)
+    _check_rope(2, 3, 3, 1, 64, 64, 2, "random", "projection", torch.float32, device)
+    cos_table, sin_table = _rotary_angles(torch.arange(16), 64)
+    cos_table, sin_table = cos_table.to(device), sin_table.to(device)
+    position_ids = torch.tensor([[3, 0, 9], [1, 15, 2]], device=device)
+    q = _randn(2, 3, 3, 64, device=device, seed=7)
+    k = _randn(2, 1, 3, 64, device=device, seed=8)
+    expected = rope_reference(q, k, cos_table[position_ids], sin_table[position_ids])
+    actual = apply_rotary_pos_emb(q.clone(), k.clone(), cos_table, sin_table, position_ids)
+    _assert_matches(actual[0], expected[0], torch.float32)
+    _assert_matches(actual[1], expected[1], torch.float32)
+
+
+def test_launch_settings_cover_every_head():
+    """Head steps times heads per step cover all heads, tiles stay within their cap, warps within 1..8."""
+    for n_q, n_kv, rotary_dim in itertools.product(
+        (1, 3, 6, 8, 14, 28, 32, 40, 64, 128), (1, 2, 3, 8), (32, 64, 96, 128, 256)
+    ):
+        settings = rope_module.rope_launch_settings(n_q, n_kv, rotary_dim)
+        block_half = 1 << (rotary_dim // 2 - 1).bit_length()
+        assert settings.head_blocks * settings.block_q_heads >= n_q
+        assert settings.head_blocks * settings.block_k_heads >= n_kv
+        assert max(settings.block_q_heads, settings.block_k_heads) * block_half <= max(
+            rope_module._MAX_PAIRS_PER_TILE, block_half
+        )
+        assert settings.num_warps in (1, 2, 4, 8) and 1 <= settings.tokens_per_program <= 8
+    main = rope_module.rope_launch_settings(32, 8, 128)
+    assert (main.head_blocks, main.tokens_per_program) == (1, 1)  # one program per token, one step
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -291,10 +345,9 @@ def test_rejects_inputs_it_cannot_handle(device):
 
 _KERNEL_CHAIN = [
     "_to_dtype",
-    "_rotate_head_block",
-    "_rope_program",
-    "_rope_forward_kernel",
-    "_rope_backward_kernel",
+    "_rotate_and_store",
+    "_copy_pass_through",
+    "_rope_kernel",
 ]
 _mutant_ids = itertools.count()
 
@@ -316,19 +369,20 @@ MUTATIONS = [
     pytest.param("y_lo = x_lo * cos_lo - x_hi * sin_lo", "y_lo = x_lo * cos_lo + x_hi * sin_lo", "projection",
                  id="forward-sign-flip"),
     # The "forward with sin negated" shortcut: right only when both halves of sin are equal.
-    pytest.param("y_lo = x_lo * cos_lo + x_hi * sin_hi", "y_lo = x_lo * cos_lo + x_hi * sin_lo", "projection",
+    pytest.param("sin_lo = -sin_second.to", "sin_lo = -sin_first.to", "projection",
                  id="backward-wrong-half-of-sin"),
     pytest.param("if COPY_PASS:", "if False:", "leaf", id="pass-through-dropped"),
-    pytest.param("head_mask = heads < n_heads", "head_mask = heads < n_heads - 1", "projection",
-                 id="last-head-masked-off"),
+    pytest.param("q_head_mask = (q_heads < N_Q_HEADS)", "q_head_mask = (q_heads < N_Q_HEADS - 1)", "projection",
+                 id="last-q-head-masked-off"),
+    pytest.param("k_head_mask = (k_heads < N_K_HEADS)", "k_head_mask = (k_heads < N_K_HEADS - 1)", "projection",
+                 id="last-kv-head-masked-off"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("old", "new", "path"), MUTATIONS)
 def test_mutated_kernel_fails(old, new, path, tmp_path, monkeypatch, device):
     mutant = _load_mutant(old, new, tmp_path)
-    monkeypatch.setattr(rope_module, "_rope_forward_kernel", mutant._rope_forward_kernel)
-    monkeypatch.setattr(rope_module, "_rope_backward_kernel", mutant._rope_backward_kernel)
+    monkeypatch.setattr(rope_module, "_rope_kernel", mutant._rope_kernel)
     with pytest.raises(AssertionError):
         _check_rope(1, 3, 2, 1, 64, 32, 1, "random", path, torch.float32, device)
 
