@@ -41,13 +41,16 @@ tensor all take the out-of-place path instead (as does ``inplace=False``, and ev
 writes the input gradients into fresh buffers: autograd does not promise that an incoming gradient buffer is
 ours to overwrite (a caller may hold it, it may be an expanded zero-stride tensor).
 
-One known cost of the in-place path (reasoned, not measured): its results are views of the projection output,
-so the incoming gradient of q_embed/k_embed passes through those views' backward (a reshape) before reaching the
-rope backward; when that gradient is not laid out as [B, S, H, D] (e.g. a contiguous [B, H, S, D] gradient from
-``repeat_kv`` or a ``.contiguous()`` before attention), autograd makes a transposing copy of it. The
-out-of-place path reads such gradients with their strides and copies nothing.
+The in-place results are outputs of the autograd Function itself (views of the rotated projection output),
+not views made afterwards: their incoming gradients then reach the backward kernel with whatever strides they
+have. A gradient routed through view ops made outside would be copied into the [B, S, H*D] layout first
+whenever it arrives as [B, H, S, D] (e.g. through ``repeat_kv`` or a ``.contiguous()`` before attention), one
+extra read and write of dq/dk per layer; this is the suspected cause of the in-place path measuring slower
+end to end before (reasoned, not measured). The price: like any view returned by a custom Function, these
+results may not be modified in place while autograd records (none of the supported families does so).
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -317,17 +320,29 @@ def _previous_power_of_2(n: int) -> int:
 
 
 def rope_launch_settings(n_q_heads: int, n_k_heads: int, rotary_dim: int) -> RopeLaunchSettings:
-    """Heads per step, head steps and tokens per program, and warps.
+    """Heads per step, head steps and tokens per program, and warps (see `_rope_launch_settings`)."""
+    return _rope_launch_settings(
+        n_q_heads, n_k_heads, rotary_dim, _MAX_PAIRS_PER_TILE, _MIN_PAIRS_PER_PROGRAM
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _rope_launch_settings(
+    n_q_heads: int, n_k_heads: int, rotary_dim: int, max_pairs_per_tile: int, min_pairs_per_program: int
+) -> RopeLaunchSettings:
+    """Cached by shape: this runs on every call, on the host.
 
     NOT YET MEASURED: the values below are reasoning, to be confirmed on the GPU with
     ``benchmarks/kernels.py --ops rope`` (B=8, S=2048, 32 q / 8 kv heads, D=128 gives one program per token,
     one step of 32 + 8 heads, 4 warps). The reasoning: about 16 rotated pairs per thread per step, i.e. each
     thread reads one 16-byte vector of bf16 from each half of each q head row it owns (8 warps would leave the
     narrower kv tile with 4-byte accesses); a program of 4 warps moving ~20 KB leaves room for many programs per
-    SM, which is what keeps enough bytes in flight for a memory-bound kernel.
+    SM, which is what keeps enough bytes in flight for a memory-bound kernel. Checked without a GPU by
+    compiling for sm_90 (triton 3.8, ptxas -v): 62 registers, q rows read and written as 16-byte vectors, kv
+    rows as 8-byte vectors.
     """
     block_half = triton.next_power_of_2(max(rotary_dim // 2, 1))
-    max_heads = max(1, _MAX_PAIRS_PER_TILE // block_half)
+    max_heads = max(1, max_pairs_per_tile // block_half)
     q_block = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
     k_block = min(triton.next_power_of_2(max(n_k_heads, 1)), max_heads)
     head_blocks = max(triton.cdiv(n_q_heads, q_block), triton.cdiv(n_k_heads, k_block), 1)
@@ -337,7 +352,7 @@ def rope_launch_settings(n_q_heads: int, n_k_heads: int, rotary_dim: int) -> Rop
     pairs_per_step = (q_block + k_block) * block_half
     num_warps = min(8, _previous_power_of_2(pairs_per_step // (32 * 16)))
     pairs_per_token = (n_q_heads + n_k_heads) * block_half
-    tokens_per_program = min(8, _previous_power_of_2(_MIN_PAIRS_PER_PROGRAM // max(pairs_per_token, 1)))
+    tokens_per_program = min(8, _previous_power_of_2(min_pairs_per_program // max(pairs_per_token, 1)))
     return RopeLaunchSettings(
         block_q_heads=q_block,
         block_k_heads=k_block,
@@ -599,29 +614,61 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _RotaryInPlace(torch.autograd.Function):
+    """Rotates q/k in their sources' storage; returns the dirty sources and the [B, H, S, D] views of them.
+
+    The views are outputs of this Function (not views made by the caller afterwards) so that their gradients
+    reach the backward with whatever strides they have (read in place by the kernel): a gradient that came
+    through the caller's view ops instead would be copied into the source layout first whenever it is not
+    laid out as [B, S, H, D] (e.g. from ``repeat_kv``).
+    """
+
     @staticmethod
     def forward(ctx, q_source, k_source, q_shape, k_shape, layouts, cos, sin, position_ids):
+        ctx.set_materialize_grads(False)
         q = _bhsd_view(q_source, q_shape, layouts[0])
         k = _bhsd_view(k_source, k_shape, layouts[1])
         _launch_rope(q, k, q, k, cos, sin, position_ids, copy_pass=False, backward=False)
         ctx.mark_dirty(q_source, k_source)
         ctx.save_for_backward(cos, sin, position_ids)
-        ctx.geometry = (q_shape, k_shape, layouts)
-        return q_source, k_source
+        ctx.geometry = (q_shape, k_shape, layouts, q_source.shape, k_source.shape)
+        return q_source, k_source, q, k
 
     @staticmethod
-    def backward(ctx, grad_q_source, grad_k_source):
+    def backward(ctx, grad_q_source, grad_k_source, grad_q, grad_k):
         cos, sin, position_ids = ctx.saved_tensors
-        q_shape, k_shape, layouts = ctx.geometry
-        grad_q = _bhsd_view(grad_q_source, q_shape, layouts[0])
-        grad_k = _bhsd_view(grad_k_source, k_shape, layouts[1])
+        q_shape, k_shape, layouts, q_source_shape, k_source_shape = ctx.geometry
+        grad_q = _gradient_as_bhsd(grad_q, grad_q_source, q_shape, layouts[0])
+        grad_k = _gradient_as_bhsd(grad_k, grad_k_source, k_shape, layouts[1])
+        if grad_q is None and grad_k is None:
+            return (None,) * 8
+        if grad_q is None or grad_k is None:
+            # One of the two is unused downstream: rotate zeros for it rather than launch twice (rare).
+            like = grad_k if grad_q is None else grad_q
+            zeros = like.new_zeros(q_shape if grad_q is None else k_shape)
+            grad_q, grad_k = (zeros, grad_k) if grad_q is None else (grad_q, zeros)
         grad_q_in, grad_k_in = _rope_backward_impl(
             grad_q, grad_k, cos, sin, position_ids, layouts[0] == _TOKENS_MAJOR, layouts[1] == _TOKENS_MAJOR
         )
         # Back to the shape of the sources: contiguous in the source layout, so these are views.
-        grad_q_source_in = _source_from_bhsd(grad_q_in, layouts[0]).view(grad_q_source.shape)
-        grad_k_source_in = _source_from_bhsd(grad_k_in, layouts[1]).view(grad_k_source.shape)
+        grad_q_source_in = _source_from_bhsd(grad_q_in, layouts[0]).view(q_source_shape)
+        grad_k_source_in = _source_from_bhsd(grad_k_in, layouts[1]).view(k_source_shape)
         return grad_q_source_in, grad_k_source_in, None, None, None, None, None, None
+
+
+def _gradient_as_bhsd(
+    grad_view: torch.Tensor | None,
+    grad_source: torch.Tensor | None,
+    shape: tuple[int, int, int, int],
+    layout: str,
+) -> torch.Tensor | None:
+    """The gradient of one rotated operand as [B, H, S, D]: through the returned view, the source, or both.
+
+    The source receives a gradient only if the caller still uses it (or an old view of it) after the call.
+    """
+    if grad_source is None:
+        return grad_view
+    from_source = _bhsd_view(grad_source, shape, layout)
+    return from_source if grad_view is None else grad_view + from_source
 
 
 def _source_from_bhsd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -729,7 +776,7 @@ def apply_rotary_pos_emb(
         k_source = _in_place_source(k_bhsd)
         if q_source is not None and k_source is not None and not _overlap(q_bhsd, k_bhsd):
             (q_src, q_layout), (k_src, k_layout) = q_source, k_source
-            q_src, k_src = _RotaryInPlace.apply(
+            _, _, q_embed, k_embed = _RotaryInPlace.apply(
                 q_src,
                 k_src,
                 tuple(q_bhsd.shape),
@@ -739,8 +786,6 @@ def apply_rotary_pos_emb(
                 sin,
                 position_ids,
             )
-            q_embed = _bhsd_view(q_src, tuple(q_bhsd.shape), q_layout)
-            k_embed = _bhsd_view(k_src, tuple(k_bhsd.shape), k_layout)
     if q_embed is None:
         if torch.compiler.is_compiling():
             q_embed, k_embed = torch.ops.fusetune.rope(q_bhsd, k_bhsd, cos, sin, position_ids)

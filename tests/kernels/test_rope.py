@@ -309,6 +309,33 @@ def test_in_place_only_where_allowed(device):
     _assert_matches(k_embed, expected[1], torch.float32)
 
 
+def test_in_place_gradient_routes(device):
+    """In-place path: heads-major incoming gradients, an unused k, and the caller's old view used afterwards."""
+    batch, seq_len, n_q, n_kv, head_dim = 2, 3, 3, 2, 64
+    dtype = torch.float32
+    cos, sin = _angles(batch, seq_len, head_dim, "random", dtype, device)
+    grad_q = _randn(batch, n_q, seq_len, head_dim, device=device, seed=4)  # contiguous [B, H, S, D]
+    for route in ("heads-major-grad", "k-unused", "old-view-used"):
+        leaves = [
+            _projection(batch, seq_len, n, head_dim, dtype, device, seed=s) for n, s in ((n_q, 1), (n_kv, 2))
+        ]
+        leaves_ref = [x.detach().clone().requires_grad_(True) for x in leaves]
+        for fn, (q_proj, k_proj) in ((apply_rotary_pos_emb, leaves), (rope_reference, leaves_ref)):
+            q, k = _as_heads(q_proj, n_q, "projection"), _as_heads(k_proj, n_kv, "projection")
+            q_embed, k_embed = fn(q, k, cos, sin)
+            loss = (q_embed.contiguous() * grad_q).sum()
+            if route == "heads-major-grad":
+                loss = loss + k_embed.contiguous().square().sum()
+            elif route == "old-view-used":
+                # q (the caller's view of the projection) holds the rotated values after the in-place call.
+                loss = loss + (q_embed if fn is rope_reference else q).square().sum()
+            loss.backward()
+        for actual, expected in zip(leaves, leaves_ref, strict=True):
+            # An unused k has no gradient in the reference; the fused op, which owns q and k together, gives zeros.
+            expected_grad = torch.zeros_like(expected) if expected.grad is None else expected.grad
+            _assert_matches(actual.grad, expected_grad, dtype)
+
+
 def test_saved_input_overwritten_in_place_fails_loudly(device):
     """If something saved q's old values for its backward, the in-place path must raise, not corrupt."""
     batch, seq_len, heads, head_dim = 1, 3, 2, 64
