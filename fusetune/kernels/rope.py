@@ -321,8 +321,9 @@ def _previous_power_of_2(n: int) -> int:
 
 def rope_launch_settings(n_q_heads: int, n_k_heads: int, rotary_dim: int) -> RopeLaunchSettings:
     """Heads per step, head steps and tokens per program, and warps (see `_rope_launch_settings`)."""
+    # int(): under torch.compile these may be symbolic; they are compile-time constants of the kernel anyway.
     return _rope_launch_settings(
-        n_q_heads, n_k_heads, rotary_dim, _MAX_PAIRS_PER_TILE, _MIN_PAIRS_PER_PROGRAM
+        int(n_q_heads), int(n_k_heads), int(rotary_dim), _MAX_PAIRS_PER_TILE, _MIN_PAIRS_PER_PROGRAM
     )
 
 
