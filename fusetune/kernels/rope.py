@@ -24,8 +24,8 @@ negated (see ``_rope_kernel``), which is exact also when cos/sin halves differ.
 
 Both halves of cos/sin are always read. transformers' cos/sin repeat their first half, so reading only it would
 save h values of each per token; but knowing that the halves are equal would cost a device-to-host sync per call
-(or trusting the caller), while the second half is a few hundred bytes per token against 2 * (Hq + Hkv) * D
-bytes of q/k (about 5% of the reads at 32/8 heads, D=128, and mostly L2 hits: a [1, S, R] table is shared by
+(or trusting the caller), while the second halves are R * 2 bytes per token (bf16) against 2 * (Hq + Hkv) * D
+bytes of q/k read (2.5% more reads at 32/8 heads, D=128, and mostly L2 hits: a [1, S, R] table is shared by
 the whole batch).
 
 What is done in place, and why it is safe: when q (and likewise k) is a non-leaf tensor, or a
