@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine from the repository root: the GPU tests and the benchmarks, in stages, so one batched
+# call can do everything that belongs together. Logs and results go to $OUT (default ./gpu-out).
+#   benchmarks/gpu_session.sh tests [PATHS]   # kernel and model tests on the GPU (gpu-marked ones included)
+#   benchmarks/gpu_session.sh kernels [OPS]   # benchmarks/kernels.py, main shapes, all implementations
+#   benchmarks/gpu_session.sh sweeps       # the shape sweeps, fusetune against torch.compile and Liger
+#   benchmarks/gpu_session.sh e2e MODELS IMPLS
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+budget=${BUDGET_S:-300}
+
+case "$1" in
+  tests)
+    timeout "$budget" python3 -m pytest -q -rfE -p no:cacheprovider ${2:-tests/kernels tests/models} 2>&1 \
+      | tee -a "$OUT/gpu-tests.log" | tail -25 ;;
+  kernels)
+    python3 benchmarks/kernels.py --sweeps none ${2:+--ops "$2"} ${MERGE_FROM:+--merge-from "$MERGE_FROM"} \
+      --out "$OUT" --time-budget-s "$budget" 2>&1 | tee -a "$OUT/kernels.log" | tail -60 ;;
+  sweeps)
+    # Rows of the main shapes from an earlier call (committed results) are kept beside the sweep's.
+    python3 benchmarks/kernels.py --sweeps only --sweep-impls compile,liger,fusetune \
+      ${MERGE_FROM:+--merge-from "$MERGE_FROM"} --out "$OUT" --time-budget-s "$budget" 2>&1 \
+      | tee "$OUT/sweeps.log" | tail -30 ;;
+  e2e)
+    python3 benchmarks/e2e.py --models "$2" --impls "$3" --out "$OUT" --time-budget-s "$budget" \
+      ${MERGE_FROM:+--merge-from "$MERGE_FROM"} 2>&1 \
+      | tee -a "$OUT/e2e.log" | tail -30 ;;
+esac
