@@ -38,12 +38,15 @@ SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TURN_TOKEN, PAD_TOKEN, *ROLE_TOKENS)
 
 # The `{% generation %}` block marks the assistant's reply (including the end-of-turn token, so the model learns
 # to stop), which lets `apply_chat_template(..., return_assistant_tokens_mask=True)` find the trained tokens.
+# An assistant turn's tool calls follow its content as JSON; tool results are a turn of role "tool".
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}"
     "{{- '<|assistant|>\\n' }}"
-    "{%- generation %}{{- message['content'] + eos_token }}{%- endgeneration %}"
+    "{%- generation %}{{- message['content'] or '' }}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}{{- message['tool_calls'] | tojson }}"
+    "{%- endif %}{{- eos_token }}{%- endgeneration %}"
     "{%- else %}"
     "{{- '<|' + message['role'] + '|>\\n' + message['content'] + eos_token }}"
     "{%- endif %}"

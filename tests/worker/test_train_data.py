@@ -9,6 +9,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fusetune.demo import assets
 from fusetune.worker.train.data import (
     IGNORE_INDEX,
+    ChatExample,
+    PromptCompletionExample,
+    TextExample,
     TokenizedSequence,
     TrainingDataError,
     collate,
@@ -16,8 +19,9 @@ from fusetune.worker.train.data import (
     load_sequences,
     pack_sequences,
     rank_micro_batches,
-    read_chat_jsonl,
+    read_training_jsonl,
     tokenize_conversation,
+    tokenize_example,
 )
 from fusetune.worker.train.outcome import ErrorCode
 
@@ -68,18 +72,101 @@ def test_labels_cover_only_assistant_turns(tokenizer):
 
 def test_template_without_generation_markers_gives_the_same_labels(tokenizer):
     marked, _ = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=512)
-    plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    plain.chat_template = assets.CHAT_TEMPLATE.replace("{%- generation %}", "").replace(
-        "{%- endgeneration %}", ""
+    by_prefixes, _ = tokenize_conversation(
+        _without_generation_markers(tokenizer), MESSAGES, max_seq_length=512
     )
-    assert "{%- generation %}" not in plain.chat_template
-    by_prefixes, _ = tokenize_conversation(plain, MESSAGES, max_seq_length=512)
     assert by_prefixes == marked
 
 
 def test_train_on_inputs_trains_every_next_token(tokenizer):
     sequence, _ = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=512, train_on_inputs=True)
     assert sequence.shifted_labels == sequence.input_ids[1:] + [IGNORE_INDEX]
+
+
+def _without_generation_markers(tokenizer):
+    plain = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    plain.chat_template = assets.CHAT_TEMPLATE.replace("{%- generation %}", "").replace(
+        "{%- endgeneration %}", ""
+    )
+    assert "{%- generation %}" not in plain.chat_template
+    return plain
+
+
+@pytest.mark.parametrize("markers", [True, False])
+def test_weight_zero_assistant_turns_get_no_loss(tokenizer, markers):
+    if not markers:
+        tokenizer = _without_generation_markers(tokenizer)
+    messages = [dict(m) for m in MESSAGES]
+    messages[2]["weight"] = 0
+    sequence, _ = tokenize_conversation(tokenizer, messages, max_seq_length=512)
+    assert _trained_text(tokenizer, sequence) == ["cba" + tokenizer.eos_token]
+    messages[4]["weight"] = 1  # explicit 1 is the default
+    assert tokenize_conversation(tokenizer, messages, max_seq_length=512)[0] == sequence
+
+
+def test_weight_zero_turns_stay_untrained_with_train_on_inputs(tokenizer):
+    messages = [dict(m) for m in MESSAGES]
+    messages[2]["weight"] = 0
+    everything, _ = tokenize_conversation(tokenizer, MESSAGES, max_seq_length=512, train_on_inputs=True)
+    sequence, _ = tokenize_conversation(tokenizer, messages, max_seq_length=512, train_on_inputs=True)
+    dropped = [
+        i
+        for i, (a, b) in enumerate(zip(everything.shifted_labels, sequence.shifted_labels, strict=True))
+        if a != b
+    ]
+    assert all(sequence.shifted_labels[i] == IGNORE_INDEX for i in dropped)
+    assert tokenizer.decode([everything.shifted_labels[i] for i in dropped]) == "5" + tokenizer.eos_token
+
+
+def test_tool_calls_and_results(tokenizer):
+    call = [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    ]
+    messages = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": None, "tool_calls": call},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+        {"role": "assistant", "content": "It is 5."},
+    ]
+    sequence, _ = tokenize_conversation(tokenizer, messages, max_seq_length=512)
+    eot = tokenizer.eos_token
+    trained = _trained_text(tokenizer, sequence)
+    assert len(trained) == 2 and trained[1] == "It is 5." + eot
+    # The call is learned (its JSON as the template renders it); the tool's result is input only.
+    assert json.loads(trained[0].removesuffix(eot)) == call
+    assert "<|tool|>\n5" + eot in tokenizer.decode(sequence.input_ids)
+
+
+def test_prompt_completion_trains_the_completion_and_its_end(tokenizer):
+    example = PromptCompletionExample("Reverse the word: abc ->", " cba")
+    sequence, full_length = tokenize_example(tokenizer, example, max_seq_length=512)
+    prompt_ids = tokenizer(example.prompt)["input_ids"]
+    completion_ids = tokenizer(example.completion, add_special_tokens=False)["input_ids"]
+    assert sequence.input_ids == prompt_ids + completion_ids + [tokenizer.eos_token_id]
+    assert full_length == len(sequence.input_ids)
+    assert _trained_text(tokenizer, sequence) == [" cba" + tokenizer.eos_token]
+    everything, _ = tokenize_example(tokenizer, example, max_seq_length=512, train_on_inputs=True)
+    assert everything.shifted_labels == everything.input_ids[1:] + [IGNORE_INDEX]
+
+
+def test_text_trains_every_token(tokenizer):
+    sequence, _ = tokenize_example(tokenizer, TextExample("17 + 25 = 42"), max_seq_length=512)
+    assert sequence.input_ids[-1] == tokenizer.eos_token_id
+    assert sequence.shifted_labels == sequence.input_ids[1:] + [IGNORE_INDEX]
+    assert tokenizer.decode(sequence.input_ids) == "17 + 25 = 42" + tokenizer.eos_token
+
+
+def test_formats_mix_in_one_file(tmp_path, tokenizer):
+    lines = [
+        json.dumps({"messages": MESSAGES[1:3]}),
+        json.dumps({"prompt": "What is 2 + 3?", "completion": " 5"}),
+        json.dumps({"text": "cba is abc reversed"}),
+    ]
+    path = _write(tmp_path / "mixed.jsonl", lines)
+    assert [type(e) for e in read_training_jsonl(path)] == [ChatExample, PromptCompletionExample, TextExample]
+    data = load_sequences(path, tokenizer, max_seq_length=64)
+    assert (data.n_examples, len(data.sequences), data.n_dropped) == (3, 3, 0)
+    assert _trained_text(tokenizer, data.sequences[1]) == [" 5" + tokenizer.eos_token]
 
 
 def test_truncation_keeps_the_prefix(tokenizer):
@@ -99,26 +186,34 @@ def _write(path, lines):
     ("line", "expected"),
     [
         ("{not json", "line 2: not valid JSON"),
-        (json.dumps({"prompt": "x"}), "line 2: expected a non-empty 'messages' list"),
+        (json.dumps({"prompt": "x"}), "line 2: 'prompt' and 'completion' must both be strings"),
+        (json.dumps({"question": "x"}), "line 2: expected a non-empty 'messages' list, a 'prompt'"),
+        (json.dumps({"messages": []}), "line 2: expected a non-empty 'messages' list"),
         (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "line 2: message 0 has role 'robot'"),
         (json.dumps({"messages": [{"role": "user", "content": 3}]}), "line 2: message 0 needs a string"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "line 2: no assistant message"),
+        (
+            json.dumps({"messages": [{"role": "assistant", "content": "x", "weight": 2}]}),
+            "message 0 has weight 2",
+        ),
+        (json.dumps({"messages": [{"role": "assistant", "content": None}]}), "message 0 needs a string"),
+        (json.dumps({"text": ""}), "line 2: 'text' must be a non-empty string"),
     ],
 )
 def test_bad_lines_are_named(tmp_path, line, expected):
     good = json.dumps({"messages": MESSAGES})
     path = _write(tmp_path / "train.jsonl", [good, line, good])
     with pytest.raises(TrainingDataError) as raised:
-        read_chat_jsonl(path)
+        read_training_jsonl(path)
     assert raised.value.code == ErrorCode.INVALID_TRAINING_FILE
     assert expected in raised.value.message
 
 
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(TrainingDataError, match="not found"):
-        read_chat_jsonl(tmp_path / "absent.jsonl")
+        read_training_jsonl(tmp_path / "absent.jsonl")
     with pytest.raises(TrainingDataError, match="no examples"):
-        read_chat_jsonl(_write(tmp_path / "empty.jsonl", [""]))
+        read_training_jsonl(_write(tmp_path / "empty.jsonl", [""]))
 
 
 def test_examples_without_trained_tokens_after_truncation_are_dropped(tmp_path, tokenizer):

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import trainer as trainer_module
-from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
 from fusetune.worker.train.data import epoch_order, rank_micro_batches
-from fusetune.worker.train.distributed import DistInfo
+from fusetune.worker.train.distributed import DistInfo, decoder_layers
 from fusetune.worker.train.outcome import (
     EXIT_FAILED,
     EXIT_STOPPED,
@@ -23,7 +23,7 @@ from fusetune.worker.train.outcome import (
     read_error,
     read_result,
 )
-from fusetune.worker.train.reporter import ConsoleReporter, NullReporter, parse_console_records
+from fusetune.worker.train.reporter import ConsoleReporter, NullReporter, StopRequest, parse_console_records
 from fusetune.worker.train.trainer import Trainer, lr_factor, run
 
 ONE_CPU_RANK = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -53,9 +53,10 @@ def make_config(model_dir, train_file, output_dir, **overrides) -> TrainConfig:
 
 
 class RecordingReporter(NullReporter):
-    def __init__(self, stop_after_step: int | None = None):
-        self.events, self.metrics, self.checkpoints = [], [], []
+    def __init__(self, stop_after_step: int | None = None, stop: StopRequest = StopRequest.CANCEL):
+        self.events, self.metrics, self.checkpoints, self.deleted = [], [], [], []
         self._stop_after_step = stop_after_step
+        self._stop = stop
         self._stop_checks = 0
 
     def event(self, message, *, level="info", type="message", data=None):
@@ -67,9 +68,14 @@ class RecordingReporter(NullReporter):
     def checkpoint(self, step, path, metrics):
         self.checkpoints.append((step, path))
 
-    def stop_requested(self):  # asked once per step
+    def checkpoints_deleted(self, paths):
+        self.deleted.extend(paths)
+
+    def stop_request(self):  # asked once per step
         self._stop_checks += 1
-        return self._stop_after_step is not None and self._stop_checks >= self._stop_after_step
+        if self._stop_after_step is not None and self._stop_checks >= self._stop_after_step:
+            return self._stop
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -100,6 +106,25 @@ def test_micro_batches_per_rank():
         config.micro_batches_per_rank(3)
     default = TrainConfig(model_path="m", training_file="t", output_dir="o", batch_size=8)
     assert default.micro_batches_per_rank(2) == (4, 1)
+
+
+def test_default_micro_batch_keeps_the_tokens_of_a_micro_batch_bounded():
+    assert default_micro_batch_size(16, max_seq_length=2048) == 8  # 16384 tokens at most
+    assert default_micro_batch_size(12, max_seq_length=2048) == 6  # a divisor of the per-process batch
+    assert default_micro_batch_size(9, max_seq_length=2048) == 3
+    assert default_micro_batch_size(11, max_seq_length=2048) == 1
+    assert default_micro_batch_size(16, max_seq_length=128) == 16
+    assert default_micro_batch_size(16, max_seq_length=8192) == 2
+    assert default_micro_batch_size(4, max_seq_length=65536) == 1
+    large = TrainConfig(model_path="m", training_file="t", output_dir="o", batch_size=64, max_seq_length=2048)
+    assert large.micro_batches_per_rank(2) == (8, 4)
+    with pytest.raises(ValueError, match="number of processes"):
+        large.micro_batches_per_rank(3)
+
+
+def test_merge_lora_on_save_needs_lora():
+    with pytest.raises(ValidationError, match="merge_lora_on_save needs lora"):
+        TrainConfig(model_path="m", training_file="t", output_dir="o", merge_lora_on_save=True)
 
 
 # -------------------------------------------------------------------------------------------- schedule
@@ -187,6 +212,41 @@ def test_micro_batches_give_the_same_loss_curve_as_one_batch(model_dir, small_tr
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
 
 
+def _mlp_forwards_in_one_step(trainer) -> int:
+    # Pre-hooks on the layers' MLPs: recent transformers checkpoint a layer's `forward`, so hooks on the layer
+    # itself do not run again, and a recomputation stops as soon as it has rebuilt what the backward needs, so
+    # hooks that run after a module's forward may not either.
+    calls = []
+    for layer in decoder_layers(trainer.model):
+        layer.mlp.register_forward_pre_hook(lambda *args: calls.append(1))
+    trainer.train_step([trainer._batch(trainer.train_data.sequences[:4], packed=False)])
+    return len(calls)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_keeps_the_losses(model_dir, small_train_file, tmp_path):
+    plain_losses, _ = _train_steps(model_dir, small_train_file, tmp_path / "plain", micro_batch_size=4)
+    reporter = RecordingReporter()
+    config = make_config(
+        model_dir,
+        small_train_file,
+        tmp_path / "gc",
+        micro_batch_size=4,
+        max_steps=3,
+        gradient_checkpointing=True,
+    )
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    trainer.train()
+    torch.testing.assert_close(
+        [v["train_loss"] for _, v in reporter.metrics], plain_losses, rtol=1e-5, atol=0
+    )
+    # Each decoder layer runs again during the backward pass: that is what saves the memory.
+    plain = Trainer(make_config(model_dir, small_train_file, tmp_path / "p2"), ONE_CPU_RANK, NullReporter())
+    n_layers = len(decoder_layers(plain.model))
+    assert n_layers == 2
+    assert _mlp_forwards_in_one_step(plain) == n_layers
+    assert _mlp_forwards_in_one_step(trainer) == 2 * n_layers
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -218,7 +278,8 @@ def test_incomplete_checkpoints_are_not_listed(tmp_path):
     (root / "step-10").mkdir()
     (root / "other").mkdir()
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [3, 10]
-    assert ckpt.prune_checkpoints(tmp_path, keep_last=1) == [root / "step-3"]
+    assert ckpt.stale_checkpoints(tmp_path, keep_last=1) == [root / "step-3"]
+    assert ckpt.latest_resumable(tmp_path) is None  # no training state in these
 
 
 # --------------------------------------------------------------------------------------------- failures
@@ -329,25 +390,29 @@ def test_console_records_survive_surrounding_noise():
     assert records[1]["message"] == "hello" and records[1]["data"] == {"a": 1}
 
 
-def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
-    from fusetune.db import queries
+def make_job_database(tmp_path, status: str = "running"):
+    """A migrated SQLite database holding one job; returns (url, session factory, job id)."""
     from fusetune.db.migrate import upgrade
     from fusetune.db.models import File, Job
     from fusetune.db.session import make_engine, make_session_factory
 
     url = f"sqlite:///{tmp_path / 'state.db'}"
     upgrade(url)
-    engine = make_engine(url)
-    sessions = make_session_factory(engine)
+    sessions = make_session_factory(make_engine(url))
     with sessions() as session:
         file = File(filename="train.jsonl", purpose="fine-tune", bytes=1, storage_name="train.jsonl")
         session.add(file)
         session.flush()
-        job = Job(model="tiny", training_file_id=file.id, status="running")
+        job = Job(model="tiny", training_file_id=file.id, status=status)
         session.add(job)
         session.commit()
-        job_id = job.id
+        return url, sessions, job.id
 
+
+def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
+    from fusetune.db import queries
+
+    url, sessions, job_id = make_job_database(tmp_path)
     config = make_config(
         model_dir,
         small_train_file,
@@ -356,6 +421,8 @@ def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
         job_id=job_id,
         validation_file=str(small_train_file),
         checkpoint_paths_relative_to=str(tmp_path / "runs"),
+        checkpoint_every_steps=2,
+        keep_last_checkpoints=2,
     )
     assert run(config) == 0
     with sessions() as session:
@@ -370,19 +437,16 @@ def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
             "eta_s",
         } <= set(metrics[0].values)
         assert "valid_loss" in metrics[-1].values
-        (checkpoint,) = queries.list_checkpoints(session, job_id)
-        assert (checkpoint.step, checkpoint.storage_path) == (6, f"{job_id}/checkpoints/step-6")
+        # The checkpoint of step 2 was pruned (keep the last 2): its row went with its folder.
+        rows = [(c.step, c.storage_path) for c in queries.list_checkpoints(session, job_id)]
+        assert rows == [(6, f"{job_id}/checkpoints/step-6"), (4, f"{job_id}/checkpoints/step-4")]
+        assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "runs" / job_id)] == [4, 6]
         events, _ = queries.list_events(session, job_id, limit=100)
         # The metrics rows are mirrored as "metrics" events; the trainer's own events are messages.
         kinds = [(e.data or {}).get("event") for e in reversed(events) if e.type == "message"]
         assert None not in kinds
-        assert (
-            kinds.index("started")
-            < kinds.index("eval")
-            < kinds.index("checkpoint_saved")
-            < kinds.index("finished")
-        )
+        assert kinds.index("started") < kinds.index("checkpoint_saved") < kinds.index("finished")
+        assert kinds.index("started") < kinds.index("eval") < kinds.index("finished")
         assert kinds[-1] == "finished"
         assert {"epoch_done", "eval", "checkpoint_saved"} <= set(kinds)
         assert queries.get_job_status(session, job_id) == "running"  # the worker owns status changes
-    engine.dispose()

@@ -29,4 +29,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_status = main()
+    # Tearing down torch and transformers at interpreter exit takes seconds. Everything the run wrote is closed
+    # by now, so leave at once: a stopped job's processes are gone, and its GPU memory free, that much sooner.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_status)

@@ -16,12 +16,26 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The default micro-batch holds at most this many tokens (sequences x max_seq_length) per process: 8 x 2048,
+# the shape at which a 1B model trains in about 20 GB with fused kernels. Activation memory grows with the
+# tokens of a micro-batch, not with the global batch, so a larger batch_size only adds accumulation steps.
+DEFAULT_MICRO_BATCH_TOKENS = 16384
+
+
+def default_micro_batch_size(sequences_per_process: int, max_seq_length: int) -> int:
+    """The largest divisor of `sequences_per_process` whose micro-batch stays within
+    DEFAULT_MICRO_BATCH_TOKENS tokens (at least 1 sequence)."""
+    limit = max(1, DEFAULT_MICRO_BATCH_TOKENS // max_seq_length)
+    return max(d for d in range(1, min(limit, sequences_per_process) + 1) if sequences_per_process % d == 0)
+
+
 class LoraConfig(_Frozen):
-    """Low-rank adapters (not trained yet: the trainer rejects a config that asks for them)."""
+    """Low-rank adapters through peft on the base model's linear layers (the base weights stay frozen)."""
 
     r: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
+    # "all-linear": every linear layer but the output head; or module names such as ["q_proj", "v_proj"].
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
 
 
@@ -40,12 +54,16 @@ class TrainConfig(_Frozen):
     checkpoint_paths_relative_to: str | None = None
 
     # Optimisation. `batch_size` is global: sequences per optimizer step summed over all processes;
-    # each process runs batch_size / (micro_batch_size * world_size) micro-batches per step.
+    # each process runs batch_size / (micro_batch_size * world_size) micro-batches per step. The default
+    # micro-batch is the largest divisor of batch_size / world_size that keeps a micro-batch within
+    # DEFAULT_MICRO_BATCH_TOKENS tokens, so memory stays bounded whatever the batch size.
     seed: int = 0
     n_epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     batch_size: int = Field(8, ge=1)
-    micro_batch_size: int | None = Field(None, ge=1, description="default: batch_size / world_size")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="default: batch_size / world_size, capped at 16384 tokens per micro-batch"
+    )
     learning_rate: float = Field(5e-5, gt=0)
     lr_scheduler: Literal["cosine", "linear"] = "cosine"
     warmup_ratio: float = Field(0.03, ge=0, lt=1)
@@ -63,6 +81,8 @@ class TrainConfig(_Frozen):
     eval_every_steps: int | None = Field(None, ge=1)
     checkpoint_every_steps: int | None = Field(None, ge=1, description="None: only the final checkpoint")
     keep_last_checkpoints: int = Field(2, ge=1)
+    # Continue from the newest checkpoint in output_dir that holds training state (a retry, a resumed pause).
+    resume: bool = True
 
     # Model and speed.
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = Field(
@@ -72,24 +92,39 @@ class TrainConfig(_Frozen):
     kernels: bool = True
     gradient_checkpointing: bool = False
     lora: LoraConfig | None = None
+    # With LoRA, checkpoints hold the adapter; this also saves the merged full weights, so that a checkpoint
+    # loads with AutoModelForCausalLM.from_pretrained without the base model (the adapter moves to adapter/).
+    merge_lora_on_save: bool = False
+
+    # Parallelism over the processes torchrun starts. "ddp": a full replica per GPU; "fsdp": parameters,
+    # gradients and optimizer state sharded (FSDP2, one unit per decoder layer), for models that do not fit.
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    ddp_bucket_cap_mb: int | None = Field(
+        None, ge=1, description="DDP gradient bucket size; default chosen in the trainer for overlap"
+    )
 
     @model_validator(mode="after")
-    def _check_batch_sizes(self) -> TrainConfig:
+    def _check_combinations(self) -> TrainConfig:
         if self.micro_batch_size is not None:
             if self.micro_batch_size > self.batch_size or self.batch_size % self.micro_batch_size:
                 raise ValueError(
                     f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
                     f"({self.micro_batch_size})"
                 )
+        if self.merge_lora_on_save and self.lora is None:
+            raise ValueError("merge_lora_on_save needs lora: there is no adapter to merge")
         return self
 
     def micro_batches_per_rank(self, world_size: int) -> tuple[int, int]:
         """(micro_batch_size, micro-batches per process per step) for `world_size` processes."""
-        micro = self.micro_batch_size or self.batch_size // world_size
+        micro = self.micro_batch_size
+        if micro is None and self.batch_size % world_size == 0:
+            micro = default_micro_batch_size(self.batch_size // world_size, self.max_seq_length)
+        micro = micro or self.batch_size // world_size
         if micro < 1 or self.batch_size % (micro * world_size):
             raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({micro}) times the "
-                f"number of processes ({world_size})"
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({micro or 1}) times "
+                f"the number of processes ({world_size})"
             )
         return micro, self.batch_size // (micro * world_size)
 

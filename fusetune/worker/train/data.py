@@ -1,8 +1,15 @@
-"""Chat JSONL → token sequences with labels → per-rank micro-batches.
+"""Training JSONL → token sequences with labels → per-rank micro-batches.
 
-Tokenisation goes through the tokenizer's own chat template; the loss is on the assistant's tokens only (unless
-`train_on_inputs`). Labels are stored already shifted (`labels[i]` is the token that follows position `i`), so
-that a sequence's last position never predicts the first token of the next one when examples are packed.
+Three line formats, which may be mixed in one file:
+- `{"messages": [...]}`: an OpenAI-style chat (system, user, assistant, tool). It goes through the tokenizer's
+  own chat template; the loss is on the assistant's turns only (unless `train_on_inputs`). An assistant
+  message with `"weight": 0` gets no loss either way (the weight of other roles is ignored, as OpenAI does).
+- `{"prompt": str, "completion": str}`: plain text; the loss is on the completion (and the end-of-sequence
+  token that closes it) unless `train_on_inputs`.
+- `{"text": str}`: plain text; the loss is on every token.
+
+Labels are stored already shifted (`labels[i]` is the token that follows position `i`), so that a sequence's
+last position never predicts the first token of the next one when examples are packed.
 
 Batches: every rank computes the same shuffled order for an epoch, cuts it into global batches of `batch_size`
 sequences, and each global batch into micro-batches of `micro_batch_size`; micro-batch `j` of a step belongs to
@@ -46,13 +53,74 @@ class TokenizedSequence:
         return sum(label != IGNORE_INDEX for label in self.shifted_labels)
 
 
-def read_chat_jsonl(path: str | Path) -> list[list[dict[str, Any]]]:
-    """The `messages` of every line of an OpenAI-style chat JSONL file, checked; errors name the line."""
+@dataclass(frozen=True)
+class ChatExample:
+    messages: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class PromptCompletionExample:
+    prompt: str
+    completion: str
+
+
+@dataclass(frozen=True)
+class TextExample:
+    text: str
+
+
+Example = ChatExample | PromptCompletionExample | TextExample
+
+
+def _check_messages(messages: Any) -> str | None:
+    """What is wrong with a chat's `messages`, or None."""
+    if not isinstance(messages, list) or not messages:
+        return "expected a non-empty 'messages' list"
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in CHAT_ROLES:
+            return f"message {index} has role {role!r}; expected one of {sorted(CHAT_ROLES)}"
+        content = message.get("content")
+        # An assistant turn that only calls tools has no content (OpenAI sends null).
+        calls_tools = role == "assistant" and bool(message.get("tool_calls"))
+        if not isinstance(content, str) and not (calls_tools and content is None):
+            return f"message {index} needs a string 'content'"
+        if message.get("weight", 1) not in (0, 1):
+            return f"message {index} has weight {message['weight']!r}; expected 0 or 1"
+    if not any(message["role"] == "assistant" for message in messages):
+        return "no assistant message to learn from"
+    return None
+
+
+def parse_example(record: Any) -> Example:
+    """One JSONL record as an example; raises ValueError saying what is wrong with it."""
+    if isinstance(record, dict) and "messages" in record:
+        problem = _check_messages(record["messages"])
+        if problem:
+            raise ValueError(problem)
+        return ChatExample(record["messages"])
+    if isinstance(record, dict) and ("prompt" in record or "completion" in record):
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+            raise ValueError("'prompt' and 'completion' must both be strings, the completion non-empty")
+        return PromptCompletionExample(prompt, completion)
+    if isinstance(record, dict) and "text" in record:
+        if not isinstance(record["text"], str) or not record["text"]:
+            raise ValueError("'text' must be a non-empty string")
+        return TextExample(record["text"])
+    raise ValueError(
+        "expected a non-empty 'messages' list, a 'prompt' and a 'completion', or a 'text' (see the formats of "
+        "fusetune.worker.train.data)"
+    )
+
+
+def read_training_jsonl(path: str | Path) -> list[Example]:
+    """Every example of a training JSONL file, checked; errors name the file and the line."""
     path = Path(path)
     name = path.name
     if not path.is_file():
         raise TrainingDataError(f"training data file not found: {path}")
-    conversations = []
+    examples: list[Example] = []
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -61,26 +129,13 @@ def read_chat_jsonl(path: str | Path) -> list[list[dict[str, Any]]]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TrainingDataError(f"{name}, line {line_number}: not valid JSON ({exc.msg})") from None
-            messages = record.get("messages") if isinstance(record, dict) else None
-            if not isinstance(messages, list) or not messages:
-                raise TrainingDataError(f"{name}, line {line_number}: expected a non-empty 'messages' list")
-            for index, message in enumerate(messages):
-                role = message.get("role") if isinstance(message, dict) else None
-                if role not in CHAT_ROLES:
-                    raise TrainingDataError(
-                        f"{name}, line {line_number}: message {index} has role {role!r}; "
-                        f"expected one of {sorted(CHAT_ROLES)}"
-                    )
-                if not isinstance(message.get("content"), str):
-                    raise TrainingDataError(
-                        f"{name}, line {line_number}: message {index} needs a string 'content'"
-                    )
-            if not any(message["role"] == "assistant" for message in messages):
-                raise TrainingDataError(f"{name}, line {line_number}: no assistant message to learn from")
-            conversations.append(messages)
-    if not conversations:
+            try:
+                examples.append(parse_example(record))
+            except ValueError as exc:
+                raise TrainingDataError(f"{name}, line {line_number}: {exc}") from None
+    if not examples:
         raise TrainingDataError(f"{name} holds no examples")
-    return conversations
+    return examples
 
 
 def _render_ids(tokenizer, messages: list[dict[str, Any]], **kwargs) -> list[int]:
@@ -89,10 +144,23 @@ def _render_ids(tokenizer, messages: list[dict[str, Any]], **kwargs) -> list[int
     )
 
 
-def _assistant_mask_by_prefixes(tokenizer, messages: list[dict[str, Any]], input_ids: list[int]) -> list[int]:
+def _runs_of_ones(mask: Sequence[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, value in enumerate([*mask, 0]):
+        if value and start is None:
+            start = i
+        elif not value and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def _assistant_spans_by_prefixes(
+    tokenizer, messages: list[dict[str, Any]], input_ids: list[int]
+) -> list[tuple[int, int]]:
     """For templates without `{% generation %}` markers: an assistant turn's tokens are those its rendering
     adds after the generation prompt that precedes it. Needs a template that renders incrementally."""
-    mask = [0] * len(input_ids)
+    spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -104,33 +172,82 @@ def _assistant_mask_by_prefixes(tokenizer, messages: list[dict[str, Any]], input
                 "the model's chat template does not render a conversation as the concatenation of its turns, "
                 "so the assistant's tokens cannot be found; give the template {% generation %} markers"
             )
-        mask[start : len(through)] = [1] * (len(through) - start)
-    return mask
+        spans.append((start, len(through)))
+    return spans
+
+
+def _chat_ids_and_assistant_spans(
+    tokenizer, messages: list[dict[str, Any]]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The rendered conversation and the (start, end) token span of each assistant message, in order."""
+    n_assistant = sum(message["role"] == "assistant" for message in messages)
+    if _GENERATION_BLOCK.search(tokenizer.chat_template or ""):
+        encoded = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        input_ids = list(encoded["input_ids"])
+        spans = _runs_of_ones(encoded["assistant_masks"])
+        # One block per assistant message is the usual case; otherwise (an empty block, say) the spans
+        # cannot be matched to messages, and rendering turn by turn tells them apart.
+        if len(spans) == n_assistant:
+            return input_ids, spans
+    else:
+        input_ids = _render_ids(tokenizer, messages)
+    return input_ids, _assistant_spans_by_prefixes(tokenizer, messages, input_ids)
+
+
+def _shifted(input_ids: list[int], trained: list[int], max_seq_length: int) -> tuple[TokenizedSequence, int]:
+    """Truncate to `max_seq_length` and shift: position i is trained when the token it predicts (i + 1) is.
+    Returns the sequence and the untruncated length."""
+    full_length = len(input_ids)
+    input_ids = input_ids[:max_seq_length]
+    shifted_labels = [
+        input_ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(input_ids) - 1)
+    ] + [IGNORE_INDEX]
+    return TokenizedSequence(input_ids, shifted_labels, list(range(len(input_ids)))), full_length
 
 
 def tokenize_conversation(
     tokenizer, messages: list[dict[str, Any]], max_seq_length: int, train_on_inputs: bool = False
 ) -> tuple[TokenizedSequence, int]:
     """A conversation through its chat template, truncated to `max_seq_length`, and its untruncated length."""
-    template = tokenizer.chat_template or ""
-    if train_on_inputs:
+    assistant_messages = [message for message in messages if message["role"] == "assistant"]
+    excluded = [message.get("weight", 1) == 0 for message in assistant_messages]
+    if train_on_inputs and not any(excluded):
+        # Every token is trained: no need to find the turns, so any template works.
         input_ids = _render_ids(tokenizer, messages)
-        trained = [1] * len(input_ids)
-    elif _GENERATION_BLOCK.search(template):
-        encoded = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        input_ids, trained = list(encoded["input_ids"]), list(encoded["assistant_masks"])
-    else:
-        input_ids = _render_ids(tokenizer, messages)
-        trained = _assistant_mask_by_prefixes(tokenizer, messages, input_ids)
-    full_length = len(input_ids)
-    input_ids = input_ids[:max_seq_length]
-    # Position i is trained when the token it predicts (i + 1) is an assistant token.
-    shifted_labels = [
-        input_ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(input_ids) - 1)
-    ] + [IGNORE_INDEX]
-    return TokenizedSequence(input_ids, shifted_labels, list(range(len(input_ids)))), full_length
+        return _shifted(input_ids, [1] * len(input_ids), max_seq_length)
+    input_ids, spans = _chat_ids_and_assistant_spans(tokenizer, messages)
+    trained = [int(train_on_inputs)] * len(input_ids)
+    for (start, end), is_excluded in zip(spans, excluded, strict=True):
+        trained[start:end] = [0 if is_excluded else 1] * (end - start)
+    return _shifted(input_ids, trained, max_seq_length)
+
+
+def _text_ids(tokenizer, text: str, *, starts_sequence: bool) -> list[int]:
+    # The tokenizer's special tokens (a BOS, for most models) belong at the start of the sequence only.
+    return list(tokenizer(text, add_special_tokens=starts_sequence)["input_ids"])
+
+
+def _with_eos(tokenizer, ids: list[int]) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def tokenize_example(
+    tokenizer, example: Example, max_seq_length: int, train_on_inputs: bool = False
+) -> tuple[TokenizedSequence, int]:
+    """Any example as a sequence truncated to `max_seq_length`, and its untruncated length. Plain-text
+    formats end with the end-of-sequence token, trained, so the model learns where a completion stops."""
+    if isinstance(example, ChatExample):
+        return tokenize_conversation(tokenizer, example.messages, max_seq_length, train_on_inputs)
+    if isinstance(example, PromptCompletionExample):
+        prompt_ids = _text_ids(tokenizer, example.prompt, starts_sequence=True)
+        completion_ids = _with_eos(tokenizer, _text_ids(tokenizer, example.completion, starts_sequence=False))
+        trained = [int(train_on_inputs)] * len(prompt_ids) + [1] * len(completion_ids)
+        return _shifted(prompt_ids + completion_ids, trained, max_seq_length)
+    input_ids = _with_eos(tokenizer, _text_ids(tokenizer, example.text, starts_sequence=True))
+    return _shifted(input_ids, [1] * len(input_ids), max_seq_length)
 
 
 @dataclass(frozen=True)
@@ -149,13 +266,11 @@ def load_sequences(
     train_on_inputs: bool = False,
     packing: bool = False,
 ) -> LoadedData:
-    conversations = read_chat_jsonl(path)
+    examples = read_training_jsonl(path)
     sequences, n_truncated, n_dropped = [], 0, 0
-    for line_index, messages in enumerate(conversations):
+    for line_index, example in enumerate(examples):
         try:
-            sequence, full_length = tokenize_conversation(
-                tokenizer, messages, max_seq_length, train_on_inputs
-            )
+            sequence, full_length = tokenize_example(tokenizer, example, max_seq_length, train_on_inputs)
         except TrainingDataError as exc:
             raise TrainingDataError(f"{Path(path).name}, example {line_index + 1}: {exc.message}") from exc
         except Exception as exc:  # a template may raise on content it does not accept (e.g. role order)
@@ -169,11 +284,11 @@ def load_sequences(
         sequences.append(sequence)
     if not sequences:
         raise TrainingDataError(
-            f"{Path(path).name}: no example keeps an assistant token within max_seq_length={max_seq_length}"
+            f"{Path(path).name}: no example keeps a trained token within max_seq_length={max_seq_length}"
         )
     if packing:
         sequences = pack_sequences(sequences, max_seq_length)
-    return LoadedData(sequences, len(conversations), n_truncated, n_dropped)
+    return LoadedData(sequences, len(examples), n_truncated, n_dropped)
 
 
 def pack_sequences(sequences: Sequence[TokenizedSequence], max_seq_length: int) -> list[TokenizedSequence]:

@@ -1,12 +1,30 @@
-"""Process-group setup for torchrun: NCCL on GPUs, gloo on CPU; a plain `python -m` run is one process."""
+"""Process-group setup for torchrun (NCCL on GPUs, gloo on CPU; a plain `python -m` run is one process), the
+collectives the trainer needs, and wrapping the model for data parallelism: DDP or FSDP2.
+
+Multi-node: the trainer reads only what torchrun puts in the environment, so the same entry point runs on
+several machines with torchrun's rendezvous, e.g. on each of 2 nodes
+`torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint <host of node 0>:29400
+--rdzv_id <job id> -m fusetune.worker.train --config <shared path>/train_config.json`, with output_dir and the
+data on storage every node sees (rank 0 writes checkpoints; every rank reads them to resume).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# DDP all-reduces gradients in buckets while the backward pass goes on, one bucket as soon as all its
+# gradients are ready; whatever is reduced after the last gradient is computed is not hidden. A decoder layer
+# of a 1B model yields 120 MB (bf16) to 240 MB (fp32) of gradients, so 25 MB buckets start reducing a layer
+# after a fifth of its backward and keep the unhidden tail (the first layer's buckets; the embedding, whose
+# gradient is complete only at the very end, is its own bucket whatever the size) short, while NCCL already
+# runs near its full NVLink bandwidth at that size. Larger buckets save launches but lengthen the tail.
+# Not tuned by measurement yet: benchmarks/scaling.py --ddp-bucket-cap-mb sweeps it.
+DEFAULT_DDP_BUCKET_CAP_MB = 25
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,34 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> t
     return tensor
 
 
+def _is_multiprocess() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank `src`'s `value` on every rank (picklable objects; small ones)."""
+    if not _is_multiprocess():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank."""
+    if not _is_multiprocess():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a wall-clock time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -58,3 +104,49 @@ def barrier() -> None:
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (PEFT-wrapped too): its `_no_split_modules` classes."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    block_names = set(getattr(base, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in block_names]
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: int | None) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        # Gradients live in the communication buckets: no copy into and out of them, no second copy in memory.
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=bucket_cap_mb or DEFAULT_DDP_BUCKET_CAP_MB,
+        # The only buffers are constants (rotary frequencies): broadcasting them before every forward would
+        # cost a collective per micro-batch for nothing.
+        broadcast_buffers=False,
+    )
+
+
+def shard_fsdp(model: torch.nn.Module, device: torch.device, mixed_bf16: bool) -> torch.nn.Module:
+    """FSDP2 in place: one unit per decoder layer, then the root (embeddings, final norm, output head).
+
+    With `mixed_bf16`, parameters are gathered in bf16 for compute while the sharded fp32 copy is what AdamW
+    updates, and gradients are reduced in fp32.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_bf16
+        else MixedPrecisionPolicy()
+    )
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model.to(device)  # the shards are moved already; this moves buffers

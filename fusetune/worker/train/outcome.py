@@ -16,7 +16,8 @@ from typing import Any
 RESULT_FILENAME = "result.json"
 ERROR_FILENAME = "error.json"
 
-# Exit status of the trainer: 0 with result.json, FAILED with error.json, STOPPED when the job was cancelled.
+# Exit status of the trainer: 0 with result.json, FAILED with error.json, STOPPED when the job was cancelled or
+# paused (after a pause, the checkpoint of the step it stopped at holds everything needed to resume).
 EXIT_FAILED = 1
 EXIT_STOPPED = 3
 
@@ -42,7 +43,11 @@ class TrainingFailure(Exception):
 
 
 class JobStopped(Exception):
-    """The job was cancelled while training; the run ends without a result."""
+    """The job was cancelled or paused while training; the run ends without a result."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # "cancelled" or "paused"
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,27 @@ from __future__ import annotations
 import json
 import sys
 import time
+from enum import StrEnum
 from typing import Any, Protocol, TextIO
 
-# Job statuses (set by the API, the worker or a reaper) that ask a running trainer to stop; a job row that is
-# gone stops it too.
-STOP_STATUSES = frozenset({"cancelled", "paused", "failed", "succeeded"})
+
+class StopRequest(StrEnum):
+    """What the job's status asks of a running trainer (the larger value wins when ranks disagree)."""
+
+    PAUSE = "pause"  # save a checkpoint with training state at the step boundary, then exit
+    CANCEL = "cancel"  # exit at once
+
+
+# A trainer goes on while its job is `running`. `paused` (set by the API) asks for a checkpoint on the way out,
+# from which the job resumes later; any other status (cancelled, a final status, or queued again by a reaper
+# that gave the job to another worker) and a job row that is gone stop it at once.
+RUNNING_STATUS = "running"
+PAUSED_STATUS = "paused"
+
+# The trainer asks for the job's status after every step; the SQL reporter reads it at most this often. A
+# step boundary comes at least every few seconds on a GPU, so a cancel is seen within about a second of the
+# step that follows it, and the read (one indexed primary-key lookup) costs nothing measurable per step.
+STATUS_POLL_INTERVAL_S = 1.0
 
 
 class Reporter(Protocol):
@@ -24,7 +40,9 @@ class Reporter(Protocol):
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None: ...
 
-    def stop_requested(self) -> bool: ...
+    def checkpoints_deleted(self, paths: list[str]) -> None: ...
+
+    def stop_request(self) -> StopRequest | None: ...
 
     def close(self) -> None: ...
 
@@ -39,8 +57,11 @@ class NullReporter:
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
         pass
 
-    def stop_requested(self) -> bool:
-        return False
+    def checkpoints_deleted(self, paths: list[str]) -> None:
+        pass
+
+    def stop_request(self) -> StopRequest | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -66,8 +87,11 @@ class ConsoleReporter:
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
         self._print({"kind": "checkpoint", "step": step, "path": path, "metrics": metrics})
 
-    def stop_requested(self) -> bool:
-        return False
+    def checkpoints_deleted(self, paths: list[str]) -> None:
+        self._print({"kind": "checkpoints_deleted", "paths": paths})
+
+    def stop_request(self) -> StopRequest | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -94,7 +118,9 @@ class SqlReporter:
     losing hours of training to a database hiccup.
     """
 
-    def __init__(self, database_url: str, job_id: str, status_poll_interval_s: float = 5.0) -> None:
+    def __init__(
+        self, database_url: str, job_id: str, status_poll_interval_s: float = STATUS_POLL_INTERVAL_S
+    ) -> None:
         from fusetune.db.session import make_engine, make_session_factory
 
         self._engine = make_engine(database_url)
@@ -102,7 +128,7 @@ class SqlReporter:
         self._job_id = job_id
         self._status_poll_interval_s = status_poll_interval_s
         self._last_status_poll = float("-inf")
-        self._stop = False
+        self._stop: StopRequest | None = None
 
     def _write(self, what: str, call) -> None:
         from sqlalchemy.exc import SQLAlchemyError
@@ -135,14 +161,23 @@ class SqlReporter:
             lambda s: queries.add_checkpoint(s, self._job_id, step, path, metrics),
         )
 
-    def stop_requested(self) -> bool:
-        """True once the job's status asks to stop; polls the database at most every few seconds."""
+    def checkpoints_deleted(self, paths: list[str]) -> None:
+        from fusetune.db import queries
+
+        self._write(
+            f"the deletion of {len(paths)} checkpoint(s)",
+            lambda s: queries.delete_checkpoints(s, self._job_id, paths),
+        )
+
+    def stop_request(self) -> StopRequest | None:
+        """What the job's status asks for; reads it at most once per `status_poll_interval_s`. A cancel is
+        final; a pause may still turn into a cancel."""
         from sqlalchemy.exc import SQLAlchemyError
 
         from fusetune.db import queries
 
         now = time.monotonic()
-        if self._stop or now - self._last_status_poll < self._status_poll_interval_s:
+        if self._stop == StopRequest.CANCEL or now - self._last_status_poll < self._status_poll_interval_s:
             return self._stop
         self._last_status_poll = now
         try:
@@ -153,8 +188,11 @@ class SqlReporter:
             print(
                 f"fusetune trainer: could not read the status of job {self._job_id}: {exc}", file=sys.stderr
             )
-            return False
-        self._stop = status is None or status in STOP_STATUSES
+            return self._stop
+        if status == PAUSED_STATUS:
+            self._stop = StopRequest.PAUSE
+        elif status != RUNNING_STATUS:
+            self._stop = StopRequest.CANCEL
         return self._stop
 
     def close(self) -> None:

@@ -1,0 +1,249 @@
+"""Exact resume from checkpoints with training state, pause and cancel through the job's SQL status, and
+pruning of old checkpoints (folders, download archives and rows)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusetune.demo import assets
+from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.outcome import EXIT_STOPPED, ErrorCode, JobStopped, TrainingFailure, read_result
+from fusetune.worker.train.reporter import StopRequest
+from fusetune.worker.train.trainer import Trainer, run
+from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config, make_job_database
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# 48 examples / 8 per step = 6 steps per epoch; 2 epochs, so a resume mid-epoch crosses an epoch boundary.
+RUN = dict(n_epochs=2, checkpoint_every_steps=4, warmup_ratio=0.2)
+PAUSE_AFTER_STEP = 5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return assets.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory):
+    return assets.write_demo_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n_examples=48, seed=5)
+
+
+def curve(reporter: RecordingReporter, key: str = "train_loss") -> list[float]:
+    return [values[key] for _, values in reporter.metrics]
+
+
+def train_paused_then_resumed(config) -> tuple[RecordingReporter, RecordingReporter, Trainer]:
+    """Train until a pause after PAUSE_AFTER_STEP steps, then start a new trainer on the same output_dir."""
+    before = RecordingReporter(stop_after_step=PAUSE_AFTER_STEP, stop=StopRequest.PAUSE)
+    with pytest.raises(JobStopped) as stopped:
+        Trainer(config, ONE_CPU_RANK, before).train()
+    assert stopped.value.reason == "paused"
+    after = RecordingReporter()
+    resumed = Trainer(config, ONE_CPU_RANK, after)
+    resumed.train()
+    return before, after, resumed
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(model_dir, train_file, tmp_path_factory):
+    reporter = RecordingReporter()
+    trainer = Trainer(
+        make_config(model_dir, train_file, tmp_path_factory.mktemp("whole"), **RUN), ONE_CPU_RANK, reporter
+    )
+    result = trainer.train()
+    return reporter, trainer, result
+
+
+def test_a_paused_run_resumes_on_the_same_loss_curve(uninterrupted, model_dir, train_file, tmp_path):
+    whole, whole_trainer, whole_result = uninterrupted
+    config = make_config(model_dir, train_file, tmp_path, **RUN)
+    before, after, resumed = train_paused_then_resumed(config)
+
+    # The pause saved a checkpoint at the step it stopped at, off the 4-step schedule, and the run resumed there.
+    assert [step for step, _ in before.checkpoints] == [4, PAUSE_AFTER_STEP]
+    resumed_event = next(data for _, data in after.events if data.get("event") == "resumed")
+    assert resumed_event["step"] == PAUSE_AFTER_STEP
+    assert [step for step, _ in after.metrics] == list(range(PAUSE_AFTER_STEP + 1, 13))
+
+    # Fp32 on one CPU process is deterministic: the continued curve is the uninterrupted one, step for step.
+    for key in ("train_loss", "learning_rate", "grad_norm"):
+        torch.testing.assert_close(
+            curve(before, key) + curve(after, key), curve(whole, key), rtol=1e-6, atol=0
+        )
+    for (name, a), (_, b) in zip(
+        whole_trainer.model.named_parameters(), resumed.model.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7, msg=name)
+    assert resumed.trained_tokens == whole_result.trained_tokens
+
+
+def test_resuming_without_the_optimizer_state_leaves_the_curve(
+    uninterrupted, model_dir, train_file, tmp_path, monkeypatch
+):
+    """Control: the comparison above notices a resume that loses part of the state."""
+    whole, _, _ = uninterrupted
+    monkeypatch.setattr(Trainer, "_restore_optimizer", lambda self, checkpoint: None)
+    before, after, _ = train_paused_then_resumed(make_config(model_dir, train_file, tmp_path, **RUN))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(curve(before) + curve(after), curve(whole), rtol=1e-6, atol=0)
+
+
+def test_a_finished_run_started_again_reports_its_result_without_training(model_dir, train_file, tmp_path):
+    config = make_config(model_dir, train_file, tmp_path, max_steps=3)
+    assert run(config) == 0
+    first = read_result(tmp_path)
+    (tmp_path / "result.json").unlink()  # as if the process died right after the final checkpoint
+    reporter = RecordingReporter()
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    assert trainer.train() == first
+    assert reporter.metrics == [] and reporter.checkpoints == []
+
+    fresh = Trainer(config.model_copy(update={"resume": False}), ONE_CPU_RANK, RecordingReporter())
+    assert (fresh.step, fresh.trained_tokens) == (0, 0)
+
+
+def test_resume_refuses_a_checkpoint_of_a_different_run(model_dir, train_file, tmp_path):
+    config = make_config(model_dir, train_file, tmp_path, checkpoint_every_steps=2, max_steps=2)
+    Trainer(config, ONE_CPU_RANK, RecordingReporter()).train()
+    with pytest.raises(TrainingFailure) as refused:
+        Trainer(config.model_copy(update={"batch_size": 16}), ONE_CPU_RANK, RecordingReporter())
+    assert refused.value.code == ErrorCode.TRAINER_ERROR
+    assert "batch_size=8 there, 16 now" in refused.value.message
+
+
+def test_an_interrupted_save_is_ignored_and_cleaned_up(model_dir, train_file, tmp_path):
+    config = make_config(model_dir, train_file, tmp_path, checkpoint_every_steps=2, max_steps=2)
+    Trainer(config, ONE_CPU_RANK, RecordingReporter()).train()
+    # A save of step 4 cut short by a crash, and a checkpoint folder whose training state never got written.
+    half_written = ckpt.checkpoints_root(tmp_path) / f"step-4{ckpt.INCOMPLETE_SUFFIX}"
+    half_written.mkdir()
+    (ckpt.checkpoints_root(tmp_path) / "step-3").mkdir()
+    assert ckpt.latest_resumable(tmp_path) == (2, ckpt.checkpoint_path(tmp_path, 2))
+    trainer = Trainer(config.model_copy(update={"max_steps": 4}), ONE_CPU_RANK, RecordingReporter())
+    assert trainer.step == 2
+    assert not half_written.exists()
+
+
+class ArchivingReporter(RecordingReporter):
+    """Builds the download archive the API writes beside a checkpoint folder (`step-N.tar`)."""
+
+    def checkpoint(self, step, path, metrics):
+        super().checkpoint(step, path, metrics)
+        Path(f"{path}{ckpt.ARCHIVE_SUFFIX}").write_bytes(b"tar")
+
+
+def test_pruned_checkpoints_go_with_their_archives_and_rows(model_dir, train_file, tmp_path):
+    reporter = ArchivingReporter()
+    config = make_config(model_dir, train_file, tmp_path, checkpoint_every_steps=1, keep_last_checkpoints=2)
+    Trainer(config, ONE_CPU_RANK, reporter).train()
+    root = ckpt.checkpoints_root(tmp_path)
+    assert sorted(path.name for path in root.iterdir()) == ["step-5", "step-5.tar", "step-6", "step-6.tar"]
+    assert reporter.deleted == [str(ckpt.checkpoint_path(tmp_path, step)) for step in range(1, 5)]
+
+
+# ----------------------------------------------------------------------------- pause and cancel through SQL
+
+
+def start_trainer(config, tmp_path) -> subprocess.Popen:
+    config_path = config.write(tmp_path / "train_config.json")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "fusetune.worker.train", "--config", str(config_path)]
+    return subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for_steps(sessions, job_id, n_steps: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
+    from fusetune.db import queries
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with sessions() as session:
+            if len(queries.list_metrics(session, job_id)) >= n_steps:
+                return
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        time.sleep(0.1)
+    raise TimeoutError(f"the trainer did not report {n_steps} steps")
+
+
+def set_status(sessions, job_id, status: str) -> None:
+    from fusetune.db.models import Job
+
+    with sessions() as session:
+        session.get(Job, job_id).status = status
+        session.commit()
+
+
+def sql_job(model_dir, train_file, tmp_path):
+    url, sessions, job_id = make_job_database(tmp_path)
+    config = make_config(
+        model_dir,
+        train_file,
+        tmp_path / "runs" / job_id,
+        database_url=url,
+        job_id=job_id,
+        checkpoint_paths_relative_to=str(tmp_path / "runs"),
+    )
+    return config, sessions, job_id
+
+
+@pytest.mark.slow
+def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, train_file, tmp_path):
+    from fusetune.db import queries
+
+    config, sessions, job_id = sql_job(model_dir, train_file, tmp_path)
+    # Paused while the trainer loads: it sees the pause at its first step boundary, whenever that comes.
+    set_status(sessions, job_id, "paused")
+    process = start_trainer(config, tmp_path)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == EXIT_STOPPED, output[-3000:]
+    with sessions() as session:
+        assert [m.step for m in queries.list_metrics(session, job_id)] == [1]
+        assert [(c.step, c.storage_path) for c in queries.list_checkpoints(session, job_id)] == [
+            (1, f"{job_id}/checkpoints/step-1")
+        ]
+        events, _ = queries.list_events(session, job_id, limit=1000)
+        assert any((e.data or {}).get("reason") == "paused" for e in events)
+    assert ckpt.latest_resumable(config.output_dir) == (1, ckpt.checkpoint_path(config.output_dir, 1))
+    assert read_result(config.output_dir) is None
+
+    set_status(sessions, job_id, "running")  # what the worker does when it picks the resumed job up
+    process = start_trainer(config, tmp_path)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-3000:]
+    assert read_result(config.output_dir).steps == 6
+    with sessions() as session:
+        assert [m.step for m in queries.list_metrics(session, job_id)] == list(range(1, 7))
+        assert [c.step for c in queries.list_checkpoints(session, job_id)] == [6, 1]
+        events, _ = queries.list_events(session, job_id, limit=1000)
+        resumed = [e.data for e in events if (e.data or {}).get("event") == "resumed"]
+        assert [data["step"] for data in resumed] == [1]
+
+
+@pytest.mark.slow
+def test_cancel_stops_the_trainer_within_seconds_without_a_checkpoint(model_dir, tmp_path):
+    from fusetune.db import queries
+
+    # The bundled demo set: 512 examples, 64 steps of 8, long enough to be stopped mid-run.
+    config, sessions, job_id = sql_job(model_dir, assets.TRAIN_FILE, tmp_path)
+    process = start_trainer(config, tmp_path)
+    wait_for_steps(sessions, job_id, 2, process)
+    set_status(sessions, job_id, "cancelled")
+    cancelled_at = time.monotonic()
+    output = process.communicate(timeout=60)[0]
+    seconds_to_exit = time.monotonic() - cancelled_at
+    assert process.returncode == EXIT_STOPPED, output[-3000:]
+    # The status is read at most once a second, after a step of about 0.2 s here; the process also has to
+    # shut down. The service promises 10 s.
+    assert seconds_to_exit < 10, seconds_to_exit
+    print(f"cancel honoured {seconds_to_exit:.2f} s after the status changed")
+    assert ckpt.list_checkpoints(config.output_dir) == []
+    with sessions() as session:
+        assert queries.list_checkpoints(session, job_id) == []
+        events, _ = queries.list_events(session, job_id, limit=1000)
+        assert any((e.data or {}).get("reason") == "cancelled" for e in events)
