@@ -3,20 +3,23 @@
 Each op lives in its own module with its Triton kernels, launcher, autograd function, torch.library
 registration (so ``torch.compile(fullgraph=True)`` traces through it), a pure-PyTorch ``*_reference`` and the
 ``nn.Module`` drop-ins for the Hugging Face layers. This package imports nothing else of fusetune.
+
+The functions named like their module (``rms_norm``, ``layer_norm``, ``cross_entropy``,
+``fused_linear_cross_entropy``) are not re-exported here: ``fusetune.kernels.rms_norm`` stays the module, so
+``from fusetune.kernels import rms_norm`` and ``import fusetune.kernels.rms_norm as m`` mean one thing. Import
+those functions from their modules (``from fusetune.kernels.rms_norm import rms_norm``).
 """
 
-from fusetune.kernels.cross_entropy import FusedCrossEntropyLoss, cross_entropy, cross_entropy_reference
+from fusetune.kernels.cross_entropy import FusedCrossEntropyLoss, cross_entropy_reference
 from fusetune.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
-    fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
-from fusetune.kernels.layer_norm import FusedLayerNorm, layer_norm, layer_norm_reference
+from fusetune.kernels.layer_norm import FusedLayerNorm, layer_norm_reference
 from fusetune.kernels.rms_norm import (
     FusedRMSNorm,
     add_rms_norm,
     add_rms_norm_reference,
-    rms_norm,
     rms_norm_reference,
 )
 from fusetune.kernels.rope import apply_rotary_pos_emb, rope_reference
@@ -39,15 +42,11 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "apply_rotary_pos_emb",
-    "cross_entropy",
     "cross_entropy_reference",
-    "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
     "geglu",
     "geglu_reference",
-    "layer_norm",
     "layer_norm_reference",
-    "rms_norm",
     "rms_norm_reference",
     "rope_reference",
     "swiglu",
