@@ -2,7 +2,7 @@
 
 Adding a family is adding a row to `FAMILIES`. Every name in a row is looked up in the family's modeling
 module of the installed transformers when a model is patched, so a row written against transformers 5.x keeps
-working as long as those names exist (checked by `tests/models/test_families.py`).
+working as long as those names exist (checked by `tests/models/test_patching.py`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -22,30 +21,21 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 from fusetune.models.families import FamilySpec
 
 
-def _kernel_module(name: str) -> ModuleType:
-    # import_module, not `from fusetune.kernels import rms_norm`: the package re-exports functions named like
-    # their modules (rms_norm, swiglu, ...), which would shadow the submodules as attributes.
-    return importlib.import_module(f"fusetune.kernels.{name}")
-
-
 class _Kernels:
-    """Lazily imported kernel modules, so that importing fusetune.models does not compile anything."""
+    """The kernel modules, whose functions are looked up at call time (so a test can swap one).
 
-    @functools.cached_property
-    def rms_norm(self) -> ModuleType:
-        return _kernel_module("rms_norm")
+    import_module, not `from fusetune.kernels import rms_norm`: the package re-exports functions named like
+    their modules (rms_norm, swiglu, ...), which would shadow the submodules as attributes. Plain attributes
+    set at import, so that torch.compile traces the lookups without running any import machinery.
+    """
 
-    @functools.cached_property
-    def rope(self) -> ModuleType:
-        return _kernel_module("rope")
-
-    @functools.cached_property
-    def swiglu(self) -> ModuleType:
-        return _kernel_module("swiglu")
-
-    @functools.cached_property
-    def fused_linear_cross_entropy(self) -> ModuleType:
-        return _kernel_module("fused_linear_cross_entropy")
+    def __init__(self) -> None:
+        self.rms_norm = importlib.import_module("fusetune.kernels.rms_norm")
+        self.rope = importlib.import_module("fusetune.kernels.rope")
+        self.swiglu = importlib.import_module("fusetune.kernels.swiglu")
+        self.fused_linear_cross_entropy = importlib.import_module(
+            "fusetune.kernels.fused_linear_cross_entropy"
+        )
 
 
 kernels = _Kernels()

@@ -251,10 +251,13 @@ def _patch_instance(
     def applies(module: nn.Module, role: str) -> bool:
         if role in ("mlp", "experts"):  # only MLPs whose activation has a kernel that is switched on
             activation = fused.activation_of(module, spec)
-            return (
-                fused.gated_activation_kernel(activation, use_swiglu=options.swiglu, use_geglu=options.geglu)
-                is not None
+            kernel = fused.gated_activation_kernel(
+                activation, use_swiglu=options.swiglu, use_geglu=options.geglu
             )
+            if kernel is None:
+                return False
+        if role == "experts":  # transformers' "eager" experts loop never calls `_apply_gate`
+            return getattr(module.config, "_experts_implementation", None) != "eager"
         return True
 
     for module in model.modules():
