@@ -4,7 +4,7 @@ Each op lives in its own module with its Triton kernels, launcher, autograd func
 registration (so ``torch.compile(fullgraph=True)`` traces through it), a pure-PyTorch ``*_reference`` and the
 ``nn.Module`` drop-ins for the Hugging Face layers. This package imports nothing else of fusetune.
 
-The functions named like their module (``rms_norm``, ``layer_norm``, ``cross_entropy``,
+The functions named like their module (``rms_norm``, ``layer_norm``, ``swiglu``, ``cross_entropy``,
 ``fused_linear_cross_entropy``) are not re-exported here: ``fusetune.kernels.rms_norm`` stays the module, so
 ``from fusetune.kernels import rms_norm`` and ``import fusetune.kernels.rms_norm as m`` mean one thing. Import
 those functions from their modules (``from fusetune.kernels.rms_norm import rms_norm``).
@@ -28,7 +28,6 @@ from fusetune.kernels.swiglu import (
     FusedSwiGLUMLP,
     geglu,
     geglu_reference,
-    swiglu,
     swiglu_reference,
 )
 
@@ -49,6 +48,5 @@ __all__ = [
     "layer_norm_reference",
     "rms_norm_reference",
     "rope_reference",
-    "swiglu",
     "swiglu_reference",
 ]
