@@ -1,6 +1,9 @@
-"""The trainer as the worker runs it: torchrun subprocesses (gloo on CPU) on the bundled demo data."""
+"""The trainer as the worker runs it: torchrun subprocesses (gloo on CPU) on the bundled demo data: one process,
+two under DDP, two under FSDP2, and an FSDP run killed with SIGKILL mid-training that resumes from its last
+checkpoint."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,21 +45,35 @@ def demo_config(model_dir, output_dir, **overrides) -> TrainConfig:
     return TrainConfig(**{**fields, **overrides})
 
 
-def torchrun(config: TrainConfig, nproc: int) -> subprocess.CompletedProcess:
+def torchrun_command(config: TrainConfig, nproc: int) -> tuple[list[str], dict[str, str]]:
     config_path = config.write(Path(config.output_dir).parent / f"{Path(config.output_dir).name}.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command += ["-m", "fusetune.worker.train", "--config", str(config_path)]
+    return command + ["-m", "fusetune.worker.train", "--config", str(config_path)], env
+
+
+def torchrun(config: TrainConfig, nproc: int) -> subprocess.CompletedProcess:
+    command, env = torchrun_command(config, nproc)
     return subprocess.run(
         command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
     )
 
 
-def step_metrics(completed: subprocess.CompletedProcess) -> list[dict]:
-    records = parse_console_records(completed.stdout)
+def step_metrics(output: subprocess.CompletedProcess | str, first_step: int = 1) -> list[dict]:
+    records = parse_console_records(output if isinstance(output, str) else output.stdout)
     metrics = [r for r in records if r["kind"] == "metric"]
-    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    assert [m["step"] for m in metrics] == list(range(first_step, first_step + len(metrics)))
     return [m["values"] for m in metrics]
+
+
+def assert_same_curves(
+    actual: list[dict], expected: list[dict], rtol: float, keys=("train_loss", "grad_norm")
+):
+    assert len(actual) == len(expected)
+    for key in (*keys, "learning_rate"):
+        torch.testing.assert_close(
+            [m[key] for m in actual], [m[key] for m in expected], rtol=rtol, atol=0, msg=key
+        )
 
 
 @pytest.fixture(scope="module")
@@ -110,22 +127,104 @@ def test_one_process_trains_and_saves_a_loadable_checkpoint(one_process_run):
     assert generated.shape[1] > prompt["input_ids"].shape[1]
 
 
-def test_two_processes_match_one_process_with_two_micro_batches(one_process_run, tmp_path):
+@pytest.fixture(scope="module")
+def ddp_run(one_process_run, tmp_path_factory):
+    """Two processes under DDP, one micro-batch of 8 each per step."""
+    config, _ = one_process_run
+    config = config.model_copy(update={"output_dir": str(tmp_path_factory.mktemp("ddp") / "out")})
+    completed = torchrun(config, nproc=2)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return config, completed
+
+
+def test_two_processes_match_one_process_with_two_micro_batches(one_process_run, ddp_run):
     config, one = one_process_run
-    two = torchrun(config.model_copy(update={"output_dir": str(tmp_path / "out")}), nproc=2)
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    ddp_config, two = ddp_run
     one_metrics, two_metrics = step_metrics(one), step_metrics(two)
     assert len(two_metrics) == len(one_metrics) == 32
     started = next(r for r in parse_console_records(two.stdout) if r["data"].get("event") == "started")
     assert (started["data"]["world_size"], started["data"]["grad_accum_steps"]) == (2, 1)
-    for key in ("train_loss", "grad_norm", "learning_rate"):
-        torch.testing.assert_close(
-            [m[key] for m in two_metrics], [m[key] for m in one_metrics], rtol=1e-5, atol=0, msg=key
-        )
+    assert started["data"]["distributed"] == "ddp"
+    assert_same_curves(two_metrics, one_metrics, rtol=1e-5)
     torch.testing.assert_close(
         two_metrics[-1]["valid_loss"], one_metrics[-1]["valid_loss"], rtol=1e-5, atol=0
     )
-    assert read_result(tmp_path / "out").trained_tokens == read_result(config.output_dir).trained_tokens
+    assert read_result(ddp_config.output_dir).trained_tokens == read_result(config.output_dir).trained_tokens
+
+
+def fsdp_config(config: TrainConfig, output_dir: Path) -> TrainConfig:
+    # Checkpoints every 4 steps: the killed run below resumes from one. Micro-batches of 4 make each rank
+    # accumulate two per step, which FSDP must not reduce early.
+    update = {
+        "output_dir": str(output_dir),
+        "distributed": "fsdp",
+        "micro_batch_size": 4,
+        "checkpoint_every_steps": 4,
+    }
+    return config.model_copy(update=update)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(one_process_run, tmp_path_factory):
+    config = fsdp_config(one_process_run[0], tmp_path_factory.mktemp("fsdp") / "out")
+    completed = torchrun(config, nproc=2)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return config, completed
+
+
+def test_fsdp_matches_ddp(ddp_run, fsdp_run):
+    ddp_config, ddp = ddp_run
+    fsdp_config_, fsdp = fsdp_run
+    started = next(r for r in parse_console_records(fsdp.stdout) if r["data"].get("event") == "started")
+    assert (started["data"]["distributed"], started["data"]["grad_accum_steps"]) == ("fsdp", 2)
+    ddp_metrics, fsdp_metrics = step_metrics(ddp), step_metrics(fsdp)
+    # The same sums in another order (reduce-scatter of shards instead of an all-reduce of buckets).
+    assert_same_curves(fsdp_metrics, ddp_metrics, rtol=1e-5)
+    torch.testing.assert_close(
+        fsdp_metrics[-1]["valid_loss"], ddp_metrics[-1]["valid_loss"], rtol=1e-5, atol=0
+    )
+    # Rank 0 gathered the sharded weights into an ordinary checkpoint.
+    from_fsdp = AutoModelForCausalLM.from_pretrained(read_result(fsdp_config_.output_dir).final_checkpoint)
+    from_ddp = AutoModelForCausalLM.from_pretrained(read_result(ddp_config.output_dir).final_checkpoint)
+    for (name, a), (_, b) in zip(from_ddp.named_parameters(), from_fsdp.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
+
+
+def test_fsdp_run_killed_mid_training_resumes_on_the_same_curve(fsdp_run, tmp_path):
+    whole_config, whole = fsdp_run
+    config = fsdp_config(whole_config, tmp_path / "out")
+    command, env = torchrun_command(config, nproc=2)
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    killed_output = []
+    try:
+        for line in process.stdout:
+            killed_output.append(line)
+            records = parse_console_records(line)
+            if records and records[0]["kind"] == "checkpoint":
+                os.killpg(process.pid, signal.SIGKILL)  # torchrun and both ranks, mid-training
+                break
+    finally:
+        process.kill()
+        killed_output.append(process.communicate(timeout=60)[0])
+    killed_output = "".join(killed_output)
+    assert process.returncode == -signal.SIGKILL, killed_output[-3000:]
+    assert read_result(config.output_dir) is None
+
+    resumed = torchrun(config, nproc=2)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    events = [r["data"] for r in parse_console_records(resumed.stdout) if r["kind"] == "event"]
+    resumed_from = next(data["step"] for data in events if data.get("event") == "resumed")
+    assert resumed_from % 4 == 0 and 4 <= resumed_from < 32
+    # The steps the killed run made after its checkpoint are made again; the curve is the uninterrupted one.
+    before = step_metrics(killed_output)[:resumed_from]
+    after = step_metrics(resumed, first_step=resumed_from + 1)
+    assert_same_curves(before + after, step_metrics(whole), rtol=1e-6)
+    assert (
+        read_result(config.output_dir).trained_tokens == read_result(whole_config.output_dir).trained_tokens
+    )
 
 
 def test_two_processes_report_a_bad_model_path(tmp_path):

@@ -153,6 +153,16 @@ def delete_checkpoint(checkpoint: Path) -> None:
     shutil.rmtree(checkpoint, ignore_errors=True)
 
 
+def remove_orphan_archives(output_dir: str | Path) -> None:
+    """Delete download archives whose checkpoint folder is gone (a download that was being archived while
+    its checkpoint was pruned finishes its archive afterwards)."""
+    root = checkpoints_root(output_dir)
+    if root.is_dir():
+        for archive in root.glob(f"{CHECKPOINT_PREFIX}*{ARCHIVE_SUFFIX}"):
+            if not archive.with_suffix("").is_dir():
+                archive.unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------------------------------ RNG state
 
 

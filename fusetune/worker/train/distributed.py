@@ -146,7 +146,9 @@ def shard_fsdp(model: torch.nn.Module, device: torch.device, mixed_bf16: bool) -
         if mixed_bf16
         else MixedPrecisionPolicy()
     )
+    # fully_shard moves each unit's parameters and buffers to the mesh's device as it shards them, so a model
+    # loaded on the CPU never has to fit on one GPU whole.
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model.to(device)  # the shards are moved already; this moves buffers
+    return model

@@ -190,6 +190,10 @@ class Trainer:
         self.valid_data = (
             self._load_data(config.validation_file, packing=False) if config.validation_file else None
         )
+        # Checked before the model loads, so that a run that cannot resume fails fast.
+        resume_state = ckpt.read_resume_state(self.resume_from[1]) if self.resume_from is not None else None
+        if resume_state is not None:
+            self._check_resumable(resume_state, self.resume_from[1])
 
         weights_dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         resumed_weights = self.resume_from is not None and config.lora is None
@@ -228,8 +232,8 @@ class Trainer:
         self._peak_flops = (
             peak_bf16_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         )
-        if self.resume_from is not None:
-            self._restore_training_state(self.resume_from[1])
+        if resume_state is not None:
+            self._restore_training_state(resume_state, self.resume_from[1])
 
     # ----------------------------------------------------------------------------------------------- setup
 
@@ -678,6 +682,7 @@ class Trainer:
             self.reporter.checkpoints_deleted([self._reported_path(path) for path in stale])
         for path in stale:
             ckpt.delete_checkpoint(path)
+        ckpt.remove_orphan_archives(self.config.output_dir)
 
     def _check_resumable(self, state: dict[str, Any], checkpoint: Path) -> None:
         saved, current = state[ckpt.RESUME_RUN], self._run_description()
@@ -693,11 +698,9 @@ class Trainer:
                 "a new job or set resume to false",
             )
 
-    def _restore_training_state(self, checkpoint: Path) -> None:
+    def _restore_training_state(self, state: dict[str, Any], checkpoint: Path) -> None:
         """Continue from `checkpoint` (its weights are loaded already): optimizer, schedule, data position,
         token count and this rank's random number generators."""
-        state = ckpt.read_resume_state(checkpoint)
-        self._check_resumable(state, checkpoint)
         self._restore_optimizer(checkpoint)
         self.scheduler.load_state_dict(state[ckpt.RESUME_SCHEDULER])
         self.step = state[ckpt.RESUME_STEP]

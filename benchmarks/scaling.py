@@ -1,0 +1,419 @@
+"""Scaling of the training engine over GPUs: the trainer itself (fusetune.worker.train) under torchrun.
+
+For each implementation and GPU count, one torchrun launch trains a model of a public architecture's shape with
+random weights on random tokens, `--batch` sequences of `--seq` tokens per GPU and step, bf16 weights and
+fused AdamW, DDP over NCCL (or FSDP2 with `--distributed fsdp`). Implementations:
+
+    fusetune   the trainer with its fused kernels (TrainConfig.kernels = True)
+    hf         the same trainer with the kernels off: Hugging Face eager modules
+
+The trainer's own per-step metrics give the numbers: the median step time of `--steps` steps after
+`--warmup-steps`, the peak allocated memory (max over steps and ranks) and MFU against the bf16 matmul rate
+measured at the start of the run. Scaling efficiency = tokens/s on N GPUs / (N x tokens/s on 1 GPU).
+Results: `benchmarks/results/<gpu-slug>-scaling.json` (format of shared/ANCHORS.md, rows with `n_gpus`) and a
+markdown twin.
+
+    PYTHONPATH=. python3 benchmarks/scaling.py                               # 1 and 2 GPUs, both impls
+    PYTHONPATH=. python3 benchmarks/scaling.py --nproc 2 --impls fusetune --ddp-bucket-cap-mb 50
+    PYTHONPATH=. python3 benchmarks/scaling.py --cpu-smoke                   # tiny shape, gloo, < 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import e2e  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_RESULTS_DIR,
+    GIB,
+    REPO_ROOT,
+    collect_versions,
+    gpu_slug,
+    markdown_table,
+    short_error,
+    utc_date,
+    write_json,
+    write_text,
+)
+
+IMPLS = ("fusetune", "hf")
+RESULT_MARKER = "SCALING_RESULT "
+GOAL_EFFICIENCY = 0.95
+METHOD = (
+    "the trainer (fusetune.worker.train.trainer.Trainer, as the worker runs it) under torchrun --standalone, one "
+    "process per GPU; model built from the architecture's config with random weights (seed 0), sdpa attention; "
+    "random token ids, every next token trained; batch = --batch sequences of --seq tokens per GPU and step (one "
+    "micro-batch); precision 'bf16' (bf16 weights, AdamW state in bf16, torch.optim.AdamW(fused=True)); "
+    "gradient clipping at 1.0; step time = the trainer's step_time_s (micro-batches, all-reduce, clipping, "
+    "optimizer step, then a device synchronize), median of the timed steps after the warm-up steps; "
+    "tokens_per_s = n_gpus * batch * seq / median step time; peak_alloc_gb = the trainer's "
+    "peak_memory_allocated_bytes (torch.cuda.max_memory_allocated per step, max over ranks and timed steps) / "
+    "2**30; scaling efficiency = tokens_per_s(n) / (n * tokens_per_s(1)) for the same impl. No checkpoint is "
+    "written (the measured loop is the training step)."
+)
+
+
+def _row_base(spec: dict[str, Any], n_gpus: int) -> dict[str, Any]:
+    model = spec["model"] + ("-tiny" if spec["tiny"] else "")  # a smoke test's shape is not the named one
+    return {
+        "model": model,
+        "impl": spec["impl"],
+        "n_gpus": n_gpus,
+        "batch": spec["batch"],
+        "seq": spec["seq"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker: one rank inside torchrun.
+
+
+def _synthetic_trainer_class():
+    """A Trainer that trains a randomly initialised model on random tokens; imported inside the worker only,
+    so that the parent process never loads torch."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fusetune.worker.train.data import IGNORE_INDEX, LoadedData, TokenizedSequence
+    from fusetune.worker.train.trainer import Trainer
+
+    class SyntheticTrainer(Trainer):
+        def __init__(self, config, dist_info, reporter, model_config) -> None:
+            self._model_config = model_config
+            super().__init__(config, dist_info, reporter)
+
+        def _load_tokenizer(self):
+            return SimpleNamespace(pad_token_id=0, eos_token_id=None)  # ids are drawn directly, never decoded
+
+        def _load_model(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
+            torch.manual_seed(0)
+            # Built on the GPU itself: initialising a billion parameters on the CPU takes far longer.
+            device = self.device if self.device.type == "cuda" and not self.fsdp else torch.device("cpu")
+            with device:
+                return AutoModelForCausalLM.from_config(
+                    self._model_config, dtype=dtype, attn_implementation="sdpa"
+                )
+
+        def _load_data(self, path: str, packing: bool) -> LoadedData:
+            config = self.config
+            generator = torch.Generator().manual_seed(1)
+            n_rows = config.batch_size * (config.max_steps or 1)
+            ids = torch.randint(
+                0, self._model_config.vocab_size, (n_rows, config.max_seq_length), generator=generator
+            ).tolist()
+            rows = [TokenizedSequence(row, row[1:] + [IGNORE_INDEX], list(range(len(row)))) for row in ids]
+            return LoadedData(rows, n_rows, 0, 0)
+
+        def _save_checkpoint(self, metrics: dict[str, float]) -> None:
+            # The benchmark measures training steps; writing gigabytes of weights and optimizer state is not one.
+            self.last_checkpoint, self.last_checkpoint_step = Path(self.config.output_dir), self.step
+
+    return SyntheticTrainer
+
+
+def _worker_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    from fusetune.worker.train.config import TrainConfig
+    from fusetune.worker.train.distributed import DEFAULT_DDP_BUCKET_CAP_MB, init_distributed, shutdown
+    from fusetune.worker.train.metrics import training_flops_per_token
+    from fusetune.worker.train.reporter import NullReporter
+
+    class Collector(NullReporter):
+        def __init__(self) -> None:
+            self.metrics: list[dict[str, float]] = []
+
+        def metric(self, step: int, values: dict[str, float]) -> None:
+            self.metrics.append(values)
+
+    dist_info = init_distributed()
+    n_gpus = dist_info.world_size
+    row = _row_base(spec, n_gpus)
+    try:
+        with tempfile.TemporaryDirectory(prefix="fusetune-scaling-") as output_dir:
+            config = TrainConfig(
+                model_path=f"random weights of the {spec['model']}",
+                training_file="random tokens",
+                output_dir=output_dir,
+                batch_size=spec["batch"] * n_gpus,
+                micro_batch_size=spec["batch"],
+                max_seq_length=spec["seq"],
+                max_steps=spec["warmup_steps"] + spec["steps"],
+                learning_rate=1e-5,
+                warmup_ratio=0.0,
+                precision="bf16" if dist_info.device.type == "cuda" else "fp32",
+                kernels=spec["impl"] == "fusetune",
+                distributed=spec["distributed"],
+                ddp_bucket_cap_mb=spec["ddp_bucket_cap_mb"],
+                gradient_checkpointing=spec["gradient_checkpointing"],
+                resume=False,
+            )
+            reporter = Collector()
+            trainer = _synthetic_trainer_class()(
+                config, dist_info, reporter, e2e.build_config(spec["model"], spec["tiny"])
+            )
+            trainer.train()
+            flops_per_token = training_flops_per_token(trainer.model, spec["seq"])
+            timed = reporter.metrics[spec["warmup_steps"] :]
+            step_s = statistics.median(m["step_time_s"] for m in timed)
+            tokens_per_s = n_gpus * spec["batch"] * spec["seq"] / step_s
+            peak_allocated = max(m["peak_memory_allocated_bytes"] for m in timed)
+            row.update(
+                tokens_per_s=round(tokens_per_s, 1),
+                tokens_per_s_per_gpu=round(tokens_per_s / n_gpus, 1),
+                peak_alloc_gb=round(peak_allocated / GIB, 2) if dist_info.device.type == "cuda" else None,
+                mfu=None,
+                flops_per_token=flops_per_token,
+                step_ms=round(step_s * 1e3, 2),
+                step_ms_min=round(min(m["step_time_s"] for m in timed) * 1e3, 2),
+                step_ms_max=round(max(m["step_time_s"] for m in timed) * 1e3, 2),
+                first_loss=round(reporter.metrics[0]["train_loss"], 4),
+                last_loss=round(reporter.metrics[-1]["train_loss"], 4),
+                kernels_applied=trainer.kernels_applied,
+                distributed=spec["distributed"] if n_gpus > 1 else "none",
+                ddp_bucket_cap_mb=config.ddp_bucket_cap_mb or DEFAULT_DDP_BUCKET_CAP_MB,
+                precision=trainer.precision,
+                steps=spec["steps"],
+                warmup_steps=spec["warmup_steps"],
+            )
+            if spec.get("peak_tflops"):
+                row["mfu"] = round(
+                    row["tokens_per_s_per_gpu"] * flops_per_token / (spec["peak_tflops"] * 1e12), 4
+                )
+            if spec["impl"] == "fusetune" and dist_info.device.type == "cuda" and not trainer.kernels_applied:
+                row["error"] = "the fused kernels were not applied (see the trainer's kernels event)"
+    except Exception as error:  # noqa: BLE001 - every failure becomes the row's error
+        traceback.print_exc()
+        row["error"] = ("OOM: " if "out of memory" in str(error).lower() else "") + short_error(error)
+        if dist_info.is_main:
+            print(RESULT_MARKER + json.dumps(row), flush=True)
+        # Exit at once: the other ranks may wait in a collective, and torchrun stops them when one rank fails.
+        sys.stdout.flush()
+        os._exit(1)
+    if dist_info.is_main:
+        print(RESULT_MARKER + json.dumps(row), flush=True)
+    shutdown()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parent: one torchrun launch per (impl, n_gpus).
+
+
+def _child_env(cpu: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if cpu:
+        env["OMP_NUM_THREADS"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _run_torchrun(spec: dict[str, Any], nproc: int, timeout_s: float, cpu: bool) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(Path(__file__).resolve()), "--_worker", json.dumps(spec),
+    ]  # fmt: skip
+    base = _row_base(spec, nproc)
+    try:
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, env=_child_env(cpu), cwd=REPO_ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return {**base, "error": f"ran past its {timeout_s:.0f} s limit and was stopped"}
+    for line in completed.stdout.splitlines():
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER) :])
+    sys.stderr.write(completed.stdout[-2000:] + completed.stderr[-4000:])
+    tail = " | ".join(completed.stderr.strip().splitlines()[-3:])
+    return {**base, "error": f"torchrun exited with code {completed.returncode} and no result: {tail}"}
+
+
+def _device_info() -> dict[str, Any] | None:
+    """GPU name, measured ceilings and versions, from e2e.py's probe in a subprocess (the parent never holds a
+    CUDA context while models train)."""
+    completed = subprocess.run(
+        [sys.executable, str(Path(e2e.__file__).resolve()), "--_device-info"],
+        capture_output=True, text=True, timeout=300, env=_child_env(cpu=False),
+    )  # fmt: skip
+    for line in completed.stdout.splitlines():
+        if line.startswith(e2e.RESULT_MARKER):
+            return json.loads(line[len(e2e.RESULT_MARKER) :])
+    sys.stderr.write(completed.stderr[-3000:])
+    return None
+
+
+def scaling_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Efficiency of every multi-GPU row against the 1-GPU row of the same impl; adds it to the row too."""
+    summary = []
+    single = {row["impl"]: row for row in rows if row["n_gpus"] == 1 and row.get("tokens_per_s")}
+    for row in rows:
+        base = single.get(row["impl"])
+        if row["n_gpus"] > 1 and base and row.get("tokens_per_s"):
+            efficiency = round(row["tokens_per_s"] / (row["n_gpus"] * base["tokens_per_s"]), 4)
+            row["scaling_efficiency"] = efficiency
+            summary.append(
+                {"impl": row["impl"], "from_gpus": 1, "to_gpus": row["n_gpus"], "efficiency": efficiency,
+                 "meets_goal": efficiency >= GOAL_EFFICIENCY}
+            )  # fmt: skip
+    return summary
+
+
+def results_payload(meta: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "gpu": meta["gpu"],
+        "date": meta["date"],
+        "versions": meta["versions"],
+        "ceilings": meta["ceilings"],
+        "method": METHOD,
+        "mfu_formula": e2e.MFU_FORMULA,
+        "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
+        "goal": f"scaling efficiency >= {GOAL_EFFICIENCY} with the kernels on (HF + Liger-Kernel under plain DDP: "
+        "0.946 on H200, shared/ANCHORS.md)",
+        "scaling": scaling_summary(rows),
+        "rows": rows,
+    }
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in payload["versions"].items())
+    lines = [
+        f"# Scaling of the trainer over GPUs: {payload['gpu']}, {payload['date']}",
+        "",
+        f"Versions: {versions}.",
+        "",
+        f"Method: {payload['method']}",
+        "",
+        f"MFU: {payload['mfu_formula']}.",
+        "",
+        f"Goal: {payload['goal']}.",
+        "",
+    ]
+    table = []
+    notes = []
+    for row in payload["rows"]:
+        table.append(
+            [
+                row["model"], row["impl"], row["n_gpus"], f"{row['batch']} x {row['seq']}", row.get("tokens_per_s"),
+                row.get("tokens_per_s_per_gpu"), row.get("scaling_efficiency"), row.get("peak_alloc_gb"),
+                row.get("mfu"), row.get("step_ms"), row.get("kernels_applied"),
+            ]
+        )  # fmt: skip
+        if "error" in row:
+            notes.append(f"- {row['impl']} on {row['n_gpus']} GPU(s): {row['error']}")
+    header = ["model", "impl", "GPUs", "batch per GPU", "tokens/s", "tokens/s per GPU", "scaling efficiency",
+              "peak alloc GB", "MFU", "step ms", "kernels"]  # fmt: skip
+    lines.append(markdown_table(header, table))
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Tokens/s of the trainer on 1 and N GPUs under torchrun, kernels on and off; scaling efficiency.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default="llama-3.2-1b-shape", choices=sorted(e2e.MODEL_SHAPES))
+    parser.add_argument(
+        "--nproc", default="1,2", help="comma-separated GPU counts (1 is needed for efficiency)"
+    )
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated: {', '.join(IMPLS)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per GPU and step")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--distributed", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument(
+        "--ddp-bucket-cap-mb", type=int, default=None, help="DDP bucket size (default: the trainer's)"
+    )
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
+    parser.add_argument(
+        "--gpu-slug", default=None, help="file-name prefix; default from the device name (h200)"
+    )
+    parser.add_argument("--run-timeout-s", type=float, default=540, help="limit of one torchrun launch")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="check the harness on a CPU: tiny shape, batch 2 x 32, gloo, 1 and 2 processes, hf only, 1 warm-up "
+        "and 2 timed steps; numbers mean nothing; writes to a temporary folder unless --out is given",
+    )
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        defaults = {"impls": ",".join(IMPLS), "steps": 10, "warmup_steps": 3, "batch": 8, "seq": 2048}
+        smoke = {"impls": "hf", "steps": 2, "warmup_steps": 1, "batch": 2, "seq": 32}
+        for name, value in smoke.items():
+            if getattr(args, name) == defaults[name]:
+                setattr(args, name, value)
+        if args.out == DEFAULT_RESULTS_DIR:
+            args.out = Path(tempfile.mkdtemp(prefix="fusetune-scaling-cpu-"))
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    unknown = [impl for impl in args.impls if impl not in IMPLS]
+    if unknown:
+        parser.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    try:
+        args.nproc = sorted({int(n) for n in args.nproc.split(",")})
+    except ValueError:
+        parser.error(f"--nproc: expected comma-separated integers, got {args.nproc!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args._worker:
+        return _worker_main(args._worker)
+
+    if args.cpu_smoke:
+        info = {"gpu": "cpu (smoke test, gloo)", "ceilings": None, "versions": collect_versions()}
+    else:
+        print("Measuring ceilings ...", flush=True)
+        info = _device_info()
+        if info is None:
+            print("could not read the device", file=sys.stderr)
+            return 2
+    meta = {**info, "date": utc_date()}
+    rows = []
+    for impl in args.impls:
+        for nproc in args.nproc:
+            spec = {
+                "model": args.model, "impl": impl, "batch": args.batch, "seq": args.seq, "steps": args.steps,
+                "warmup_steps": args.warmup_steps, "tiny": args.cpu_smoke, "distributed": args.distributed,
+                "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb, "gradient_checkpointing": args.gradient_checkpointing,
+                "peak_tflops": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
+            }  # fmt: skip
+            started = time.monotonic()
+            print(f"{args.model} / {impl} / {nproc} process(es) ...", flush=True)
+            row = _run_torchrun(spec, nproc, args.run_timeout_s, cpu=args.cpu_smoke)
+            print(f"  {json.dumps(row)} ({time.monotonic() - started:.0f} s)", flush=True)
+            rows.append(row)
+    payload = results_payload(meta, rows)
+    slug = args.gpu_slug or ("cpu" if args.cpu_smoke else gpu_slug(meta["gpu"]))
+    json_path, markdown_path = args.out / f"{slug}-scaling.json", args.out / f"{slug}-scaling.md"
+    write_json(json_path, payload)
+    write_text(markdown_path, render_markdown(payload))
+    print(f"wrote {json_path} and {markdown_path}")
+    for entry in payload["scaling"]:
+        print(f"scaling efficiency {entry['impl']} 1 -> {entry['to_gpus']} GPUs: {entry['efficiency']:.3f}")
+    return 1 if any("error" in row for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
