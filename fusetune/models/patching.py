@@ -186,8 +186,9 @@ def fusetune_handle(model: nn.Module) -> FusetuneHandle | None:
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (or the model itself)."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
 
 
 # ------------------------------------------------------------------------------------------- classes
