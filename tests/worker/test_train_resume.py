@@ -12,7 +12,14 @@ import torch
 
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
-from fusetune.worker.train.outcome import EXIT_STOPPED, ErrorCode, JobStopped, TrainingFailure, read_result
+from fusetune.worker.train.outcome import (
+    EXIT_STOPPED,
+    ErrorCode,
+    JobStopped,
+    TrainingFailure,
+    read_result,
+    read_stopped,
+)
 from fusetune.worker.train.reporter import StopRequest
 from fusetune.worker.train.trainer import Trainer, run
 from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config, make_job_database
@@ -211,10 +218,12 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
         assert any((e.data or {}).get("reason") == "paused" for e in events)
     assert ckpt.latest_resumable(config.output_dir) == (1, ckpt.checkpoint_path(config.output_dir, 1))
     assert read_result(config.output_dir) is None
+    stopped = {"reason": "paused", "step": 1, "checkpoint": f"{job_id}/checkpoints/step-1"}
+    assert read_stopped(config.output_dir) == stopped
 
     set_status(sessions, job_id, "running")  # what the worker does when it picks the resumed job up
     assert run(config) == 0
-    assert read_result(config.output_dir).steps == 6
+    assert read_result(config.output_dir).steps == 6 and read_stopped(config.output_dir) is None
     with sessions() as session:
         assert [m.step for m in queries.list_metrics(session, job_id)] == list(range(1, 7))
         assert [c.step for c in queries.list_checkpoints(session, job_id)] == [6, 1]
@@ -241,6 +250,7 @@ def test_cancel_stops_the_trainer_within_seconds_without_a_checkpoint(model_dir,
     assert seconds_to_exit < 10, seconds_to_exit
     print(f"cancel honoured {seconds_to_exit:.2f} s after the status changed")
     assert ckpt.list_checkpoints(config.output_dir) == []
+    assert read_stopped(config.output_dir)["reason"] == "cancelled"
     with sessions() as session:
         assert queries.list_checkpoints(session, job_id) == []
         events, _ = queries.list_events(session, job_id, limit=1000)

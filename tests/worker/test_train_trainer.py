@@ -22,6 +22,7 @@ from fusetune.worker.train.outcome import (
     JobStopped,
     read_error,
     read_result,
+    read_stopped,
 )
 from fusetune.worker.train.reporter import ConsoleReporter, NullReporter, StopRequest, parse_console_records
 from fusetune.worker.train.trainer import Trainer, lr_factor, run
@@ -247,6 +248,24 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_losses(model_dir
     assert _mlp_forwards_in_one_step(trainer) == 2 * n_layers
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora", [None, {"r": 8, "alpha": 16}], ids=["full", "lora"])
+def test_kernels_on_the_gpu_train_like_the_unpatched_model(model_dir, small_train_file, tmp_path, lora):
+    gpu = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cuda", 0))
+    curves = {}
+    for kernels in (False, True):
+        reporter = RecordingReporter()
+        config = make_config(
+            model_dir, small_train_file, tmp_path / str(kernels), precision="fp32", kernels=kernels, lora=lora,
+            max_steps=4,
+        )  # fmt: skip
+        trainer = Trainer(config, gpu, reporter)
+        trainer.train()
+        assert trainer.kernels_applied == kernels  # a PEFT-wrapped model is patched too
+        curves[kernels] = [values["train_loss"] for _, values in reporter.metrics]
+    torch.testing.assert_close(curves[True], curves[False], rtol=1e-3, atol=0)
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
@@ -366,6 +385,8 @@ def test_a_stop_request_ends_the_run_without_a_result(model_dir, small_train_fil
     monkeypatch.setattr(trainer_module, "make_reporter", lambda *args: RecordingReporter(stop_after_step=1))
     assert run(make_config(model_dir, small_train_file, tmp_path / "out")) == EXIT_STOPPED
     assert read_result(tmp_path / "out") is None and read_error(tmp_path / "out") is None
+    # torchrun reports any non-zero rank exit as its own 1: the file is what tells the worker it was a stop.
+    assert read_stopped(tmp_path / "out") == {"reason": "cancelled", "step": 1, "checkpoint": None}
 
 
 # ---------------------------------------------------------------------------------------------- reporting

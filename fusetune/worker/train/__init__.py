@@ -4,6 +4,14 @@ Importing this package stays light (no torch): the worker needs only `TrainConfi
 """
 
 from fusetune.worker.train.config import LoraConfig, TrainConfig
-from fusetune.worker.train.outcome import ErrorCode, TrainResult, read_error, read_result
+from fusetune.worker.train.outcome import ErrorCode, TrainResult, read_error, read_result, read_stopped
 
-__all__ = ["ErrorCode", "LoraConfig", "TrainConfig", "TrainResult", "read_error", "read_result"]
+__all__ = [
+    "ErrorCode",
+    "LoraConfig",
+    "TrainConfig",
+    "TrainResult",
+    "read_error",
+    "read_result",
+    "read_stopped",
+]

@@ -17,8 +17,9 @@ class _Frozen(BaseModel):
 
 
 # The default micro-batch holds at most this many tokens (sequences x max_seq_length) per process: 8 x 2048,
-# the shape at which a 1B model trains in about 20 GB with fused kernels. Activation memory grows with the
-# tokens of a micro-batch, not with the global batch, so a larger batch_size only adds accumulation steps.
+# the end-to-end benchmark shape, at which a 1B model peaks at 26 GB with Liger-Kernel and 61 GB in HF eager
+# (H100, shared/ANCHORS.md). Activation memory grows with the tokens of a micro-batch, not with the global
+# batch, so a larger batch_size only adds accumulation steps.
 DEFAULT_MICRO_BATCH_TOKENS = 16384
 
 
@@ -87,7 +88,9 @@ class TrainConfig(_Frozen):
     # Model and speed.
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = Field(
         "auto",
-        description="auto: bf16-mixed on GPU (fp32 weights and AdamW state, bf16 autocast), fp32 on CPU",
+        description="auto: bf16-mixed on GPU, fp32 on CPU. bf16-mixed: fp32 weights and AdamW state, bf16 "
+        "compute (autocast under DDP, bf16-gathered parameters and fp32 gradient reduction under FSDP); bf16: "
+        "bf16 weights and AdamW state",
     )
     kernels: bool = True
     gradient_checkpointing: bool = False

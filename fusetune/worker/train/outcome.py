@@ -1,7 +1,10 @@
-"""How a training run tells the worker how it ended: `result.json` on success, `error.json` on a known failure.
+"""How a training run tells the worker how it ended: `result.json` on success, `error.json` on a known failure,
+`stopped.json` when it stopped because the job was paused or cancelled.
 
-Rank 0 writes exactly one of the two into the job's output directory; the worker reads it after torchrun exits
-and owns every job status transition. Light on imports so the worker can use it without torch.
+Rank 0 writes exactly one of the three into the job's output directory; the worker reads it after torchrun
+exits and owns every job status transition. (torchrun turns a rank's exit status into its own 1 whenever a
+rank exits non-zero, so the file, not the exit status, is what tells a stop from a crash.) Light on imports so
+the worker can use it without torch.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 
 RESULT_FILENAME = "result.json"
 ERROR_FILENAME = "error.json"
+STOPPED_FILENAME = "stopped.json"
+OUTCOME_FILENAMES = (RESULT_FILENAME, ERROR_FILENAME, STOPPED_FILENAME)
 
 # Exit status of the trainer: 0 with result.json, FAILED with error.json, STOPPED when the job was cancelled or
 # paused (after a pause, the checkpoint of the step it stopped at holds everything needed to resume).
@@ -45,9 +50,11 @@ class TrainingFailure(Exception):
 class JobStopped(Exception):
     """The job was cancelled or paused while training; the run ends without a result."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, step: int, checkpoint: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason  # "cancelled" or "paused"
+        self.step = step
+        self.checkpoint = checkpoint  # where a paused run resumes from
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,11 @@ def write_error(output_dir: str | Path, code: ErrorCode | str, message: str) -> 
     return _write_json_atomically(Path(output_dir) / ERROR_FILENAME, {"code": str(code), "message": message})
 
 
+def write_stopped(output_dir: str | Path, stopped: JobStopped) -> Path:
+    payload = {"reason": stopped.reason, "step": stopped.step, "checkpoint": stopped.checkpoint}
+    return _write_json_atomically(Path(output_dir) / STOPPED_FILENAME, payload)
+
+
 def read_result(output_dir: str | Path) -> TrainResult | None:
     path = Path(output_dir) / RESULT_FILENAME
     if not path.is_file():
@@ -84,6 +96,14 @@ def read_result(output_dir: str | Path) -> TrainResult | None:
 def read_error(output_dir: str | Path) -> dict[str, str] | None:
     """`{"code", "message"}` of a failed run, or None when the trainer wrote no error."""
     path = Path(output_dir) / ERROR_FILENAME
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_stopped(output_dir: str | Path) -> dict[str, Any] | None:
+    """`{"reason": "paused" | "cancelled", "step", "checkpoint"}` of a run stopped by its job's status, or None."""
+    path = Path(output_dir) / STOPPED_FILENAME
     if not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))

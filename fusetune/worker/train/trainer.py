@@ -67,13 +67,14 @@ from fusetune.worker.train.outcome import (
     EXIT_FAILED,
     EXIT_STOPPED,
     OUT_OF_MEMORY_HINT,
-    RESULT_FILENAME,
+    OUTCOME_FILENAMES,
     ErrorCode,
     JobStopped,
     TrainingFailure,
     TrainResult,
     write_error,
     write_result,
+    write_stopped,
 )
 from fusetune.worker.train.reporter import Reporter, StopRequest, make_reporter
 
@@ -551,7 +552,7 @@ class Trainer:
             values.update(self.evaluate())
         self.reporter.metric(self.step, values)
         if stop == StopRequest.CANCEL:
-            raise JobStopped("cancelled", f"stopped at step {self.step}: the job was cancelled")
+            raise JobStopped("cancelled", f"stopped at step {self.step}: the job was cancelled", self.step)
         periodic = (
             config.checkpoint_every_steps is not None and self.step % config.checkpoint_every_steps == 0
         )
@@ -561,7 +562,10 @@ class Trainer:
                 self._save_checkpoint({k: v for k, v in values.items() if k in ("train_loss", "valid_loss")})
         if stop == StopRequest.PAUSE:
             raise JobStopped(
-                "paused", f"paused at step {self.step}: checkpoint saved, training resumes from it"
+                "paused",
+                f"paused at step {self.step}: checkpoint saved, training resumes from it",
+                self.step,
+                self._reported_path(self.last_checkpoint),
             )
 
     @torch.no_grad()
@@ -743,7 +747,7 @@ def run(config: TrainConfig) -> int:
     output_dir = Path(config.output_dir)
     if dist_info.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (RESULT_FILENAME, ERROR_FILENAME):
+        for stale in OUTCOME_FILENAMES:
             (output_dir / stale).unlink(missing_ok=True)
     barrier()
 
@@ -755,6 +759,8 @@ def run(config: TrainConfig) -> int:
         if dist_info.is_main:
             write_result(output_dir, result)
     except JobStopped as stopped:
+        if dist_info.is_main:
+            write_stopped(output_dir, stopped)
         if reporter is not None:
             reporter.event(str(stopped), level="warning", data={"event": "stopped", "reason": stopped.reason})
         shutdown()
