@@ -1,7 +1,11 @@
 """Checks a training file line by line before anything is stored.
 
-The format is OpenAI's chat fine-tuning JSONL: one JSON object per line, ``{"messages": [...]}``, each message
-``{"role": "system" | "user" | "assistant", "content": str}``, with at least one assistant message.
+One JSON object per line, in one of three shapes (they may be mixed):
+- chat, OpenAI's fine-tuning format: ``{"messages": [...]}``, each message ``{"role": "system" | "user" |
+  "assistant" | "tool", "content": str}`` (an assistant message may carry ``tool_calls`` and null content, and
+  an optional ``weight`` of 0 or 1), with at least one assistant message;
+- ``{"prompt": str, "completion": str}`` (the loss is on the completion);
+- ``{"text": str}`` (the loss is on every token).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED_ERRORS = 20
 # A rough count for estimates before tokenisation: about four characters per token in English text.
 CHARS_PER_TOKEN = 4
@@ -38,7 +42,19 @@ class FileReport:
 
 def _check_example(example: object) -> str | None:
     if not isinstance(example, dict):
-        return "expected a JSON object with a 'messages' list"
+        return "expected a JSON object with 'messages', 'prompt' and 'completion', or 'text'"
+    if "messages" not in example:
+        if "prompt" in example or "completion" in example:
+            if not isinstance(example.get("prompt"), str) or not isinstance(example.get("completion"), str):
+                return "'prompt' and 'completion' must both be strings"
+            return None if example["completion"] else "'completion' must not be empty"
+        if "text" in example:
+            return (
+                None
+                if isinstance(example["text"], str) and example["text"]
+                else "'text' must be a non-empty string"
+            )
+        return "expected 'messages', 'prompt' and 'completion', or 'text'"
     messages = example.get("messages")
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list"
@@ -49,7 +65,11 @@ def _check_example(example: object) -> str | None:
         role = message.get("role")
         if role not in ROLES:
             return f"messages[{index}].role must be one of {', '.join(ROLES)} (got {json.dumps(role)})"
-        if not isinstance(message.get("content"), str):
+        content = message.get("content")
+        tool_call_only = (
+            role == "assistant" and content is None and isinstance(message.get("tool_calls"), list)
+        )
+        if not isinstance(content, str) and not tool_call_only:
             return f"messages[{index}].content must be a string"
         weight = message.get("weight", 1)
         if weight not in (0, 1):
@@ -58,6 +78,12 @@ def _check_example(example: object) -> str | None:
     if not has_assistant:
         return "needs at least one assistant message to learn from"
     return None
+
+
+def _characters(example: dict) -> int:
+    if "messages" in example:
+        return sum(len(m.get("content") or "") for m in example["messages"])
+    return sum(len(example.get(key, "")) for key in ("prompt", "completion", "text"))
 
 
 def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
@@ -81,8 +107,7 @@ def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
             report.add_error(line_number, problem)
             continue
         report.example_count += 1
-        characters = sum(len(m["content"]) for m in example["messages"])
-        report.token_estimate += max(1, characters // CHARS_PER_TOKEN)
+        report.token_estimate += max(1, _characters(example) // CHARS_PER_TOKEN)
     if report.example_count == 0 and not report.errors:
         report.errors.append("the file holds no examples")
     return report

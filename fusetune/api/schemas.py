@@ -43,6 +43,13 @@ class FileDeleted(BaseModel):
 # ---- jobs ------------------------------------------------------------------------------------------------
 
 
+class LoraHyperparameters(_Request):
+    r: int = Field(default=16, ge=1, le=1024)
+    alpha: float = Field(default=32.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
 class Hyperparameters(_Request):
     n_epochs: int | Literal["auto"] = "auto"
     batch_size: int | Literal["auto"] = "auto"
@@ -53,6 +60,21 @@ class Hyperparameters(_Request):
     lr_scheduler: Literal["cosine", "linear"] = "cosine"
     kernels: bool = Field(default=True, description="Patch the model with fusetune's Triton kernels (GPU)")
     n_gpus: int = Field(default=1, ge=1, le=64, description="Processes (GPUs) the job trains on")
+    lora: LoraHyperparameters | None = Field(
+        default=None, description="Train LoRA adapters instead of all weights"
+    )
+    merge_lora_on_save: bool = Field(default=False, description="Also save merged full weights (needs lora)")
+    gradient_checkpointing: bool = False
+    packing: bool = Field(default=False, description="Pack examples into max_seq_length rows")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        default="ddp", description="fsdp shards models too big for one GPU"
+    )
+
+    @model_validator(mode="after")
+    def _merge_needs_lora(self) -> Hyperparameters:
+        if self.merge_lora_on_save and self.lora is None:
+            raise ValueError("merge_lora_on_save needs lora")
+        return self
 
     @field_validator("n_epochs")
     @classmethod

@@ -26,7 +26,14 @@ from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.worker.process import prepare_training_process
 from fusetune.worker.train.config import TrainConfig
-from fusetune.worker.train.outcome import ERROR_FILENAME, RESULT_FILENAME, read_error, read_result
+from fusetune.worker.train.outcome import (
+    ERROR_FILENAME,
+    RESULT_FILENAME,
+    STOPPED_FILENAME,
+    read_error,
+    read_result,
+    read_stopped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +158,11 @@ class JobRunner:
             warmup_ratio=hyper.get("warmup_ratio", 0.0),
             max_seq_length=hyper.get("max_seq_length", 512),
             kernels=hyper.get("kernels", True),
+            gradient_checkpointing=hyper.get("gradient_checkpointing", False),
+            packing=hyper.get("packing", False),
+            distributed=hyper.get("distributed", "ddp"),
+            lora=hyper.get("lora"),
+            merge_lora_on_save=hyper.get("merge_lora_on_save", False),
             checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
             checkpoint_paths_relative_to=str(self.settings.runs_dir),
         )
@@ -165,7 +177,7 @@ class JobRunner:
     def _train(self, job: Job) -> Outcome:
         run_dir = self.settings.runs_dir / job.id
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (RESULT_FILENAME, ERROR_FILENAME):
+        for stale in (RESULT_FILENAME, ERROR_FILENAME, STOPPED_FILENAME):
             (run_dir / stale).unlink(missing_ok=True)
         model_location = self._model_location(job)
         if model_location is None:
@@ -249,6 +261,13 @@ class JobRunner:
             name = fine_tuned_model_name(job.model, job.tenant, job.suffix, job.id)
             fields = {"trained_tokens": result.trained_tokens, "fine_tuned_model": name}
             return Outcome(JobStatus.SUCCEEDED, fields, f"Fine-tuning job successfully completed: {name}")
+        stopped = read_stopped(run_dir)
+        if stopped is not None:
+            # The trainer saw the pause or cancel before the worker did; the job row already says so.
+            reason = str(stopped.get("reason", JobStatus.CANCELLED))
+            return Outcome(
+                reason, {}, f"Training stopped at step {stopped.get('step')}: the job was {reason}"
+            )
         error = read_error(run_dir)
         if error is not None:
             error = {

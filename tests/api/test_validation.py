@@ -190,3 +190,20 @@ def test_job_lifecycle_routes_and_not_found(client, training_file):
     _assert_error_shape(client.get("/v1/fine_tuning/jobs/ftjob-missing"), 404)
     _assert_error_shape(client.get("/v1/files/file-missing"), 404)
     _assert_error_shape(client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints/ftckpt_x/content"), 404)
+
+
+def test_prompt_completion_text_and_tool_lines_are_accepted(client):
+    lines = [
+        json.dumps({"prompt": "2 + 2 =", "completion": " 4"}),
+        json.dumps({"text": "plain text to continue"}),
+        json.dumps({"messages": [{"role": "user", "content": "weather?"},
+                                 {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                  "function": {"name": "weather", "arguments": "{}"}}]},
+                                 {"role": "tool", "content": "sunny"},
+                                 {"role": "assistant", "content": "Sunny.", "weight": 1}]}),
+    ]  # fmt: skip
+    response = _upload(client, "\n".join(lines))
+    assert response.status_code == 200, response.text
+    assert response.json()["example_count"] == 3
+    error = _assert_error_shape(_upload(client, json.dumps({"prompt": "x", "completion": 5})), 400, "file")
+    assert "line 1: 'prompt' and 'completion' must both be strings" in error["message"]
