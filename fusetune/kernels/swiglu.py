@@ -220,14 +220,19 @@ def _row_geometry(*tensors: torch.Tensor) -> tuple[int, int, list[int]]:
     return n_rows, n_cols, [t.stride(0) for t in tensors]
 
 
-def _launch_gated_forward(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, activation: str) -> None:
-    """a, b, out: [rows, cols] with unit column stride."""
+def _launch_gated_forward(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, activation: str, traced: bool = False
+) -> None:
+    """a, b, out: [rows, cols] with unit column stride. `traced`: called from the torch.library op, so the
+    launch goes through wrap_triton for the compiler (eager calls launch directly: wrap_triton outside an op
+    costs more CPU time per call than the kernel takes on the GPU)."""
     if a.numel() == 0:
         return
     n_rows, n_cols, strides = _row_geometry(a, b, out)
     settings = gated_launch_settings(n_cols)
     n_col_blocks = triton.cdiv(n_cols, settings.block)
-    wrap_triton(_gated_forward_kernel)[(n_rows * n_col_blocks,)](
+    kernel = wrap_triton(_gated_forward_kernel) if traced else _gated_forward_kernel
+    kernel[(n_rows * n_col_blocks,)](
         a, b, out, n_cols, n_col_blocks, *strides,
         ACTIVATION=_ACTIVATION_CODES[activation], BLOCK=settings.block, ROUND_BF16=_INTERPRETED,
         num_warps=settings.num_warps,
@@ -242,15 +247,18 @@ def _launch_gated_backward(
     grad_b: torch.Tensor,
     hidden: torch.Tensor | None,
     activation: str,
+    traced: bool = False,
 ) -> None:
-    """All [rows, cols] with unit column stride; grad_a/grad_b may be a/b and hidden may be grad (in place)."""
+    """All [rows, cols] with unit column stride; grad_a/grad_b may be a/b and hidden may be grad (in place).
+    `traced` as for _launch_gated_forward."""
     if a.numel() == 0:
         return
     hidden_arg = grad if hidden is None else hidden
     n_rows, n_cols, strides = _row_geometry(grad, a, b, grad_a, grad_b, hidden_arg)
     settings = gated_launch_settings(n_cols)
     n_col_blocks = triton.cdiv(n_cols, settings.block)
-    wrap_triton(_gated_backward_kernel)[(n_rows * n_col_blocks,)](
+    kernel = wrap_triton(_gated_backward_kernel) if traced else _gated_backward_kernel
+    kernel[(n_rows * n_col_blocks,)](
         grad, a, b, grad_a, grad_b, hidden_arg, n_cols, n_col_blocks, *strides,
         ACTIVATION=_ACTIVATION_CODES[activation], STORE_HIDDEN=hidden is not None,
         BLOCK=settings.block, ROUND_BF16=_INTERPRETED, num_warps=settings.num_warps,
@@ -265,7 +273,7 @@ def _launch_gated_backward(
 @triton_op("fusetune::gated_act", mutates_args=())
 def _gated_act_op(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
     out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
-    _launch_gated_forward(_as_rows(a), _as_rows(b), out.view(-1, a.shape[-1]), activation)
+    _launch_gated_forward(_as_rows(a), _as_rows(b), out.view(-1, a.shape[-1]), activation, traced=True)
     return out
 
 
@@ -284,6 +292,7 @@ def _gated_act_backward_op(
         grad_b.view(-1, n_cols),
         None,
         activation,
+        traced=True,
     )
     return grad_a, grad_b
 
