@@ -42,6 +42,7 @@ from benchmarks._common import (  # noqa: E402
     REPO_ROOT,
     collect_versions,
     gpu_slug,
+    load_results,
     markdown_table,
     short_error,
     utc_date,
@@ -51,7 +52,16 @@ from benchmarks._common import (  # noqa: E402
 
 IMPLS = ("fusetune", "hf")
 RESULT_MARKER = "SCALING_RESULT "
+# Scaling-efficiency goals by GPU count: 2 GPUs at the 1B shape (HF + Liger-Kernel under plain DDP measured
+# 0.946 on H200s), 4 or 8 GPUs for the 1B (DDP) and 8B (FSDP2) shapes.
 GOAL_EFFICIENCY = 0.95
+GOAL_EFFICIENCY_MANY_GPUS = 0.85
+
+
+def goal_efficiency(n_gpus: int) -> float:
+    return GOAL_EFFICIENCY if n_gpus <= 2 else GOAL_EFFICIENCY_MANY_GPUS
+
+
 METHOD = (
     "the trainer (fusetune.worker.train.trainer.Trainer, as the worker runs it) under torchrun --standalone, one "
     "process per GPU; model built from the architecture's config with random weights (seed 0), sdpa attention; "
@@ -74,6 +84,8 @@ def _row_base(spec: dict[str, Any], n_gpus: int) -> dict[str, Any]:
         "n_gpus": n_gpus,
         "batch": spec["batch"],
         "seq": spec["seq"],
+        # The series a row belongs to: its 1-GPU row runs no data parallelism at all, whichever is asked.
+        "series_distributed": spec["distributed"],
     }
 
 
@@ -102,8 +114,9 @@ def _synthetic_trainer_class():
 
         def _load_model(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
             torch.manual_seed(0)
-            # Built on the GPU itself: initialising a billion parameters on the CPU takes far longer.
-            device = self.device if self.device.type == "cuda" and not self.fsdp else torch.device("cpu")
+            # Built whole on this rank's GPU, FSDP included (an 8B model is 16 GB in bf16; fully_shard then keeps
+            # only this rank's shard): initialising billions of parameters on the CPU takes minutes per rank.
+            device = self.device if self.device.type == "cuda" else torch.device("cpu")
             with device:
                 return AutoModelForCausalLM.from_config(
                     self._model_config, dtype=dtype, attn_implementation="sdpa"
@@ -259,20 +272,39 @@ def _device_info() -> dict[str, Any] | None:
     return None
 
 
+def _series_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return row["model"], row["impl"], row["batch"], row["seq"], row.get("series_distributed", "ddp")
+
+
 def scaling_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Efficiency of every multi-GPU row against the 1-GPU row of the same impl; adds it to the row too."""
+    """Efficiency of every row against the row of the fewest GPUs that ran in the same series (model, impl,
+    batch, sequence, DDP or FSDP): tokens_per_s(n) / ((n / n0) * tokens_per_s(n0)); n0 is 1 unless the model
+    did not fit on one GPU. Adds it to the row too."""
     summary = []
-    single = {row["impl"]: row for row in rows if row["n_gpus"] == 1 and row.get("tokens_per_s")}
+    base: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in sorted((r for r in rows if r.get("tokens_per_s")), key=lambda r: r["n_gpus"]):
+        base.setdefault(_series_key(row), row)
     for row in rows:
-        base = single.get(row["impl"])
-        if row["n_gpus"] > 1 and base and row.get("tokens_per_s"):
-            efficiency = round(row["tokens_per_s"] / (row["n_gpus"] * base["tokens_per_s"]), 4)
-            row["scaling_efficiency"] = efficiency
-            summary.append(
-                {"impl": row["impl"], "from_gpus": 1, "to_gpus": row["n_gpus"], "efficiency": efficiency,
-                 "meets_goal": efficiency >= GOAL_EFFICIENCY}
-            )  # fmt: skip
+        reference = base.get(_series_key(row))
+        if reference is None or not row.get("tokens_per_s") or row["n_gpus"] == reference["n_gpus"]:
+            continue
+        ratio = row["n_gpus"] / reference["n_gpus"]
+        efficiency = round(row["tokens_per_s"] / (ratio * reference["tokens_per_s"]), 4)
+        row["scaling_efficiency"] = efficiency
+        row["scaling_from_gpus"] = reference["n_gpus"]
+        summary.append(
+            {"model": row["model"], "impl": row["impl"], "distributed": row.get("series_distributed", "ddp"),
+             "from_gpus": reference["n_gpus"], "to_gpus": row["n_gpus"], "efficiency": efficiency,
+             "goal": goal_efficiency(row["n_gpus"]), "meets_goal": efficiency >= goal_efficiency(row["n_gpus"])}
+        )  # fmt: skip
     return summary
+
+
+def merge_rows(previous: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier rows, less those this run measured again (same series and GPU count), then this run's rows."""
+    measured = {(*_series_key(row), row["n_gpus"]) for row in new}
+    kept = [row for row in previous if (*_series_key(row), row["n_gpus"]) not in measured]
+    return kept + new
 
 
 def results_payload(meta: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -284,7 +316,8 @@ def results_payload(meta: dict[str, Any], rows: list[dict[str, Any]]) -> dict[st
         "method": METHOD,
         "mfu_formula": e2e.MFU_FORMULA,
         "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
-        "goal": f"scaling efficiency >= {GOAL_EFFICIENCY} with the kernels on (HF + Liger-Kernel under plain DDP: "
+        "goal": f"scaling efficiency >= {GOAL_EFFICIENCY} on 2 GPUs and >= {GOAL_EFFICIENCY_MANY_GPUS} on 4 or 8, "
+        "with the kernels on (HF + Liger-Kernel under plain DDP, 1 -> 2 GPUs: "
         "0.946 on H200, shared/ANCHORS.md)",
         "scaling": scaling_summary(rows),
         "rows": rows,
@@ -310,14 +343,15 @@ def render_markdown(payload: dict[str, Any]) -> str:
     for row in payload["rows"]:
         table.append(
             [
-                row["model"], row["impl"], row["n_gpus"], f"{row['batch']} x {row['seq']}", row.get("tokens_per_s"),
+                row["model"], row["impl"], row.get("distributed", row.get("series_distributed", "ddp")), row["n_gpus"],
+                f"{row['batch']} x {row['seq']}", row.get("tokens_per_s"),
                 row.get("tokens_per_s_per_gpu"), row.get("scaling_efficiency"), row.get("peak_alloc_gb"),
                 row.get("mfu"), row.get("step_ms"), row.get("kernels_applied"),
             ]
         )  # fmt: skip
         if "error" in row:
             notes.append(f"- {row['impl']} on {row['n_gpus']} GPU(s): {row['error']}")
-    header = ["model", "impl", "GPUs", "batch per GPU", "tokens/s", "tokens/s per GPU", "scaling efficiency",
+    header = ["model", "impl", "parallelism", "GPUs", "batch per GPU", "tokens/s", "tokens/s per GPU", "scaling efficiency",
               "peak alloc GB", "MFU", "step ms", "kernels"]  # fmt: skip
     lines.append(markdown_table(header, table))
     if notes:
@@ -347,6 +381,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
     parser.add_argument(
         "--gpu-slug", default=None, help="file-name prefix; default from the device name (h200)"
+    )
+    parser.add_argument(
+        "--merge-from",
+        type=Path,
+        default=None,
+        help="keep the rows of this earlier results file that this run does not measure again",
     )
     parser.add_argument("--run-timeout-s", type=float, default=540, help="limit of one torchrun launch")
     parser.add_argument(
@@ -404,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             row = _run_torchrun(spec, nproc, args.run_timeout_s, cpu=args.cpu_smoke)
             print(f"  {json.dumps(row)} ({time.monotonic() - started:.0f} s)", flush=True)
             rows.append(row)
+    previous = load_results(args.merge_from) if args.merge_from else None
+    if previous is not None:
+        rows = merge_rows(previous["rows"], rows)
     payload = results_payload(meta, rows)
     slug = args.gpu_slug or ("cpu" if args.cpu_smoke else gpu_slug(meta["gpu"]))
     json_path, markdown_path = args.out / f"{slug}-scaling.json", args.out / f"{slug}-scaling.md"
@@ -411,7 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     write_text(markdown_path, render_markdown(payload))
     print(f"wrote {json_path} and {markdown_path}")
     for entry in payload["scaling"]:
-        print(f"scaling efficiency {entry['impl']} 1 -> {entry['to_gpus']} GPUs: {entry['efficiency']:.3f}")
+        print(
+            f"scaling efficiency {entry['model']} {entry['impl']} ({entry['distributed']}) "
+            f"{entry['from_gpus']} -> {entry['to_gpus']} GPUs: {entry['efficiency']:.3f}"
+        )
     return 1 if any("error" in row for row in rows) else 0
 
 
