@@ -13,13 +13,11 @@ Both ops normalise each row of a [rows, hidden] view and share the same two kern
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 # Largest row held in registers, in elements (the kernels compute in fp32, so this does not depend on the
 # input dtype); above it the kernels loop over column blocks of LOOPED_BLOCK_N. From the sm_90 compiler's
@@ -142,19 +140,3 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 def check_casting_mode(casting_mode: str) -> None:
     if casting_mode not in ("llama", "gemma"):
         raise ValueError(f"casting_mode must be 'llama' or 'gemma', got {casting_mode!r}")
-
-
-def software_bf16_rounding() -> bool:
-    """True under the Triton interpreter, whose fp32 -> bf16 conversion truncates instead of rounding to
-    nearest even as the GPU does; the kernels then round in integer arithmetic first to match the GPU."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.constexpr):
-    """x (fp32) converted to `dtype` with round-to-nearest-even, also under the interpreter."""
-    if SOFTWARE_BF16_ROUNDING and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return x.to(dtype)

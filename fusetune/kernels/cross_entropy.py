@@ -22,13 +22,14 @@ loss 0 and gradient 0.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor, nn
+
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
 
 __all__ = [
     "CrossEntropyLaunchConfig",
@@ -51,23 +52,6 @@ _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
 # --------------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _to_storage(value, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """float32 -> dtype, rounding to nearest even.
-
-    The CPU interpreter (TRITON_INTERPRET=1) converts float32 to bfloat16 by truncation where the GPU
-    rounds to nearest; ROUND_BF16 (set only under the interpreter) rounds explicitly first so that CPU
-    tests see the GPU's numbers. It costs nothing on the GPU, where it is False.
-    """
-    if ROUND_BF16:
-        if dtype == tl.bfloat16:
-            bits = value.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-            value = tl.where(value != value, value, rounded)
-    return value.to(dtype)
 
 
 @triton.jit
@@ -105,7 +89,7 @@ def _cross_entropy_forward_kernel(
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     FIRST_SWEEP_EVICTION: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """Per-token loss (and optionally the gradient of ``scale_i * loss_i``) for rows of logits.
 
@@ -265,7 +249,9 @@ def _cross_entropy_forward_kernel(
                     if HAS_SOFTCAP:
                         g = g * (1.0 - t * t)
                     tl.store(
-                        grad_row + cols, _to_storage(g, grad_ptr.dtype.element_ty, ROUND_BF16), mask=mask
+                        grad_row + cols,
+                        round_to_dtype(g, grad_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                        mask=mask,
                     )
 
 
@@ -319,7 +305,7 @@ def _scale_rows_kernel(
     factor_ptr,
     factor_row_stride,
     BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """x[i, :] *= factor[i * factor_row_stride], in place; rows whose factor is exactly 1 are not touched.
 
@@ -338,16 +324,16 @@ def _scale_rows_kernel(
                 cols = start + lanes
                 mask = cols < n_cols
                 x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(x_row + cols, _to_storage(x * factor, x_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+                tl.store(
+                    x_row + cols,
+                    round_to_dtype(x * factor, x_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                    mask=mask,
+                )
 
 
 # --------------------------------------------------------------------------------------------------
 # Launch settings
 # --------------------------------------------------------------------------------------------------
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -401,7 +387,7 @@ def cross_entropy_launch_config(
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.
     """
-    if _interpreting() or device.type != "cuda":
+    if interpreted() or device.type != "cuda":
         return CrossEntropyLaunchConfig(
             block_v=min(512, triton.next_power_of_2(n_cols)),
             num_warps=1,
@@ -508,7 +494,7 @@ def launch_cross_entropy_forward(
         WRITE_GRAD=write_grad,
         BLOCK_V=config.block_v,
         FIRST_SWEEP_EVICTION=config.first_sweep_eviction,
-        ROUND_BF16=_interpreting(),
+        SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=config.num_warps,
     )
 
@@ -520,13 +506,13 @@ def launch_scale_rows_(x: Tensor, factor: Tensor) -> None:
         return
     factor = factor.reshape(-1)
     factor_row_stride = 0 if factor.numel() == 1 else factor.stride(0)
-    if _interpreting() or x.device.type != "cuda":
+    if interpreted() or x.device.type != "cuda":
         grid, block, warps = (min(n_rows, 4),), 1024, 1
     else:
         grid, block, warps = (min(n_rows, 4 * _num_processors(x.device)),), 4096, 8
     _scale_rows_kernel[grid](
-        x, x.stride(0), n_rows, n_cols, factor, factor_row_stride, BLOCK=block, ROUND_BF16=_interpreting(),
-        num_warps=warps,
+        x, x.stride(0), n_rows, n_cols, factor, factor_row_stride, BLOCK=block,
+        SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=warps,
     )  # fmt: skip
 
 

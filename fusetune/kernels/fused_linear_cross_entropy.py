@@ -29,11 +29,10 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
 from fusetune.kernels.cross_entropy import (
     _check_reduction,
-    _interpreting,
     _num_processors,
-    _to_storage,
     cross_entropy_reference,
     launch_cross_entropy_forward,
 )
@@ -376,7 +375,7 @@ def _(
 
 
 @triton.jit
-def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.constexpr):
     """x *= factor over a flat contiguous tensor, grid-stride; nothing is touched when factor == 1."""
     factor = tl.load(factor_ptr).to(tl.float32)
     if factor != 1.0:
@@ -387,7 +386,11 @@ def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr, ROUND_BF16
             offsets = tl.cast(block, tl.int64) * BLOCK + lanes
             mask = offsets < n_elements
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(x_ptr + offsets, _to_storage(x * factor, x_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+            tl.store(
+                x_ptr + offsets,
+                round_to_dtype(x * factor, x_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                mask=mask,
+            )
 
 
 @torch.library.custom_op("fusetune::scale_", mutates_args=("x",))
@@ -398,12 +401,12 @@ def _scale_op(x: Tensor, factor: Tensor) -> None:
     if n_elements == 0:
         return
     factor = factor.to(torch.float32).reshape(1)
-    if _interpreting() or x.device.type != "cuda":
+    if interpreted() or x.device.type != "cuda":
         block, programs = 4096, 2
     else:
         block, programs = 4096, 4 * _num_processors(x.device)
     grid = (max(1, min(programs, triton.cdiv(n_elements, block))),)
-    _scale_kernel[grid](x, n_elements, factor, BLOCK=block, ROUND_BF16=_interpreting(), num_warps=8)
+    _scale_kernel[grid](x, n_elements, factor, BLOCK=block, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=8)
 
 
 @_scale_op.register_fake

@@ -15,13 +15,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     norm_launch_settings,
     persistent_grid_size,
-    round_to,
-    software_bf16_rounding,
 )
 
 __all__ = ["FusedLayerNorm", "layer_norm", "layer_norm_reference"]
@@ -81,7 +80,9 @@ def _layer_norm_fwd_kernel(
             b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
             y = y + b.to(tl.float32)[None, :]
         tl.store(
-            y_rows + cols[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+            y_rows + cols[None, :],
+            round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+            mask=mask,
         )
     else:
         mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -114,7 +115,9 @@ def _layer_norm_fwd_kernel(
                 b = tl.load(bias_ptr + c, mask=col_mask, other=0.0, eviction_policy="evict_last")
                 y = y + b.to(tl.float32)[None, :]
             tl.store(
-                y_rows + c[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+                y_rows + c[None, :],
+                round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                mask=mask,
             )
     tl.store(mean_ptr + rows, mean, mask=row_mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -186,7 +189,7 @@ def _layer_norm_bwd_kernel(
             mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
             dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
             dx_ptrs = dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :]
-            tl.store(dx_ptrs, round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask)
+            tl.store(dx_ptrs, round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask)
             if HAS_WEIGHT:
                 dw_acc += tl.sum(dy * xhat, axis=0)
             if HAS_BIAS:
@@ -238,7 +241,7 @@ def _layer_norm_bwd_kernel(
                 dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
                 tl.store(
                     dx_rows + c[None, :],
-                    round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                    round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
                     mask=mask,
                 )
                 # each program owns its partial rows and the same thread revisits the same columns
@@ -297,7 +300,7 @@ def _launch_forward(
         BLOCK_ROWS=settings.rows_per_tile,
         BLOCK_N=settings.block_n,
         LOOP_COLUMNS=settings.loop_columns(n_cols),
-        SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+        SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=settings.num_warps,
     )
     return y, mean, rstd
@@ -353,7 +356,7 @@ def _launch_backward(
             BLOCK_N=settings.block_n,
             LOOP_COLUMNS=loop_columns,
             NUM_STAGES=settings.num_stages,
-            SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+            SOFTWARE_BF16_ROUNDING=interpreted(),
             num_warps=settings.num_warps,
         )
     elif dw_partial is not None or db_partial is not None:

@@ -28,14 +28,13 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     check_casting_mode,
     norm_launch_settings,
     persistent_grid_size,
-    round_to,
-    software_bf16_rounding,
 )
 
 __all__ = [
@@ -57,7 +56,7 @@ def _effective_weight(w, offset, CAST_BEFORE_WEIGHT: tl.constexpr, SOFTWARE_BF16
     """offset + w in fp32; in llama mode rounded to the weight dtype first, as HF's `(offset + weight)` is."""
     w_eff = w.to(tl.float32) + offset
     if CAST_BEFORE_WEIGHT:
-        w_eff = round_to(w_eff, w.dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+        w_eff = round_to_dtype(w_eff, w.dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
     return w_eff
 
 
@@ -74,7 +73,7 @@ def _scale_by_weight(
     w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
     if CAST_BEFORE_WEIGHT:
         # llama: the normalised row is rounded to the input dtype before the weight multiplies it
-        xhat = round_to(xhat, INPUT_DTYPE, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+        xhat = round_to_dtype(xhat, INPUT_DTYPE, SOFTWARE_BF16_ROUNDING).to(tl.float32)
     return xhat * w_eff
 
 
@@ -125,7 +124,7 @@ def _rms_norm_fwd_kernel(
             residual = tl.load(
                 residual_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
-            h = round_to(x + residual.to(tl.float32), input_dtype, SOFTWARE_BF16_ROUNDING)
+            h = round_to_dtype(x + residual.to(tl.float32), input_dtype, SOFTWARE_BF16_ROUNDING)
             tl.store(new_residual_rows + cols[None, :], h, mask=mask)
             x = h.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
@@ -139,7 +138,9 @@ def _rms_norm_fwd_kernel(
         else:
             y = xhat
         tl.store(
-            y_rows + cols[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+            y_rows + cols[None, :],
+            round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+            mask=mask,
         )
     else:
         # Pass 1: sum of squares (and the new residual); pass 2 re-reads the row, now in L2, and normalises.
@@ -150,7 +151,7 @@ def _rms_norm_fwd_kernel(
             x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 residual = tl.load(residual_rows + c[None, :], mask=mask, other=0.0)
-                h = round_to(x + residual.to(tl.float32), input_dtype, SOFTWARE_BF16_ROUNDING)
+                h = round_to_dtype(x + residual.to(tl.float32), input_dtype, SOFTWARE_BF16_ROUNDING)
                 tl.store(new_residual_rows + c[None, :], h, mask=mask)
                 x = h.to(tl.float32)
             sum_sq += tl.sum(x * x, axis=1)
@@ -175,7 +176,9 @@ def _rms_norm_fwd_kernel(
             else:
                 y = xhat
             tl.store(
-                y_rows + c[None, :], round_to(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask
+                y_rows + c[None, :],
+                round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                mask=mask,
             )
 
 
@@ -258,12 +261,12 @@ def _rms_norm_bwd_kernel(
                 dx += d_residual.to(tl.float32)
             tl.store(
                 dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
-                round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
                 mask=mask,
             )
             if HAS_WEIGHT:
                 if CAST_BEFORE_WEIGHT:
-                    xhat = round_to(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+                    xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
                 dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_WEIGHT:
             tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
@@ -313,12 +316,12 @@ def _rms_norm_bwd_kernel(
                     dx += d_residual.to(tl.float32)
                 tl.store(
                     dx_ptr + rows64[:, None] * dx_row_stride + c[None, :],
-                    round_to(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                    round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
                     mask=mask,
                 )
                 if HAS_WEIGHT:
                     if CAST_BEFORE_WEIGHT:
-                        xhat = round_to(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+                        xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
                     # each program owns its dw_partial row, and the same thread touches the same columns
                     # on every visit, so this read-modify-write needs no synchronisation
                     dw = tl.load(dw_partial_row + c, mask=col_mask, other=0.0)
@@ -390,7 +393,7 @@ def _launch_forward(
         BLOCK_ROWS=settings.rows_per_tile,
         BLOCK_N=settings.block_n,
         LOOP_COLUMNS=settings.loop_columns(n_cols),
-        SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+        SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=settings.num_warps,
     )
     return y, new_residual, rstd
@@ -450,7 +453,7 @@ def _launch_backward(
             BLOCK_N=settings.block_n,
             LOOP_COLUMNS=loop_columns,
             NUM_STAGES=settings.num_stages,
-            SOFTWARE_BF16_ROUNDING=software_bf16_rounding(),
+            SOFTWARE_BF16_ROUNDING=interpreted(),
             num_warps=settings.num_warps,
         )
     if weight is None:

@@ -51,13 +51,14 @@ results may not be modified in place while autograd records (none of the support
 """
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
 
 __all__ = [
     "RopeLaunchSettings",
@@ -72,24 +73,6 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------
 
 
-# The CPU interpreter (TRITON_INTERPRET=1, used by the tests on machines without a GPU) converts fp32 to bf16
-# by truncation where the GPU rounds to nearest even. With ROUND_BF16 (set only under the interpreter) bf16
-# results are rounded explicitly first, so CPU tests see the numbers the GPU produces.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _to_dtype(value, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 value -> dtype, rounding to nearest even."""
-    if ROUND_BF16:
-        if dtype == tl.bfloat16:
-            bits = value.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-            value = tl.where(value != value, value, rounded)
-    return value.to(dtype)
-
-
 @triton.jit
 def _rotate_and_store(
     x_lo,
@@ -102,14 +85,16 @@ def _rotate_and_store(
     sin_hi,
     HALF: tl.constexpr,
     stride_out_d,
-    ROUND_BF16: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """Writes the rotation of one [heads, h] tile pair (fp32 in) to out_ptrs (the low-half pointers)."""
     y_lo = x_lo * cos_lo - x_hi * sin_lo
     y_hi = x_hi * cos_hi + x_lo * sin_hi
     out_dtype = out_ptrs.dtype.element_ty
-    tl.store(out_ptrs, _to_dtype(y_lo, out_dtype, ROUND_BF16), mask=mask)
-    tl.store(out_ptrs + HALF * stride_out_d, _to_dtype(y_hi, out_dtype, ROUND_BF16), mask=mask)
+    tl.store(out_ptrs, round_to_dtype(y_lo, out_dtype, SOFTWARE_BF16_ROUNDING), mask=mask)
+    tl.store(
+        out_ptrs + HALF * stride_out_d, round_to_dtype(y_hi, out_dtype, SOFTWARE_BF16_ROUNDING), mask=mask
+    )
 
 
 @triton.jit
@@ -187,7 +172,7 @@ def _rope_kernel(
     COPY_PASS: tl.constexpr,
     BACKWARD: tl.constexpr,
     INDEX_64: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """Forward (x = q, k; out = rotated) or backward (x = dy; out = dx) of the rotation, all heads of a token.
 
@@ -275,12 +260,12 @@ def _rope_kernel(
             _rotate_and_store(
                 q_lo, q_hi,
                 q_out_token + q_heads[:, None] * stride_qo_h + cols[None, :] * stride_qo_d,
-                q_mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF, stride_qo_d, ROUND_BF16,
+                q_mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF, stride_qo_d, SOFTWARE_BF16_ROUNDING,
             )  # fmt: skip
             _rotate_and_store(
                 k_lo, k_hi,
                 k_out_token + k_heads[:, None] * stride_ko_h + cols[None, :] * stride_ko_d,
-                k_mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF, stride_ko_d, ROUND_BF16,
+                k_mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF, stride_ko_d, SOFTWARE_BF16_ROUNDING,
             )  # fmt: skip
 
             if COPY_PASS:
@@ -433,7 +418,7 @@ def _launch_rope(
         COPY_PASS=copy_pass and pass_width > 0,
         BACKWARD=backward,
         INDEX_64=index_64,
-        ROUND_BF16=_INTERPRETED,
+        SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=settings.num_warps,
     )  # fmt: skip
 

@@ -22,7 +22,6 @@ so the peak of a forward+backward holds three [tokens, intermediate] buffers whe
 four or more.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,8 @@ import triton
 import triton.language as tl
 from torch import nn
 from torch.library import triton_op, wrap_triton
+
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
 
 __all__ = [
     "FusedGeGLUMLP",
@@ -51,24 +52,6 @@ _ACTIVATION_CODES = {"silu": _SILU, "gelu_tanh": _GELU_TANH, "gelu": _GELU_ERF}
 # ----------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------
-
-
-# The CPU interpreter (TRITON_INTERPRET=1, used by the tests on machines without a GPU) converts fp32 to bf16
-# by truncation where the GPU rounds to nearest even. With ROUND_BF16 (set only under the interpreter) bf16
-# results are rounded explicitly first, so CPU tests see the numbers the GPU produces.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _to_dtype(value, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 value -> dtype, rounding to nearest even."""
-    if ROUND_BF16:
-        if dtype == tl.bfloat16:
-            bits = value.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-            value = tl.where(value != value, value, rounded)
-    return value.to(dtype)
 
 
 @triton.jit
@@ -108,7 +91,7 @@ def _gated_forward_kernel(
     stride_out_row,
     ACTIVATION: tl.constexpr,
     BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """out = act(a) * b, over [rows, n_cols] with unit column stride. Grid: rows * n_col_blocks programs."""
     pid = tl.program_id(0).to(tl.int64)
@@ -120,7 +103,7 @@ def _gated_forward_kernel(
     act, _ = _activation_and_slope(a, ACTIVATION)
     tl.store(
         out_ptr + row * stride_out_row + cols,
-        _to_dtype(act * b, out_ptr.dtype.element_ty, ROUND_BF16),
+        round_to_dtype(act * b, out_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
         mask=mask,
     )
 
@@ -144,7 +127,7 @@ def _gated_backward_kernel(
     ACTIVATION: tl.constexpr,
     STORE_HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """For out = act(a) * b and incoming g = d loss / d out:
 
@@ -165,18 +148,18 @@ def _gated_backward_kernel(
     act, slope = _activation_and_slope(a, ACTIVATION)
     tl.store(
         grad_a_ptr + row * stride_grad_a_row + cols,
-        _to_dtype(grad * b * slope, grad_a_ptr.dtype.element_ty, ROUND_BF16),
+        round_to_dtype(grad * b * slope, grad_a_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
         mask=mask,
     )
     tl.store(
         grad_b_ptr + row * stride_grad_b_row + cols,
-        _to_dtype(grad * act, grad_b_ptr.dtype.element_ty, ROUND_BF16),
+        round_to_dtype(grad * act, grad_b_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
         mask=mask,
     )
     if STORE_HIDDEN:
         tl.store(
             hidden_ptr + row * stride_hidden_row + cols,
-            _to_dtype(act * b, hidden_ptr.dtype.element_ty, ROUND_BF16),
+            round_to_dtype(act * b, hidden_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
             mask=mask,
         )
 
@@ -234,7 +217,7 @@ def _launch_gated_forward(
     kernel = wrap_triton(_gated_forward_kernel) if traced else _gated_forward_kernel
     kernel[(n_rows * n_col_blocks,)](
         a, b, out, n_cols, n_col_blocks, *strides,
-        ACTIVATION=_ACTIVATION_CODES[activation], BLOCK=settings.block, ROUND_BF16=_INTERPRETED,
+        ACTIVATION=_ACTIVATION_CODES[activation], BLOCK=settings.block, SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=settings.num_warps,
     )  # fmt: skip
 
@@ -261,7 +244,7 @@ def _launch_gated_backward(
     kernel[(n_rows * n_col_blocks,)](
         grad, a, b, grad_a, grad_b, hidden_arg, n_cols, n_col_blocks, *strides,
         ACTIVATION=_ACTIVATION_CODES[activation], STORE_HIDDEN=hidden is not None,
-        BLOCK=settings.block, ROUND_BF16=_INTERPRETED, num_warps=settings.num_warps,
+        BLOCK=settings.block, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=settings.num_warps,
     )  # fmt: skip
 
 

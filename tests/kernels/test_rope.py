@@ -371,7 +371,6 @@ def test_rejects_inputs_it_cannot_handle(device):
 # ----------------------------------------------------------------------------------------------------------
 
 _KERNEL_CHAIN = [
-    "_to_dtype",
     "_rotate_and_store",
     "_copy_pass_through",
     "_rope_kernel",
@@ -385,7 +384,10 @@ def _load_mutant(old: str, new: str, tmp_path):
     assert source.count(old) == 1, f"mutation target not found exactly once: {old!r}"
     name = f"rope_mutant_{next(_mutant_ids)}"
     path = tmp_path / f"{name}.py"
-    path.write_text("import triton\nimport triton.language as tl\n\n\n" + source.replace(old, new))
+    path.write_text(
+        "import triton\nimport triton.language as tl\n\n"
+        "from fusetune.kernels._interpreter import round_to_dtype\n\n\n" + source.replace(old, new)
+    )
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -411,7 +411,7 @@ def test_mlp_second_backward_raises(device):
 # Mutation tests: a deliberately broken kernel must fail the same comparisons.
 # ----------------------------------------------------------------------------------------------------------
 
-_KERNEL_CHAIN = ["_to_dtype", "_activation_and_slope", "_gated_forward_kernel", "_gated_backward_kernel"]
+_KERNEL_CHAIN = ["_activation_and_slope", "_gated_forward_kernel", "_gated_backward_kernel"]
 _mutant_ids = itertools.count()
 
 
@@ -421,7 +421,10 @@ def _load_mutant(old: str, new: str, tmp_path):
     assert source.count(old) == 1, f"mutation target not found exactly once: {old!r}"
     name = f"swiglu_mutant_{next(_mutant_ids)}"
     path = tmp_path / f"{name}.py"
-    path.write_text("import triton\nimport triton.language as tl\n\n\n" + source.replace(old, new))
+    path.write_text(
+        "import triton\nimport triton.language as tl\n\n"
+        "from fusetune.kernels._interpreter import round_to_dtype\n\n\n" + source.replace(old, new)
+    )
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -446,13 +449,14 @@ def _mlp_check(device):
 
 
 MUTATIONS = [
-    pytest.param("_to_dtype(grad * act, grad_b_ptr", "_to_dtype(grad * b, grad_b_ptr", _swiglu_check,
+    pytest.param("round_to_dtype(grad * act, grad_b_ptr", "round_to_dtype(grad * b, grad_b_ptr", _swiglu_check,
                  id="grad-b-uses-wrong-factor"),
     pytest.param("slope = sig * (1.0 + a * (1.0 - sig))", "slope = sig", _swiglu_check,
                  id="silu-derivative-dropped-term"),
-    pytest.param("_to_dtype(act * b, out_ptr", "_to_dtype(act * a, out_ptr", _swiglu_check, id="forward-wrong-factor"),
+    pytest.param("round_to_dtype(act * b, out_ptr", "round_to_dtype(act * a, out_ptr", _swiglu_check,
+                 id="forward-wrong-factor"),
     pytest.param("0.044715 * a * a * a", "0.044715 * a * a", _geglu_tanh_check, id="gelu-tanh-cubic-term"),
-    pytest.param("_to_dtype(act * b, hidden_ptr", "_to_dtype(act, hidden_ptr", _mlp_check,
+    pytest.param("round_to_dtype(act * b, hidden_ptr", "round_to_dtype(act, hidden_ptr", _mlp_check,
                  id="recomputed-product-misses-up"),
     pytest.param("mask = cols < n_cols\n    grad =", "mask = cols < n_cols - 1\n    grad =", _swiglu_check,
                  id="backward-mask-off-by-one"),
