@@ -168,7 +168,8 @@ def _worker_main(spec_json: str) -> int:
                 max_steps=spec["warmup_steps"] + spec["steps"],
                 learning_rate=1e-5,
                 warmup_ratio=0.0,
-                precision="bf16" if dist_info.device.type == "cuda" else "fp32",
+                precision=spec.get("precision", "bf16") if dist_info.device.type == "cuda" else "fp32",
+                lora=spec.get("lora"),
                 kernels=spec["impl"] == "fusetune",
                 distributed=spec["distributed"],
                 ddp_bucket_cap_mb=spec["ddp_bucket_cap_mb"],
@@ -185,10 +186,12 @@ def _worker_main(spec_json: str) -> int:
             step_s = statistics.median(m["step_time_s"] for m in timed)
             tokens_per_s = n_gpus * spec["batch"] * spec["seq"] / step_s
             peak_allocated = max(m["peak_memory_allocated_bytes"] for m in timed)
+            peak_reserved = max(m["peak_memory_reserved_bytes"] for m in timed)
             row.update(
                 tokens_per_s=round(tokens_per_s, 1),
                 tokens_per_s_per_gpu=round(tokens_per_s / n_gpus, 1),
                 peak_alloc_gb=round(peak_allocated / GIB, 2) if dist_info.device.type == "cuda" else None,
+                peak_reserved_gb=round(peak_reserved / GIB, 2) if dist_info.device.type == "cuda" else None,
                 mfu=None,
                 flops_per_token=flops_per_token,
                 step_ms=round(step_s * 1e3, 2),

@@ -1,8 +1,10 @@
 """Up-front estimates for a job: training tokens, peak GPU memory per GPU and duration.
 
-Computed from the model's config.json (no weights loaded), the dataset's counts and the job's settings.
-The memory model follows what the trainer does: bf16 autocast over fp32 master weights, fp32 gradients and two
-fp32 AdamW moments, i.e. 16 bytes per trained parameter, plus the activations of one micro-batch.
+Computed from the model's config.json (no weights loaded), the dataset's counts and the job's settings. The
+memory model follows what the trainer does on a GPU (precision "auto" = bf16-mixed: fp32 weights and AdamW
+state, bf16 compute under autocast, activations of one micro-batch kept for the backward). Each term is
+derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
+against measured peaks on a GPU is benchmarks/memory_estimate.py (results in benchmarks/results/*-estimate.*).
 """
 
 from __future__ import annotations
@@ -11,17 +13,48 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BYTES_PER_TRAINED_PARAM = 16  # fp32 weight 4 + fp32 grad 4 + AdamW exp_avg 4 + exp_avg_sq 4
-BYTES_PER_FROZEN_PARAM = 4  # fp32 weight only
-# Activation bytes kept for the backward, per token per layer, as a multiple of hidden_size (bf16). Sources:
-# attention inputs/outputs and norms (~10 h), the gated MLP's gate/up/product (~3 * intermediate). Measured
-# values replace this once GPU runs calibrate it (benchmarks/results/*-estimate.json).
-ACTIVATION_HIDDEN_MULTIPLE = 18
-ACTIVATION_INTERMEDIATE_MULTIPLE = 6
-# Logits of the whole batch in fp32 (and their gradient) when the loss is not fused.
-UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB = 12
-# CUDA context, cuBLAS workspaces, allocator slack.
+# Per trained parameter: fp32 weight 4 + fp32 gradient 4 + AdamW exp_avg 4 + exp_avg_sq 4, plus the bf16 copy
+# autocast makes of each weight, which the matmul keeps for the backward (the input gradient needs it).
+BYTES_PER_TRAINED_PARAM = 16
+BYTES_PER_AUTOCAST_COPY = 2
+# Per frozen parameter (LoRA's base model): the fp32 weight, and its bf16 copy kept for the backward.
+BYTES_PER_FROZEN_PARAM = 4
+
+
+# Tensors saved for the backward, bytes per token and decoder layer, with h = hidden size, q = heads x
+# head_dim, kv = kv heads x head_dim, i = intermediate size. Under bf16 autocast the residual stream is fp32
+# (the fp32 embedding starts it), everything a matmul saves is its bf16 input.
+#   fused kernels: the two norms' fp32 inputs (2 x 4h) and bf16 outputs (2 x 2h), q/k/v after RoPE in place
+#   (2q + 4kv), the attention output (2q), gate and up of the MLP (2 x 2i; the product is recomputed).
+#   Hugging Face modules add the fp32 normalised rows of both norms (2 x 4h), RoPE's rotated copies of q and k
+#   (2q + 2kv, twice), and the MLP's activation and product (2 x 2i).
+# With gradient checkpointing a layer keeps only its fp32 input (4h) until its backward recomputes it.
+def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool) -> int:
+    fused_bytes = 12 * h + 4 * q + 4 * kv + 4 * i
+    return fused_bytes if fused else fused_bytes + 8 * h + 4 * q + 4 * kv + 4 * i
+
+
+# Logits of the micro-batch when the loss is not fused: bf16 logits 2 + their fp32 copy 4 + the saved fp32
+# log-softmax 4 + its fp32 gradient 4 at the start of the backward.
+UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB = 14
+# The fused loss holds one chunk of fp32 logits and its gradient (about 256 rows; see
+# fusetune.kernels.fused_linear_cross_entropy_chunk_rows).
+FUSED_LOSS_CHUNK_ROWS = 256
+# cuBLAS workspaces, the NCCL/DDP buffers and the allocator's rounding and fragmentation (what torch reserves
+# beyond what it has allocated), observed at 0.5-2 GiB.
 FIXED_OVERHEAD_BYTES = 2 * 2**30
+
+# The default micro-batch holds at most this many tokens (sequences x max_seq_length) per process: 8 x 2048,
+# the end-to-end benchmark shape. Activation memory grows with the tokens of a micro-batch, not with the global
+# batch, so a larger batch_size only adds accumulation steps. (The trainer's default, read by the estimate.)
+DEFAULT_MICRO_BATCH_TOKENS = 16384
+
+
+def default_micro_batch_size(sequences_per_process: int, max_seq_length: int) -> int:
+    """The largest divisor of `sequences_per_process` whose micro-batch stays within
+    DEFAULT_MICRO_BATCH_TOKENS tokens (at least 1 sequence)."""
+    limit = max(1, DEFAULT_MICRO_BATCH_TOKENS // max_seq_length)
+    return max(d for d in range(1, min(limit, sequences_per_process) + 1) if sequences_per_process % d == 0)
 
 
 @dataclass(frozen=True)
@@ -37,8 +70,12 @@ class ModelShape:
 
     @classmethod
     def from_config_file(cls, path: Path) -> ModelShape:
-        config = json.loads(path.read_text())
-        config = config.get("text_config", config)
+        return cls.from_config_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_config_dict(cls, config: dict) -> ModelShape:
+        """From a Hugging Face config.json's fields (a multimodal model's text_config when it has one)."""
+        config = config.get("text_config") or config
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         return cls(
@@ -82,6 +119,33 @@ class Estimate:
         return asdict(self)
 
 
+def _linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of a decoder layer, by the module names LoRA targets."""
+    h, q, kv, i = (
+        shape.hidden_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        (shape.intermediate_size),
+    )
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+
+def lora_parameter_count(shape: ModelShape, r: int, target_modules: list[str] | str) -> int:
+    """Parameters of rank-`r` adapters (A: r x in, B: out x r) on the targeted linear layers of every layer."""
+    linears = _linear_shapes(shape)
+    targets = (
+        linears if target_modules == "all-linear" else {n: linears[n] for n in target_modules if n in linears}
+    )
+    return shape.num_layers * sum(r * (fan_in + fan_out) for fan_in, fan_out in targets.values())
+
+
+def _fused_loss_chunk_rows(tokens: int, shape: ModelShape) -> int:
+    """Rows of the fused loss's logits chunk, as its default policy picks them (a power of two, >= 128)."""
+    vocab_per_hidden = -(-shape.vocab_size // shape.hidden_size)
+    return max(128, 1 << max(0, (-(-tokens // vocab_per_hidden) - 1).bit_length()))
+
+
 def estimate_job(
     shape: ModelShape,
     *,
@@ -92,22 +156,45 @@ def estimate_job(
     max_seq_length: int,
     n_gpus: int,
     fused_kernels: bool,
+    lora: dict | None = None,
+    gradient_checkpointing: bool = False,
+    distributed: str = "ddp",
     measured_tokens_per_second: float | None = None,
 ) -> Estimate:
     mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, example_count)))
     training_tokens = min(token_estimate, example_count * max_seq_length) * n_epochs
     steps = n_epochs * max(1, example_count // batch_size)
     params = shape.parameter_count()
-    states = params * BYTES_PER_TRAINED_PARAM
-    micro_batch = max(1, batch_size // n_gpus)
-    # Padded batches: every sequence of the micro-batch is as long as its longest; take max_seq_length as bound
-    # when examples come near it, else twice the mean.
-    padded = min(max_seq_length, 2 * mean_tokens)
-    tokens = micro_batch * padded
-    per_token_layer = 2 * (ACTIVATION_HIDDEN_MULTIPLE * shape.hidden_size
-                           + ACTIVATION_INTERMEDIATE_MULTIPLE * shape.intermediate_size // 2)  # fmt: skip
-    activations = tokens * shape.num_layers * per_token_layer
-    logits = 0 if fused_kernels else tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB
+
+    # Weights, gradients and optimizer state; FSDP shards all three over the GPUs and gathers one layer's bf16
+    # weights at a time (two in flight while the next is prefetched).
+    if lora is not None:
+        trained = lora_parameter_count(shape, lora.get("r", 16), lora.get("target_modules", "all-linear"))
+        frozen = params
+    else:
+        trained, frozen = params, 0
+    states = trained * (BYTES_PER_TRAINED_PARAM + BYTES_PER_AUTOCAST_COPY) + frozen * (
+        BYTES_PER_FROZEN_PARAM + BYTES_PER_AUTOCAST_COPY
+    )
+    if distributed == "fsdp" and n_gpus > 1:
+        layer_params = (params - shape.vocab_size * shape.hidden_size) // shape.num_layers
+        states = states // n_gpus + 2 * layer_params * BYTES_PER_AUTOCAST_COPY
+
+    # Activations of one micro-batch (the trainer's default micro-batch; padded to its longest sequence, taken
+    # as max_seq_length when examples come near it, else twice the mean).
+    sequences_per_gpu = max(1, batch_size // n_gpus)
+    micro_batch = default_micro_batch_size(sequences_per_gpu, max_seq_length)
+    tokens = micro_batch * min(max_seq_length, 2 * mean_tokens)
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels)
+    if gradient_checkpointing:
+        activations = tokens * (shape.num_layers * 4 * h + per_layer)
+    else:
+        activations = tokens * shape.num_layers * per_layer
+    if fused_kernels:
+        logits = _fused_loss_chunk_rows(tokens, shape) * shape.vocab_size * 4 * 2
+    else:
+        logits = tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB
     breakdown = {"weights_grads_optimizer": states, "activations": activations, "logits": logits,
                  "overhead": FIXED_OVERHEAD_BYTES}  # fmt: skip
     duration = training_tokens / measured_tokens_per_second if measured_tokens_per_second else None

@@ -165,7 +165,8 @@ def test_dry_run_estimates_and_creates_nothing(tmp_path):
     assert estimate["object"] == "fine_tuning.job.estimate"
     # Llama-3.2-1B has 1.236e9 parameters (tied embeddings).
     assert abs(estimate["parameters"] - 1.2358e9) / 1.2358e9 < 0.01
-    assert estimate["memory_breakdown"]["weights_grads_optimizer"] == 16 * estimate["parameters"]
+    # fp32 weight, gradient and two AdamW moments, and the bf16 copy autocast keeps for the backward
+    assert estimate["memory_breakdown"]["weights_grads_optimizer"] == 18 * estimate["parameters"]
     assert estimate["fits"] is True and estimate["steps"] == 2 and estimate["training_tokens"] > 0
     assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
 

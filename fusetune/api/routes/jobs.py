@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import tarfile
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fusetune.api import idempotency
+from fusetune.api.checkpoint_archive import archive_response, plan_archive
 from fusetune.api.deps import QueueDep, SessionDep, SettingsDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.schemas import (
@@ -111,7 +110,9 @@ def _estimate(session: Session, settings: Settings, tenant: str, model: str, tra
     estimate = estimate_job(
         shape, example_count=training.example_count, token_estimate=training.token_estimate,
         n_epochs=hyper["n_epochs"], batch_size=hyper["batch_size"], max_seq_length=hyper["max_seq_length"],
-        n_gpus=hyper["n_gpus"], fused_kernels=hyper["kernels"], measured_tokens_per_second=measured,
+        n_gpus=hyper["n_gpus"], fused_kernels=hyper["kernels"], lora=hyper.get("lora"),
+        gradient_checkpointing=hyper.get("gradient_checkpointing", False),
+        distributed=hyper.get("distributed", "ddp"), measured_tokens_per_second=measured,
     )  # fmt: skip
     capacity = settings.gpu_memory_bytes
     fits = None if capacity is None else estimate.peak_memory_bytes_per_gpu <= capacity
@@ -381,37 +382,45 @@ def checkpoint_dir(settings: Settings, checkpoint: Checkpoint) -> Path:
     return path
 
 
-def _archive(folder: Path) -> Path:
-    """A tar of the checkpoint folder, written once beside it file by file (never held in memory)."""
-    archive = folder.parent / f"{folder.name}.tar"
-    if archive.exists():
-        return archive
-    handle, temp = tempfile.mkstemp(dir=folder.parent, prefix=f".{folder.name}-", suffix=".tar.part")
-    os.close(handle)
-    try:
-        with tarfile.open(temp, "w") as tar:
-            for path in sorted(folder.rglob("*")):
-                if path.is_file() and not path.is_symlink():
-                    tar.add(
-                        path, arcname=f"{folder.name}/{path.relative_to(folder).as_posix()}", recursive=False
-                    )
-        os.replace(temp, archive)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
-    return archive
+# The checkpoint folder's optimizer, scheduler and RNG state (the worker's
+# fusetune.worker.train.checkpoint.TRAINING_STATE_DIRNAME; the API does not import the worker). Only a run
+# resuming inside the service needs it, and it is about twice the size of the weights.
+TRAINING_STATE_DIRNAME = "training_state"
 
 
-@router.get("/{job_id}/checkpoints/{checkpoint_id}/content")
+@router.get(
+    "/{job_id}/checkpoints/{checkpoint_id}/content",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"application/x-tar": {}}, "description": "The checkpoint folder as a tar."},
+        206: {"content": {"application/x-tar": {}}, "description": "One byte range of that tar."},
+        416: {"description": "The Range lies outside the archive."},
+    },
+)
 def download_checkpoint(
-    job_id: str, checkpoint_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep
-) -> FileResponse:
+    job_id: str,
+    checkpoint_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    include_training_state: Annotated[
+        bool,
+        Query(
+            description="Also include training_state/ (optimizer, scheduler and RNG state: only needed to "
+            "resume training; about twice the size of the weights)."
+        ),
+    ] = False,
+    range_header: Annotated[str | None, Header(alias="Range")] = None,
+    if_range: Annotated[str | None, Header(alias="If-Range")] = None,
+) -> Response:
+    """The checkpoint as a tar, streamed from its files; answers single-range HTTP Range requests, so an
+    interrupted download can be resumed (the archive is the same bytes on every request)."""
     job = _get_job(session, job_id, tenant)
     checkpoint = queries.get_checkpoint(session, checkpoint_id, tenant)
     if checkpoint is None or checkpoint.job_id != job.id:
         raise not_found("checkpoint", checkpoint_id, param="checkpoint_id")
-    archive = _archive(checkpoint_dir(settings, checkpoint))
-    # FileResponse streams from disk in chunks and answers HTTP Range requests.
-    return FileResponse(
-        archive, media_type="application/x-tar", filename=f"{job.id}-step-{checkpoint.step}.tar"
-    )
+    excluded = () if include_training_state else (TRAINING_STATE_DIRNAME,)
+    archive = plan_archive(checkpoint_dir(settings, checkpoint), excluded_top_level=excluded)
+    variant = "-with-training-state" if include_training_state else ""
+    filename = f"{job.id}-step-{checkpoint.step}{variant}.tar"
+    return archive_response(archive, filename, range_header, if_range)

@@ -11,23 +11,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fusetune.estimate import default_micro_batch_size
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-# The default micro-batch holds at most this many tokens (sequences x max_seq_length) per process: 8 x 2048,
-# the end-to-end benchmark shape, at which a 1B model peaks at 26 GB with Liger-Kernel and 61 GB in HF eager
-# (H100, shared/ANCHORS.md). Activation memory grows with the tokens of a micro-batch, not with the global
-# batch, so a larger batch_size only adds accumulation steps.
-DEFAULT_MICRO_BATCH_TOKENS = 16384
-
-
-def default_micro_batch_size(sequences_per_process: int, max_seq_length: int) -> int:
-    """The largest divisor of `sequences_per_process` whose micro-batch stays within
-    DEFAULT_MICRO_BATCH_TOKENS tokens (at least 1 sequence)."""
-    limit = max(1, DEFAULT_MICRO_BATCH_TOKENS // max_seq_length)
-    return max(d for d in range(1, min(limit, sequences_per_process) + 1) if sequences_per_process % d == 0)
 
 
 class LoraConfig(_Frozen):
@@ -57,7 +45,7 @@ class TrainConfig(_Frozen):
     # Optimisation. `batch_size` is global: sequences per optimizer step summed over all processes;
     # each process runs batch_size / (micro_batch_size * world_size) micro-batches per step. The default
     # micro-batch is the largest divisor of batch_size / world_size that keeps a micro-batch within
-    # DEFAULT_MICRO_BATCH_TOKENS tokens, so memory stays bounded whatever the batch size.
+    # fusetune.estimate.DEFAULT_MICRO_BATCH_TOKENS tokens, so memory stays bounded whatever the batch size.
     seed: int = 0
     n_epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")

@@ -1,0 +1,168 @@
+"""The job estimate's peak GPU memory (fusetune.estimate, what `POST /v1/fine_tuning/jobs` with `dry_run`
+returns) against the peak the trainer measures on a GPU, for a few job settings.
+
+Each configuration is one torchrun launch of the trainer (fusetune.worker.train, the worker's own code) with the
+job's GPU defaults: precision bf16-mixed, the default micro-batch, AdamW; a model of a public architecture's
+shape with random weights, random token ids filling every sequence to `seq` tokens (so the estimate's padded
+length is exactly `seq`). The measured number is the largest `torch.cuda.max_memory_reserved` over the steps
+(what the allocator took from the GPU, which is what must fit); allocated is shown beside it. The goal: every
+estimate within 25% of the measured peak.
+
+    PYTHONPATH=. python3 benchmarks/memory_estimate.py               # all configurations (one GPU)
+    PYTHONPATH=. python3 benchmarks/memory_estimate.py --configs full-fused,lora-fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import e2e, scaling  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_RESULTS_DIR,
+    GIB,
+    gpu_slug,
+    markdown_table,
+    utc_date,
+    write_json,
+    write_text,
+)
+from fusetune.estimate import ModelShape, estimate_job  # noqa: E402
+
+TOLERANCE = 0.25
+LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
+
+# name -> the job settings that change the memory: model shape, sequences per step, tokens per sequence,
+# kernels, LoRA, gradient checkpointing.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "full-fused": {"model": "llama-3.2-1b-shape", "batch": 8, "seq": 2048, "kernels": True},
+    "full-unfused": {"model": "llama-3.2-1b-shape", "batch": 4, "seq": 2048, "kernels": False},
+    "lora-fused": {"model": "llama-3.2-1b-shape", "batch": 8, "seq": 2048, "kernels": True, "lora": LORA},
+    "checkpointing-fused": {
+        "model": "llama-3.2-1b-shape",
+        "batch": 8,
+        "seq": 2048,
+        "kernels": True,
+        "gradient_checkpointing": True,
+    },  # fmt: skip
+    "qwen-full-fused": {"model": "qwen2.5-1.5b-shape", "batch": 4, "seq": 2048, "kernels": True},
+}
+
+METHOD = (
+    "estimate: fusetune.estimate.estimate_job for the configuration (example_count = batch x steps, every "
+    "example seq tokens long, n_gpus 1). measured: the trainer under torchrun on one GPU, precision bf16-mixed "
+    "(the job default on a GPU: fp32 weights and AdamW state, bf16 autocast), micro-batch = batch (the "
+    "default up to 16384 tokens), 3 steps; peak = max over steps of torch.cuda.max_memory_reserved (and "
+    "max_memory_allocated). ratio = estimate / measured reserved; goal |ratio - 1| <= 0.25."
+)
+
+
+def _estimate(config: dict[str, Any], steps: int) -> dict[str, Any]:
+    shape = ModelShape.from_config_dict(e2e.build_config(config["model"], tiny=False).to_dict())
+    estimate = estimate_job(
+        shape,
+        example_count=config["batch"] * steps,
+        token_estimate=config["batch"] * steps * config["seq"],
+        n_epochs=1,
+        batch_size=config["batch"],
+        max_seq_length=config["seq"],
+        n_gpus=1,
+        fused_kernels=config["kernels"],
+        lora=config.get("lora"),
+        gradient_checkpointing=config.get("gradient_checkpointing", False),
+    )
+    return {
+        "estimate_gb": round(estimate.peak_memory_bytes_per_gpu / GIB, 2),
+        "estimate_breakdown_gb": {k: round(v / GIB, 2) for k, v in estimate.memory_breakdown.items()},
+    }
+
+
+def measure(name: str, config: dict[str, Any], steps: int, timeout_s: float) -> dict[str, Any]:
+    spec = {
+        "model": config["model"], "impl": "fusetune" if config["kernels"] else "hf", "batch": config["batch"],
+        "seq": config["seq"], "steps": steps - 1, "warmup_steps": 1, "tiny": False, "distributed": "ddp",
+        "ddp_bucket_cap_mb": None, "gradient_checkpointing": config.get("gradient_checkpointing", False),
+        "precision": "bf16-mixed", "lora": config.get("lora"), "peak_tflops": None,
+    }  # fmt: skip
+    measured = scaling._run_torchrun(spec, 1, timeout_s, cpu=False)
+    row: dict[str, Any] = {
+        "config": name,
+        "model": config["model"],
+        "batch": config["batch"],
+        "seq": config["seq"],
+        "kernels": config["kernels"],
+        "lora": bool(config.get("lora")),
+        "gradient_checkpointing": config.get("gradient_checkpointing", False),
+        **_estimate(config, steps),
+    }
+    if "error" in measured:
+        row["error"] = measured["error"]
+        return row
+    row["measured_reserved_gb"] = measured["peak_reserved_gb"]
+    row["measured_alloc_gb"] = measured["peak_alloc_gb"]
+    row["ratio"] = round(row["estimate_gb"] / row["measured_reserved_gb"], 3)
+    row["within_tolerance"] = abs(row["ratio"] - 1) <= TOLERANCE
+    return row
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in payload["versions"].items())
+    table = [
+        [r["config"], r["model"], f"{r['batch']} x {r['seq']}", r["kernels"], r["lora"], r["gradient_checkpointing"],
+         r["estimate_gb"], r.get("measured_reserved_gb"), r.get("measured_alloc_gb"), r.get("ratio"),
+         r.get("within_tolerance", r.get("error"))]
+        for r in payload["rows"]
+    ]  # fmt: skip
+    header = ["config", "model", "batch", "kernels", "LoRA", "checkpointing", "estimate GB", "measured reserved GB",
+              "measured allocated GB", "estimate / measured", "within 25%"]  # fmt: skip
+    return "\n".join(
+        [
+            f"# Job memory estimate against the trainer on {payload['gpu']}, {payload['date']}",
+            "",
+            f"Versions: {versions}.",
+            "",
+            f"Method: {payload['method']}",
+            "",
+            markdown_table(header, table),
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
+    parser.add_argument("--run-timeout-s", type=float, default=300)
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    info = scaling._device_info()
+    if info is None:
+        print("could not read the device", file=sys.stderr)
+        return 2
+    rows = []
+    for name in names:
+        started = time.monotonic()
+        rows.append(measure(name, CONFIGS[name], args.steps, args.run_timeout_s))
+        print(f"{name}: {rows[-1]} ({time.monotonic() - started:.0f} s)", flush=True)
+    payload = {"gpu": info["gpu"], "date": utc_date(), "versions": info["versions"], "method": METHOD,
+               "tolerance": TOLERANCE, "rows": rows}  # fmt: skip
+    slug = gpu_slug(info["gpu"])
+    write_json(args.out / f"{slug}-estimate.json", payload)
+    write_text(args.out / f"{slug}-estimate.md", render_markdown(payload))
+    print(render_markdown(payload))
+    return 0 if all(r.get("within_tolerance") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The job estimate's memory model responds to each setting the way the trainer's memory does."""
+
+from fusetune.estimate import ModelShape, estimate_job, lora_parameter_count
+
+LLAMA_1B = ModelShape(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                      head_dim=64, vocab_size=128256, tied_embeddings=True)  # fmt: skip
+
+
+def _estimate(**overrides):
+    settings = {"example_count": 64, "token_estimate": 64 * 2048, "n_epochs": 1, "batch_size": 8,
+                "max_seq_length": 2048, "n_gpus": 1, "fused_kernels": True, **overrides}  # fmt: skip
+    return estimate_job(LLAMA_1B, **settings)
+
+
+def test_lora_parameter_count_matches_peft_arithmetic():
+    # q (2048->2048), k and v (2048->512), o (2048->2048), gate and up (2048->8192), down (8192->2048), r=16
+    per_layer = 16 * ((2048 + 2048) * 2 + (2048 + 512) * 2 + (2048 + 8192) * 3)
+    assert lora_parameter_count(LLAMA_1B, 16, "all-linear") == 16 * per_layer
+    assert lora_parameter_count(LLAMA_1B, 8, ["q_proj", "v_proj"]) == 16 * 8 * ((2048 + 2048) + (2048 + 512))
+
+
+def test_each_setting_moves_the_terms_it_should():
+    full = _estimate()
+    assert full.parameters == LLAMA_1B.parameter_count()
+    breakdown = full.memory_breakdown
+    assert breakdown["weights_grads_optimizer"] == 18 * full.parameters
+    # 8 x 2048 tokens, 16 layers, 67584 bytes saved per token and layer with the fused kernels
+    assert breakdown["activations"] == 8 * 2048 * 16 * (12 * 2048 + 4 * 2048 + 4 * 512 + 4 * 8192)
+
+    lora = _estimate(lora={"r": 16, "target_modules": "all-linear"}).memory_breakdown
+    assert lora["weights_grads_optimizer"] < breakdown["weights_grads_optimizer"] / 2
+    assert lora["activations"] == breakdown["activations"]
+
+    checkpointed = _estimate(gradient_checkpointing=True).memory_breakdown
+    assert checkpointed["activations"] < breakdown["activations"] / 4
+
+    unfused = _estimate(fused_kernels=False).memory_breakdown
+    assert unfused["activations"] > breakdown["activations"] and unfused["logits"] > 20 * breakdown["logits"]
+
+    sharded = _estimate(n_gpus=4, batch_size=32, distributed="fsdp").memory_breakdown
+    assert sharded["weights_grads_optimizer"] < breakdown["weights_grads_optimizer"] / 3
+    replicated = _estimate(n_gpus=4, batch_size=32, distributed="ddp").memory_breakdown
+    assert replicated["weights_grads_optimizer"] == breakdown["weights_grads_optimizer"]
+    assert replicated["activations"] == breakdown["activations"]  # 8 sequences per GPU either way
+
+
+def test_micro_batch_follows_the_trainer_default():
+    # 32 sequences of 2048 on one GPU: micro-batches of 8 (16384 tokens), so the activations of 8, not 32
+    assert (
+        _estimate(batch_size=32).memory_breakdown["activations"]
+        == _estimate().memory_breakdown["activations"]
+    )
