@@ -5,6 +5,8 @@
 #   benchmarks/gpu_session.sh kernels [OPS]   # benchmarks/kernels.py, main shapes, all implementations
 #   benchmarks/gpu_session.sh sweeps       # the shape sweeps, fusetune against torch.compile and Liger
 #   benchmarks/gpu_session.sh e2e MODELS IMPLS
+#   benchmarks/gpu_session.sh estimate [CONFIGS]   # benchmarks/memory_estimate.py
+#   benchmarks/gpu_session.sh scaling ARGS...      # benchmarks/scaling.py ARGS (e.g. --nproc 1,2,4)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -33,4 +35,10 @@ case "$1" in
     python3 benchmarks/e2e.py --models "$2" --impls "$3" --out "$OUT" --time-budget-s "$budget" \
       ${MERGE_FROM:+--merge-from "$MERGE_FROM"} 2>&1 \
       | tee -a "$OUT/e2e.log" | tail -30 ;;
+  estimate)
+    timeout "$budget" python3 benchmarks/memory_estimate.py ${2:+--configs "$2"} --out "$OUT" 2>&1 \
+      | tee -a "$OUT/estimate.log" | tail -20 ;;
+  scaling)
+    shift
+    timeout "$budget" python3 benchmarks/scaling.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/scaling.log" | tail -20 ;;
 esac
