@@ -74,9 +74,18 @@ def _fine_tune_and_check(service, tmp_path: Path, n_gpus: int = 2) -> dict:
         archive = b"".join(download.iter_bytes())
     partial = service.client.get(url, headers={"Range": "bytes=100-199"})
     assert partial.status_code == 206 and partial.content == archive[100:200]
+    with_state = service.client.get(url, params={"include_training_state": "true"})
+    resumed = service.client.get(
+        url, params={"include_training_state": "true"}, headers={"Range": "bytes=1000-"}
+    )
+    assert resumed.status_code == 206 and with_state.content[:1000] + resumed.content == with_state.content
+    with tarfile.open(fileobj=io.BytesIO(with_state.content)) as tar:
+        state_members = [name for name in tar.getnames() if "/training_state/" in name]
+    assert state_members and len(with_state.content) > len(archive)
 
     target = tmp_path / "downloaded"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        assert not [name for name in tar.getnames() if "/training_state/" in name]
         tar.extractall(target, filter="data")
     (folder,) = [p for p in target.iterdir() if p.is_dir()]
     from transformers import AutoModelForCausalLM, AutoTokenizer
