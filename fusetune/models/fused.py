@@ -8,6 +8,7 @@ swap one for a broken variant and see the patched model go wrong.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections.abc import Callable
@@ -144,6 +145,12 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
     attn_dropout_name, mlp_dropout_name = spec.residual_dropout_attributes or (None, None)
 
     def add_norm(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
+        if branch.dtype != residual.dtype:
+            # Under autocast the attention / MLP output is in the autocast dtype while the residual stream
+            # keeps the weights' dtype; HF's `residual + branch` promotes, and widening is exact, so the fused
+            # add sees the same values as HF's.
+            dtype = torch.promote_types(branch.dtype, residual.dtype)
+            branch, residual = branch.to(dtype), residual.to(dtype)
         return kernels.rms_norm.add_rms_norm(
             branch,
             residual,
@@ -268,15 +275,26 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             )
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(hidden_states.device)
-        loss = kernels.fused_linear_cross_entropy.fused_linear_cross_entropy(
-            hidden_states,
-            self.lm_head.weight,
-            shift_labels,
-            bias=self.lm_head.bias,
-            ignore_index=ignore_index,
-            num_items_in_batch=num_items_in_batch,
-            softcap=getattr(self.config, softcap_attribute, None) if softcap_attribute else None,
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        device_type = hidden_states.device.type
+        autocast_dtype = (
+            torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
         )
+        if autocast_dtype is not None:
+            # What autocast does to HF's lm_head: the projection runs in the autocast dtype (the casts carry
+            # the gradients back to the fp32 weights); the kernel itself then runs with autocast off.
+            hidden_states, weight = hidden_states.to(autocast_dtype), weight.to(autocast_dtype)
+            bias = bias.to(autocast_dtype) if bias is not None else None
+        with torch.autocast(device_type, enabled=False) if autocast_dtype else contextlib.nullcontext():
+            loss = kernels.fused_linear_cross_entropy.fused_linear_cross_entropy(
+                hidden_states,
+                weight,
+                shift_labels,
+                bias=bias,
+                ignore_index=ignore_index,
+                num_items_in_batch=num_items_in_batch,
+                softcap=getattr(self.config, softcap_attribute, None) if softcap_attribute else None,
+            )
 
         if spec.router_aux_loss:
             output = _moe_output(self, spec, loss, outputs, attention_mask, kwargs["output_router_logits"])
