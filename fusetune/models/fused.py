@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from fusetune.kernels._interpreter import interpreted
 from fusetune.models.families import FamilySpec
 
 
@@ -65,11 +66,23 @@ def activation_of(module: nn.Module, spec: FamilySpec) -> str | None:
 # ----------------------------------------------------------------------------------------------- rotary
 
 
-def fused_apply_rotary_pos_emb(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop-in for transformers' module-level `apply_rotary_pos_emb` (same signature in 5.x)."""
-    return kernels.rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+def make_apply_rotary_pos_emb(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Drop-in for transformers' module-level `apply_rotary_pos_emb` (same signature in 5.x).
+
+    The function is module-level, so patching one model instance replaces it for every model of the family
+    in the process; tensors the kernel cannot reach (a CPU model beside a GPU one, with no interpreter) go to
+    the original function.
+    """
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (q.is_cuda or interpreted()):
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return kernels.rope.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    return apply_rotary_pos_emb
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm

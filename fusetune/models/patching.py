@@ -203,7 +203,7 @@ def _patch_classes(spec: FamilySpec, options: PatchOptions, handle: FusetuneHand
         for class_name in spec.norm_classes:
             patch(spec.resolve(class_name), "forward", lambda _original: fused.make_rms_norm_forward(spec))
     if options.rope and spec.rope_function:
-        patch(spec.module(), spec.rope_function, lambda _original: fused.fused_apply_rotary_pos_emb)
+        patch(spec.module(), spec.rope_function, fused.make_apply_rotary_pos_emb)
     gated = {"use_swiglu": options.swiglu, "use_geglu": options.geglu}
     if spec.mlp_class and (options.swiglu or options.geglu):
         patch(
@@ -270,9 +270,7 @@ def _patch_instance(
 
     if options.rope and spec.rope_function:
         handle._undo.append(
-            _shared.acquire(
-                spec.module(), spec.rope_function, lambda _original: fused.fused_apply_rotary_pos_emb
-            )
+            _shared.acquire(spec.module(), spec.rope_function, fused.make_apply_rotary_pos_emb)
         )
         handle._record(f"{spec.modeling_module}.{spec.rope_function}")
 
