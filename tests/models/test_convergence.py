@@ -51,6 +51,20 @@ FP32_TOLERANCE = {
     "parameters": {"atol": 2.5e-4, "rtol": 2.5e-4},
     "logits": {"atol": 2.5e-4, "rtol": 2.5e-4},
 }
+# The same comparison on a GPU (fp32): cuBLAS and the attention kernels sum in other orders than the CPU, and
+# the gaps measured on an H100 reached 3.0e-5 on a loss (phi3) and 5.3e-4 on a parameter (qwen3's up_proj),
+# run to run. Still two orders of magnitude under what the wrong-way RoPE gives (test below, on both).
+GPU_FP32_TOLERANCE = {
+    "losses": {"atol": 1e-4, "rtol": 1e-5},
+    "parameters": {"atol": 1e-3, "rtol": 1e-3},
+    "logits": {"atol": 1e-3, "rtol": 1e-3},
+}
+
+
+def tolerance_for(device: str) -> dict[str, dict[str, float]]:
+    return GPU_FP32_TOLERANCE if device == "cuda" else FP32_TOLERANCE
+
+
 # Golden curves are fp32 CPU runs of the unpatched model; the same run on another machine or transformers
 # 5.x (other matmul kernels, other summation orders) drifts in the last bits, which 20 steps can grow.
 GOLDEN_TOLERANCE = {"atol": 2e-3, "rtol": 0.0}
@@ -78,7 +92,7 @@ def test_patched_training_matches_hf(model_type: str, device: str) -> None:
     torch.testing.assert_close(torch.tensor(reference.losses), torch.tensor(golden), **GOLDEN_TOLERANCE)
     torch.testing.assert_close(torch.tensor(patched.losses), torch.tensor(golden), **GOLDEN_TOLERANCE)
     assert patched.losses[-1] < 0.5 * patched.losses[0], "the tiny model should learn its four batches"
-    assert_runs_match(reference, patched, FP32_TOLERANCE)
+    assert_runs_match(reference, patched, tolerance_for(device))
 
 
 @pytest.mark.slow
@@ -95,11 +109,11 @@ def test_broken_rope_fails_the_comparison(device: str, monkeypatch: pytest.Monke
     batches = make_batches(device)
     reference = train(build_tiny_model("llama").to(device), batches, steps=4)
     correct = _train_patched("llama", device, batches, steps=4)
-    assert_runs_match(reference, correct, FP32_TOLERANCE)
+    assert_runs_match(reference, correct, tolerance_for(device))
     monkeypatch.setattr(rope, "apply_rotary_pos_emb", rotates_the_wrong_way)
     broken = _train_patched("llama", device, batches, steps=4)
     with pytest.raises(AssertionError, match="losses"):
-        assert_runs_match(reference, broken, FP32_TOLERANCE)
+        assert_runs_match(reference, broken, tolerance_for(device))
 
 
 # bf16 on the GPU: bf16 training is noisy in itself, so the patched run is held to being about as close to
