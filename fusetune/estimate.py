@@ -25,13 +25,16 @@ BYTES_PER_FROZEN_PARAM = 4
 # head_dim, kv = kv heads x head_dim, i = intermediate size. Under bf16 autocast the residual stream is fp32
 # (the fp32 embedding starts it), everything a matmul saves is its bf16 input.
 #   fused kernels: the two norms' fp32 inputs (2 x 4h) and bf16 outputs (2 x 2h), q/k/v after RoPE in place
-#   (2q + 4kv), the attention output (2q), gate and up of the MLP (2 x 2i; the product is recomputed).
+#   (2q + 4kv), the attention output (2q), gate and up of the MLP (2 x 2i) and their product, which down_proj
+#   saves (2i).
 #   Hugging Face modules add the fp32 normalised rows of both norms (2 x 4h), RoPE's rotated copies of q and k
-#   (2q + 2kv, twice), and the MLP's activation and product (2 x 2i).
+#   (2q + 2kv, twice), and the MLP's activation output (2i).
 # With gradient checkpointing a layer keeps only its fp32 input (4h) until its backward recomputes it.
+# (The product and the checkpointing case were added after the first comparison with a GPU had left them out:
+# benchmarks/results/h100-estimate.md.)
 def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool) -> int:
-    fused_bytes = 12 * h + 4 * q + 4 * kv + 4 * i
-    return fused_bytes if fused else fused_bytes + 8 * h + 4 * q + 4 * kv + 4 * i
+    fused_bytes = 12 * h + 4 * q + 4 * kv + 6 * i
+    return fused_bytes if fused else fused_bytes + 8 * h + 4 * q + 4 * kv + 2 * i
 
 
 # Logits of the micro-batch when the loss is not fused: bf16 logits 2 + their fp32 copy 4 + the saved fp32
@@ -173,9 +176,10 @@ def estimate_job(
         frozen = params
     else:
         trained, frozen = params, 0
-    states = trained * (BYTES_PER_TRAINED_PARAM + BYTES_PER_AUTOCAST_COPY) + frozen * (
-        BYTES_PER_FROZEN_PARAM + BYTES_PER_AUTOCAST_COPY
-    )
+    # Under gradient checkpointing the forward saves nothing inside the layers, so the bf16 weight copies are
+    # made again, one layer at a time, when the backward recomputes it.
+    copy = 0 if gradient_checkpointing else BYTES_PER_AUTOCAST_COPY
+    states = trained * (BYTES_PER_TRAINED_PARAM + copy) + frozen * (BYTES_PER_FROZEN_PARAM + copy)
     if distributed == "fsdp" and n_gpus > 1:
         layer_params = (params - shape.vocab_size * shape.hidden_size) // shape.num_layers
         states = states // n_gpus + 2 * layer_params * BYTES_PER_AUTOCAST_COPY
