@@ -44,7 +44,10 @@ def package_version(distribution: str) -> str | None:
 
 
 def fusetune_git_sha(repo_root: Path = REPO_ROOT) -> str:
-    """The commit the benchmark ran on; FUSETUNE_GIT_SHA stands in where the copy has no git metadata."""
+    """The commit the benchmark ran on: FUSETUNE_GIT_SHA when set (a copy of the tree on another machine may
+    carry stale git metadata), else git's HEAD."""
+    if os.environ.get("FUSETUNE_GIT_SHA"):
+        return os.environ["FUSETUNE_GIT_SHA"]
     try:
         sha = subprocess.run(
             ["git", "-C", str(repo_root), "rev-parse", "HEAD"],
