@@ -406,7 +406,24 @@ def test_compiled_fullgraph_matches_eager(device, inplace_backward):
     compiled_values, compiled_param_grads = run(torch.compile(model, fullgraph=True))
     for got, want in zip(compiled_values, eager_values, strict=True):
         _assert_matches(got, want, dtype)
-    # every parameter gradient is a sum over the 4 * 33 rows (seen on the H100: one LayerNorm weight
-    # gradient element of 0.2 differed by 0.007 between eager and compiled, whose matmul rounds differently)
-    for got, want in zip(compiled_param_grads, eager_param_grads, strict=True):
-        _assert_matches(got, want, dtype, summed_rows=4 * 33)
+    # The parameter gradients are bf16 sums over the 4 * 33 rows of products as large as 160, so eager and
+    # compiled (whose Linear backward rounds in another order) may land one bf16 step apart: 43.25 against
+    # 43.5 seen on the H100, where the float64 value was 43.30. What must hold is that the compiled model is
+    # as accurate as the eager one: both against the same model in float64.
+    reference = torch.nn.Sequential(
+        torch.nn.LayerNorm(256), torch.nn.Linear(256, 256, bias=False), torch.nn.LayerNorm(256, bias=False)
+    ).to(device=device, dtype=torch.float64)
+    reference.load_state_dict({name: value.double() for name, value in model.state_dict().items()})
+    reference(_leaf(x.double())).backward(dy.double())
+    for name, eager, compiled, exact in zip(
+        [n for n, _ in model.named_parameters()],
+        eager_param_grads,
+        compiled_param_grads,
+        [p.grad for p in reference.parameters()],
+        strict=True,
+    ):
+        eager_error = (eager.double() - exact).abs().max().item()
+        compiled_error = (compiled.double() - exact).abs().max().item()
+        # one bf16 step of the largest gradient is the unit both errors are made of
+        step = exact.abs().max().item() * 2.0**-8
+        assert compiled_error <= eager_error + step, (name, compiled_error, eager_error, step)
