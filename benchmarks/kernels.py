@@ -861,17 +861,24 @@ def _log_rows(rows: list[dict]) -> None:
 def results_payload(
     meta: dict[str, Any], rows: list[dict], previous: dict[str, Any] | None, ops: list[str]
 ) -> dict[str, Any]:
+    # A run replaces the earlier rows of the (op, set) pairs it measured: a sweep keeps the main-shape rows.
+    measured = sorted({(row["op"], row.get("set", "main")) for row in rows} or {(op, "main") for op in ops})
     run = {
         "date": meta["date"],
         "ceilings": meta["ceilings"],
         "fusetune": meta["versions"]["fusetune"],
         "ops": ops,
+        "measured": [f"{op}/{set_name}" for op, set_name in measured],
     }
     kept_rows, runs = [], [run]
     if previous is not None:
-        kept_rows = [row for row in previous.get("rows", []) if row.get("op") not in ops]
+        replaced = set(measured)
+        kept_rows = [
+            row for row in previous.get("rows", []) if (row.get("op"), row.get("set", "main")) not in replaced
+        ]
+        still_shown = {row.get("op") for row in kept_rows}
         runs = [
-            {**earlier, "ops": [op for op in earlier.get("ops", []) if op not in ops]}
+            {**earlier, "ops": [op for op in earlier.get("ops", []) if op in still_shown]}
             for earlier in previous.get("runs", [])
         ]
         runs = [earlier for earlier in runs if earlier["ops"]] + [run]

@@ -125,3 +125,12 @@ def test_merge_keeps_rows_of_ops_not_rerun():
     merged = kernels.results_payload(meta, [new_row], previous, ["layer_norm"])
     assert [(row["op"], row["ms"]) for row in merged["rows"]] == [("rms_norm", 1.0), ("layer_norm", 2.0)]
     assert [run["ops"] for run in merged["runs"]] == [["rms_norm"], ["layer_norm"]]
+
+    # a sweep of an op replaces its earlier sweep rows only: the main-shape rows stay
+    sweep_row = kernels.measured_row(
+        kernels.Case("rms_norm", {"T": 16, "H": 8}, "hf", "sweep"), "fwd+bwd", 3.0, ANCHOR_CEILINGS
+    )
+    swept = kernels.results_payload(meta, [sweep_row], merged, ["rms_norm"])
+    assert [(row["op"], row["set"], row["ms"]) for row in swept["rows"]] == [
+        ("rms_norm", "main", 1.0), ("layer_norm", "main", 2.0), ("rms_norm", "sweep", 3.0)
+    ]  # fmt: skip
