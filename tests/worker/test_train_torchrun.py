@@ -152,6 +152,24 @@ def test_two_processes_match_one_process_with_two_micro_batches(one_process_run,
     assert read_result(ddp_config.output_dir).trained_tokens == read_result(config.output_dir).trained_tokens
 
 
+@pytest.mark.slow
+def test_four_processes_match_one_process_with_four_micro_batches(model_dir, tmp_path):
+    """The global-token normalisation across ranks and micro-batches: 1 process x 4 micro-batches of 4 and
+    4 processes x 1 micro-batch of 4 give the same curve (8 steps of 16 sequences)."""
+    runs = {}
+    for nproc in (1, 4):
+        config = demo_config(model_dir, tmp_path / f"out-{nproc}", micro_batch_size=4, max_steps=8)
+        completed = torchrun(config, nproc=nproc)
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+        started = next(
+            r for r in parse_console_records(completed.stdout) if r["data"].get("event") == "started"
+        )
+        assert (started["data"]["world_size"], started["data"]["grad_accum_steps"]) == (nproc, 4 // nproc)
+        runs[nproc] = step_metrics(completed)
+    assert len(runs[1]) == len(runs[4]) == 8
+    assert_same_curves(runs[4], runs[1], rtol=1e-5)
+
+
 def fsdp_config(config: TrainConfig, output_dir: Path) -> TrainConfig:
     # Checkpoints every 4 steps: the killed run below resumes from one. Micro-batches of 4 make each rank
     # accumulate two per step, which FSDP must not reduce early.
