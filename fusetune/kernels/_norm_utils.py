@@ -28,6 +28,14 @@ import triton
 MAX_REGISTER_BLOCK_N_FORWARD = 16384
 MAX_REGISTER_BLOCK_N_BACKWARD = 8192
 LOOPED_BLOCK_N = 8192
+# Rows wider than twice the backward's register block (H100, bf16, .scratch/rms_tune.py, 2026-11-22): the
+# backward walks tiles of 2 rows x 2048 columns with 8 warps, 2 programs per SM (16384 x 32768: 2.92 ms against
+# 3.34 ms for one row x 8192 columns with 16 warps; 32768 x 32768: 5.53 against 6.22), and the forward loops
+# over 16384-column blocks with 32 warps (0.78 against 1.02 ms; 1.50 against 1.98). At 16384 columns the
+# one-row, 8192-column backward stayed the fastest of nine settings (1.14 ms at 16384 rows, 4.30 at 65536).
+WIDE_ROW_BACKWARD = (2048, 2, 8, 2)  # block_n, rows_per_tile, num_warps, programs_per_sm
+MAX_FORWARD_WARPS = 32
+MAX_BACKWARD_WARPS = 16
 
 # Programs the interpreter runs when there is no GPU: small, so CPU tests still walk several row tiles per
 # persistent program and reduce several partial dW rows.
@@ -90,16 +98,23 @@ def _norm_launch_settings(n_cols: int, backward: bool, column_block_limit: int |
     """
     max_register_block = MAX_REGISTER_BLOCK_N_BACKWARD if backward else MAX_REGISTER_BLOCK_N_FORWARD
     block_n = triton.next_power_of_2(n_cols)
+    if backward and n_cols > 2 * MAX_REGISTER_BLOCK_N_BACKWARD and column_block_limit is None:
+        block_n, rows_per_tile, num_warps, programs_per_sm = WIDE_ROW_BACKWARD
+        return NormLaunchSettings(
+            block_n=block_n, rows_per_tile=rows_per_tile, num_warps=num_warps, programs_per_sm=programs_per_sm
+        )
     if block_n > max_register_block:
-        block_n = LOOPED_BLOCK_N
+        block_n = max_register_block if not backward else LOOPED_BLOCK_N
     if column_block_limit is not None:
         block_n = min(block_n, column_block_limit)
     # Narrow rows share a tile of at least 2048 elements, so each program moves a few KB per step.
     rows_per_tile = max(1, min(64, 2048 // block_n))
     tile_elements = rows_per_tile * block_n
     # About 16 values per thread and tensor: 16-byte accesses, and few enough registers for the backward
-    # (2048 -> 4 warps, 4096 -> 8, 8192 and up -> 16).
-    num_warps = max(1, min(16, tile_elements // 512))
+    # (2048 -> 4 warps, 4096 -> 8, 8192 and up -> 16); the forward's 16384-column tiles take 32 warps
+    # (16384 x 16384: 0.41 ms against 0.48 with 16).
+    max_warps = MAX_BACKWARD_WARPS if backward else MAX_FORWARD_WARPS
+    num_warps = max(1, min(max_warps, tile_elements // 512))
     # The persistent backward should fit in one wave. The sm_90 compiler gives it ~96 registers a thread at
     # 2048 elements and 4 warps (5 programs fit an SM), ~108 at 4096 and 8 warps (2 fit), ~112 at 8192 and
     # 16 warps (1 fits).
