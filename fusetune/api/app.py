@@ -6,6 +6,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from fusetune import __version__
+from fusetune.api.deps import Reads
 from fusetune.api.errors import install_error_handlers
 from fusetune.api.middleware import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, RequestMetrics
 from fusetune.api.routes import files, jobs, metrics, models
@@ -24,6 +25,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.reads = Reads(engine, app.state.session_factory)
     app.state.queue = queue or JobQueue(make_celery_app(settings))
     install_error_handlers(app)
     for module in (files, jobs, models, metrics):

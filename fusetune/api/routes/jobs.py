@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from fusetune.api import idempotency
 from fusetune.api.checkpoint_archive import archive_response, plan_archive
-from fusetune.api.deps import QueueDep, SessionDep, SettingsDep, TenantDep
+from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.schemas import (
     CheckpointList,
@@ -256,9 +256,10 @@ def _get_job(session: Session, job_id: str, tenant: str) -> Job:
     return job
 
 
+# The routes clients poll while a job trains are async and read through ReadsDep: no trip to a worker thread.
 @router.get("/{job_id}", response_model=JobObject)
-def retrieve_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject:
-    return to_schema(_get_job(session, job_id, tenant))
+async def retrieve_job(job_id: str, reads: ReadsDep, tenant: TenantDep) -> JobObject:
+    return await reads(lambda session: to_schema(_get_job(session, job_id, tenant)))
 
 
 def _transition(
@@ -322,35 +323,41 @@ def _event_schema(event: JobEvent) -> EventObject:
 
 
 @router.get("/{job_id}/events", response_model=EventList)
-def list_events(
+async def list_events(
     job_id: str,
-    session: SessionDep,
+    reads: ReadsDep,
     tenant: TenantDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> EventList:
-    job = _get_job(session, job_id, tenant)
-    rows, has_more = queries.list_events(session, job.id, after=after, limit=limit)
-    return EventList(data=[_event_schema(e) for e in rows], has_more=has_more)
+    def read(session: Session) -> EventList:
+        job = _get_job(session, job_id, tenant)
+        rows, has_more = queries.list_events(session, job.id, after=after, limit=limit)
+        return EventList(data=[_event_schema(e) for e in rows], has_more=has_more)
+
+    return await reads(read)
 
 
 @router.get("/{job_id}/metrics", response_model=MetricList)
-def list_metrics(
+async def list_metrics(
     job_id: str,
-    session: SessionDep,
+    reads: ReadsDep,
     tenant: TenantDep,
     min_step: Annotated[int | None, Query(ge=0)] = None,
     max_step: Annotated[int | None, Query(ge=0)] = None,
 ) -> MetricList:
-    job = _get_job(session, job_id, tenant)
-    rows = queries.list_metrics(session, job.id, min_step=min_step, max_step=max_step)
-    return MetricList(
-        job_id=job.id,
-        data=[
-            MetricPoint(step=m.step, created_at=m.created_at, train_loss=m.train_loss, values=m.values)
-            for m in rows
-        ],
-    )
+    def read(session: Session) -> MetricList:
+        job = _get_job(session, job_id, tenant)
+        rows = queries.list_metrics(session, job.id, min_step=min_step, max_step=max_step)
+        return MetricList(
+            job_id=job.id,
+            data=[
+                MetricPoint(step=m.step, created_at=m.created_at, train_loss=m.train_loss, values=m.values)
+                for m in rows
+            ],
+        )
+
+    return await reads(read)
 
 
 def _checkpoint_schema(job: Job, checkpoint: Checkpoint) -> CheckpointObject:
