@@ -5,6 +5,12 @@
 Starts the embedded service (`fusetune serve`: API + worker + SQLite) on a temporary data directory, starts a
 long training job of the bundled tiny model, then measures every request's latency. Writes
 benchmarks/results/<machine>-load.json and a markdown twin. Goal: 0 errors and p99 < 100 ms on the CPU machine.
+
+The clients share the machine with the server, so their own CPU time counts against it: aiohttp (the default)
+costs about 0.2 ms of CPU per request on the 2-core CPU machine, httpx about 1.9 ms, which alone held httpx
+clients to about 500 requests/s against a server that answered instantly. `--client httpx` is kept to compare
+with earlier results. The results also record the load average before the run and the CPU time each process
+used while the clients ran.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -21,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,11 +43,18 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def _client(
+ROUTES = ("job", "events", "metrics")
+
+
+def _paths(job_id: str) -> list[tuple[str, str]]:
+    return [("job", f"/v1/fine_tuning/jobs/{job_id}"), ("events", f"/v1/fine_tuning/jobs/{job_id}/events"),
+            ("metrics", f"/v1/fine_tuning/jobs/{job_id}/metrics")]  # fmt: skip
+
+
+async def _httpx_client(
     base_url: str, headers: dict, job_id: str, stop_at: float, latencies: dict, errors: list
 ) -> None:
-    routes = [("job", f"/v1/fine_tuning/jobs/{job_id}"), ("events", f"/v1/fine_tuning/jobs/{job_id}/events"),
-              ("metrics", f"/v1/fine_tuning/jobs/{job_id}/metrics")]  # fmt: skip
+    routes = _paths(job_id)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=30) as client:
         i = 0
         while time.monotonic() < stop_at:
@@ -55,14 +70,72 @@ async def _client(
                 errors.append(f"{path}: {type(exc).__name__}")
 
 
-async def _load(base_url: str, headers: dict, job_id: str, clients: int, seconds: float):
-    latencies: dict[str, list[float]] = {"job": [], "events": [], "metrics": []}
+async def _aiohttp_client(
+    base_url: str, headers: dict, job_id: str, stop_at: float, latencies: dict, errors: list
+) -> None:
+    import aiohttp
+
+    routes = _paths(job_id)
+    # One connection per client, as with httpx: each client is one user polling its job.
+    connector = aiohttp.TCPConnector(limit=1)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(
+        base_url, headers=headers, connector=connector, timeout=timeout
+    ) as client:
+        i = 0
+        while time.monotonic() < stop_at:
+            name, path = routes[i % len(routes)]
+            i += 1
+            start = time.perf_counter()
+            try:
+                async with client.get(path) as response:
+                    await response.read()
+                latencies[name].append(time.perf_counter() - start)
+                if response.status != 200:
+                    errors.append(f"{path}: {response.status}")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                errors.append(f"{path}: {type(exc).__name__}")
+
+
+CLIENTS = {"aiohttp": _aiohttp_client, "httpx": _httpx_client}
+
+
+async def _load(client_kind: str, base_url: str, headers: dict, job_id: str, clients: int, seconds: float):
+    latencies: dict[str, list[float]] = {name: [] for name in ROUTES}
     errors: list[str] = []
     stop_at = time.monotonic() + seconds
+    client = CLIENTS[client_kind]
     await asyncio.gather(
-        *[_client(base_url, headers, job_id, stop_at, latencies, errors) for _ in range(clients)]
+        *[client(base_url, headers, job_id, stop_at, latencies, errors) for _ in range(clients)]
     )
     return latencies, errors
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _service_processes(server: psutil.Process) -> dict[str, list[psutil.Process]]:
+    """The server, its embedded worker and the training processes under it, by role."""
+    roles: dict[str, list[psutil.Process]] = {"server": [server], "worker": [], "training": []}
+    for child in server.children(recursive=True):
+        command = " ".join(child.cmdline())
+        roles["worker" if "fusetune.cli worker" in command else "training"].append(child)
+    return roles
+
+
+def _cpu_by_role(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    totals = {}
+    for role, processes in roles.items():
+        total = 0.0
+        for process in processes:
+            try:
+                total += _cpu_seconds(process)
+            except psutil.NoSuchProcess:
+                pass
+        totals[role] = total
+    return totals
 
 
 def main() -> None:
@@ -72,9 +145,22 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--machine", default="cpu", help="slug for the results file name")
+    parser.add_argument(
+        "--client", choices=sorted(CLIENTS), default="aiohttp", help="HTTP client of the load"
+    )
     args = parser.parse_args()
 
+    load_average_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="fusetune-load-"))
+    try:
+        result = _run(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result["load_average_before"] = [round(x, 2) for x in load_average_before]
+    _write(args, result)
+
+
+def _run(args: argparse.Namespace, root: Path) -> dict:
     build_tiny_model(root / "data" / "models" / "tiny-llama")
     with running_service(root / "data") as service:
         training = service.upload(TRAIN_FILE).json()["id"]
@@ -88,11 +174,18 @@ def main() -> None:
             time.sleep(0.5)
         while not service.client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics").json()["data"]:
             time.sleep(0.5)
+        roles = _service_processes(psutil.Process(service.process.pid))
+        load_average_at_start = os.getloadavg()
+        cpu_before = {**_cpu_by_role(roles), "clients": _cpu_seconds(psutil.Process())}
+        started = time.monotonic()
         latencies, errors = asyncio.run(
-            _load(service.base_url, {"Authorization": f"Bearer {service.api_key}"}, job["id"], args.clients,
-                  args.seconds)
+            _load(args.client, service.base_url, {"Authorization": f"Bearer {service.api_key}"}, job["id"],
+                  args.clients, args.seconds)
         )  # fmt: skip
+        elapsed = time.monotonic() - started
+        cpu_after = {**_cpu_by_role(roles), "clients": _cpu_seconds(psutil.Process())}
         status = service.client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"]
+        metric_points = len(service.client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics").json()["data"])
         service.client.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
 
     everything = [x for values in latencies.values() for x in values]
@@ -100,21 +193,38 @@ def main() -> None:
     for name, values in {"all": everything, **latencies}.items():
         rows.append({"route": name, "requests": len(values), "p50_ms": 1000 * statistics.median(values),
                      "p99_ms": 1000 * _percentile(values, 0.99), "max_ms": 1000 * max(values)})  # fmt: skip
-    result = {
+    # Cores each part of the machine kept busy while the clients ran (2.0 = both cores of the CPU machine).
+    cores_used = {role: round((cpu_after[role] - cpu_before[role]) / elapsed, 3) for role in cpu_before}
+    return {
         "machine": args.machine, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-        "date": time.strftime("%Y-%m-%d"), "clients": args.clients, "seconds": args.seconds,
-        "job_status_during_load": status, "errors": len(errors), "error_samples": errors[:10],
-        "requests_per_s": len(everything) / args.seconds, "rows": rows,
-        "command": f"python benchmarks/load.py --clients {args.clients} --seconds {args.seconds:g}",
+        "date": time.strftime("%Y-%m-%d"), "clients": args.clients, "seconds": args.seconds, "client": args.client,
+        "load_average_at_load_start": [round(x, 2) for x in load_average_at_start],
+        "job_status_during_load": status, "metric_points_at_end": metric_points,
+        "errors": len(errors), "error_samples": errors[:10],
+        "requests_per_s": len(everything) / args.seconds, "cores_used": cores_used,
+        "server_cpu_ms_per_request": 1000 * cores_used["server"] * elapsed / len(everything),
+        "client_cpu_ms_per_request": 1000 * cores_used["clients"] * elapsed / len(everything), "rows": rows,
+        "command": f"python benchmarks/load.py --clients {args.clients} --seconds {args.seconds:g}"
+                   + (f" --client {args.client}" if args.client != "aiohttp" else ""),
     }  # fmt: skip
+
+
+def _write(args: argparse.Namespace, result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.machine}-load.json").write_text(json.dumps(result, indent=2) + "\n")
+    cores = ", ".join(f"{role} {used:.2f}" for role, used in result["cores_used"].items())
     lines = [f"# API under load while a job trains ({args.machine}, {os.cpu_count()} cores, {result['date']})", "",
-             f"`{result['command']}` — {args.clients} clients for {args.seconds:g} s, "
-             f"{result['requests_per_s']:.0f} requests/s, errors: {len(errors)}", "",
+             f"`{result['command']}` — {args.clients} {args.client} clients for {args.seconds:g} s, "
+             f"{result['requests_per_s']:.0f} requests/s, errors: {result['errors']}", "",
              "| route | requests | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['route']} | {r['requests']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} |"
-              for r in rows]  # fmt: skip
+              for r in result["rows"]]  # fmt: skip
+    lines += ["", f"Load average before the run (1, 5, 15 min): {', '.join(map(str, result['load_average_before']))}; "
+              f"when the clients started: {', '.join(map(str, result['load_average_at_load_start']))}.",
+              f"Cores busy while the clients ran: {cores}. CPU per request: server "
+              f"{result['server_cpu_ms_per_request']:.2f} ms, clients {result['client_cpu_ms_per_request']:.2f} ms. "
+              f"The job had {result['metric_points_at_end']} metric points at the end "
+              "(the metrics route returns them all)."]  # fmt: skip
     (RESULTS / f"{args.machine}-load.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
