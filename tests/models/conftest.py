@@ -1,5 +1,8 @@
 """Every test here must leave transformers as it found it: no class or module patch may outlive a test."""
 
+import importlib
+from collections import Counter
+
 import pytest
 
 from fusetune.models import patching
@@ -25,3 +28,27 @@ def no_patch_outlives_the_test():
     patching._shared._entries.clear()
     assert not forgotten, f"class patches left applied after the test: {forgotten}"
     assert not leaked, f"shared attributes still patched after every handle was reverted: {leaked}"
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    """Counts the calls of each public kernel function the patched models use (they look the kernels up per
+    call, so the counters see every call)."""
+    calls: Counter = Counter()
+    for module_name, function_name in [
+        ("rms_norm", "rms_norm"),
+        ("rms_norm", "add_rms_norm"),
+        ("rope", "apply_rotary_pos_emb"),
+        ("swiglu", "swiglu"),
+        ("swiglu", "geglu"),
+        ("fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+    ]:
+        module = importlib.import_module(f"fusetune.kernels.{module_name}")
+        real = getattr(module, function_name)
+
+        def counted(*args, _real=real, _name=function_name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, function_name, counted)
+    return calls

@@ -130,27 +130,6 @@ class FusedLossCall:
 
 
 @pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """Counts the calls of the kernel functions the patched models use (the models look them up per call)."""
-    calls: Counter = Counter()
-    for module_name, function_name in [
-        ("rms_norm", "rms_norm"),
-        ("rms_norm", "add_rms_norm"),
-        ("swiglu", "swiglu"),
-        ("fused_linear_cross_entropy", "fused_linear_cross_entropy"),
-    ]:
-        module = importlib.import_module(f"fusetune.kernels.{module_name}")
-        real = getattr(module, function_name)
-
-        def counted(*args, _real=real, _name=function_name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(module, function_name, counted)
-    return calls
-
-
-@pytest.fixture
 def fused_loss_calls(monkeypatch: pytest.MonkeyPatch) -> list[FusedLossCall]:
     """Records each call of the fused linear cross-entropy: the count it normalises by and its own tokens."""
     module = importlib.import_module("fusetune.kernels.fused_linear_cross_entropy")

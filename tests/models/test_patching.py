@@ -72,29 +72,6 @@ def _family_attributes(model_type: str) -> dict[tuple[object, str], object]:
     return {(owner, name): vars(owner)[name] for owner, name in owners}
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """Counts the calls of each public kernel function the patched models use."""
-    calls: Counter = Counter()
-    for module_name, function_name in [
-        ("rms_norm", "rms_norm"),
-        ("rms_norm", "add_rms_norm"),
-        ("rope", "apply_rotary_pos_emb"),
-        ("swiglu", "swiglu"),
-        ("swiglu", "geglu"),
-        ("fused_linear_cross_entropy", "fused_linear_cross_entropy"),
-    ]:
-        module = importlib.import_module(f"fusetune.kernels.{module_name}")
-        real = getattr(module, function_name)
-
-        def counted(*args, _real=real, _name=function_name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(module, function_name, counted)
-    return calls
-
-
 # ------------------------------------------------------------------------------------------- the table
 
 
