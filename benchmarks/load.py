@@ -117,11 +117,16 @@ def _cpu_seconds(process: psutil.Process) -> float:
 
 
 def _service_processes(server: psutil.Process) -> dict[str, list[psutil.Process]]:
-    """The server, its embedded worker and the training processes under it, by role."""
+    """The server (with any API worker processes), its embedded worker and the training processes, by role."""
     roles: dict[str, list[psutil.Process]] = {"server": [server], "worker": [], "training": []}
     for child in server.children(recursive=True):
         command = " ".join(child.cmdline())
-        roles["worker" if "fusetune.cli worker" in command else "training"].append(child)
+        if "fusetune.worker.train" in command or "torch.distributed.run" in command:
+            roles["training"].append(child)
+        elif "fusetune.cli worker" in command:
+            roles["worker"].append(child)
+        else:
+            roles["server"].append(child)
     return roles
 
 

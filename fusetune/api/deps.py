@@ -35,12 +35,16 @@ class Reads:
     write: a write can wait on SQLite's lock for the whole busy timeout.
     """
 
-    def __init__(self, engine: Engine, session_factory: sessionmaker[Session]):
+    def __init__(self, session_factory: sessionmaker[Session], inline: bool):
         self._session_factory = session_factory
-        self._inline = engine.dialect.name == "sqlite"
+        self.inline = inline
+
+    @classmethod
+    def for_engine(cls, engine: Engine, session_factory: sessionmaker[Session]) -> Reads:
+        return cls(session_factory, inline=engine.dialect.name == "sqlite")
 
     async def __call__(self, work: Callable[[Session], T]) -> T:
-        if self._inline:
+        if self.inline:
             return self._run(work)
         return await run_in_threadpool(self._run, work)
 

@@ -1,0 +1,95 @@
+"""Reads: the polled routes' database work, inline on SQLite and in a worker thread on other databases."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fusetune.api.app import create_app
+from fusetune.api.deps import Reads
+from fusetune.config import Settings
+from fusetune.db import queries
+from fusetune.db.migrate import upgrade
+from fusetune.db.models import File, Job, JobStatus
+from fusetune.db.session import make_engine, make_session_factory
+
+JOB_ID = "ftjob-reads"
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    settings = Settings(data_dir=tmp_path / "data")
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        session.add(File(id="file-reads", tenant="acme", filename="t.jsonl", purpose="fine-tune", bytes=1,
+                         storage_name="t.jsonl"))  # fmt: skip
+        session.add(Job(id=JOB_ID, tenant="acme", model="tiny", training_file_id="file-reads",
+                        status=JobStatus.RUNNING, hyperparameters={"n_epochs": 1}))  # fmt: skip
+        session.flush()
+        for step in (1, 2, 3):
+            queries.add_metric(session, JOB_ID, step, {"train_loss": 1.0 / step})
+        session.commit()
+    return settings
+
+
+def _key(settings: Settings, tenant: str) -> str:
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        _, plaintext = queries.create_api_key(session, tenant)
+        session.commit()
+    return plaintext
+
+
+def _thread_of_read(reads: Reads) -> tuple[int, int]:
+    async def main() -> tuple[int, int]:
+        return threading.get_ident(), await reads(lambda session: threading.get_ident())
+
+    return asyncio.run(main())
+
+
+def test_sqlite_reads_run_on_the_event_loop_and_others_in_a_worker_thread(settings):
+    engine = make_engine(settings.database_url)
+    sessions = make_session_factory(engine)
+    loop_thread, read_thread = _thread_of_read(Reads.for_engine(engine, sessions))
+    assert read_thread == loop_thread
+    loop_thread, read_thread = _thread_of_read(Reads(sessions, inline=False))
+    assert read_thread != loop_thread
+
+
+def test_an_inline_read_does_not_wait_for_a_writer(settings):
+    """The premise of reading on the event loop: in WAL mode a reader sees the last commit while another
+    connection holds the write lock. Without WAL this read would fail with 'database is locked'."""
+    engine = make_engine(settings.database_url)
+    reads = Reads.for_engine(engine, make_session_factory(engine))
+    writer = sqlite3.connect(settings.database_url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        writer.execute("BEGIN EXCLUSIVE")
+        writer.execute("UPDATE jobs SET status = 'cancelled' WHERE id = ?", (JOB_ID,))
+        status = asyncio.run(reads(lambda session: queries.get_job_status(session, JOB_ID)))
+        assert status == JobStatus.RUNNING  # the committed state, not the writer's
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
+    app = create_app(settings)
+    app.state.reads = Reads(app.state.session_factory, inline=inline)
+    owner = TestClient(app, headers={"Authorization": f"Bearer {_key(settings, 'acme')}"})
+    stranger = TestClient(app, headers={"Authorization": f"Bearer {_key(settings, 'other')}"})
+    base = f"/v1/fine_tuning/jobs/{JOB_ID}"
+    assert owner.get(base).json()["status"] == JobStatus.RUNNING
+    assert [p["step"] for p in owner.get(f"{base}/metrics").json()["data"]] == [1, 2, 3]
+    assert [p["step"] for p in owner.get(f"{base}/metrics", params={"min_step": 2}).json()["data"]] == [2, 3]
+    events = owner.get(f"{base}/events", params={"limit": 2}).json()
+    assert events["has_more"] and [e["data"]["step"] for e in events["data"]] == [3, 2]
+    for path in (base, f"{base}/events", f"{base}/metrics"):
+        response = stranger.get(path)
+        assert response.status_code == 404, path
+        assert response.json()["error"]["param"] == "fine_tuning_job_id"
+    assert TestClient(app, headers={"Authorization": "Bearer sk-wrong"}).get(base).status_code == 401
