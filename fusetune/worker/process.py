@@ -27,3 +27,21 @@ def prepare_training_process(niceness: int) -> None:
     die_with_parent()
     if niceness:
         os.nice(niceness)
+    lower_session_priority()
+
+
+def lower_session_priority() -> None:
+    """Give this process's scheduling autogroup the process's own nice value.
+
+    With Linux's autogroup scheduling (on by default on desktops and many servers), every session is a group
+    that competes with other groups at the group's nice value, 0 unless set, whatever its processes' own nice
+    values. The training launcher and each rank start sessions of their own, so without this the nice value
+    above ranks them only against each other, and a training job takes an equal share of the CPU from the API
+    (seen on 2 cores: the job used a whole core while 50 clients polled). A no-op where autogroups are off or
+    absent.
+    """
+    try:
+        with open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write(str(os.nice(0)))
+    except OSError:
+        pass

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from fusetune.worker.process import die_with_parent
+from fusetune.worker.process import die_with_parent, lower_session_priority
 from fusetune.worker.train.config import TrainConfig
 
 
@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun each rank is a child of the launcher: if the launcher is killed (a `kill -9` of the
     # worker takes it down), the ranks must go too, or an orphan would keep training beside the retry.
     die_with_parent()
+    # torchrun starts each rank in a session of its own: keep the launcher's (inherited) low priority.
+    lower_session_priority()
     config = TrainConfig.read(args.config)
     # Models come from local directories or the local cache only: without this, transformers still probes
     # the hub for some files (retrying for half a minute) when a model id is not in the cache. Set before
