@@ -28,7 +28,7 @@ import triton
 MAX_REGISTER_BLOCK_N_FORWARD = 16384
 MAX_REGISTER_BLOCK_N_BACKWARD = 8192
 LOOPED_BLOCK_N = 8192
-# Rows wider than twice the backward's register block (H100, bf16, .scratch/rms_tune.py, 2026-11-22): the
+# Rows wider than twice the backward's register block (H100, bf16, benchmarks/norm_launch_settings.py, 2026-11-22): the
 # backward walks tiles of 2 rows x 2048 columns with 8 warps, 2 programs per SM (16384 x 32768: 2.92 ms against
 # 3.34 ms for one row x 8192 columns with 16 warps; 32768 x 32768: 5.53 against 6.22), and the forward loops
 # over 16384-column blocks with 32 warps (0.78 against 1.02 ms; 1.50 against 1.98). At 16384 columns the
