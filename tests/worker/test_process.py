@@ -1,6 +1,7 @@
 """Training processes run at low priority also where Linux schedules each session as a group (autogroups)."""
 
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,12 @@ READ_OWN_AUTOGROUP = "print(open('/proc/self/autogroup').read().split()[-1])"
 
 def _autogroups_settable() -> bool:
     """Whether this kernel has autogroups and lets this process set its group's nice value (some containers
-    do not); the code under test then does nothing, by design."""
+    do not, and some sandboxes show the file empty); the code under test then does nothing, by design."""
     try:
-        current = AUTOGROUP.read_text().split()[-1]
-        AUTOGROUP.write_text(current)
+        shown = re.fullmatch(r"/autogroup-\d+ nice (-?\d+)", AUTOGROUP.read_text().strip())
+        if shown is None:
+            return False
+        AUTOGROUP.write_text(shown.group(1))
     except OSError:
         return False
     return True
