@@ -78,7 +78,9 @@ def serve(
         env = {**os.environ, **settings.subprocess_env()}
         worker_process = subprocess.Popen([sys.executable, "-m", "fusetune.cli", "worker"], env=env)
     try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+        uvicorn.run(
+            create_app(settings), host=settings.host, port=settings.port, log_level="info", access_log=False
+        )
     finally:
         if worker_process is not None and worker_process.poll() is None:
             worker_process.send_signal(signal.SIGTERM)

@@ -25,7 +25,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
-    app.state.reads = Reads.for_engine(engine, app.state.session_factory)
+    app.state.reads = Reads.for_engine(engine)
     app.state.queue = queue or JobQueue(make_celery_app(settings))
     install_error_handlers(app)
     for module in (files, jobs, models, metrics):

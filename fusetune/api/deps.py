@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
-from sqlalchemy import Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from fusetune.api.errors import ApiError
@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 class Reads:
-    """Runs a request's read-only database work in a session of its own.
+    """Runs a request's read-only database work on a connection of its own (Core rows, no ORM Session).
 
     On SQLite (the embedded default, in WAL mode) a read is answered from the last committed snapshot without
     waiting on writers, so it runs inline on the event loop. In a worker thread it cost twice as much: the
@@ -35,22 +35,22 @@ class Reads:
     write: a write can wait on SQLite's lock for the whole busy timeout.
     """
 
-    def __init__(self, session_factory: sessionmaker[Session], inline: bool):
-        self._session_factory = session_factory
+    def __init__(self, engine: Engine, inline: bool):
+        self._engine = engine
         self.inline = inline
 
     @classmethod
-    def for_engine(cls, engine: Engine, session_factory: sessionmaker[Session]) -> Reads:
-        return cls(session_factory, inline=engine.dialect.name == "sqlite")
+    def for_engine(cls, engine: Engine) -> Reads:
+        return cls(engine, inline=engine.dialect.name == "sqlite")
 
-    async def __call__(self, work: Callable[[Session], T]) -> T:
+    async def __call__(self, work: Callable[[Connection], T]) -> T:
         if self.inline:
             return self._run(work)
         return await run_in_threadpool(self._run, work)
 
-    def _run(self, work: Callable[[Session], T]) -> T:
-        with self._session_factory() as session:
-            return work(session)
+    def _run(self, work: Callable[[Connection], T]) -> T:
+        with self._engine.connect() as connection:
+            return work(connection)
 
 
 async def get_settings(request: Request) -> Settings:
@@ -84,7 +84,7 @@ async def get_tenant(request: Request) -> str:
         return DEFAULT_TENANT
     # Looked up on every request, not cached, so that a revoked key stops working at once.
     reads: Reads = request.app.state.reads
-    tenant = await reads(lambda session: queries.tenant_for_api_key(session, key))
+    tenant = await reads(lambda connection: queries.tenant_for_api_key(connection, key))
     if tenant is None:
         raise ApiError(401, "Invalid or revoked API key.", code="invalid_api_key")
     return tenant

@@ -227,6 +227,7 @@ class MetricList(BaseModel):
     object: Literal["list"] = "list"
     job_id: str
     data: list[MetricPoint]
+    has_more: bool = False
 
 
 class EstimateObject(BaseModel):

@@ -6,7 +6,7 @@ import hashlib
 import secrets
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import Connection, Row, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from fusetune.db.models import (
@@ -132,21 +132,6 @@ def add_event(
     return event
 
 
-def list_events(
-    session: Session, job_id: str, *, after: str | None = None, limit: int = 20
-) -> tuple[list[JobEvent], bool]:
-    """Newest first, cursor after an event id; returns (page, has_more)."""
-    query = select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq.desc())
-    if after is not None:
-        cursor_seq = session.scalar(
-            select(JobEvent.seq).where(JobEvent.id == after, JobEvent.job_id == job_id)
-        )
-        if cursor_seq is not None:
-            query = query.where(JobEvent.seq < cursor_seq)
-    rows = list(session.scalars(query.limit(limit + 1)))
-    return rows[:limit], len(rows) > limit
-
-
 def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any]) -> JobMetric:
     """One row per (job, step); a step reported again (a resumed run) replaces the earlier values."""
     metric = session.scalar(select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step == step))
@@ -164,17 +149,6 @@ def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any])
     message = f"Step {step}: training loss={loss:.4f}" if isinstance(loss, int | float) else f"Step {step}"
     add_event(session, job_id, message, type="metrics", data=data)
     return metric
-
-
-def list_metrics(
-    session: Session, job_id: str, *, min_step: int | None = None, max_step: int | None = None
-) -> list[JobMetric]:
-    query = select(JobMetric).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
-    if min_step is not None:
-        query = query.where(JobMetric.step >= min_step)
-    if max_step is not None:
-        query = query.where(JobMetric.step <= max_step)
-    return list(session.scalars(query))
 
 
 def add_checkpoint(
@@ -217,10 +191,8 @@ def create_api_key(session: Session, tenant: str, name: str = "") -> tuple[ApiKe
     return row, plaintext
 
 
-def tenant_for_api_key(session: Session, key: str) -> str | None:
-    return session.scalar(
-        select(ApiKey.tenant).where(ApiKey.key_hash == hash_api_key(key), ApiKey.revoked_at.is_(None))
-    )
+def tenant_for_api_key(connection: Connection | Session, key: str) -> str | None:
+    return connection.scalar(_TENANT_OF_KEY, {"key_hash": hash_api_key(key)})
 
 
 def revoke_api_key(session: Session, key_id: str) -> bool:
@@ -270,3 +242,70 @@ def delete_checkpoints(session: Session, job_id: str, storage_paths: list[str]) 
         session.delete(row)
         count += 1
     return count
+
+
+# ---- Reads the polled routes make on every request -------------------------------------------------------------
+# Clients poll a training job's status, events and metrics many times a second between them, and these reads were
+# most of the API's CPU time. So they are built once, with bind parameters (executing a prebuilt statement reuses
+# its memoized cache key and compiled SQL, where building one per request repeated that work), run on a bare
+# connection rather than a Session, and return Core rows (attributes named as the columns), not ORM objects.
+
+_TENANT_OF_KEY = select(ApiKey.tenant).where(
+    ApiKey.key_hash == bindparam("key_hash"), ApiKey.revoked_at.is_(None)
+)
+_JOB_OF_TENANT = select(*Job.__table__.c).where(
+    Job.id == bindparam("job_id"), Job.tenant == bindparam("tenant")
+)
+_EVENTS = select(*JobEvent.__table__.c).where(JobEvent.job_id == bindparam("job_id"))
+_EVENTS_NEWEST = _EVENTS.order_by(JobEvent.seq.desc()).limit(bindparam("limit"))
+_EVENTS_BEFORE = (
+    _EVENTS.where(JobEvent.seq < bindparam("before_seq"))
+    .order_by(JobEvent.seq.desc())
+    .limit(bindparam("limit"))
+)
+_EVENT_SEQ = select(JobEvent.seq).where(
+    JobEvent.id == bindparam("event_id"), JobEvent.job_id == bindparam("job_id")
+)
+_METRICS = (
+    select(JobMetric.step, JobMetric.created_at, JobMetric.train_loss, JobMetric.values)
+    .where(JobMetric.job_id == bindparam("job_id"), JobMetric.step.between(bindparam("lo"), bindparam("hi")))
+    .order_by(JobMetric.step)
+    .limit(bindparam("limit"))
+)
+# Steps are 32-bit INTEGER columns: the widest range a step filter can ask for.
+_LAST_STEP = 2**31 - 1
+
+
+def job_row(connection: Connection | Session, job_id: str, tenant: str) -> Row | None:
+    """The tenant's job as a row (the columns of ``jobs``), or None."""
+    return connection.execute(_JOB_OF_TENANT, {"job_id": job_id, "tenant": tenant}).first()
+
+
+def list_events(
+    connection: Connection | Session, job_id: str, *, after: str | None = None, limit: int = 20
+) -> tuple[list[Row], bool]:
+    """Newest first, after the event ``after`` when it is one of the job's (else from the newest); (page, has_more)."""
+    params = {"job_id": job_id, "limit": limit + 1}
+    cursor_seq = None
+    if after is not None:
+        cursor_seq = connection.scalar(_EVENT_SEQ, {"event_id": after, "job_id": job_id})
+    if cursor_seq is None:
+        rows = connection.execute(_EVENTS_NEWEST, params).all()
+    else:
+        rows = connection.execute(_EVENTS_BEFORE, {**params, "before_seq": cursor_seq}).all()
+    return rows[:limit], len(rows) > limit
+
+
+def list_metrics(
+    connection: Connection | Session,
+    job_id: str,
+    *,
+    min_step: int | None = None,
+    max_step: int | None = None,
+    limit: int = 1000,
+) -> tuple[list[Row], bool]:
+    """Oldest step first within [min_step, max_step]; (page, has_more). The next page starts at the last step + 1."""
+    params = {"job_id": job_id, "lo": min_step or 0, "hi": _LAST_STEP if max_step is None else max_step,
+              "limit": limit + 1}  # fmt: skip
+    rows = connection.execute(_METRICS, params).all()
+    return rows[:limit], len(rows) > limit

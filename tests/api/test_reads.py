@@ -46,17 +46,16 @@ def _key(settings: Settings, tenant: str) -> str:
 
 def _thread_of_read(reads: Reads) -> tuple[int, int]:
     async def main() -> tuple[int, int]:
-        return threading.get_ident(), await reads(lambda session: threading.get_ident())
+        return threading.get_ident(), await reads(lambda connection: threading.get_ident())
 
     return asyncio.run(main())
 
 
 def test_sqlite_reads_run_on_the_event_loop_and_others_in_a_worker_thread(settings):
     engine = make_engine(settings.database_url)
-    sessions = make_session_factory(engine)
-    loop_thread, read_thread = _thread_of_read(Reads.for_engine(engine, sessions))
+    loop_thread, read_thread = _thread_of_read(Reads.for_engine(engine))
     assert read_thread == loop_thread
-    loop_thread, read_thread = _thread_of_read(Reads(sessions, inline=False))
+    loop_thread, read_thread = _thread_of_read(Reads(engine, inline=False))
     assert read_thread != loop_thread
 
 
@@ -64,12 +63,12 @@ def test_an_inline_read_does_not_wait_for_a_writer(settings):
     """The premise of reading on the event loop: in WAL mode a reader sees the last commit while another
     connection holds the write lock. Without WAL this read would fail with 'database is locked'."""
     engine = make_engine(settings.database_url)
-    reads = Reads.for_engine(engine, make_session_factory(engine))
+    reads = Reads.for_engine(engine)
     writer = sqlite3.connect(settings.database_url.removeprefix("sqlite:///"), isolation_level=None)
     try:
         writer.execute("BEGIN EXCLUSIVE")
         writer.execute("UPDATE jobs SET status = 'cancelled' WHERE id = ?", (JOB_ID,))
-        status = asyncio.run(reads(lambda session: queries.get_job_status(session, JOB_ID)))
+        status = asyncio.run(reads(lambda connection: queries.get_job_status(connection, JOB_ID)))
         assert status == JobStatus.RUNNING  # the committed state, not the writer's
     finally:
         writer.execute("ROLLBACK")
@@ -79,13 +78,20 @@ def test_an_inline_read_does_not_wait_for_a_writer(settings):
 @pytest.mark.parametrize("inline", [True, False])
 def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
     app = create_app(settings)
-    app.state.reads = Reads(app.state.session_factory, inline=inline)
+    app.state.reads = Reads(app.state.engine, inline=inline)
     owner = TestClient(app, headers={"Authorization": f"Bearer {_key(settings, 'acme')}"})
     stranger = TestClient(app, headers={"Authorization": f"Bearer {_key(settings, 'other')}"})
     base = f"/v1/fine_tuning/jobs/{JOB_ID}"
     assert owner.get(base).json()["status"] == JobStatus.RUNNING
     assert [p["step"] for p in owner.get(f"{base}/metrics").json()["data"]] == [1, 2, 3]
     assert [p["step"] for p in owner.get(f"{base}/metrics", params={"min_step": 2}).json()["data"]] == [2, 3]
+    first_page = owner.get(f"{base}/metrics", params={"limit": 2}).json()
+    assert [p["step"] for p in first_page["data"]] == [1, 2] and first_page["has_more"]
+    last_page = owner.get(f"{base}/metrics", params={"limit": 2, "min_step": 3, "max_step": 3}).json()
+    assert [p["step"] for p in last_page["data"]] == [3] and not last_page["has_more"]
+    newest = owner.get(f"{base}/events", params={"limit": 1}).json()["data"][0]["id"]
+    after = owner.get(f"{base}/events", params={"after": newest}).json()
+    assert [e["data"]["step"] for e in after["data"]] == [2, 1] and not after["has_more"]
     events = owner.get(f"{base}/events", params={"limit": 2}).json()
     assert events["has_more"] and [e["data"]["step"] for e in events["data"]] == [3, 2]
     for path in (base, f"{base}/events", f"{base}/metrics"):

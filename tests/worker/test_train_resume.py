@@ -174,7 +174,7 @@ def wait_for_steps(sessions, job_id, n_steps: int, process: subprocess.Popen, ti
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with sessions() as session:
-            if len(queries.list_metrics(session, job_id)) >= n_steps:
+            if len(queries.list_metrics(session, job_id)[0]) >= n_steps:
                 return
         assert process.poll() is None, process.communicate()[0][-3000:]
         time.sleep(0.1)
@@ -210,7 +210,7 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
     set_status(sessions, job_id, "paused")
     assert run(config) == EXIT_STOPPED
     with sessions() as session:
-        assert [m.step for m in queries.list_metrics(session, job_id)] == [1]
+        assert [m.step for m in queries.list_metrics(session, job_id)[0]] == [1]
         assert [(c.step, c.storage_path) for c in queries.list_checkpoints(session, job_id)] == [
             (1, f"{job_id}/checkpoints/step-1")
         ]
@@ -225,7 +225,7 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
     assert run(config) == 0
     assert read_result(config.output_dir).steps == 6 and read_stopped(config.output_dir) is None
     with sessions() as session:
-        assert [m.step for m in queries.list_metrics(session, job_id)] == list(range(1, 7))
+        assert [m.step for m in queries.list_metrics(session, job_id)[0]] == list(range(1, 7))
         assert [c.step for c in queries.list_checkpoints(session, job_id)] == [6, 1]
         events, _ = queries.list_events(session, job_id, limit=1000)
         resumed = [e.data for e in events if (e.data or {}).get("event") == "resumed"]

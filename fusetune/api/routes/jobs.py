@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from sqlalchemy import select, update
+from sqlalchemy import Connection, Row, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -40,9 +40,13 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 DEFAULT_EPOCHS = 3
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_LR_MULTIPLIER = 1.0
+# A metrics page: a plot's worth by default, and a bound on what one request reads and serialises.
+DEFAULT_METRIC_POINTS = 1000
+MAX_METRIC_POINTS = 10_000
 
 
-def to_schema(job: Job) -> JobObject:
+def to_schema(job: Job | Row) -> JobObject:
+    """The API object of a job, from its ORM object or its row (same attribute names)."""
     hyper = dict(job.hyperparameters)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
     return JobObject(
@@ -256,10 +260,18 @@ def _get_job(session: Session, job_id: str, tenant: str) -> Job:
     return job
 
 
-# The routes clients poll while a job trains are async and read through ReadsDep: no trip to a worker thread.
+def _job_row(connection: Connection, job_id: str, tenant: str) -> Row:
+    job = queries.job_row(connection, job_id, tenant)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return job
+
+
+# The routes clients poll while a job trains are async and read through ReadsDep (prebuilt Core queries, inline on
+# SQLite): no trip to a worker thread, no ORM objects.
 @router.get("/{job_id}", response_model=JobObject)
 async def retrieve_job(job_id: str, reads: ReadsDep, tenant: TenantDep) -> JobObject:
-    return await reads(lambda session: to_schema(_get_job(session, job_id, tenant)))
+    return await reads(lambda connection: to_schema(_job_row(connection, job_id, tenant)))
 
 
 def _transition(
@@ -311,7 +323,7 @@ def resume_job(job_id: str, session: SessionDep, tenant: TenantDep, queue: Queue
     return to_schema(job)
 
 
-def _event_schema(event: JobEvent) -> EventObject:
+def _event_schema(event: JobEvent | Row) -> EventObject:
     return EventObject(
         id=event.id,
         created_at=event.created_at,
@@ -330,9 +342,9 @@ async def list_events(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> EventList:
-    def read(session: Session) -> EventList:
-        job = _get_job(session, job_id, tenant)
-        rows, has_more = queries.list_events(session, job.id, after=after, limit=limit)
+    def read(connection: Connection) -> EventList:
+        job = _job_row(connection, job_id, tenant)
+        rows, has_more = queries.list_events(connection, job.id, after=after, limit=limit)
         return EventList(data=[_event_schema(e) for e in rows], has_more=has_more)
 
     return await reads(read)
@@ -345,16 +357,23 @@ async def list_metrics(
     tenant: TenantDep,
     min_step: Annotated[int | None, Query(ge=0)] = None,
     max_step: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_METRIC_POINTS)] = DEFAULT_METRIC_POINTS,
 ) -> MetricList:
-    def read(session: Session) -> MetricList:
-        job = _get_job(session, job_id, tenant)
-        rows = queries.list_metrics(session, job.id, min_step=min_step, max_step=max_step)
+    """Steps in [min_step, max_step], oldest first, at most ``limit``; when ``has_more``, the next page starts at
+    ``min_step`` = the last step returned + 1."""
+
+    def read(connection: Connection) -> MetricList:
+        job = _job_row(connection, job_id, tenant)
+        rows, has_more = queries.list_metrics(
+            connection, job.id, min_step=min_step, max_step=max_step, limit=limit
+        )
         return MetricList(
             job_id=job.id,
             data=[
                 MetricPoint(step=m.step, created_at=m.created_at, train_loss=m.train_loss, values=m.values)
                 for m in rows
             ],
+            has_more=has_more,
         )
 
     return await reads(read)
