@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, select, update
+from sqlalchemy import Connection, Row, Text, bindparam, cast, select, update
 from sqlalchemy.orm import Session
 
 from fusetune.db.models import (
@@ -138,8 +139,10 @@ def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any])
     if metric is None:
         metric = JobMetric(job_id=job_id, step=step)
         session.add(metric)
+    # JSON has no NaN or infinity (PostgreSQL refuses them, and the metrics route sends the stored text as is).
+    values = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
     metric.train_loss = values.get("train_loss")
-    metric.values = dict(values)
+    metric.values = values
     metric.created_at = now_s()
     # Clients of the OpenAI API read training progress from "metrics" events; they mirror the metric row.
     data = {"step": step, **{k: v for k, v in values.items() if isinstance(v, int | float)}}
@@ -266,8 +269,14 @@ _EVENTS_BEFORE = (
 _EVENT_SEQ = select(JobEvent.seq).where(
     JobEvent.id == bindparam("event_id"), JobEvent.job_id == bindparam("job_id")
 )
+# ``values_json``: the stored JSON text, which the metrics route passes through to the response undecoded.
 _METRICS = (
-    select(JobMetric.step, JobMetric.created_at, JobMetric.train_loss, JobMetric.values)
+    select(
+        JobMetric.step,
+        JobMetric.created_at,
+        JobMetric.train_loss,
+        cast(JobMetric.values, Text).label("values_json"),
+    )
     .where(JobMetric.job_id == bindparam("job_id"), JobMetric.step.between(bindparam("lo"), bindparam("hi")))
     .order_by(JobMetric.step)
     .limit(bindparam("limit"))
@@ -304,7 +313,8 @@ def list_metrics(
     max_step: int | None = None,
     limit: int = 1000,
 ) -> tuple[list[Row], bool]:
-    """Oldest step first within [min_step, max_step]; (page, has_more). The next page starts at the last step + 1."""
+    """Oldest step first within [min_step, max_step], as rows (step, created_at, train_loss, values_json);
+    (page, has_more). The next page starts at the last step + 1."""
     params = {"job_id": job_id, "lo": min_step or 0, "hi": _LAST_STEP if max_step is None else max_step,
               "limit": limit + 1}  # fmt: skip
     rows = connection.execute(_METRICS, params).all()

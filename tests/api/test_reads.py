@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from fusetune.api.app import create_app
 from fusetune.api.deps import Reads
+from fusetune.api.schemas import MetricList
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.migrate import upgrade
@@ -32,7 +33,7 @@ def settings(tmp_path) -> Settings:
                         status=JobStatus.RUNNING, hyperparameters={"n_epochs": 1}))  # fmt: skip
         session.flush()
         for step in (1, 2, 3):
-            queries.add_metric(session, JOB_ID, step, {"train_loss": 1.0 / step})
+            queries.add_metric(session, JOB_ID, step, {"train_loss": 1.0 / step, "grad_norm": float("nan")})
         session.commit()
     return settings
 
@@ -85,7 +86,9 @@ def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
     assert owner.get(base).json()["status"] == JobStatus.RUNNING
     assert [p["step"] for p in owner.get(f"{base}/metrics").json()["data"]] == [1, 2, 3]
     assert [p["step"] for p in owner.get(f"{base}/metrics", params={"min_step": 2}).json()["data"]] == [2, 3]
-    first_page = owner.get(f"{base}/metrics", params={"limit": 2}).json()
+    first_page = MetricList.model_validate_json(owner.get(f"{base}/metrics", params={"limit": 2}).content)
+    assert first_page.data[0].values == {"train_loss": 1.0, "grad_norm": None}
+    first_page = first_page.model_dump()
     assert [p["step"] for p in first_page["data"]] == [1, 2] and first_page["has_more"]
     last_page = owner.get(f"{base}/metrics", params={"limit": 2, "min_step": 3, "max_step": 3}).json()
     assert [p["step"] for p in last_page["data"]] == [3] and not last_page["has_more"]
