@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     port: int = 8000
     # Embedded mode starts a worker process next to the API so that `fusetune serve` alone is a full service.
     embedded_worker: bool = True
+    # HTTP API processes (uvicorn workers). One process answers requests on one core; more spread polling load
+    # over the cores (Prometheus then sums request metrics across them through files in data_dir).
+    api_processes: int = Field(default=1, ge=1)
     # Processes per training job; on CPU they use gloo, on GPU one process per device with NCCL.
     nproc_per_job: int = Field(default=1, ge=1)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)

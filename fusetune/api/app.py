@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, multiprocess
 
 from fusetune import __version__
 from fusetune.api.deps import Reads
@@ -30,10 +32,16 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     install_error_handlers(app)
     for module in (files, jobs, models, metrics):
         app.include_router(module.router)
-    # A registry per app, so several apps in one process (tests) don't share counters.
+    # A registry per app, so several apps in one process (tests) don't share counters. With several API
+    # processes (PROMETHEUS_MULTIPROC_DIR set, see `fusetune serve`), each writes its request metrics to files
+    # there and a scrape answered by any of them reads them all.
     app.state.metrics_registry = CollectorRegistry()
+    request_registry = app.state.metrics_registry
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        request_registry = CollectorRegistry()  # its values live in the files, not here
+        multiprocess.MultiProcessCollector(app.state.metrics_registry)
     metrics.install_state_collector(app.state.metrics_registry, app.state.session_factory)
-    app.add_middleware(RequestMetrics, registry=app.state.metrics_registry)
+    app.add_middleware(RequestMetrics, registry=request_registry)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)
 
     @app.get("/healthz", tags=["health"])
