@@ -151,6 +151,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--machine", default="cpu", help="slug for the results file name")
     parser.add_argument(
+        "--api-processes",
+        type=int,
+        default=1,
+        help="HTTP API processes of the server (FUSETUNE_API_PROCESSES)",
+    )
+    parser.add_argument(
         "--client", choices=sorted(CLIENTS), default="aiohttp", help="HTTP client of the load"
     )
     args = parser.parse_args()
@@ -167,7 +173,9 @@ def main() -> None:
 
 def _run(args: argparse.Namespace, root: Path) -> dict:
     build_tiny_model(root / "data" / "models" / "tiny-llama")
-    with running_service(root / "data") as service:
+    with running_service(
+        root / "data", extra_env={"FUSETUNE_API_PROCESSES": str(args.api_processes)}
+    ) as service:
         training = service.upload(TRAIN_FILE).json()["id"]
         job = service.client.post("/v1/fine_tuning/jobs", json={
             "model": "tiny-llama", "training_file": training,
@@ -203,6 +211,7 @@ def _run(args: argparse.Namespace, root: Path) -> dict:
     return {
         "machine": args.machine, "cpu_count": os.cpu_count(), "platform": platform.platform(),
         "date": time.strftime("%Y-%m-%d"), "clients": args.clients, "seconds": args.seconds, "client": args.client,
+        "api_processes": args.api_processes,
         "load_average_at_load_start": [round(x, 2) for x in load_average_at_start],
         "job_status_during_load": status, "metric_points_at_end": metric_points,
         "errors": len(errors), "error_samples": errors[:10],
@@ -210,7 +219,8 @@ def _run(args: argparse.Namespace, root: Path) -> dict:
         "server_cpu_ms_per_request": 1000 * cores_used["server"] * elapsed / len(everything),
         "client_cpu_ms_per_request": 1000 * cores_used["clients"] * elapsed / len(everything), "rows": rows,
         "command": f"python benchmarks/load.py --clients {args.clients} --seconds {args.seconds:g}"
-                   + (f" --client {args.client}" if args.client != "aiohttp" else ""),
+                   + (f" --client {args.client}" if args.client != "aiohttp" else "")
+                   + (f" --api-processes {args.api_processes}" if args.api_processes != 1 else ""),
     }  # fmt: skip
 
 
@@ -219,7 +229,8 @@ def _write(args: argparse.Namespace, result: dict) -> None:
     (RESULTS / f"{args.machine}-load.json").write_text(json.dumps(result, indent=2) + "\n")
     cores = ", ".join(f"{role} {used:.2f}" for role, used in result["cores_used"].items())
     lines = [f"# API under load while a job trains ({args.machine}, {os.cpu_count()} cores, {result['date']})", "",
-             f"`{result['command']}` — {args.clients} {args.client} clients for {args.seconds:g} s, "
+             f"`{result['command']}` — {args.clients} {args.client} clients for {args.seconds:g} s against "
+             f"{args.api_processes} API process{'es' if args.api_processes > 1 else ''}, "
              f"{result['requests_per_s']:.0f} requests/s, errors: {result['errors']}", "",
              "| route | requests | p50 ms | p99 ms | max ms |", "|---|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['route']} | {r['requests']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} |"
@@ -229,7 +240,7 @@ def _write(args: argparse.Namespace, result: dict) -> None:
               f"Cores busy while the clients ran: {cores}. CPU per request: server "
               f"{result['server_cpu_ms_per_request']:.2f} ms, clients {result['client_cpu_ms_per_request']:.2f} ms. "
               f"The job had {result['metric_points_at_end']} metric points at the end "
-              "(the metrics route returns them all)."]  # fmt: skip
+              "(one metrics page holds up to 1000)."]  # fmt: skip
     (RESULTS / f"{args.machine}-load.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -16,39 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
-from fusetune.api.app import create_app
 from fusetune.api.checkpoint_archive import iter_archive_bytes, plan_archive
 from fusetune.api.routes import jobs as jobs_routes
-from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.migrate import upgrade
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.worker.train import checkpoint as worker_checkpoint
 
-AUTH = {"Authorization": f"Bearer {Settings().dev_api_key}"}
 TRAINING_LINE = json.dumps(
     {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
 )
 STEP = 3
-
-
-@pytest.fixture
-def settings(tmp_path) -> Settings:
-    settings = Settings(data_dir=tmp_path / "data")
-    settings.ensure_dirs()
-    upgrade(settings.database_url)
-    model = settings.models_dir / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    return settings
-
-
-@pytest.fixture
-def client(settings) -> TestClient:
-    with TestClient(create_app(settings), headers=AUTH) as client:
-        yield client
 
 
 def _tiny_model():

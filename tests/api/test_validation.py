@@ -17,28 +17,11 @@ from fusetune.config import Settings
 from fusetune.db.migrate import upgrade
 from fusetune.db.models import File, Job
 from fusetune.db.session import make_engine
+from tests.api.conftest import AUTH
 
-AUTH = {"Authorization": f"Bearer {Settings().dev_api_key}"}
 GOOD_LINE = json.dumps(
     {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}
 )
-
-
-@pytest.fixture
-def settings(tmp_path) -> Settings:
-    settings = Settings(data_dir=tmp_path / "data")
-    settings.ensure_dirs()
-    upgrade(settings.database_url)
-    model = settings.models_dir / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    return settings
-
-
-@pytest.fixture
-def client(settings) -> TestClient:
-    with TestClient(create_app(settings), headers=AUTH) as client:
-        yield client
 
 
 def _count(settings: Settings, model) -> int:
