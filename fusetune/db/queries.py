@@ -259,7 +259,15 @@ _TENANT_OF_KEY = select(ApiKey.tenant).where(
 _JOB_OF_TENANT = select(*Job.__table__.c).where(
     Job.id == bindparam("job_id"), Job.tenant == bindparam("tenant")
 )
-_EVENTS = select(*JobEvent.__table__.c).where(JobEvent.job_id == bindparam("job_id"))
+# ``data_json`` (like ``values_json`` below): the stored JSON text, which the routes pass through undecoded.
+_EVENTS = select(
+    JobEvent.id,
+    JobEvent.created_at,
+    JobEvent.level,
+    JobEvent.message,
+    JobEvent.type,
+    cast(JobEvent.data, Text).label("data_json"),
+).where(JobEvent.job_id == bindparam("job_id"))
 _EVENTS_NEWEST = _EVENTS.order_by(JobEvent.seq.desc()).limit(bindparam("limit"))
 _EVENTS_BEFORE = (
     _EVENTS.where(JobEvent.seq < bindparam("before_seq"))
@@ -269,7 +277,6 @@ _EVENTS_BEFORE = (
 _EVENT_SEQ = select(JobEvent.seq).where(
     JobEvent.id == bindparam("event_id"), JobEvent.job_id == bindparam("job_id")
 )
-# ``values_json``: the stored JSON text, which the metrics route passes through to the response undecoded.
 _METRICS = (
     select(
         JobMetric.step,
@@ -293,7 +300,8 @@ def job_row(connection: Connection | Session, job_id: str, tenant: str) -> Row |
 def list_events(
     connection: Connection | Session, job_id: str, *, after: str | None = None, limit: int = 20
 ) -> tuple[list[Row], bool]:
-    """Newest first, after the event ``after`` when it is one of the job's (else from the newest); (page, has_more)."""
+    """Newest first, after the event ``after`` when it is one of the job's (else from the newest), as rows (id,
+    created_at, level, message, type, data_json); (page, has_more)."""
     params = {"job_id": job_id, "limit": limit + 1}
     cursor_seq = None
     if after is not None:

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from fusetune.api.app import create_app
 from fusetune.api.deps import Reads
-from fusetune.api.schemas import MetricList
+from fusetune.api.schemas import EventList, MetricList
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.migrate import upgrade
@@ -89,6 +89,7 @@ def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
     first_page = MetricList.model_validate_json(owner.get(f"{base}/metrics", params={"limit": 2}).content)
     assert first_page.data[0].values == {"train_loss": 1.0, "grad_norm": None}
     first_page = first_page.model_dump()
+    assert first_page == owner.get(f"{base}/metrics", params={"limit": 2}).json()
     assert [p["step"] for p in first_page["data"]] == [1, 2] and first_page["has_more"]
     last_page = owner.get(f"{base}/metrics", params={"limit": 2, "min_step": 3, "max_step": 3}).json()
     assert [p["step"] for p in last_page["data"]] == [3] and not last_page["has_more"]
@@ -96,6 +97,7 @@ def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
     after = owner.get(f"{base}/events", params={"after": newest}).json()
     assert [e["data"]["step"] for e in after["data"]] == [2, 1] and not after["has_more"]
     events = owner.get(f"{base}/events", params={"limit": 2}).json()
+    assert EventList.model_validate(events).model_dump() == events
     assert events["has_more"] and [e["data"]["step"] for e in events["data"]] == [3, 2]
     for path in (base, f"{base}/events", f"{base}/metrics"):
         response = stranger.get(path)

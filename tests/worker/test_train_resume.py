@@ -1,6 +1,7 @@
 """Exact resume from checkpoints with training state, pause and cancel through the job's SQL status, and
 pruning of old checkpoints (folders, download archives and rows)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +29,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # 48 examples / 8 per step = 6 steps per epoch; 2 epochs, so a resume mid-epoch crosses an epoch boundary.
 RUN = dict(n_epochs=2, checkpoint_every_steps=4, warmup_ratio=0.2)
 PAUSE_AFTER_STEP = 5
+
+
+def _event_data(event) -> dict:
+    """An event row's data (stored as JSON text), {} when it has none."""
+    return json.loads(event.data_json or "null") or {}
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +221,7 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
             (1, f"{job_id}/checkpoints/step-1")
         ]
         events, _ = queries.list_events(session, job_id, limit=1000)
-        assert any((e.data or {}).get("reason") == "paused" for e in events)
+        assert any(_event_data(e).get("reason") == "paused" for e in events)
     assert ckpt.latest_resumable(config.output_dir) == (1, ckpt.checkpoint_path(config.output_dir, 1))
     assert read_result(config.output_dir) is None
     stopped = {"reason": "paused", "step": 1, "checkpoint": f"{job_id}/checkpoints/step-1"}
@@ -228,7 +234,7 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
         assert [m.step for m in queries.list_metrics(session, job_id)[0]] == list(range(1, 7))
         assert [c.step for c in queries.list_checkpoints(session, job_id)] == [6, 1]
         events, _ = queries.list_events(session, job_id, limit=1000)
-        resumed = [e.data for e in events if (e.data or {}).get("event") == "resumed"]
+        resumed = [_event_data(e) for e in events if _event_data(e).get("event") == "resumed"]
         assert [data["step"] for data in resumed] == [1]
 
 
@@ -254,4 +260,4 @@ def test_cancel_stops_the_trainer_within_seconds_without_a_checkpoint(model_dir,
     with sessions() as session:
         assert queries.list_checkpoints(session, job_id) == []
         events, _ = queries.list_events(session, job_id, limit=1000)
-        assert any((e.data or {}).get("reason") == "cancelled" for e in events)
+        assert any(_event_data(e).get("reason") == "cancelled" for e in events)

@@ -22,7 +22,6 @@ from fusetune.api.schemas import (
     CheckpointObject,
     EstimateObject,
     EventList,
-    EventObject,
     JobCreate,
     JobError,
     JobList,
@@ -32,7 +31,7 @@ from fusetune.api.schemas import (
 from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.models import Checkpoint, File, Job, JobEvent, JobStatus, new_id, now_s
+from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
 from fusetune.estimate import ModelShape, estimate_job
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -267,6 +266,17 @@ def _job_row(connection: Connection, job_id: str, tenant: str) -> Row:
     return job
 
 
+def _stored_json(text: str | None) -> orjson.Fragment | None:
+    return None if text is None else orjson.Fragment(text)
+
+
+def _json_response(body: dict) -> Response:
+    """A polled list route's body (the shape of its response_model), serialised directly: stored JSON columns go
+    out as the text stored, never decoded and re-encoded; that and building a model per row were most of these
+    routes' CPU time (tests check the bodies against the models)."""
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
 # The routes clients poll while a job trains are async and read through ReadsDep (prebuilt Core queries, inline on
 # SQLite): no trip to a worker thread, no ORM objects.
 @router.get("/{job_id}", response_model=JobObject)
@@ -323,17 +333,6 @@ def resume_job(job_id: str, session: SessionDep, tenant: TenantDep, queue: Queue
     return to_schema(job)
 
 
-def _event_schema(event: JobEvent | Row) -> EventObject:
-    return EventObject(
-        id=event.id,
-        created_at=event.created_at,
-        level=event.level,
-        message=event.message,
-        type=event.type,
-        data=event.data,
-    )
-
-
 @router.get("/{job_id}/events", response_model=EventList)
 async def list_events(
     job_id: str,
@@ -341,11 +340,16 @@ async def list_events(
     tenant: TenantDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-) -> EventList:
-    def read(connection: Connection) -> EventList:
+) -> Response:
+    def read(connection: Connection) -> Response:
         job = _job_row(connection, job_id, tenant)
         rows, has_more = queries.list_events(connection, job.id, after=after, limit=limit)
-        return EventList(data=[_event_schema(e) for e in rows], has_more=has_more)
+        events = [
+            {"id": id_, "object": "fine_tuning.job.event", "created_at": created_at, "level": level,
+             "message": message, "type": type_, "data": _stored_json(data_json)}
+            for id_, created_at, level, message, type_, data_json in rows
+        ]  # fmt: skip
+        return _json_response({"object": "list", "data": events, "has_more": has_more})
 
     return await reads(read)
 
@@ -367,15 +371,16 @@ async def list_metrics(
         rows, has_more = queries.list_metrics(
             connection, job.id, min_step=min_step, max_step=max_step, limit=limit
         )
-        # The MetricList shape, serialised directly: each point's values go out as the JSON text stored, never
-        # decoded and re-encoded (that and building a model per point were most of this route's CPU time).
         points = [
-            {"step": m.step, "created_at": m.created_at, "train_loss": m.train_loss,
-             "values": orjson.Fragment(m.values_json)}
-            for m in rows
-        ]  # fmt: skip
-        body = {"object": "list", "job_id": job.id, "data": points, "has_more": has_more}
-        return Response(orjson.dumps(body), media_type="application/json")
+            {
+                "step": step,
+                "created_at": created_at,
+                "train_loss": train_loss,
+                "values": _stored_json(values_json),
+            }
+            for step, created_at, train_loss, values_json in rows
+        ]
+        return _json_response({"object": "list", "job_id": job.id, "data": points, "has_more": has_more})
 
     return await reads(read)
 
