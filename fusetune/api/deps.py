@@ -12,6 +12,7 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -38,6 +39,10 @@ class Reads:
     def __init__(self, engine: Engine, inline: bool):
         self._engine = engine
         self.inline = inline
+        # Inline reads all run on the event loop's thread, one at a time, so they share one connection in
+        # autocommit mode: each SELECT reads the latest commit and leaves no transaction open, and no request
+        # pays for a pool checkout and the ROLLBACK of its return (7% of a polled request's CPU time).
+        self._inline_connection: Connection | None = None
 
     @classmethod
     def for_engine(cls, engine: Engine) -> Reads:
@@ -45,12 +50,27 @@ class Reads:
 
     async def __call__(self, work: Callable[[Connection], T]) -> T:
         if self.inline:
-            return self._run(work)
+            return self._run_inline(work)
         return await run_in_threadpool(self._run, work)
 
     def _run(self, work: Callable[[Connection], T]) -> T:
         with self._engine.connect() as connection:
             return work(connection)
+
+    def _run_inline(self, work: Callable[[Connection], T]) -> T:
+        if self._inline_connection is None:
+            self._inline_connection = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            return work(self._inline_connection)
+        except DBAPIError:
+            # A broken connection is not reused; the next read opens a new one.
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._inline_connection is not None:
+            self._inline_connection.close()
+            self._inline_connection = None
 
 
 async def get_settings(request: Request) -> Settings:

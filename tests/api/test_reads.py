@@ -76,6 +76,27 @@ def test_an_inline_read_does_not_wait_for_a_writer(settings):
         writer.close()
 
 
+def test_inline_reads_share_a_connection_that_sees_each_new_commit(settings):
+    engine = make_engine(settings.database_url)
+    reads = Reads.for_engine(engine)
+    connections = []
+
+    def status(connection):
+        connections.append(connection)
+        return queries.get_job_status(connection, JOB_ID)
+
+    assert asyncio.run(reads(status)) == JobStatus.RUNNING
+    writer = sqlite3.connect(settings.database_url.removeprefix("sqlite:///"))
+    with writer:
+        writer.execute("UPDATE jobs SET status = 'cancelled' WHERE id = ?", (JOB_ID,))
+    writer.close()
+    assert asyncio.run(reads(status)) == JobStatus.CANCELLED
+    assert connections[0] is connections[1]
+    # No read transaction left open between requests (it would pin an old snapshot and hold back checkpoints).
+    assert not connections[0].connection.dbapi_connection.in_transaction
+    reads.close()
+
+
 @pytest.mark.parametrize("inline", [True, False])
 def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
     app = create_app(settings)
