@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -60,9 +59,7 @@ def serve(
     ] = True,
 ) -> None:
     """Run the HTTP API (and, in embedded mode, one worker beside it)."""
-    import uvicorn
-
-    from fusetune.api.app import create_app
+    from fusetune.api.server import run_api
     from fusetune.db.migrate import upgrade
 
     settings = _settings(data_dir)
@@ -79,18 +76,7 @@ def serve(
         env = {**os.environ, **settings.subprocess_env()}
         worker_process = subprocess.Popen([sys.executable, "-m", "fusetune.cli", "worker"], env=env)
     try:
-        # No access log: Prometheus counts requests per route, and a log line per poll costs CPU the API needs.
-        if settings.api_processes == 1:
-            uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                        access_log=False)  # fmt: skip
-        else:
-            # Each process builds its app from the environment; request metrics go through files (see create_app).
-            metrics_dir = settings.data_dir / "prometheus"
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-            metrics_dir.mkdir(parents=True)
-            os.environ.update(settings.subprocess_env(), PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
-            uvicorn.run("fusetune.api.app:create_app", factory=True, workers=settings.api_processes,
-                        host=settings.host, port=settings.port, log_level="info", access_log=False)  # fmt: skip
+        run_api(settings)
     finally:
         if worker_process is not None and worker_process.poll() is None:
             worker_process.send_signal(signal.SIGTERM)

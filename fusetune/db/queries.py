@@ -260,6 +260,7 @@ _JOB_OF_TENANT = select(*Job.__table__.c).where(
     Job.id == bindparam("job_id"), Job.tenant == bindparam("tenant")
 )
 # ``data_json`` (like ``values_json`` below): the stored JSON text, which the routes pass through undecoded.
+_JOB_ID_OF_TENANT = select(Job.id).where(Job.id == bindparam("job_id"), Job.tenant == bindparam("tenant"))
 _EVENTS = select(
     JobEvent.id,
     JobEvent.created_at,
@@ -295,6 +296,11 @@ _LAST_STEP = 2**31 - 1
 def job_row(connection: Connection | Session, job_id: str, tenant: str) -> Row | None:
     """The tenant's job as a row (the columns of ``jobs``), or None."""
     return connection.execute(_JOB_OF_TENANT, {"job_id": job_id, "tenant": tenant}).first()
+
+
+def is_tenants_job(connection: Connection | Session, job_id: str, tenant: str) -> bool:
+    """Whether the job exists and is the tenant's (the events and metrics routes need no more of it)."""
+    return connection.scalar(_JOB_ID_OF_TENANT, {"job_id": job_id, "tenant": tenant}) is not None
 
 
 def list_events(

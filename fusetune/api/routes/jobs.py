@@ -266,6 +266,11 @@ def _job_row(connection: Connection, job_id: str, tenant: str) -> Row:
     return job
 
 
+def _check_job(connection: Connection, job_id: str, tenant: str) -> None:
+    if not queries.is_tenants_job(connection, job_id, tenant):
+        raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
+
+
 def _stored_json(text: str | None) -> orjson.Fragment | None:
     return None if text is None else orjson.Fragment(text)
 
@@ -342,8 +347,8 @@ async def list_events(
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> Response:
     def read(connection: Connection) -> Response:
-        job = _job_row(connection, job_id, tenant)
-        rows, has_more = queries.list_events(connection, job.id, after=after, limit=limit)
+        _check_job(connection, job_id, tenant)
+        rows, has_more = queries.list_events(connection, job_id, after=after, limit=limit)
         events = [
             {"id": id_, "object": "fine_tuning.job.event", "created_at": created_at, "level": level,
              "message": message, "type": type_, "data": _stored_json(data_json)}
@@ -367,9 +372,9 @@ async def list_metrics(
     ``min_step`` = the last step returned + 1."""
 
     def read(connection: Connection) -> Response:
-        job = _job_row(connection, job_id, tenant)
+        _check_job(connection, job_id, tenant)
         rows, has_more = queries.list_metrics(
-            connection, job.id, min_step=min_step, max_step=max_step, limit=limit
+            connection, job_id, min_step=min_step, max_step=max_step, limit=limit
         )
         points = [
             {
@@ -380,7 +385,7 @@ async def list_metrics(
             }
             for step, created_at, train_loss, values_json in rows
         ]
-        return _json_response({"object": "list", "job_id": job.id, "data": points, "has_more": has_more})
+        return _json_response({"object": "list", "job_id": job_id, "data": points, "has_more": has_more})
 
     return await reads(read)
 
