@@ -20,7 +20,9 @@ def test_compose_services_and_commands():
     env = services["api"]["environment"]
     assert env["FUSETUNE_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert env["FUSETUNE_BROKER_URL"].startswith("redis://")
-    assert services["worker"]["environment"] == env == services["migrate"]["environment"]
+    # The same settings everywhere; the API adds how many processes it runs.
+    assert services["worker"]["environment"] == services["migrate"]["environment"]
+    assert env == {**services["worker"]["environment"], "FUSETUNE_API_PROCESSES": "2"}
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia"
     # api and worker share the data volume (uploads, runs, checkpoints).
