@@ -142,23 +142,12 @@ def test_an_interrupted_save_is_ignored_and_cleaned_up(model_dir, train_file, tm
     assert not half_written.exists()
 
 
-class ArchivingReporter(RecordingReporter):
-    """Builds the download archive the API writes beside a checkpoint folder (`step-N.tar`)."""
-
-    def checkpoint(self, step, path, metrics):
-        super().checkpoint(step, path, metrics)
-        Path(f"{path}{ckpt.ARCHIVE_SUFFIX}").write_bytes(b"tar")
-
-
-def test_pruned_checkpoints_go_with_their_archives_and_rows(model_dir, train_file, tmp_path):
-    reporter = ArchivingReporter()
+def test_pruned_checkpoints_go_with_their_rows(model_dir, train_file, tmp_path):
+    reporter = RecordingReporter()
     config = make_config(model_dir, train_file, tmp_path, checkpoint_every_steps=1, keep_last_checkpoints=2)
-    # An archive finished after its folder was pruned, by a download that had begun before.
-    ckpt.checkpoints_root(tmp_path).mkdir(parents=True)
-    (ckpt.checkpoints_root(tmp_path) / f"step-0{ckpt.ARCHIVE_SUFFIX}").write_bytes(b"tar")
     Trainer(config, ONE_CPU_RANK, reporter).train()
     root = ckpt.checkpoints_root(tmp_path)
-    assert sorted(path.name for path in root.iterdir()) == ["step-5", "step-5.tar", "step-6", "step-6.tar"]
+    assert sorted(path.name for path in root.iterdir()) == ["step-5", "step-6"]
     assert reporter.deleted == [str(ckpt.checkpoint_path(tmp_path, step)) for step in range(1, 5)]
 
 

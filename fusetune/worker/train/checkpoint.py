@@ -11,8 +11,7 @@ A checkpoint folder holds
   trained-token count and every rank's RNG states.
 
 A checkpoint is written under a temporary name and renamed when complete, so a directory named `step-<n>` is
-always a whole checkpoint, even after a crash mid-save. Pruning removes a folder together with the `.tar`
-archive the API may have built beside it for a download.
+always a whole checkpoint, even after a crash mid-save.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import torch
 CHECKPOINTS_DIRNAME = "checkpoints"
 CHECKPOINT_PREFIX = "step-"
 INCOMPLETE_SUFFIX = ".incomplete"
-ARCHIVE_SUFFIX = ".tar"  # the API's download archive of `step-<n>/`, written beside it as `step-<n>.tar`
 TRAINER_STATE_FILENAME = "fusetune_trainer_state.json"
 ADAPTER_DIRNAME = "adapter"
 TRAINING_STATE_DIRNAME = "training_state"
@@ -109,7 +107,6 @@ def staged_checkpoint(output_dir: str | Path, step: int) -> Iterator[Path]:
     staging.mkdir(parents=True)
     yield staging
     shutil.rmtree(final, ignore_errors=True)
-    (final.parent / (final.name + ARCHIVE_SUFFIX)).unlink(missing_ok=True)  # an archive of what was replaced
     os.replace(staging, final)
 
 
@@ -148,19 +145,7 @@ def stale_checkpoints(output_dir: str | Path, keep_last: int) -> list[Path]:
 
 
 def delete_checkpoint(checkpoint: Path) -> None:
-    """Remove a checkpoint folder and the download archive beside it, if any."""
-    (checkpoint.parent / (checkpoint.name + ARCHIVE_SUFFIX)).unlink(missing_ok=True)
     shutil.rmtree(checkpoint, ignore_errors=True)
-
-
-def remove_orphan_archives(output_dir: str | Path) -> None:
-    """Delete download archives whose checkpoint folder is gone (a download that was being archived while
-    its checkpoint was pruned finishes its archive afterwards)."""
-    root = checkpoints_root(output_dir)
-    if root.is_dir():
-        for archive in root.glob(f"{CHECKPOINT_PREFIX}*{ARCHIVE_SUFFIX}"):
-            if not archive.with_suffix("").is_dir():
-                archive.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------ RNG state

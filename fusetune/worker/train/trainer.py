@@ -686,7 +686,6 @@ class Trainer:
             self.reporter.checkpoints_deleted([self._reported_path(path) for path in stale])
         for path in stale:
             ckpt.delete_checkpoint(path)
-        ckpt.remove_orphan_archives(self.config.output_dir)
 
     def _check_resumable(self, state: dict[str, Any], checkpoint: Path) -> None:
         saved, current = state[ckpt.RESUME_RUN], self._run_description()
