@@ -259,8 +259,8 @@ _TENANT_OF_KEY = select(ApiKey.tenant).where(
 _JOB_OF_TENANT = select(*Job.__table__.c).where(
     Job.id == bindparam("job_id"), Job.tenant == bindparam("tenant")
 )
-# ``data_json`` (like ``values_json`` below): the stored JSON text, which the routes pass through undecoded.
 _JOB_ID_OF_TENANT = select(Job.id).where(Job.id == bindparam("job_id"), Job.tenant == bindparam("tenant"))
+# ``data_json`` (like ``values_json`` below): the stored JSON text, which the routes pass through undecoded.
 _EVENTS = select(
     JobEvent.id,
     JobEvent.created_at,
@@ -290,7 +290,7 @@ _METRICS = (
     .limit(bindparam("limit"))
 )
 # Steps are 32-bit INTEGER columns: the widest range a step filter can ask for.
-_LAST_STEP = 2**31 - 1
+MAX_STEP = 2**31 - 1
 
 
 def job_row(connection: Connection | Session, job_id: str, tenant: str) -> Row | None:
@@ -329,7 +329,7 @@ def list_metrics(
 ) -> tuple[list[Row], bool]:
     """Oldest step first within [min_step, max_step], as rows (step, created_at, train_loss, values_json);
     (page, has_more). The next page starts at the last step + 1."""
-    params = {"job_id": job_id, "lo": min_step or 0, "hi": _LAST_STEP if max_step is None else max_step,
+    params = {"job_id": job_id, "lo": min_step or 0, "hi": MAX_STEP if max_step is None else max_step,
               "limit": limit + 1}  # fmt: skip
     rows = connection.execute(_METRICS, params).all()
     return rows[:limit], len(rows) > limit

@@ -114,6 +114,8 @@ def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
     assert [p["step"] for p in first_page["data"]] == [1, 2] and first_page["has_more"]
     last_page = owner.get(f"{base}/metrics", params={"limit": 2, "min_step": 3, "max_step": 3}).json()
     assert [p["step"] for p in last_page["data"]] == [3] and not last_page["has_more"]
+    too_far = owner.get(f"{base}/metrics", params={"max_step": 2**63})
+    assert too_far.status_code == 400 and too_far.json()["error"]["param"] == "max_step"
     newest = owner.get(f"{base}/events", params={"limit": 1}).json()["data"][0]["id"]
     after = owner.get(f"{base}/events", params={"after": newest}).json()
     assert [e["data"]["step"] for e in after["data"]] == [2, 1] and not after["has_more"]

@@ -364,8 +364,8 @@ async def list_metrics(
     job_id: str,
     reads: ReadsDep,
     tenant: TenantDep,
-    min_step: Annotated[int | None, Query(ge=0)] = None,
-    max_step: Annotated[int | None, Query(ge=0)] = None,
+    min_step: Annotated[int | None, Query(ge=0, le=queries.MAX_STEP)] = None,
+    max_step: Annotated[int | None, Query(ge=0, le=queries.MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_METRIC_POINTS)] = DEFAULT_METRIC_POINTS,
 ) -> Response:
     """Steps in [min_step, max_step], oldest first, at most ``limit``; when ``has_more``, the next page starts at
