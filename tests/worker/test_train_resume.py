@@ -1,7 +1,6 @@
 """Exact resume from checkpoints with training state, pause and cancel through the job's SQL status, and
 pruning of old checkpoints (folders, download archives and rows)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -23,17 +22,18 @@ from fusetune.worker.train.outcome import (
 )
 from fusetune.worker.train.reporter import StopRequest
 from fusetune.worker.train.trainer import Trainer, run
-from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config, make_job_database
+from tests.worker.test_train_trainer import (
+    ONE_CPU_RANK,
+    RecordingReporter,
+    event_data,
+    make_config,
+    make_job_database,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # 48 examples / 8 per step = 6 steps per epoch; 2 epochs, so a resume mid-epoch crosses an epoch boundary.
 RUN = dict(n_epochs=2, checkpoint_every_steps=4, warmup_ratio=0.2)
 PAUSE_AFTER_STEP = 5
-
-
-def _event_data(event) -> dict:
-    """An event row's data (stored as JSON text), {} when it has none."""
-    return json.loads(event.data_json or "null") or {}
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
             (1, f"{job_id}/checkpoints/step-1")
         ]
         events, _ = queries.list_events(session, job_id, limit=1000)
-        assert any(_event_data(e).get("reason") == "paused" for e in events)
+        assert any(event_data(e).get("reason") == "paused" for e in events)
     assert ckpt.latest_resumable(config.output_dir) == (1, ckpt.checkpoint_path(config.output_dir, 1))
     assert read_result(config.output_dir) is None
     stopped = {"reason": "paused", "step": 1, "checkpoint": f"{job_id}/checkpoints/step-1"}
@@ -223,7 +223,7 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
         assert [m.step for m in queries.list_metrics(session, job_id)[0]] == list(range(1, 7))
         assert [c.step for c in queries.list_checkpoints(session, job_id)] == [6, 1]
         events, _ = queries.list_events(session, job_id, limit=1000)
-        resumed = [_event_data(e) for e in events if _event_data(e).get("event") == "resumed"]
+        resumed = [event_data(e) for e in events if event_data(e).get("event") == "resumed"]
         assert [data["step"] for data in resumed] == [1]
 
 
@@ -249,4 +249,4 @@ def test_cancel_stops_the_trainer_within_seconds_without_a_checkpoint(model_dir,
     with sessions() as session:
         assert queries.list_checkpoints(session, job_id) == []
         events, _ = queries.list_events(session, job_id, limit=1000)
-        assert any(_event_data(e).get("reason") == "cancelled" for e in events)
+        assert any(event_data(e).get("reason") == "cancelled" for e in events)

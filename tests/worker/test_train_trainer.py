@@ -30,6 +30,11 @@ from fusetune.worker.train.trainer import Trainer, lr_factor, run
 ONE_CPU_RANK = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
 
+def event_data(event) -> dict:
+    """An event row's data (``queries.list_events`` returns it as the stored JSON text), {} when it has none."""
+    return json.loads(event.data_json or "null") or {}
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return assets.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
@@ -447,7 +452,7 @@ def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
     )
     assert run(config) == 0
     with sessions() as session:
-        metrics = queries.list_metrics(session, job_id)
+        metrics, _ = queries.list_metrics(session, job_id)
         assert [m.step for m in metrics] == list(range(1, 7))
         assert all(math.isfinite(m.train_loss) for m in metrics)
         assert {
@@ -456,15 +461,15 @@ def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
             "tokens_per_second",
             "peak_memory_allocated_bytes",
             "eta_s",
-        } <= set(metrics[0].values)
-        assert "valid_loss" in metrics[-1].values
+        } <= set(json.loads(metrics[0].values_json))
+        assert "valid_loss" in json.loads(metrics[-1].values_json)
         # The checkpoint of step 2 was pruned (keep the last 2): its row went with its folder.
         rows = [(c.step, c.storage_path) for c in queries.list_checkpoints(session, job_id)]
         assert rows == [(6, f"{job_id}/checkpoints/step-6"), (4, f"{job_id}/checkpoints/step-4")]
         assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "runs" / job_id)] == [4, 6]
         events, _ = queries.list_events(session, job_id, limit=100)
         # The metrics rows are mirrored as "metrics" events; the trainer's own events are messages.
-        kinds = [(e.data or {}).get("event") for e in reversed(events) if e.type == "message"]
+        kinds = [event_data(e).get("event") for e in reversed(events) if e.type == "message"]
         assert None not in kinds
         assert kinds.index("started") < kinds.index("checkpoint_saved") < kinds.index("finished")
         assert kinds.index("started") < kinds.index("eval") < kinds.index("finished")
