@@ -105,18 +105,31 @@ def test_jobs_train_to_the_end(client, training_path):
     assert error.value.body["code"] == "invalid_state"
 
 
+def _wait_for_event(client: openai.OpenAI, job_id: str, ending: str, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in client.fine_tuning.jobs.list_events(job_id, limit=100):
+            if event.message.endswith(ending):
+                return event
+        time.sleep(0.5)
+    raise TimeoutError(f"{job_id} has no event ending with {ending!r}")
+
+
 def test_jobs_pause_resume_cancel(client, training_path):
     with open(training_path, "rb") as handle:
         training = client.files.create(file=handle, purpose="fine-tune")
+    # 800 steps: more than the job can train between the requests below, on any machine; it is cancelled.
     job = client.fine_tuning.jobs.create(model=MODEL, training_file=training.id,
-                                         hyperparameters={"n_epochs": 50, "batch_size": 8})  # fmt: skip
+                                         hyperparameters={"n_epochs": 100, "batch_size": 8})  # fmt: skip
     _wait(client, job.id, {"running"})
     assert client.fine_tuning.jobs.pause(job.id).status == "paused"
     assert client.fine_tuning.jobs.resume(job.id).status == "queued"
     _wait(client, job.id, {"running"})
     cancelled = client.fine_tuning.jobs.cancel(job.id)
     assert cancelled.status == "cancelled"
-    time.sleep(3)
+    # The worker writes this event once its training processes are gone and it has finished with the job;
+    # only then is it sure that nothing overwrites the status.
+    _wait_for_event(client, job.id, "the job was cancelled")
     assert client.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
     page = client.fine_tuning.jobs.list(limit=1)
     assert len(page.data) == 1 and page.has_more

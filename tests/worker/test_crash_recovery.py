@@ -60,11 +60,19 @@ def _start_job(service, train: Path, n_epochs: int) -> str:
     return response.json()["id"]
 
 
-def _kill_worker_mid_training(service, worker, job_id: str) -> None:
-    _wait_until(lambda: len(service.client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"]) >= 3,
-                180, "training never reported 3 steps")  # fmt: skip
+def _kill_worker_mid_training(service, worker, job_id: str, total_steps: int) -> None:
+    def reported_steps() -> int:
+        return len(service.client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"])
+
+    _wait_until(lambda: reported_steps() >= 3, 180, "training never reported 3 steps")
     marker = str(service.settings.runs_dir / job_id)
-    assert len(_training_pids(marker)) >= 3  # torchrun and two ranks
+    pids = _training_pids(marker)
+    assert len(pids) >= 3  # torchrun and two ranks
+    # Frozen where they stand, the training processes cannot reach the end of the run before the kill,
+    # however fast the machine; SIGKILL still ends a stopped process.
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    assert reported_steps() < total_steps
     os.kill(worker.pid, signal.SIGKILL)
     worker.wait()
     # No orphan keeps training: a second copy must never run beside the retry.
@@ -86,7 +94,7 @@ def test_killed_worker_job_is_recovered_by_another_worker(setup, tmp_path):
         first = start_worker(service.settings, tmp_path / "worker-a.log")
         job_id = _start_job(service, train, n_epochs=4)
         try:
-            _kill_worker_mid_training(service, first, job_id)
+            _kill_worker_mid_training(service, first, job_id, total_steps=4 * 256 // 16)
             second = start_worker(service.settings, tmp_path / "worker-b.log")
             try:
                 job = service.wait_for_job(job_id, timeout_s=300)
@@ -118,9 +126,9 @@ def test_job_fails_clearly_after_the_allowed_attempts(setup, tmp_path):
         ) as service,
     ):
         first = start_worker(service.settings, tmp_path / "worker-a.log")
-        job_id = _start_job(service, train, n_epochs=20)
+        job_id = _start_job(service, train, n_epochs=100)  # never finishes: it fails at the kill
         try:
-            _kill_worker_mid_training(service, first, job_id)
+            _kill_worker_mid_training(service, first, job_id, total_steps=100 * 256 // 16)
             second = start_worker(service.settings, tmp_path / "worker-b.log")
             try:
                 job = service.wait_for_job(job_id, timeout_s=120)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,25 +229,55 @@ def test_pause_checkpoints_and_exits_then_the_job_resumes_from_there(model_dir, 
 
 
 @pytest.mark.slow
-def test_cancel_stops_the_trainer_within_seconds_without_a_checkpoint(model_dir, tmp_path):
+def test_cancel_stops_a_running_trainer_without_a_checkpoint(model_dir, tmp_path):
     from fusetune.db import queries
 
-    # The bundled demo set: 512 examples, 64 steps of 8, long enough to be stopped mid-run.
+    # 10,000 epochs of the bundled demo set (640,000 steps): the run cannot end before the cancel arrives,
+    # whatever the machine's speed. The test gates on the trainer's own metric rows, never on a clock.
     config, sessions, job_id = sql_job(model_dir, assets.TRAIN_FILE, tmp_path)
+    config = config.model_copy(update={"n_epochs": 10_000})
     process = start_trainer(config, tmp_path)
     wait_for_steps(sessions, job_id, 2, process)
     set_status(sessions, job_id, "cancelled")
     cancelled_at = time.monotonic()
-    output = process.communicate(timeout=60)[0]
-    seconds_to_exit = time.monotonic() - cancelled_at
+    # A generous guard against a hang, not a speed claim: the poll interval is tested with a clock below.
+    output = process.communicate(timeout=300)[0]
+    print(f"cancel honoured {time.monotonic() - cancelled_at:.2f} s after the status changed")
     assert process.returncode == EXIT_STOPPED, output[-3000:]
-    # The status is read at most once a second, after a step of about 0.2 s here; the process also has to
-    # shut down. The service promises 10 s.
-    assert seconds_to_exit < 10, seconds_to_exit
-    print(f"cancel honoured {seconds_to_exit:.2f} s after the status changed")
     assert ckpt.list_checkpoints(config.output_dir) == []
     assert read_stopped(config.output_dir)["reason"] == "cancelled"
     with sessions() as session:
+        metric_steps = [m.step for m in queries.list_metrics(session, job_id)[0]]
         assert queries.list_checkpoints(session, job_id) == []
         events, _ = queries.list_events(session, job_id, limit=1000)
         assert any(event_data(e).get("reason") == "cancelled" for e in events)
+    assert 2 <= len(metric_steps) < 64 * 10_000
+
+
+def test_the_status_is_read_once_per_poll_interval(tmp_path, monkeypatch):
+    """A cancel or pause reaches the trainer at the first step boundary after one poll interval: the reporter
+    reads the job's status when the interval has passed and never in between (a clock the test moves)."""
+    from fusetune.worker.train import reporter as reporter_module
+
+    url, sessions, job_id = make_job_database(tmp_path)
+    set_status(sessions, job_id, "running")
+    now = [1000.0]
+    monkeypatch.setattr(reporter_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    sql = reporter_module.SqlReporter(url, job_id, status_poll_interval_s=1.0)
+    try:
+        assert sql.stop_request() is None  # the first call always reads
+        set_status(sessions, job_id, "paused")
+        now[0] += 0.5
+        assert sql.stop_request() is None  # within the interval: no read
+        now[0] += 0.5
+        assert sql.stop_request() == StopRequest.PAUSE
+        set_status(sessions, job_id, "cancelled")
+        now[0] += 0.9
+        assert sql.stop_request() == StopRequest.PAUSE
+        now[0] += 0.1
+        assert sql.stop_request() == StopRequest.CANCEL
+        set_status(sessions, job_id, "running")
+        now[0] += 5
+        assert sql.stop_request() == StopRequest.CANCEL  # a cancel is final
+    finally:
+        sql.close()
