@@ -13,7 +13,7 @@ from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import trainer as trainer_module
 from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
-from fusetune.worker.train.data import epoch_order, rank_micro_batches
+from fusetune.worker.train.data import collate, epoch_order, rank_micro_batches
 from fusetune.worker.train.distributed import DistInfo, decoder_layers
 from fusetune.worker.train.outcome import (
     EXIT_FAILED,
@@ -216,6 +216,31 @@ def test_micro_batches_give_the_same_loss_curve_as_one_batch(model_dir, small_tr
     # An AdamW step moves weights by about the learning rate (3e-3); the runs agree far more closely than that.
     for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_throughput_metrics_count_padding_and_trained_tokens(model_dir, small_train_file, tmp_path, packing):
+    reporter = RecordingReporter()
+    config = make_config(
+        model_dir, small_train_file, tmp_path, micro_batch_size=4, max_steps=2, packing=packing
+    )
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    trainer.train()
+    started = next(data for _, data in reporter.events if data.get("event") == "started")
+    assert "mfu_peak_flops" in started and started["mfu_peak_flops"] is None  # no GPU, no peak
+    # The same steps (two micro-batches of 4 rows, each padded to its longest row), counted here from their rows.
+    rows, lengths = trainer.train_data.sequences, trainer.train_data.lengths
+    order = epoch_order(len(rows), trainer.steps_per_epoch, 8, seed=0, epoch=0, lengths=lengths)
+    for step, values in reporter.metrics:
+        step_rows = [rows[i] for i in order[(step - 1) * 8 : step * 8]]
+        batches = [collate(step_rows[:4], trainer.pad_token_id, packing), collate(step_rows[4:], 0, packing)]
+        n_input = sum(int(batch["n_input_tokens"]) for batch in batches)
+        n_trained = sum(int(batch["n_trained_tokens"]) for batch in batches)
+        padding = 1 - n_input / sum(batch["input_ids"].numel() for batch in batches)
+        assert values["padding_fraction"] == pytest.approx(padding, abs=1e-12)
+        assert values["trained_tokens_per_second"] * values["step_time_s"] == pytest.approx(n_trained)
+        assert values["tokens_per_second"] * values["step_time_s"] == pytest.approx(n_input)
+        assert n_trained < n_input  # prompts are not trained: the two rates differ
 
 
 def _mlp_forwards_in_one_step(trainer) -> int:
