@@ -213,9 +213,13 @@ def test_micro_batches_give_the_same_loss_curve_as_one_batch(model_dir, small_tr
     whole_losses, whole = _train_steps(model_dir, small_train_file, tmp_path / "whole", micro_batch_size=8)
     split_losses, split = _train_steps(model_dir, small_train_file, tmp_path / "split", micro_batch_size=2)
     torch.testing.assert_close(split_losses, whole_losses, rtol=1e-5, atol=0)
-    # An AdamW step moves weights by about the learning rate (3e-3); the runs agree far more closely than that.
+    # The runs' weight updates agree to a small part of their size. Compared as a whole per tensor: AdamW divides
+    # each gradient by its own running size, so a weight whose gradient nearly cancels (3e-8 against a typical
+    # 1e-3, near AdamW's eps) turns float summation noise into up to 0.5% of its step (1.5e-5 at lr 3e-3).
+    base = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
     for (name, a), (_, b) in zip(whole.model.named_parameters(), split.model.named_parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
+        update = (a - base[name]).norm()
+        assert update > 0 and (b - a).norm() < 1e-3 * update, name
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
