@@ -65,7 +65,11 @@ class Hyperparameters(_Request):
     )
     merge_lora_on_save: bool = Field(default=False, description="Also save merged full weights (needs lora)")
     gradient_checkpointing: bool = False
-    packing: bool = Field(default=False, description="Pack examples into max_seq_length rows")
+    packing: bool = Field(
+        default=False,
+        description="Pack examples into rows of max_seq_length tokens (best-fit decreasing); attention stays "
+        "within each example",
+    )
     distributed: Literal["ddp", "fsdp"] = Field(
         default="ddp", description="fsdp shards models too big for one GPU"
     )
@@ -216,11 +220,32 @@ class CheckpointList(BaseModel):
     last_id: str | None = None
 
 
+METRIC_VALUES_DESCRIPTION = """The step's metrics by name. Counts are over all of the job's processes.
+
+- `train_loss`: mean cross-entropy over the step's trained tokens (those with a label).
+- `learning_rate`; `grad_norm`: the gradients' global L2 norm before clipping.
+- `tokens_per_second`: input tokens of the step, padding excluded, over `step_time_s`.
+- `trained_tokens_per_second`: tokens with a label (the ones the loss is computed on) over `step_time_s`.
+- `tokens_per_second_per_device`: `tokens_per_second` over the number of processes.
+- `padding_fraction`: padding tokens over all tokens of the step's rows (each micro-batch is padded to its
+  longest row); the model computes on padding too, so all tokens per second are
+  `tokens_per_second / (1 - padding_fraction)`.
+- `mfu` (GPUs of known peak only): `tokens_per_second_per_device` times the model's training FLOPs per token
+  (6 per matmul weight, plus attention at the step's padded row length) over the peak FLOP/s that the job's
+  `started` event names (`mfu_peak_flops`: the dense bf16 peak of its `device`'s spec sheet).
+- `peak_memory_allocated_bytes`, `peak_memory_reserved_bytes`: the CUDA allocator's peaks during the step,
+  the largest over processes (on CPU: the peak resident set size).
+- `step_time_s`: wall time of the step; `epoch`: epochs done, fractional; `eta_s`: time left at the mean step
+  time of the last 20 steps.
+- `valid_loss`, `valid_token_accuracy`: on evaluation steps, over the validation file's trained tokens.
+"""
+
+
 class MetricPoint(BaseModel):
     step: int
     created_at: int
     train_loss: float | None = None
-    values: dict[str, Any]
+    values: dict[str, Any] = Field(description=METRIC_VALUES_DESCRIPTION)
 
 
 class MetricList(BaseModel):

@@ -11,10 +11,13 @@ Three line formats, which may be mixed in one file:
 Labels are stored already shifted (`labels[i]` is the token that follows position `i`), so that a sequence's
 last position never predicts the first token of the next one when examples are packed.
 
-Batches: every rank computes the same shuffled order for an epoch, cuts it into global batches of `batch_size`
-sequences, and each global batch into micro-batches of `micro_batch_size`; micro-batch `j` of a step belongs to
-rank `j % world_size`. So one process with two micro-batches sees exactly the micro-batches that two processes
-with one each see, which is what makes their steps identical.
+Packing puts examples into rows by best-fit decreasing, so rows are nearly full (`pack_sequences`).
+
+Batches: every rank computes the same shuffled order for an epoch, with rows of similar length grouped into the
+same batch (`epoch_order`), cuts it into global batches of `batch_size` sequences, and each global batch into
+micro-batches of `micro_batch_size`; micro-batch `j` of a step belongs to rank `j % world_size`. So one process
+with two micro-batches sees exactly the micro-batches that two processes with one each see, which is what makes
+their steps identical.
 """
 
 from __future__ import annotations
@@ -257,6 +260,10 @@ class LoadedData:
     n_truncated: int
     n_dropped: int  # examples with no trained token left after truncation
 
+    @property
+    def lengths(self) -> list[int]:
+        return [len(sequence.input_ids) for sequence in self.sequences]
+
 
 def load_sequences(
     path: str | Path,
@@ -291,30 +298,99 @@ def load_sequences(
     return LoadedData(sequences, len(examples), n_truncated, n_dropped)
 
 
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into rows of at most `capacity` tokens: longest first, each into the fullest
+    row it still fits (a new row when none has room). A length over `capacity` gets a row of its own.
+
+    The rows come in the order of their first index, each row's indices ascending. Ties (equal lengths, rows
+    with equal room) go by index, so the result depends on the lengths alone.
+    """
+    rows: list[list[int]] = []
+    rows_by_room: dict[int, list[int]] = {}  # free tokens -> the rows that have exactly that many
+    rooms_mask = 0  # bit r is set while some row has exactly r free tokens: the fullest fitting row is one
+    # shift and one lowest-bit lookup away, whatever the number of rows
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        fitting_rooms = rooms_mask >> length if length <= capacity else 0
+        if fitting_rooms:
+            room = length + (fitting_rooms & -fitting_rooms).bit_length() - 1
+            candidates = rows_by_room[room]
+            row = candidates.pop()
+            if not candidates:
+                rooms_mask &= ~(1 << room)
+        else:
+            row, room = len(rows), capacity
+            rows.append([])
+        rows[row].append(index)
+        room -= length
+        if room > 0:
+            rows_by_room.setdefault(room, []).append(row)
+            rooms_mask |= 1 << room
+    for row in rows:
+        row.sort()
+    rows.sort(key=lambda row: row[0])
+    return rows
+
+
 def pack_sequences(sequences: Sequence[TokenizedSequence], max_seq_length: int) -> list[TokenizedSequence]:
-    """Concatenate examples, in order, into rows of at most `max_seq_length` tokens. Positions restart with each
-    example, which is how the model tells the examples apart and keeps attention inside each one."""
-    rows: list[TokenizedSequence] = []
-    ids: list[int] = []
-    labels: list[int] = []
-    positions: list[int] = []
-    for sequence in sequences:
-        if ids and len(ids) + len(sequence.input_ids) > max_seq_length:
-            rows.append(TokenizedSequence(ids, labels, positions))
-            ids, labels, positions = [], [], []
-        ids = ids + sequence.input_ids
-        labels = labels + sequence.shifted_labels
-        positions = positions + sequence.position_ids
-    if ids:
+    """Concatenate examples into rows of at most `max_seq_length` tokens, placed by best-fit decreasing so that
+    rows come out nearly full (in-order packing of ~600-token examples into 2048-token rows left about a fifth of
+    every row as padding). Within a row the examples keep their order in the file.
+
+    Positions restart with each example, which is how the model tells the examples apart and keeps attention
+    inside each one. The rows are the same for the same examples; `epoch_order` shuffles their order per epoch.
+    """
+    rows = []
+    for members in best_fit_decreasing([len(s.input_ids) for s in sequences], max_seq_length):
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        for index in members:
+            ids += sequences[index].input_ids
+            labels += sequences[index].shifted_labels
+            positions += sequences[index].position_ids
         rows.append(TokenizedSequence(ids, labels, positions))
     return rows
 
 
-def epoch_order(n_sequences: int, steps_per_epoch: int, batch_size: int, seed: int, epoch: int) -> list[int]:
-    """The same shuffled order on every rank; the last batch wraps around so every step is full."""
+# Batches per window of the shuffled order that is sorted by length (see `epoch_order`): in unpacked batches of
+# 8 of lognormal lengths (median 600, sigma 0.5), 32 leaves about 4% padding, 8 leaves 14% and no grouping 46%.
+LENGTH_GROUP_BATCHES = 32
+
+
+def epoch_order(
+    n_sequences: int,
+    steps_per_epoch: int,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    lengths: Sequence[int] | None = None,
+) -> list[int]:
+    """The same shuffled order on every rank; the last batch wraps around so every step is full.
+
+    With `lengths` (of each sequence), batches are grouped by length: the shuffled order is cut into windows of
+    `LENGTH_GROUP_BATCHES` batches, each window is sorted longest first and cut into batches, and the batches are
+    shuffled again, so that the rows of a batch, and of each of its micro-batches, have similar lengths and need
+    little padding. The batch that holds the longest row goes first, so that a run that cannot fit it in memory
+    fails at its first step. The order depends on (seed, epoch) and the lengths only, never on the number of
+    processes or micro-batches, which keeps their steps identical and a resumed run exact.
+    """
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n_sequences, generator=generator).tolist()
-    return [order[i % n_sequences] for i in range(steps_per_epoch * batch_size)]
+    order = [order[i % n_sequences] for i in range(steps_per_epoch * batch_size)]
+    if lengths is None:
+        return order
+    window = batch_size * LENGTH_GROUP_BATCHES
+    by_length = [
+        index
+        for start in range(0, len(order), window)
+        for index in sorted(order[start : start + window], key=lambda i: -lengths[i])
+    ]
+    batches = [by_length[start : start + batch_size] for start in range(0, len(by_length), batch_size)]
+    batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    longest = max(range(len(batches)), key=lambda b: lengths[batches[b][0]])
+    batches[0], batches[longest] = batches[longest], batches[0]
+    return [index for batch in batches for index in batch]
 
 
 def rank_micro_batches(
@@ -328,7 +404,8 @@ def rank_micro_batches(
 
 
 def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) -> dict[str, torch.Tensor]:
-    """Right-pad rows to the longest one.
+    """Right-pad rows to the longest one. The token counts (`n_input_tokens` without padding, `n_trained_tokens`
+    with a label, `n_row_tokens` with padding) are 0-d tensors.
 
     Unpacked rows get an `attention_mask`; packed rows get `position_ids` instead (and no mask), from which the
     model builds attention that stays within each example. Padding of a packed row is given positions of its own
@@ -351,6 +428,7 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
         "shifted_labels": shifted_labels,
         "n_input_tokens": attention_mask.sum(),
         "n_trained_tokens": (shifted_labels != IGNORE_INDEX).sum(),
+        "n_row_tokens": torch.tensor(input_ids.numel()),  # padding included
     }
     if packed:
         batch["position_ids"] = position_ids

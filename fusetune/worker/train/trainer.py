@@ -146,6 +146,7 @@ class StepStats:
     learning_rate: float
     n_input_tokens: int  # all ranks, padding excluded
     n_trained_tokens: int  # all ranks, tokens with a label
+    n_row_tokens: int  # all ranks, padding included
     mean_padded_length: float
 
 
@@ -374,6 +375,7 @@ class Trainer:
             [
                 sum(int(mb["n_trained_tokens"]) for mb in micro_batches),
                 sum(int(mb["n_input_tokens"]) for mb in micro_batches),
+                sum(int(mb["n_row_tokens"]) for mb in micro_batches),
             ],
             dtype=torch.long,
             device=self.device,
@@ -412,6 +414,7 @@ class Trainer:
             learning_rate=learning_rate,
             n_input_tokens=int(n_input_global),
             n_trained_tokens=int(n_trained_global),
+            n_row_tokens=int(counts[2]),
             mean_padded_length=padded,
         )
 
@@ -421,7 +424,12 @@ class Trainer:
         start_epoch, start_batch = self.position
         for epoch in range(start_epoch, config.n_epochs):
             order = epoch_order(
-                len(self.train_data.sequences), self.steps_per_epoch, config.batch_size, config.seed, epoch
+                len(self.train_data.sequences),
+                self.steps_per_epoch,
+                config.batch_size,
+                config.seed,
+                epoch,
+                lengths=self.train_data.lengths,
             )
             first_batch = start_batch if epoch == start_epoch else 0
             for batch_index in range(first_batch, self.steps_per_epoch):
@@ -493,6 +501,7 @@ class Trainer:
                 "precision": self.precision,
                 "optimizer_state_dtype": str(self._trainable_parameters()[0].dtype).removeprefix("torch."),
                 "kernels": self.kernels_applied,
+                "mfu_peak_flops": self._peak_flops,  # what `mfu` divides by: the device's dense bf16 peak
                 "gradient_checkpointing": self.config.gradient_checkpointing,
                 "n_train_sequences": len(self.train_data.sequences),
                 "steps_per_epoch": self.steps_per_epoch,
@@ -529,6 +538,8 @@ class Trainer:
             "learning_rate": stats.learning_rate,
             "grad_norm": stats.grad_norm,
             "tokens_per_second": tokens_per_second,
+            "trained_tokens_per_second": stats.n_trained_tokens / step_time,
+            "padding_fraction": 1.0 - stats.n_input_tokens / stats.n_row_tokens,
             "tokens_per_second_per_device": per_device,
             "peak_memory_allocated_bytes": float(shared[0]),
             "peak_memory_reserved_bytes": float(shared[1]),
