@@ -197,10 +197,12 @@ def test_rejects_bad_arguments():
 
 
 def force_row_split(monkeypatch, row_split: int) -> None:
+    """Launch the forward kernel with ``row_split`` slices per row of 512-column blocks (the interpreter's
+    blocks; on the GPU too, so that the test vocabularies have several blocks to split there as well)."""
     config = ce_module.cross_entropy_launch_config
 
     def split_config(*args, **kwargs):
-        return dataclasses.replace(config(*args, **kwargs), row_split=row_split)
+        return dataclasses.replace(config(*args, **kwargs), row_split=row_split, block_v=512, num_warps=4)
 
     monkeypatch.setattr(ce_module, "cross_entropy_launch_config", split_config)
 
