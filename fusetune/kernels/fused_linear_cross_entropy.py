@@ -44,9 +44,13 @@ __all__ = [
     "fused_linear_cross_entropy_reference",
 ]
 
-# Below this many rows a chunk's matmuls are bound by reading all of W (V x H) per chunk, so the default
-# chunk is never smaller (costs at most 128 * V * 2 bytes, 64 MB at V=262k in bf16).
-_MIN_CHUNK_ROWS = 128
+# Liger-Kernel's chunk: ceil(T / ceil(V / H)) rows rounded up to a power of two. By default a chunk (with the
+# gathered hidden rows and their dh when tokens are ignored) may use this much more than that chunk's bytes:
+# the extra memory stays within 256 MiB of Liger-Kernel's, with 4 MiB left for the loop's per-token buffers.
+DEFAULT_EXTRA_CHUNK_BYTES = 252 * 2**20
+# Chunks are balanced (the last is not a sliver), and their rows a multiple of this when the budget allows,
+# so the [C, H] x [H, V] matmul has no partial 64-row tile.
+_CHUNK_ROW_ALIGNMENT = 64
 
 
 def fused_linear_cross_entropy_chunk_rows(
@@ -56,43 +60,50 @@ def fused_linear_cross_entropy_chunk_rows(
     logits_dtype: torch.dtype,
     device: torch.device,
     logits_chunk_bytes: int | None = None,
+    *,
+    rows_to_chunk: int | None = None,
 ) -> int:
     """Rows per chunk of logits: the one place the chunking is chosen.
 
-    Default (memory-matched): ceil(T / ceil(V / H)) rows rounded up to a power of two, at least 128 --
-    the same transient as Liger-Kernel's chunking, so peak memory matches it at every shape with
-    T >= 128 * ceil(V / H). ``logits_chunk_bytes`` instead gives a byte budget for the [C, V] chunk
-    (rounded down to whole 64-row matmul tiles): the memory/speed knob. Either way the chunk takes at
-    most half of the free device memory.
+    The budget for the [C, V] chunk is ``logits_chunk_bytes``, or by default the bytes of Liger-Kernel's
+    chunk at this shape plus :data:`DEFAULT_EXTRA_CHUNK_BYTES`, less the chunk's gathered [C, H] hidden
+    rows and their dh when ``rows_to_chunk`` (the valid tokens; default ``n_tokens``) < ``n_tokens``;
+    never more than half of the free device memory. The rows are then cut into the fewest chunks that
+    fit, of balanced sizes rounded up to 64 rows where that fits.
 
-    Measured on H100, bf16, fwd+bwd, in two runs (transient = the chunk; matmul floor 35.7 ms):
-      T=8192, H=4096, V=128256:
-        256 rows (default)  63.6 / 63.1 ms,   63 MB   (Liger-Kernel 0.8.5: 64.4 / 64.4 ms, 63 MB)
+    Larger chunks are faster because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
+    bytes, once per chunk, and each chunk re-reads W twice. Measured on H100, bf16, fwd+bwd (matmul
+    floor 35.7 ms), T=8192, H=4096, V=128256, transient = the chunk:
+        256 rows (Liger's, the earlier default)  63.6 / 63.1 ms,   63 MB   (Liger-Kernel 0.8.5: 64.4 ms)
         512 rows            47.6 ms,         125 MB
         1024 rows           42.4 / 42.1 ms,  251 MB
         2048 rows           41.1 / 41.2 ms,  501 MB
         4096 rows           40.5 ms,        1002 MB
-      T=16384, H=2048, V=128256 (Llama-3.2-1B, 8 x 2048 tokens):
-        512 rows (default)  50.2 ms,         125 MB   (Liger-Kernel: 50.5 ms, 125 MB)
-        1024 rows           44.3 ms,         251 MB
-        2048 rows           42.6 ms,         501 MB
-    Small chunks are slow because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
-    bytes: at C=256 that matmul takes 1.08 of the 2.0 ms per chunk, at C=1024 1.54 of 4.7 ms.
     """
     itemsize = torch.empty((), dtype=logits_dtype).element_size()
     row_bytes = max(1, vocab_size * itemsize)
+    rows_to_chunk = n_tokens if rows_to_chunk is None else rows_to_chunk
     if logits_chunk_bytes is None:
-        rows = triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab_size, hidden_size)))
-        rows = max(rows, _MIN_CHUNK_ROWS)
+        liger_rows = triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab_size, hidden_size)))
+        budget = min(liger_rows, n_tokens) * row_bytes + DEFAULT_EXTRA_CHUNK_BYTES
+        gathered_row_bytes = 2 * hidden_size * itemsize if rows_to_chunk < n_tokens else 0
+        budget_rows = budget // (row_bytes + gathered_row_bytes)
     else:
-        rows = int(logits_chunk_bytes) // row_bytes
-        if rows >= 64:
-            rows -= rows % 64
+        budget_rows = int(logits_chunk_bytes) // row_bytes
     if device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
         cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        rows = min(rows, (free_bytes + cached_free) // 2 // row_bytes)
-    return int(max(1, min(rows, n_tokens)))
+        budget_rows = min(budget_rows, (free_bytes + cached_free) // 2 // row_bytes)
+    max_rows = max(1, min(budget_rows, rows_to_chunk))
+    n_chunks = triton.cdiv(rows_to_chunk, max_rows)
+    while True:
+        rows = triton.cdiv(rows_to_chunk, n_chunks)
+        aligned = triton.cdiv(rows, _CHUNK_ROW_ALIGNMENT) * _CHUNK_ROW_ALIGNMENT
+        if aligned <= max_rows:
+            return int(aligned if aligned * (n_chunks - 1) < rows_to_chunk else rows)
+        if rows < _CHUNK_ROW_ALIGNMENT:
+            return int(rows)
+        n_chunks += 1
 
 
 def _valid_token_rows(labels: Tensor, ignore_index: int) -> Tensor:
@@ -172,9 +183,8 @@ def _chunked_linear_cross_entropy(
 
     if n_valid > 0:
         chunk_rows = fused_linear_cross_entropy_chunk_rows(
-            n_tokens, hidden_size, vocab_size, hidden.dtype, device, logits_chunk_bytes
+            n_tokens, hidden_size, vocab_size, hidden.dtype, device, logits_chunk_bytes, rows_to_chunk=n_valid
         )
-        chunk_rows = min(chunk_rows, n_valid)
         logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
         weight_t = weight.t()
         for start in range(0, n_valid, chunk_rows):
