@@ -229,7 +229,9 @@ def _cross_entropy_forward_kernel(
                     predicted = slice_argmax
                 else:
                     tl.debug_barrier()
-                    row_partials = partials_ptr + row64 * (PARTIAL_FIELDS * ROW_SPLIT) + tl.arange(0, ROW_SPLIT)
+                    row_partials = (
+                        partials_ptr + row64 * (PARTIAL_FIELDS * ROW_SPLIT) + tl.arange(0, ROW_SPLIT)
+                    )
                     maxima = tl.load(row_partials, volatile=True)
                     sums = tl.load(row_partials + ROW_SPLIT, volatile=True)
                     row_max = tl.max(maxima, axis=0)
@@ -558,7 +560,9 @@ def launch_cross_entropy_forward(
     write_grad = grad_out is not None
     scale_row_stride = 0 if grad_scale.numel() == 1 else grad_scale.stride(0)
     if row_split > 1:
-        partials = torch.empty(n_rows * _PARTIAL_FIELDS * row_split, dtype=torch.float32, device=logits.device)
+        partials = torch.empty(
+            n_rows * _PARTIAL_FIELDS * row_split, dtype=torch.float32, device=logits.device
+        )
         arrivals = torch.zeros(n_rows, dtype=torch.int32, device=logits.device)
     else:
         partials = arrivals = loss_out
