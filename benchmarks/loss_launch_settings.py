@@ -145,10 +145,12 @@ def profile_kernels(fn: Callable[[], Any], top: int = 8) -> list[tuple[str, floa
         torch.cuda.synchronize()
     totals: dict[str, list] = {}
     for event in prof.events():
-        if event.device_type.name == "CUDA":
-            entry = totals.setdefault(event.name[:90], [0.0, 0])
-            entry[0] += event.device_time_total / 1e3 if hasattr(event, "device_time_total") else 0.0
-            entry[1] += 1
+        if getattr(event.device_type, "name", "") != "CUDA":
+            continue
+        micros = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        entry = totals.setdefault(event.name[:90], [0.0, 0])
+        entry[0] += micros / 1e3
+        entry[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
     return [(name, round(ms, 3), calls) for name, (ms, calls) in ranked]
 
