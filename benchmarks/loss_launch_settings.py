@@ -39,9 +39,8 @@ LINEAR_SHAPES = (
 )
 # Chunk rows tried at the main shape, beside the default.
 CHUNK_ROWS = (1024, 1536, 2048, 4096)
-# (block_v, num_warps, row_split, programs_per_processor)
-CE_SETTINGS = ((16384, 32, 1, 1), (16384, 32, 2, 1), (16384, 32, 4, 1), (16384, 32, 8, 1), (8192, 32, 4, 1),
-               (8192, 32, 8, 1), (8192, 16, 4, 2), (8192, 16, 8, 2), (4096, 16, 8, 2), (4096, 8, 8, 4))  # fmt: skip
+# (block_v, num_warps, programs_per_processor)
+CE_SETTINGS = ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2), (4096, 16, 2), (4096, 8, 4))
 
 
 def measure(fn: Callable[[], Any], grad_inputs: list, reps: Repetitions) -> tuple[float, float]:
@@ -115,14 +114,13 @@ def ce_case(tokens: int, vocab: int, impl: str, setting=None) -> dict:
     if setting is not None:
         from fusetune.kernels import cross_entropy as ce_module
 
-        block_v, warps, split, per_sm = setting
+        block_v, warps, per_sm = setting
         restore = ce_module.cross_entropy_launch_config
 
         def config(*args, **kwargs):
             return dataclasses.replace(
-                restore(*args, **kwargs), block_v=block_v, num_warps=warps, row_split=split,
-                programs_per_processor=per_sm,
-            )  # fmt: skip
+                restore(*args, **kwargs), block_v=block_v, num_warps=warps, programs_per_processor=per_sm
+            )
 
         ce_module.cross_entropy_launch_config = config
     try:

@@ -47,10 +47,6 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # overflowing float32 on the way.
 _LOWEST: tl.constexpr = tl.constexpr(-1.0e30)
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
-# Partial statistics per (row, slice) of the forward kernel: max, sum of exponentials, smoothing sum, best
-# logit, its column.
-_PARTIAL_FIELDS = 5
-PARTIAL_FIELDS: tl.constexpr = tl.constexpr(_PARTIAL_FIELDS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -79,8 +75,6 @@ def _cross_entropy_forward_kernel(
     grad_scale_row_stride,
     loss_ptr,
     correct_ptr,
-    partials_ptr,
-    arrivals_ptr,
     n_rows,
     n_cols,
     ignore_index,
@@ -94,7 +88,6 @@ def _cross_entropy_forward_kernel(
     COMPUTE_ACCURACY: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    ROW_SPLIT: tl.constexpr,
     FIRST_SWEEP_EVICTION: tl.constexpr,
     SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
@@ -107,62 +100,46 @@ def _cross_entropy_forward_kernel(
         dloss/dx_j = dloss/ds_j * (1 - (s_j / softcap)**2)        (only with a softcap)
         grad_j     = c * dloss/dx_j
 
-    Work items are (row, slice) pairs: each row is cut into ``ROW_SPLIT`` slices of whole blocks, read
-    by different programs in the first sweep, which write their partial statistics (max, sum of
-    exponentials, smoothing sum, best logit and its column) to ``partials_ptr`` and count themselves
-    in ``arrivals_ptr[row]`` (zeroed by the caller). The program that arrives last combines the
-    partials in slice order (the result does not depend on the arrival order) and runs the second
-    sweep over the whole row, while the row's lines are still in L2: few rows are half-done at any
-    time, so the data between a line's two reads is small. No program ever waits for another.
-
     Ignored rows get loss 0 and gradient 0 and their logits are never read. ``grad_ptr`` may equal
-    ``logits_ptr`` (in place): the second sweep starts only after every slice's reads are done.
+    ``logits_ptr`` (in place): every element is read before it is written, by the same program.
     ``stats_ptr`` holds [denominator, inverse denominator, sum of class weights].
     """
     program = tl.program_id(0)
     n_programs = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK_V)
     n_blocks = tl.cdiv(n_cols, BLOCK_V)
-    blocks_per_slice = tl.cdiv(n_blocks, ROW_SPLIT)
     inv_n_cols = 1.0 / n_cols
-    for item in range(program, n_rows * ROW_SPLIT, n_programs):
-        row = item // ROW_SPLIT
-        part = item % ROW_SPLIT
+    for row in range(program, n_rows, n_programs):
         row64 = tl.cast(row, tl.int64)
         label = tl.load(labels_ptr + row64)
         grad_row = grad_ptr + row64 * grad_row_stride
-        first_block = part * blocks_per_slice
-        end_block = tl.minimum(first_block + blocks_per_slice, n_blocks)
         if label == ignore_index:
-            if part == 0:
-                tl.store(loss_ptr + row64, 0.0)
-                if COMPUTE_ACCURACY:
-                    tl.store(correct_ptr + row64, 0.0)
+            tl.store(loss_ptr + row64, 0.0)
+            if COMPUTE_ACCURACY:
+                tl.store(correct_ptr + row64, 0.0)
             if WRITE_GRAD:
                 zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
-                for block in range(first_block, end_block):
+                for block in range(0, n_blocks):
                     cols = block * BLOCK_V + lanes
                     tl.store(grad_row + cols, zeros, mask=cols < n_cols)
         else:
             label32 = label.to(tl.int32)
             logits_row = logits_ptr + row64 * logits_row_stride
-            # Sweep 1 over this slice: per-lane online max m and sum of exp(s - m). Updating with
-            # e = exp(-|s - m|) needs one exponential per element, not two. Differences are taken
-            # before scaling to base 2, so logits of magnitude 1e4 keep their float32 precision.
+            # Sweep 1: per-lane online max m and sum of exp(s - m). Updating with e = exp(-|s - m|)
+            # needs one exponential per element, not two. Differences are taken before scaling to
+            # base 2, so logits of magnitude 1e4 keep their float32 precision.
             running_max = tl.full([BLOCK_V], _LOWEST, dtype=tl.float32)
             running_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
             weighted_logit_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
             best_logit = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
             best_col = tl.zeros([BLOCK_V], dtype=tl.int32)
-            first_col = first_block * BLOCK_V
-            slice_end_col = tl.minimum(end_block * BLOCK_V, n_cols)
             next_x = tl.load(
-                logits_row + first_col + lanes,
-                mask=first_col + lanes < slice_end_col,
+                logits_row + lanes,
+                mask=lanes < n_cols,
                 other=float("-inf"),
                 eviction_policy=FIRST_SWEEP_EVICTION,
             )
-            for block in range(first_block, end_block):
+            for block in range(0, n_blocks):
                 cols = block * BLOCK_V + lanes
                 mask = cols < n_cols
                 x = next_x.to(tl.float32)
@@ -170,7 +147,7 @@ def _cross_entropy_forward_kernel(
                 next_cols = cols + BLOCK_V
                 next_x = tl.load(
                     logits_row + next_cols,
-                    mask=next_cols < slice_end_col,
+                    mask=next_cols < n_cols,
                     other=float("-inf"),
                     eviction_policy=FIRST_SWEEP_EVICTION,
                 )
@@ -194,134 +171,88 @@ def _cross_entropy_forward_kernel(
                     better = x > best_logit
                     best_logit = tl.where(better, x, best_logit)
                     best_col = tl.where(better, cols, best_col)
-            slice_max = tl.max(running_max, axis=0)
-            slice_sum = tl.sum(running_sum * tl.exp2((running_max - slice_max) * LOG2E), axis=0)
-            slice_smooth = 0.0
-            if HAS_SMOOTHING:
-                slice_smooth = tl.sum(weighted_logit_sum, axis=0)
-            slice_top = 0.0
-            slice_argmax = 0
-            if COMPUTE_ACCURACY:
-                slice_top = tl.max(best_logit, axis=0)
-                slice_argmax = tl.min(tl.where(best_logit == slice_top, best_col, _INT32_MAX), axis=0)
-            if ROW_SPLIT == 1:
-                is_last = True
+            row_max = tl.max(running_max, axis=0)
+            row_sum = tl.sum(running_sum * tl.exp2((running_max - row_max) * LOG2E), axis=0)
+            log2_sum = tl.log2(row_sum)
+            lse = row_max + log2_sum * LN2
+
+            x_label = tl.load(logits_row + label32).to(tl.float32)
+            if HAS_SOFTCAP:
+                s_label = softcap * _tanh(x_label / softcap)
             else:
-                # Partials laid out [row][field][slice], so one vector load gathers a field.
-                partials = partials_ptr + row64 * (PARTIAL_FIELDS * ROW_SPLIT) + part
-                tl.store(partials, slice_max)
-                tl.store(partials + ROW_SPLIT, slice_sum)
-                if HAS_SMOOTHING:
-                    tl.store(partials + 2 * ROW_SPLIT, slice_smooth)
-                if COMPUTE_ACCURACY:
-                    # The column as a float is exact: vocabularies stay far below 2**24.
-                    tl.store(partials + 3 * ROW_SPLIT, slice_top)
-                    tl.store(partials + 4 * ROW_SPLIT, slice_argmax.to(tl.float32))
-                # Every thread's stores, then one release increment; the last arriver acquires.
-                tl.debug_barrier()
-                arrived = tl.atomic_add(arrivals_ptr + row64, 1, sem="acq_rel")
-                is_last = arrived == ROW_SPLIT - 1
-            if is_last:
-                if ROW_SPLIT == 1:
-                    row_max = slice_max
-                    row_sum = slice_sum
-                    smooth_sum = slice_smooth
-                    predicted = slice_argmax
-                else:
-                    tl.debug_barrier()
-                    row_partials = (
-                        partials_ptr + row64 * (PARTIAL_FIELDS * ROW_SPLIT) + tl.arange(0, ROW_SPLIT)
-                    )
-                    maxima = tl.load(row_partials, volatile=True)
-                    sums = tl.load(row_partials + ROW_SPLIT, volatile=True)
-                    row_max = tl.max(maxima, axis=0)
-                    row_sum = tl.sum(sums * tl.exp2((maxima - row_max) * LOG2E), axis=0)
-                    smooth_sum = 0.0
-                    if HAS_SMOOTHING:
-                        smooth_sum = tl.sum(tl.load(row_partials + 2 * ROW_SPLIT, volatile=True), axis=0)
-                    predicted = 0
-                    if COMPUTE_ACCURACY:
-                        tops = tl.load(row_partials + 3 * ROW_SPLIT, volatile=True)
-                        argmaxes = tl.load(row_partials + 4 * ROW_SPLIT, volatile=True).to(tl.int32)
-                        top = tl.max(tops, axis=0)
-                        predicted = tl.min(tl.where(tops == top, argmaxes, _INT32_MAX), axis=0)
-                log2_sum = tl.log2(row_sum)
-                lse = row_max + log2_sum * LN2
-
-                x_label = tl.load(logits_row + label32).to(tl.float32)
-                if HAS_SOFTCAP:
-                    s_label = softcap * _tanh(x_label / softcap)
-                else:
-                    s_label = x_label
+                s_label = x_label
+            if HAS_CLASS_WEIGHT:
+                w_label = tl.load(class_weight_ptr + label32).to(tl.float32)
+            else:
+                w_label = 1.0
+            nll_coef = w_label
+            if HAS_SMOOTHING:
+                nll_coef = (1.0 - label_smoothing) * w_label
                 if HAS_CLASS_WEIGHT:
-                    w_label = tl.load(class_weight_ptr + label32).to(tl.float32)
+                    class_weight_sum = tl.load(stats_ptr + 2)
                 else:
-                    w_label = 1.0
-                nll_coef = w_label
-                if HAS_SMOOTHING:
-                    nll_coef = (1.0 - label_smoothing) * w_label
-                    if HAS_CLASS_WEIGHT:
-                        class_weight_sum = tl.load(stats_ptr + 2)
-                    else:
-                        class_weight_sum = n_cols * 1.0
-                loss = nll_coef * ((row_max - s_label) + log2_sum * LN2)
-                if HAS_SMOOTHING:
-                    loss += label_smoothing * inv_n_cols * (class_weight_sum * lse - smooth_sum)
-                if HAS_Z_LOSS:
-                    loss += z_loss_scale * lse * lse
-                tl.store(loss_ptr + row64, loss)
-                if COMPUTE_ACCURACY:
-                    tl.store(correct_ptr + row64, (predicted == label32).to(tl.float32))
+                    class_weight_sum = n_cols * 1.0
+            loss = nll_coef * ((row_max - s_label) + log2_sum * LN2)
+            if HAS_SMOOTHING:
+                smooth = class_weight_sum * lse - tl.sum(weighted_logit_sum, axis=0)
+                loss += label_smoothing * inv_n_cols * smooth
+            if HAS_Z_LOSS:
+                loss += z_loss_scale * lse * lse
+            tl.store(loss_ptr + row64, loss)
+            if COMPUTE_ACCURACY:
+                top = tl.max(best_logit, axis=0)
+                predicted = tl.min(tl.where(best_logit == top, best_col, _INT32_MAX), axis=0)
+                tl.store(correct_ptr + row64, (predicted == label32).to(tl.float32))
 
-                if WRITE_GRAD:
-                    scale = tl.load(grad_scale_ptr + row64 * grad_scale_row_stride).to(tl.float32)
-                    coef_p = nll_coef
-                    if HAS_SMOOTHING:
-                        coef_p += label_smoothing * inv_n_cols * class_weight_sum
-                    if HAS_Z_LOSS:
-                        coef_p += 2.0 * z_loss_scale * lse
-                    coef_p = coef_p * scale
-                    coef_label = nll_coef * scale
-                    coef_uniform = label_smoothing * inv_n_cols * scale
-                    # Sweep 2 over the whole row, last block first: those lines were read most recently.
-                    last = (n_blocks - 1) * BLOCK_V
+            if WRITE_GRAD:
+                scale = tl.load(grad_scale_ptr + row64 * grad_scale_row_stride).to(tl.float32)
+                coef_p = nll_coef
+                if HAS_SMOOTHING:
+                    coef_p += label_smoothing * inv_n_cols * class_weight_sum
+                if HAS_Z_LOSS:
+                    coef_p += 2.0 * z_loss_scale * lse
+                coef_p = coef_p * scale
+                coef_label = nll_coef * scale
+                coef_uniform = label_smoothing * inv_n_cols * scale
+                # Sweep 2, last block first: those lines were read most recently.
+                last = (n_blocks - 1) * BLOCK_V
+                next_x = tl.load(
+                    logits_row + last + lanes,
+                    mask=last + lanes < n_cols,
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )
+                for block in range(0, n_blocks):
+                    cols = (n_blocks - 1 - block) * BLOCK_V + lanes
+                    mask = cols < n_cols
+                    x = next_x.to(tl.float32)
+                    prev_cols = cols - BLOCK_V
                     next_x = tl.load(
-                        logits_row + last + lanes,
-                        mask=last + lanes < n_cols,
+                        logits_row + prev_cols,
+                        mask=(prev_cols >= 0) & (prev_cols < n_cols),
                         other=0.0,
                         eviction_policy="evict_first",
                     )
-                    for block in range(0, n_blocks):
-                        cols = (n_blocks - 1 - block) * BLOCK_V + lanes
-                        mask = cols < n_cols
-                        x = next_x.to(tl.float32)
-                        prev_cols = cols - BLOCK_V
-                        next_x = tl.load(
-                            logits_row + prev_cols,
-                            mask=(prev_cols >= 0) & (prev_cols < n_cols),
-                            other=0.0,
-                            eviction_policy="evict_first",
-                        )
-                        if HAS_SOFTCAP:
-                            t = _tanh(x / softcap)
-                            s = softcap * t
+                    if HAS_SOFTCAP:
+                        t = _tanh(x / softcap)
+                        s = softcap * t
+                    else:
+                        s = x
+                    p = tl.exp2((s - row_max) * LOG2E - log2_sum)
+                    g = coef_p * p - tl.where(cols == label32, coef_label, 0.0)
+                    if HAS_SMOOTHING:
+                        if HAS_CLASS_WEIGHT:
+                            w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                            g -= coef_uniform * w
                         else:
-                            s = x
-                        p = tl.exp2((s - row_max) * LOG2E - log2_sum)
-                        g = coef_p * p - tl.where(cols == label32, coef_label, 0.0)
-                        if HAS_SMOOTHING:
-                            if HAS_CLASS_WEIGHT:
-                                w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                                g -= coef_uniform * w
-                            else:
-                                g -= coef_uniform
-                        if HAS_SOFTCAP:
-                            g = g * (1.0 - t * t)
-                        tl.store(
-                            grad_row + cols,
-                            round_to_dtype(g, grad_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-                            mask=mask,
-                        )
+                            g -= coef_uniform
+                    if HAS_SOFTCAP:
+                        g = g * (1.0 - t * t)
+                    tl.store(
+                        grad_row + cols,
+                        round_to_dtype(g, grad_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+                        mask=mask,
+                    )
 
 
 @triton.jit
@@ -423,32 +354,19 @@ class CrossEntropyLaunchConfig:
 
     block_v: vocabulary columns per loop step (per-lane state is block_v / (32 * num_warps) floats).
     num_warps: warps per program.
-    programs_per_processor: persistent grid size per SM.
+    programs_per_processor: persistent grid size per SM. Each program keeps one row "in flight" between
+        its two sweeps, so the number of programs bounds the L2 working set (rows * V * itemsize).
     first_sweep_eviction: L2 hint for the first sweep's loads ("evict_last" keeps them for the second).
-    row_split: programs that share a row's first sweep (a power of two; each reads a slice of whole
-        blocks, and the last to finish runs the second sweep). With one program per row, every program
-        keeps a whole row between its two sweeps, so up to programs * V * itemsize bytes (34 MB at
-        V=128256 in bf16 on 132 SMs) are read between a line's two reads; split, about a slice each.
     """
 
     block_v: int
     num_warps: int
     programs_per_processor: float
     first_sweep_eviction: str
-    row_split: int = 1
-
-
-# Rows are split so that each program's slice is about this many bytes, in at most this many slices.
-_ROW_SLICE_BYTES = 64 * 1024
-_MAX_ROW_SPLIT = 8
-
-
-def _largest_power_of_two_at_most(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
 
 
 def cross_entropy_launch_config(
-    n_cols: int, device: torch.device, *, extra_lane_state: int = 0, itemsize: int = 2
+    n_cols: int, device: torch.device, *, extra_lane_state: int = 0
 ) -> CrossEntropyLaunchConfig:
     """Launch settings for the forward kernel (the only place they are chosen).
 
@@ -464,19 +382,20 @@ def cross_entropy_launch_config(
     but 528 rows in flight no longer fit in L2 for the second sweep). The 32-warp program is capped at
     64 registers, so with extra lane state (ptxas: 240-800 bytes of spills) the 16-warp programs take
     over: 8192 columns (no spills with accuracy or smoothing alone; 2.14 ms with accuracy, Liger 2.55)
-    and 4096 with both.
+    and 4096 with both. Splitting each row's first sweep over 2, 4 or 8 programs (the last to finish
+    combines their partial max/sum through an atomic arrival count and writes the gradient, so fewer
+    bytes lie between a line's two reads) was slower, 2.33 / 3.53 / 6.36 ms against 1.74 unsplit
+    (benchmarks/loss_launch_settings.py, one run, 2026-11-25; Liger 2.86, torch.compile 2.88).
     Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.
     """
     if interpreted() or device.type != "cuda":
-        block_v = min(512, triton.next_power_of_2(n_cols))
         return CrossEntropyLaunchConfig(
-            block_v=block_v,
+            block_v=min(512, triton.next_power_of_2(n_cols)),
             num_warps=1,
             programs_per_processor=1,
             first_sweep_eviction="",
-            row_split=min(2, _largest_power_of_two_at_most(triton.cdiv(n_cols, block_v))),
         )
     if extra_lane_state == 0:
         block_v, num_warps = 16384, 32
@@ -484,15 +403,11 @@ def cross_entropy_launch_config(
         block_v, num_warps = 8192, 16
     else:
         block_v, num_warps = 4096, 16
-    block_v = min(block_v, triton.next_power_of_2(n_cols))
-    row_bytes = n_cols * itemsize
-    slices = max(1, min(_MAX_ROW_SPLIT, triton.cdiv(n_cols, block_v), row_bytes // _ROW_SLICE_BYTES))
     return CrossEntropyLaunchConfig(
-        block_v=block_v,
+        block_v=min(block_v, triton.next_power_of_2(n_cols)),
         num_warps=num_warps,
         programs_per_processor=1,
         first_sweep_eviction="evict_last",
-        row_split=_largest_power_of_two_at_most(slices),
     )
 
 
@@ -551,21 +466,11 @@ def launch_cross_entropy_forward(
     if n_rows == 0:
         return
     extra_lane_state = (2 if correct_out is not None else 0) + (1 if label_smoothing > 0.0 else 0)
-    config = cross_entropy_launch_config(
-        n_cols, logits.device, extra_lane_state=extra_lane_state, itemsize=logits.element_size()
-    )
-    row_split = config.row_split
+    config = cross_entropy_launch_config(n_cols, logits.device, extra_lane_state=extra_lane_state)
     programs = int(config.programs_per_processor * _num_processors(logits.device))
-    grid = (max(1, min(n_rows * row_split, programs)),)
+    grid = (max(1, min(n_rows, programs)),)
     write_grad = grad_out is not None
     scale_row_stride = 0 if grad_scale.numel() == 1 else grad_scale.stride(0)
-    if row_split > 1:
-        partials = torch.empty(
-            n_rows * _PARTIAL_FIELDS * row_split, dtype=torch.float32, device=logits.device
-        )
-        arrivals = torch.zeros(n_rows, dtype=torch.int32, device=logits.device)
-    else:
-        partials = arrivals = loss_out
     _cross_entropy_forward_kernel[grid](
         logits,
         logits.stride(0),
@@ -578,8 +483,6 @@ def launch_cross_entropy_forward(
         scale_row_stride,
         loss_out,
         correct_out if correct_out is not None else loss_out,
-        partials,
-        arrivals,
         n_rows,
         n_cols,
         ignore_index,
@@ -593,7 +496,6 @@ def launch_cross_entropy_forward(
         COMPUTE_ACCURACY=correct_out is not None,
         WRITE_GRAD=write_grad,
         BLOCK_V=config.block_v,
-        ROW_SPLIT=row_split,
         FIRST_SWEEP_EVICTION=config.first_sweep_eviction,
         SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=config.num_warps,

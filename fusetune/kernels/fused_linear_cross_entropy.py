@@ -72,13 +72,27 @@ def fused_linear_cross_entropy_chunk_rows(
     fit, of balanced sizes rounded up to 64 rows where that fits.
 
     Larger chunks are faster because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
-    bytes, once per chunk, and each chunk re-reads W twice. Measured on H100, bf16, fwd+bwd (matmul
-    floor 35.7 ms), T=8192, H=4096, V=128256, transient = the chunk:
-        256 rows (Liger's, the earlier default)  63.6 / 63.1 ms,   63 MB   (Liger-Kernel 0.8.5: 64.4 ms)
-        512 rows            47.6 ms,         125 MB
-        1024 rows           42.4 / 42.1 ms,  251 MB
-        2048 rows           41.1 / 41.2 ms,  501 MB
-        4096 rows           40.5 ms,        1002 MB
+    bytes, once per chunk, and each chunk re-reads W twice. Measured on H100, bf16, fwd+bwd through
+    torch.autograd.grad, peak extra memory including the returned gradients (1066 MB here), one run
+    (benchmarks/loss_launch_settings.py, 2026-11-25; matmul floor 35.7 ms; do_bench takes only 2-3
+    samples of a 40 ms call, so +-1 ms), T=8192, H=4096, V=128256:
+        torch.compile      37.9 ms, 3070 MB          Liger-Kernel 0.8.5   64.5 ms, 1129 MB
+        256 rows (Liger's chunk, the earlier default)                    63.3 ms, 1129 MB
+        1216 rows (default: 7 chunks, 6 x 1216 + 896)                     42.7 ms, 1364 MB
+        1024 rows  43.5 ms, 1317 MB;  1536 rows  43.1 ms, 1411 MB
+        2048 rows  39.0 ms, 1567 MB;  4096 rows  40.8 ms, 2068 MB
+    (these with a variant of the cross-entropy kernel 0.6 ms slower per 8192 rows than the one used now).
+    Profile of the default: per 1216-row chunk the three matmuls take 1.73 (h @ W^T), 1.64 (dh) and
+    1.83 ms (dW, beta = 1), near the matmul rate; the 896-row last chunk's take 4.6 ms (cuBLAS picks
+    split-K and smaller tiles); the cross-entropy kernel 0.34 ms per chunk; and about 4 ms of the measured
+    time is not in any kernel of the profile. At other shapes (default; ms and MB above Liger's memory):
+        T=1024,  H=4096, V=128256   5.5 ms, +243    (compile 4.8, Liger 59.6; earlier default 15.5)
+        T=16384, H=4096, V=128256  79.8 ms, +251    (compile 76.0, Liger 94.8; earlier 93.2)
+        T=8192,  H=4096, V=32000    9.9 ms, +188    (compile 9.5, Liger 11.4; earlier 11.2)
+        T=8192,  H=4096, V=151936  49.3 ms, +223    (compile 44.5, Liger 75.7; earlier 74.3)
+        T=8192,  H=4096, V=256000, softcap 30   95.6 ms, +250  (compile 78.4, Liger 131.8; earlier 129.5)
+        T=16384, H=1536, V=128256  35.3 ms, +252    (compile 32.2, Liger 54.0; earlier 53.7)
+        T=65536, H=4096, V=128256  320.5 ms, +235   (Liger 317.1; earlier 329.4)
     """
     itemsize = torch.empty((), dtype=logits_dtype).element_size()
     row_bytes = max(1, vocab_size * itemsize)
@@ -94,8 +108,10 @@ def fused_linear_cross_entropy_chunk_rows(
         free_bytes, _ = torch.cuda.mem_get_info(device)
         cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget_rows = min(budget_rows, (free_bytes + cached_free) // 2 // row_bytes)
-    max_rows = max(1, min(budget_rows, rows_to_chunk))
+    max_rows = max(1, budget_rows)
     n_chunks = triton.cdiv(rows_to_chunk, max_rows)
+    if n_chunks <= 1:
+        return int(max(1, rows_to_chunk))
     while True:
         rows = triton.cdiv(rows_to_chunk, n_chunks)
         aligned = triton.cdiv(rows, _CHUNK_ROW_ALIGNMENT) * _CHUNK_ROW_ALIGNMENT
@@ -552,11 +568,12 @@ def fused_linear_cross_entropy(
     accumulate_dw_in_fp32: accumulate grad_weight over the token chunks in float32 (one rounding to
         weight's dtype at the end) instead of in weight's dtype (one rounding per chunk; each chunk's
         matmul itself accumulates in float32). Costs a float32 [V, H] buffer and time: on H100 at
-        T=8192, H=4096, V=128256 with the default chunks, 97 ms and +2 GB instead of 64 ms. Off by
+        T=8192, H=4096, V=128256 with the earlier default of 256-row chunks, 97 ms and +2 GB instead of
+        64 ms. Off by
         default for that reason.
-    logits_chunk_bytes: budget for the [C, V] logits chunk; None picks the memory-matched default of
-        :func:`fused_linear_cross_entropy_chunk_rows`. A larger budget trades memory for speed (its
-        docstring has the measured trade-off: about 250 MB buys 64 -> 42 ms at T=8192, H=4096, V=128256).
+    logits_chunk_bytes: budget for the [C, V] logits chunk; None picks the default of
+        :func:`fused_linear_cross_entropy_chunk_rows` (Liger-Kernel's chunk + 252 MiB). A larger budget
+        trades memory for speed; its docstring has the measured trade-off.
     return_accuracy: also return argmax == label over valid tokens (a fraction; per token for "none").
     """
     _validate(hidden, weight, labels, bias, reduction)

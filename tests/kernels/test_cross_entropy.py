@@ -7,7 +7,6 @@ Tests marked gpu run real shapes and torch.compile with Inductor.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import pytest
@@ -196,30 +195,6 @@ def test_rejects_bad_arguments():
         cross_entropy(logits, torch.zeros(4, dtype=torch.long), softcap=0.0)
 
 
-def force_row_split(monkeypatch, row_split: int) -> None:
-    """Launch the forward kernel with ``row_split`` slices per row of 512-column blocks (the interpreter's
-    blocks; on the GPU too, so that the test vocabularies have several blocks to split there as well)."""
-    config = ce_module.cross_entropy_launch_config
-
-    def split_config(*args, **kwargs):
-        return dataclasses.replace(config(*args, **kwargs), row_split=row_split, block_v=512, num_warps=4)
-
-    monkeypatch.setattr(ce_module, "cross_entropy_launch_config", split_config)
-
-
-@pytest.mark.parametrize("row_split", [1, 4])
-def test_row_split_into_slices(device, monkeypatch, row_split):
-    # 2100 columns are five 512-column blocks under the interpreter: four slices of 2, 2, 1 and 0 blocks
-    # (an empty slice), combined by whichever program finishes its slice last.
-    force_row_split(monkeypatch, row_split)
-    logits, labels = make_inputs(12, 2100, torch.float32, device)
-    logits[3, 1700] = 40.0  # the winning column in a late slice
-    labels[3] = 1700
-    upstream = torch.randn(12, device=device)
-    options = {"label_smoothing": 0.1, "softcap": 30.0, "z_loss_scale": 1e-3, "return_accuracy": True}
-    assert_matches_reference(logits, labels, upstream, reduction="none", **options)
-
-
 # --- mutation tests: the comparisons above must catch a broken kernel -------------------------------
 
 
@@ -251,21 +226,6 @@ def test_mutant_with_off_by_one_column_mask_fails(device, tmp_path, monkeypatch)
     monkeypatch.setattr(ce_module, "_cross_entropy_forward_kernel", mutant)
     with pytest.raises(AssertionError, match="not close"):
         assert_matches_reference(logits, labels, reduction="sum", softcap=4.0)
-
-
-def test_mutant_combining_slices_without_rescaling_fails(device, tmp_path, monkeypatch):
-    # Each slice's sum of exponentials is relative to its own maximum; forgetting to rescale them to the
-    # row's maximum is only visible when the rows are split.
-    old = "row_sum = tl.sum(sums * tl.exp2((maxima - row_max) * LOG2E), axis=0)"
-    mutant = mutated_kernel(
-        ce_module._cross_entropy_forward_kernel, old, "row_sum = tl.sum(sums, axis=0)", tmp_path, "no_rescale"
-    )
-    force_row_split(monkeypatch, 2)
-    logits, labels = make_inputs(8, 700, torch.float32, device)
-    assert_matches_reference(logits, labels, reduction="sum")
-    monkeypatch.setattr(ce_module, "_cross_entropy_forward_kernel", mutant)
-    with pytest.raises(AssertionError, match="not close"):
-        assert_matches_reference(logits, labels, reduction="sum")
 
 
 def test_mutant_counting_ignored_tokens_in_mean_fails(device, tmp_path, monkeypatch):

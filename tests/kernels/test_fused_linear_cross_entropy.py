@@ -265,6 +265,8 @@ def test_chunk_rows_choice():
     with_gather = fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16, cpu, rows_to_chunk=8000)
     assert with_gather * (128256 + 2 * 4096) * 2 <= chunk_mib(256, 128256) * mib + 252 * mib
     assert fused_linear_cross_entropy_chunk_rows(40, 64, 1000, torch.float32, cpu) == 40
+    # One chunk is exactly the rows to process, never rounded up past them.
+    assert fused_linear_cross_entropy_chunk_rows(777, 896, 151936, bf16, cpu, rows_to_chunk=690) == 690
     assert fused_linear_cross_entropy_chunk_rows(1, 4096, 128256, bf16, cpu) == 1
     # An explicit budget is honoured: 4186 rows fit in 1 GiB, so 2 chunks of 4096.
     assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16, cpu, 2**30) == 4096
@@ -373,5 +375,5 @@ def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     labels = torch.randint(0, vocab, (n_tokens,), generator=generator).to("cuda")
     labels[::9] = -100
     upstream = torch.randn(n_tokens, device="cuda") if options["reduction"] == "none" else None
-    # Default chunking (several chunks at these shapes: at least 128 rows, about T*H/V of them).
+    # Default chunking: 2 and 3 chunks at the first two shapes (bf16 dW summed across them), 1 at the last.
     assert_matches_reference(hidden, weight, labels, None, upstream, **options)
