@@ -40,9 +40,10 @@ def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool) -
 # Logits of the micro-batch when the loss is not fused: bf16 logits 2 + their fp32 copy 4 + the saved fp32
 # log-softmax 4 + its fp32 gradient 4 at the start of the backward.
 UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB = 14
-# The fused loss holds one chunk of fp32 logits and its gradient (about 256 rows; see
-# fusetune.kernels.fused_linear_cross_entropy_chunk_rows).
-FUSED_LOSS_CHUNK_ROWS = 256
+# The fused loss holds one chunk of bf16 logits (its gradient is written in place): Liger-Kernel's chunk at
+# the shape plus this many bytes. The same rule as fusetune.kernels.fused_linear_cross_entropy_chunk_rows,
+# written again here because this module must not import torch; tests/test_estimate.py checks they agree.
+FUSED_LOSS_EXTRA_CHUNK_BYTES = 252 * 2**20
 # cuBLAS workspaces, the NCCL/DDP buffers and the allocator's rounding and fragmentation (what torch reserves
 # beyond what it has allocated), observed at 0.5-2 GiB.
 FIXED_OVERHEAD_BYTES = 2 * 2**30
@@ -143,10 +144,14 @@ def lora_parameter_count(shape: ModelShape, r: int, target_modules: list[str] | 
     return shape.num_layers * sum(r * (fan_in + fan_out) for fan_in, fan_out in targets.values())
 
 
-def _fused_loss_chunk_rows(tokens: int, shape: ModelShape) -> int:
-    """Rows of the fused loss's logits chunk, as its default policy picks them (a power of two, >= 128)."""
+def fused_loss_chunk_rows(tokens: int, shape: ModelShape) -> int:
+    """Most rows of the fused loss's bf16 logits chunk under its default budget (before the kernel balances
+    the chunks, which only makes them smaller)."""
+    row_bytes = shape.vocab_size * 2
     vocab_per_hidden = -(-shape.vocab_size // shape.hidden_size)
-    return max(128, 1 << max(0, (-(-tokens // vocab_per_hidden) - 1).bit_length()))
+    liger_rows = 1 << max(0, (-(-tokens // vocab_per_hidden) - 1).bit_length())
+    budget_rows = (min(liger_rows, tokens) * row_bytes + FUSED_LOSS_EXTRA_CHUNK_BYTES) // row_bytes
+    return max(1, min(tokens, budget_rows))
 
 
 def estimate_job(
@@ -196,7 +201,7 @@ def estimate_job(
     else:
         activations = tokens * shape.num_layers * per_layer
     if fused_kernels:
-        logits = _fused_loss_chunk_rows(tokens, shape) * shape.vocab_size * 4 * 2
+        logits = fused_loss_chunk_rows(tokens, shape) * shape.vocab_size * 2
     else:
         logits = tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB
     breakdown = {"weights_grads_optimizer": states, "activations": activations, "logits": logits,

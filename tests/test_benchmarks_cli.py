@@ -134,3 +134,26 @@ def test_merge_keeps_rows_of_ops_not_rerun():
     assert [(row["op"], row["set"], row["ms"]) for row in swept["rows"]] == [
         ("rms_norm", "main", 1.0), ("layer_norm", "main", 2.0), ("rms_norm", "sweep", 3.0)
     ]  # fmt: skip
+
+
+def test_service_benchmark_variants_are_checked():
+    from benchmarks import service
+
+    args = service.parse_args(["--variants", "kernels=on,precision=bf16-mixed; kernels=off,batch_size=auto"])
+    assert args.variant_hyper == [
+        ("kernels=on,precision=bf16-mixed", {"kernels": True, "precision": "bf16-mixed"}),
+        ("kernels=off,batch_size=auto", {"kernels": False, "batch_size": "auto"}),
+    ]
+    with pytest.raises(SystemExit):
+        service.parse_args(["--variants", "kernel=on"])
+    with pytest.raises(SystemExit):
+        service.parse_args(["--variants", "kernels=maybe"])
+
+
+def test_service_benchmark_data_has_the_asked_length_spread():
+    from benchmarks import service
+    from fusetune.demo.assets import build_tokenizer
+
+    _, lengths = service.chat_examples(200, 620, seed=0, tokenizer=build_tokenizer())
+    mean = sum(lengths) / len(lengths)
+    assert 0.85 * 620 < mean < 1.15 * 620 and max(lengths) <= 3 * 620 + 64 and min(lengths) < 0.6 * 620

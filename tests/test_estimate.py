@@ -51,3 +51,22 @@ def test_micro_batch_follows_the_trainer_default():
         _estimate(batch_size=32).memory_breakdown["activations"]
         == _estimate().memory_breakdown["activations"]
     )
+
+
+def test_fused_loss_chunk_follows_the_kernel_default():
+    """The estimate's torch-free copy of the chunk rule agrees with the kernel's own choice."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from fusetune.estimate import fused_loss_chunk_rows
+    from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
+
+    for tokens, hidden, vocab in [(16384, 2048, 128256), (8192, 4096, 128256), (1024, 4096, 128256),
+                                  (8192, 1536, 151936), (65536, 4096, 32000), (4096, 2304, 256000)]:  # fmt: skip
+        shape = ModelShape(hidden_size=hidden, intermediate_size=4 * hidden, num_layers=1, num_heads=8,
+                           num_kv_heads=8, head_dim=hidden // 8, vocab_size=vocab, tied_embeddings=True)  # fmt: skip
+        chosen = fused_linear_cross_entropy_chunk_rows(
+            tokens, hidden, vocab, torch.bfloat16, torch.device("cpu")
+        )
+        most = fused_loss_chunk_rows(tokens, shape)
+        assert chosen <= most and (chosen > 0.8 * most or chosen == tokens), (tokens, hidden, vocab)
