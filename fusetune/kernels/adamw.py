@@ -187,15 +187,15 @@ def _adamw_kernel(
     The *_proto pointers are the first tensor's, passed only for their element types (every tensor of a
     launch has the same ones); addresses come from the table row of the block's tensor.
     """
-    PARAM_DTYPE: tl.constexpr = param_proto_ptr.dtype.element_ty
-    STATE_DTYPE: tl.constexpr = state_proto_ptr.dtype.element_ty
+    param_dtype = param_proto_ptr.dtype.element_ty
+    state_dtype = state_proto_ptr.dtype.element_ty
     pid = tl.program_id(0)
     tensor = tl.load(block_tensor_ptr + pid).to(tl.int64)
     row = table_ptr + tensor * TABLE_COLUMNS
-    param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_dtype))
     grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
-    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(STATE_DTYPE))
-    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(STATE_DTYPE))
+    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(state_dtype))
+    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(state_dtype))
     numel = tl.load(row + 4)
     group_offset = tl.load(row + 5)
     first_block = tl.load(row + 6)
@@ -214,17 +214,17 @@ def _adamw_kernel(
     denom = tl.sqrt_rn(exp_avg_sq) * inv_sqrt_bias_correction2 + eps
     param = param * weight_decay_factor - tl.div_rn(exp_avg, denom) * step_size
 
-    if PARAM_DTYPE == tl.bfloat16 or STATE_DTYPE == tl.bfloat16:
+    if param_dtype == tl.bfloat16 or state_dtype == tl.bfloat16:
         index = group_offset + offsets
         key = step_key.to(tl.uint32, bitcast=True)
         high_key = _mix32_kernel((index >> 32).to(tl.uint32) ^ key)
         first = _mix32_kernel(index.to(tl.uint32) ^ high_key)
         second = _mix32_kernel(first ^ 0x9E3779B9)
-    if PARAM_DTYPE == tl.bfloat16:
+    if param_dtype == tl.bfloat16:
         tl.store(param_ptr + offsets, _round_stochastic(param, first & 0xFFFF), mask=mask)
     else:
         tl.store(param_ptr + offsets, param, mask=mask)
-    if STATE_DTYPE == tl.bfloat16:
+    if state_dtype == tl.bfloat16:
         tl.store(exp_avg_ptr + offsets, _round_stochastic(exp_avg, first >> 16), mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, _round_stochastic(exp_avg_sq, second & 0xFFFF), mask=mask)
     else:
