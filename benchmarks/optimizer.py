@@ -5,7 +5,8 @@ embedding, 16 layers of q/k/v/o and gate/up/down projections and two norms, the 
 
     torch-fp32       torch.optim.AdamW(fused=True) on fp32 parameters and gradients (the service's default today)
     torch-bf16       torch.optim.AdamW(fused=True) on bf16 parameters and gradients (state in bf16)
-    torchao-bf16-sr  torchao.optim.AdamW(bf16_stochastic_round=True) on bf16 parameters (state in bf16)
+    torchao-bf16-sr  torchao.optim.AdamW(bf16_stochastic_round=True) (torchao 0.17: _AdamW) on bf16 parameters
+                     (state in bf16, rounded to nearest; one torch.compile'd function per parameter)
     fusetune         fusetune.kernels.FusedAdamW, bf16 parameters, bf16 state, stochastic rounding
     fusetune-fp32-state   the same with fp32 exp_avg / exp_avg_sq
     fusetune-flat    FusedAdamW on one flat tensor of the same size: the cost of the address table
@@ -92,9 +93,11 @@ def build(impl: str, shapes: list[tuple[int, ...]]):
     if impl.startswith("torch-"):
         return params, torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     if impl == "torchao-bf16-sr":
-        from torchao.optim import AdamW
+        import torchao.optim
 
-        return params, AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, bf16_stochastic_round=True)
+        # torchao 0.17 renamed its public AdamW to the private _AdamW ("only for quantized training")
+        adamw = getattr(torchao.optim, "AdamW", None) or torchao.optim._AdamW
+        return params, adamw(params, lr=LR, weight_decay=WEIGHT_DECAY, bf16_stochastic_round=True)
     from fusetune.kernels.adamw import FusedAdamW
 
     state_dtype = torch.float32 if impl == "fusetune-fp32-state" else torch.bfloat16
