@@ -321,6 +321,66 @@ def test_loads_torch_adamw_state(device):
     assert state["step"].item() == 2
 
 
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of one rank in this process, with a one-device CPU mesh, for FSDP2 on CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_parameters_update_their_shards_and_checkpoint_like_adamw(one_process_group):
+    """FSDP2 (DTensor) parameters: the kernel updates the local shards, the state is DTensors, and the trainer's
+    full-state-dict save and load (torch.distributed.checkpoint.state_dict) round-trips it with the step."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+    fully_shard(model, mesh=one_process_group)
+    optimizer = FusedAdamW(model.parameters(), lr=1e-2, seed=1)
+    model(torch.randn(4, 5, dtype=torch.bfloat16)).float().sum().backward()
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    expected = [p.to_local().detach().clone() for p in params]
+    grads = [p.grad.to_local().clone() for p in params]
+    exp_avgs, exp_avg_sqs = [torch.zeros_like(e) for e in expected], [torch.zeros_like(e) for e in expected]
+    optimizer.step()
+    adamw_step_reference(expected, grads, exp_avgs, exp_avg_sqs, step=1, lr=1e-2, weight_decay=1e-2, seed=1)
+    for param, value, exp_avg in zip(params, expected, exp_avgs, strict=True):
+        torch.testing.assert_close(param.to_local(), value, atol=0.0, rtol=0.0)
+        assert isinstance(optimizer.state[param]["exp_avg"], DTensor)
+        torch.testing.assert_close(optimizer.state[param]["exp_avg"].to_local(), exp_avg, atol=0.0, rtol=0.0)
+    optimizer.zero_grad(set_to_none=True)
+
+    full = StateDictOptions(full_state_dict=True)
+    saved = get_optimizer_state_dict(model, optimizer, options=full)
+    assert {value["step"].item() for value in saved["state"].values()} == {1.0}
+    resumed = FusedAdamW(model.parameters(), lr=1e-2, seed=1)
+    set_optimizer_state_dict(model, resumed, saved, options=full)
+    for param in params:
+        assert resumed.state[param]["step"].item() == 1
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                resumed.state[param][name].to_local(),
+                optimizer.state[param][name].to_local(),
+                atol=0.0,
+                rtol=0.0,
+            )
+
+
 def test_state_bytes_per_parameter():
     assert adamw_state_bytes_per_parameter(torch.bfloat16) == 4
     assert adamw_state_bytes_per_parameter(torch.bfloat16, torch.float32) == 8
