@@ -336,9 +336,11 @@ def one_process_group():
         dist.destroy_process_group()
 
 
-def test_fsdp2_parameters_update_their_shards_and_checkpoint_like_adamw(one_process_group):
+def test_fsdp2_parameters_update_their_shards_and_checkpoint_like_adamw(one_process_group, device):
     """FSDP2 (DTensor) parameters: the kernel updates the local shards, the state is DTensors, and the trainer's
     full-state-dict save and load (torch.distributed.checkpoint.state_dict) round-trips it with the step."""
+    if device != "cpu":
+        pytest.skip("a one-rank gloo group on CPU tensors, which the kernel runs on only under the interpreter")
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
