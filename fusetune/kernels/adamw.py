@@ -11,7 +11,8 @@ gradient.
 One kernel launch updates every tensor of a parameter group (per dtype combination and step count, which a
 group normally has one of), through a table of addresses; per element, in fp32:
 
-    g      = grad * grad_scale                       (grad_scale: the clipping factor, a device scalar)
+    g      = grad * grad_scale                       (grad_scale: the clipping factor, a device scalar;
+                                                      NaN leaves parameters and state as they are)
     m      = m * beta1 + g * (1 - beta1)
     v      = v * beta2 + (g * g) * (1 - beta2)
     denom  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
@@ -205,11 +206,15 @@ def _adamw_kernel(
     group_offset = tl.load(row + 5)
     first_block = tl.load(row + 6)
 
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
+        numel = tl.where(grad_scale == grad_scale, numel, 0)
     offsets = (pid - first_block) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_GRAD_SCALE:
-        grad = grad * tl.load(grad_scale_ptr)
+        grad = grad * grad_scale
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -372,6 +377,8 @@ def adamw_step_reference(
     are rounded stochastically from the (seed, step, element index) bits, fp32 ones stored as computed.
     """
     constants = _StepConstants.of(step, lr, betas[0], betas[1], eps, weight_decay)
+    if grad_scale is not None and bool(torch.isnan(grad_scale).any()):
+        return  # the non-finite guard: nothing changes
     if element_offsets is None:
         element_offsets = _back_to_back_offsets(params)
     key = stochastic_rounding_key(seed, step)
@@ -428,8 +435,11 @@ def adamw_state_bytes_per_parameter(param_dtype: torch.dtype, state_dtype: torch
 
 def gradient_clipping_scale(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor clip_grad_norm_ multiplies gradients by, min(1, max_norm / (norm + 1e-6)), left on the device
-    for FusedAdamW.step(grad_scale=...) instead of a separate pass over the gradients."""
-    return torch.clamp(max_norm / (total_norm.to(torch.float32) + 1e-6), max=1.0)
+    for FusedAdamW.step(grad_scale=...) instead of a separate pass over the gradients. A non-finite norm gives
+    NaN, which makes the step change nothing (the trainer then fails the job when it reads the loss)."""
+    norm = total_norm.to(torch.float32)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return torch.where(torch.isfinite(norm), scale, torch.full_like(scale, float("nan")))
 
 
 def _state_dtype(param_dtype: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:

@@ -279,6 +279,27 @@ def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
         torch.testing.assert_close(param.detach(), before, atol=0.0, rtol=0.0)
 
 
+def test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device):
+    """The trainer's guard against a non-finite gradient, decided on the device: a NaN or infinite norm gives a
+    NaN clipping scale, and the step then writes nothing (a gradient holding NaN included)."""
+    params, optimizer = _run_fused([torch.bfloat16] * 4, device, steps=1)
+    before = [p.detach().clone() for p in params]
+    state_before = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
+    for param in params:
+        param.grad = torch.full_like(param, float("nan"))
+    for bad_norm in (float("nan"), float("inf")):
+        scale = gradient_clipping_scale(torch.tensor(bad_norm, device=device), 1.0)
+        assert torch.isnan(scale)
+        optimizer.step(grad_scale=scale)
+    for param, old, state in zip(params, before, state_before, strict=True):
+        torch.testing.assert_close(param.detach(), old, atol=0.0, rtol=0.0)
+        for key, value in state.items():
+            torch.testing.assert_close(optimizer.state[param][key], value, atol=0.0, rtol=0.0)
+    # control: a finite scale on the same gradients does write (NaN)
+    optimizer.step(grad_scale=gradient_clipping_scale(torch.tensor(1.0, device=device), 1.0))
+    assert torch.isnan(params[0]).any()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # State
 # ----------------------------------------------------------------------------------------------------------
@@ -340,7 +361,9 @@ def test_fsdp2_parameters_update_their_shards_and_checkpoint_like_adamw(one_proc
     """FSDP2 (DTensor) parameters: the kernel updates the local shards, the state is DTensors, and the trainer's
     full-state-dict save and load (torch.distributed.checkpoint.state_dict) round-trips it with the step."""
     if device != "cpu":
-        pytest.skip("a one-rank gloo group on CPU tensors, which the kernel runs on only under the interpreter")
+        pytest.skip(
+            "a one-rank gloo group on CPU tensors, which the kernel runs on only under the interpreter"
+        )
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -443,7 +466,8 @@ def test_round_to_nearest_mutant_fails_the_unbiasedness_test(tmp_path, monkeypat
 
 
 MUTATIONS = [
-    pytest.param(("grad = grad * tl.load(grad_scale_ptr)", "grad = grad * 1.0"), "grad-scale"),
+    pytest.param(("grad = grad * grad_scale", "grad = grad * 1.0"), "grad-scale"),
+    pytest.param(("numel = tl.where(grad_scale == grad_scale, numel, 0)", "numel = numel"), "no-skip-guard"),
     pytest.param(("mask = offsets < numel", "mask = offsets < numel - 1"), "off-by-one"),
     pytest.param(("* inv_sqrt_bias_correction2", "* 1.0"), "no-bias-correction"),
     pytest.param(("param * weight_decay_factor", "param"), "no-weight-decay"),
@@ -456,7 +480,10 @@ def test_mutated_kernel_fails_the_exact_comparison(edit, what, tmp_path, monkeyp
     mutant = _mutant_kernel(tmp_path, what.replace("-", "_"), kernel_edit=edit)
     monkeypatch.setattr(adamw_module, "_adamw_kernel", mutant)
     with pytest.raises(AssertionError):
-        test_kernel_matches_reference_exactly([torch.bfloat16] * 4, torch.bfloat16, 0.37, device)
+        if what == "no-skip-guard":
+            test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device)
+        else:
+            test_kernel_matches_reference_exactly([torch.bfloat16] * 4, torch.bfloat16, 0.37, device)
 
 
 # ----------------------------------------------------------------------------------------------------------
