@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_internals
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from fusetune.kernels._interpreter import interpreted
@@ -56,6 +57,55 @@ def gated_activation_kernel(
     if activation in GEGLU_APPROXIMATIONS and use_geglu:
         return functools.partial(kernels.swiglu.geglu, approximate=GEGLU_APPROXIMATIONS[activation])
     return None
+
+
+def gated_activation_name(activation: str | None, *, use_swiglu: bool, use_geglu: bool) -> str | None:
+    """The activation name of `fusetune.kernels.swiglu.gated_mlp` for an HF activation, or None."""
+    if activation in SWIGLU_ACTIVATIONS and use_swiglu:
+        return "silu"
+    if activation in GEGLU_APPROXIMATIONS and use_geglu:
+        return "gelu_tanh" if GEGLU_APPROXIMATIONS[activation] == "tanh" else "gelu"
+    return None
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear whose forward is exactly F.linear on plain tensors: no adapter (a LoRA layer is another
+    class), no hooks, no sharded parameters."""
+    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    return type(module.weight.data) is torch.Tensor and (
+        module.bias is None or type(module.bias.data) is torch.Tensor
+    )
+
+
+def mlp_weights(mlp: nn.Module, fused_gate_up: bool) -> tuple[torch.Tensor | None, ...] | None:
+    """(gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias) of a gated MLP whose projections
+    are plain Linears (up_* None for a fused gate_up_proj), or None when the whole MLP cannot run as one node."""
+    if mlp._forward_hooks or mlp._forward_pre_hooks:
+        return None
+    down = mlp.down_proj
+    if fused_gate_up:
+        gate_up = mlp.gate_up_proj
+        if not (_is_plain_linear(gate_up) and _is_plain_linear(down)):
+            return None
+        return gate_up.weight, gate_up.bias, None, None, down.weight, down.bias
+    gate, up = mlp.gate_proj, mlp.up_proj
+    if not (_is_plain_linear(gate) and _is_plain_linear(up) and _is_plain_linear(down)):
+        return None
+    return gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias
+
+
+def whole_mlp_fusable(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether the MLP (and its norm) may run as one eager autograd node on `x`: not under torch.compile
+    (which gets the registered ops), not under autocast (whose casts the node would skip), one dtype and
+    device throughout, a device the kernels reach, and no global module hooks (the node calls no modules)."""
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        return False
+    if not (x.is_cuda or interpreted()):
+        return False
+    if module_internals._global_forward_hooks or module_internals._global_forward_pre_hooks:
+        return False
+    return all(t.dtype == x.dtype and t.device == x.device for t in tensors if t is not None)
 
 
 def activation_of(module: nn.Module, spec: FamilySpec) -> str | None:
@@ -109,14 +159,21 @@ def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
 def make_mlp_forward(
     spec: FamilySpec, original_forward: Callable[..., torch.Tensor], *, use_swiglu: bool, use_geglu: bool
 ) -> Callable[..., torch.Tensor]:
-    """Gated MLP forward: the projections stay the module's own (so LoRA-wrapped Linears keep working); only
-    `act(gate) * up` runs in one kernel whose backward reuses the gate and up buffers."""
+    """Gated MLP forward. With plain Linear projections the whole MLP is one autograd node
+    (`kernels.swiglu.gated_mlp`) that keeps x, gate and up but not the product; otherwise (LoRA-wrapped
+    Linears, hooks, autocast, torch.compile) the projections stay the module's own and only `act(gate) * up`
+    runs in one kernel whose backward reuses the gate and up buffers."""
     fused_gate_up = spec.mlp_layout == "fused_gate_up"
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        gated = gated_activation_kernel(activation_of(self, spec), use_swiglu=use_swiglu, use_geglu=use_geglu)
-        if gated is None:
+        activation = activation_of(self, spec)
+        name = gated_activation_name(activation, use_swiglu=use_swiglu, use_geglu=use_geglu)
+        if name is None:
             return original_forward(self, hidden_states)
+        weights = mlp_weights(self, fused_gate_up)
+        if weights is not None and whole_mlp_fusable(hidden_states, weights):
+            return kernels.swiglu.gated_mlp(hidden_states, *weights, activation=name)
+        gated = gated_activation_kernel(activation, use_swiglu=use_swiglu, use_geglu=use_geglu)
         if fused_gate_up:
             gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
         else:
@@ -146,16 +203,22 @@ def make_experts_apply_gate(
 # -------------------------------------------------------------------------------------- decoder layers
 
 
-def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
-    """The family's decoder layer with its middle "residual add, then RMSNorm" done by `add_rms_norm`.
+def make_decoder_layer_forward(
+    spec: FamilySpec, *, use_swiglu: bool = True, use_geglu: bool = True
+) -> Callable[..., torch.Tensor]:
+    """The family's decoder layer with its middle "residual add, then RMSNorm" done by `add_rms_norm`, and
+    when the MLP can run as one node, that add, the norm and the gated MLP done by `add_rms_norm_gated_mlp`,
+    which keeps neither the norm output nor the MLP's product for the backward.
 
-    Everything else (attention, MLP, the other norms, the last residual add) is the layer's own modules in
-    HF's order, so this is exact up to the kernels' rounding. The models call their layers as
+    Everything else (attention, the other norms, the last residual add) is the layer's own modules in HF's
+    order, so this is exact up to the kernels' rounding. The models call their layers as
     `layer(hidden_states, attention_mask=..., position_embeddings=..., ...)`; those keywords go to the
     attention unchanged, as HF's layers do.
     """
     offset, casting_mode, eps_attribute = spec.norm_offset, spec.norm_casting_mode, spec.norm_eps_attribute
     attn_dropout_name, mlp_dropout_name = spec.residual_dropout_attributes or (None, None)
+    mlp_class = spec.resolve(spec.mlp_class) if spec.mlp_class else None
+    fused_gate_up = spec.mlp_layout == "fused_gate_up"
 
     def add_norm(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
         if branch.dtype != residual.dtype:
@@ -173,14 +236,39 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
             casting_mode=casting_mode,
         )
 
+    def add_norm_mlp(norm: nn.Module, mlp: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
+        """(mlp(norm(branch + residual)), branch + residual)."""
+        name = None
+        if mlp_class is not None and isinstance(mlp, mlp_class):
+            name = gated_activation_name(activation_of(mlp, spec), use_swiglu=use_swiglu, use_geglu=use_geglu)
+        weights = mlp_weights(mlp, fused_gate_up) if name is not None else None
+        if (
+            weights is not None
+            and type(norm.weight.data) is torch.Tensor
+            and whole_mlp_fusable(branch, (residual, norm.weight, *weights))
+        ):
+            return kernels.swiglu.add_rms_norm_gated_mlp(
+                branch,
+                residual,
+                norm.weight,
+                *weights,
+                eps=getattr(norm, eps_attribute),
+                offset=offset,
+                casting_mode=casting_mode,
+                activation=name,
+            )
+        hidden_states, residual = add_norm(norm, branch, residual)
+        return mlp(hidden_states), residual
+
     def prenorm_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
         if attn_dropout_name is not None:
             hidden_states = getattr(self, attn_dropout_name)(hidden_states)
-        hidden_states, residual = add_norm(self.post_attention_layernorm, hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
+        hidden_states, residual = add_norm_mlp(
+            self.post_attention_layernorm, self.mlp, hidden_states, residual
+        )
         if mlp_dropout_name is not None:
             hidden_states = getattr(self, mlp_dropout_name)(hidden_states)
         return residual + hidden_states
@@ -190,8 +278,9 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
         hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states, residual = add_norm(self.pre_feedforward_layernorm, hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
+        hidden_states, residual = add_norm_mlp(
+            self.pre_feedforward_layernorm, self.mlp, hidden_states, residual
+        )
         hidden_states = self.post_feedforward_layernorm(hidden_states)
         return residual + hidden_states
 
