@@ -283,6 +283,9 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
             return {**row, "error": "the Liger patch replaced no module of this model"}
     model.to(device=device, dtype=torch.bfloat16)
     model.train()
+    if spec.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        row["gradient_checkpointing"] = True
     row["params"] = sum(p.numel() for p in model.parameters())
     row["flops_per_token"] = flops_per_token(model, config, spec["seq"])
 
@@ -553,10 +556,17 @@ def _run_subprocess(arguments: list[str], timeout_s: float) -> tuple[dict | None
 
 
 def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | None, models: list[str]) -> dict:
-    run_keys = {(row["model"], row["impl"]) for row in rows}
-    kept = [
-        row for row in (previous or {}).get("rows", []) if (row.get("model"), row.get("impl")) not in run_keys
-    ]
+    def key(row: dict) -> tuple:
+        return (
+            row.get("model"),
+            row.get("impl"),
+            row.get("batch"),
+            row.get("seq"),
+            row.get("gradient_checkpointing", False),
+        )
+
+    run_keys = {key(row) for row in rows}
+    kept = [row for row in (previous or {}).get("rows", []) if key(row) not in run_keys]
     return {
         "gpu": meta["gpu"],
         "date": meta["date"],
@@ -668,6 +678,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="after the timed steps, profile one more step: memory per phase, GPU time by kernel, idle gaps",
     )
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute each decoder layer in the backward"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument(
@@ -768,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": args.steps,
                 "warmup_steps": args.warmup_steps,
                 "attn": args.attn,
+                "gradient_checkpointing": args.gradient_checkpointing,
                 "peak_tflops": peak_tflops,
                 "profile": args.profile,
             }
