@@ -50,6 +50,7 @@ def make_config(model_dir, train_file, output_dir, **overrides) -> TrainConfig:
         model_path=str(model_dir),
         training_file=str(train_file),
         output_dir=str(output_dir),
+        n_epochs=1,
         batch_size=8,
         learning_rate=3e-3,
         max_seq_length=128,
