@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 class TrainingMethod(ABC):
     # The job specification's `method.type` that selects this class (see methods.METHODS).
     type: ClassVar[str]
+    # What `eval_sums` returns, in order.
+    eval_sum_names: ClassVar[tuple[str, ...]]
 
     # ------------------------------------------------------------------------ examples (no torch needed)
 
@@ -82,7 +84,8 @@ class TrainingMethod(ABC):
 
     @abstractmethod
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A 1-D float64 device tensor of sums over the batch, added up over all batches and ranks."""
+        """A float64 device tensor of sums over the batch (`eval_sum_names`), added up over all batches and
+        ranks."""
 
     @abstractmethod
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:

@@ -99,6 +99,7 @@ def parse_example(record: Any) -> Example:
 
 class SupervisedFineTuning(TrainingMethod):
     type = "supervised"
+    eval_sum_names = ("token_loss", "trained_tokens", "correct_tokens")
 
     @classmethod
     def parse_example(cls, record: Any) -> Example:
@@ -146,7 +147,6 @@ class SupervisedFineTuning(TrainingMethod):
         return outputs.loss, {}
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Summed token loss, trained tokens and correctly predicted tokens."""
         import torch
 
         from fusetune.worker.train.data import IGNORE_INDEX
