@@ -12,6 +12,7 @@ import torch
 
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.launch import run
 from fusetune.worker.train.outcome import (
     EXIT_STOPPED,
     ErrorCode,
@@ -21,7 +22,7 @@ from fusetune.worker.train.outcome import (
     read_stopped,
 )
 from fusetune.worker.train.reporter import StopRequest
-from fusetune.worker.train.trainer import Trainer, run
+from fusetune.worker.train.trainer import Trainer
 from tests.worker.test_train_trainer import (
     ONE_CPU_RANK,
     RecordingReporter,

@@ -11,21 +11,23 @@ from transformers import AutoModelForCausalLM
 
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
-from fusetune.worker.train import trainer as trainer_module
+from fusetune.worker.train import launch as launch_module
 from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
 from fusetune.worker.train.data import epoch_order, rank_micro_batches
 from fusetune.worker.train.distributed import DistInfo, decoder_layers
+from fusetune.worker.train.launch import run
 from fusetune.worker.train.outcome import (
     EXIT_FAILED,
     EXIT_STOPPED,
     ErrorCode,
     JobStopped,
+    TrainingFailure,
     read_error,
     read_result,
     read_stopped,
 )
 from fusetune.worker.train.reporter import ConsoleReporter, NullReporter, StopRequest, parse_console_records
-from fusetune.worker.train.trainer import Trainer, lr_factor, run
+from fusetune.worker.train.trainer import Trainer, lr_factor
 
 ONE_CPU_RANK = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -342,7 +344,7 @@ def test_huge_learning_rate_fails_with_non_finite_loss_before_the_update(
     )
     reporter = RecordingReporter()
     trainer = Trainer(config, ONE_CPU_RANK, reporter)
-    with pytest.raises(trainer_module.TrainingFailure) as raised:
+    with pytest.raises(TrainingFailure) as raised:
         trainer.train()
     assert raised.value.code == ErrorCode.NON_FINITE_LOSS
     failed_step = len(reporter.metrics) + 1
@@ -388,7 +390,7 @@ def test_a_stop_request_ends_the_run_without_a_result(model_dir, small_train_fil
         Trainer(make_config(model_dir, small_train_file, tmp_path), ONE_CPU_RANK, reporter).train()
     assert len(reporter.metrics) == 2
 
-    monkeypatch.setattr(trainer_module, "make_reporter", lambda *args: RecordingReporter(stop_after_step=1))
+    monkeypatch.setattr(launch_module, "make_reporter", lambda *args: RecordingReporter(stop_after_step=1))
     assert run(make_config(model_dir, small_train_file, tmp_path / "out")) == EXIT_STOPPED
     assert read_result(tmp_path / "out") is None and read_error(tmp_path / "out") is None
     # torchrun reports any non-zero rank exit as its own 1: the file is what tells the worker it was a stop.

@@ -11,6 +11,7 @@ data on storage every node sees (rank 0 writes checkpoints; every rank reads the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,4 +147,22 @@ def shard_fsdp(model: torch.nn.Module, device: torch.device, mp_policy: Any) -> 
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+def parallelize(
+    model: torch.nn.Module,
+    dist_info: DistInfo,
+    fsdp: bool,
+    fsdp_mp_policy: Callable[[], Any],
+    ddp_bucket_cap_mb: int | None,
+) -> torch.nn.Module:
+    """The module the training forward goes through: the model itself, its DDP wrapper, or the model sharded
+    in place by FSDP2 (whose parameters stay on the CPU until sharded, so a model too large for one GPU never
+    lands on one whole). Raises ValueError for a model FSDP cannot shard."""
+    if fsdp:
+        return shard_fsdp(model, dist_info.device, fsdp_mp_policy())
+    model.to(dist_info.device)
+    if dist_info.world_size > 1:
+        return wrap_ddp(model, dist_info.device, ddp_bucket_cap_mb)
     return model

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from fusetune.worker.train import lora
+from fusetune.worker.train.data import LoadedData
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 from fusetune.worker.train.reporter import Reporter
 
@@ -80,3 +81,16 @@ def apply_kernels(model: torch.nn.Module, device: torch.device, reporter: Report
         data={"event": "kernels", "applied": True, "patched": dict(handle.patched)},
     )
     return True
+
+
+def report_data(data: LoadedData, path: str, max_seq_length: int, reporter: Reporter) -> LoadedData:
+    """Warns about examples cut to max_seq_length or left out; returns `data`."""
+    if data.n_truncated or data.n_dropped:
+        reporter.event(
+            f"{Path(path).name}: {data.n_truncated} of {data.n_examples} examples were cut to "
+            f"max_seq_length={max_seq_length}; {data.n_dropped} were left out because no trained token "
+            "remained",
+            level="warning",
+            data={"event": "data", "n_truncated": data.n_truncated, "n_dropped": data.n_dropped},
+        )
+    return data

@@ -1,10 +1,48 @@
-"""Throughput, memory and model-FLOPs-utilisation helpers for the per-step metrics."""
+"""A step's numbers as the loop keeps them on the device, and the throughput, memory and model-FLOPs-utilisation
+helpers for the per-step metrics."""
 
 from __future__ import annotations
 
+import math
 import resource
+from dataclasses import dataclass
 
 import torch
+
+from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """A step's numbers, summed over its micro-batches and all ranks, still on the device."""
+
+    losses: torch.Tensor  # the loss, then the method's metrics (metric_names)
+    metric_names: tuple[str, ...]
+    grad_norm: torch.Tensor
+    counts: torch.Tensor  # the loss's normaliser and the input tokens (padding excluded), all ranks
+    learning_rate: float
+    mean_padded_length: float
+
+    def read(self) -> dict[str, float]:
+        """The host values (one device read): train_loss, grad_norm, n_input_tokens and the method's metrics."""
+        values = torch.cat([self.losses.double(), self.grad_norm.double().reshape(1), self.counts.double()])
+        loss, *metrics, grad_norm, _, n_input_tokens = values.tolist()
+        return {
+            "train_loss": loss,
+            "grad_norm": grad_norm,
+            "n_input_tokens": n_input_tokens,
+            **dict(zip(self.metric_names, metrics, strict=True)),
+        }
+
+
+def non_finite_failure(train_loss: float, grad_norm: float, step_number: int) -> TrainingFailure:
+    what = (
+        f"the training loss is {train_loss}"
+        if not math.isfinite(train_loss)
+        else f"the gradient norm is {grad_norm}"
+    )
+    return TrainingFailure(ErrorCode.NON_FINITE_LOSS, f"{what} at step {step_number}")
+
 
 # Dense bf16 tensor-core peak FLOP/s from the vendors' spec sheets, matched by substring of the device name,
 # most specific first (e.g. "H100 PCIe" before "H100").

@@ -10,16 +10,32 @@ method's entries and reads as a supervised run; a format newer than this code re
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train import lora
+from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.distributed import DistInfo, all_gather_object, barrier
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
+from fusetune.worker.train.reporter import Reporter
 
 RESUME_FORMAT = 2
+# Gathered state dicts: whole tensors, on the CPU, on rank 0 only (other ranks get empty dicts).
+FULL_STATE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# Loading: every rank reads the whole optimizer state and keeps its part (its shard under FSDP).
+FULL_STATE_ON_EVERY_RANK = StateDictOptions(full_state_dict=True)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -123,4 +139,83 @@ def check_resumable(saved_run: dict[str, Any], current_run: dict[str, Any], chec
             ErrorCode.TRAINER_ERROR,
             f"cannot resume from checkpoint {checkpoint}: its run differs ({'; '.join(differences)}); start "
             "a new job or set resume to false",
+        )
+
+
+class Checkpointer:
+    """Writes a run's checkpoints (weights, tokenizer, the optimizer's and every other part's state), reports
+    and prunes them, and reads the optimizer's state back."""
+
+    def __init__(self, config: TrainConfig, dist_info: DistInfo, reporter: Reporter) -> None:
+        self.config = config
+        self.dist = dist_info
+        self.reporter = reporter
+
+    def reported_path(self, path: Path) -> str:
+        base = self.config.checkpoint_paths_relative_to
+        return os.path.relpath(path, base) if base else str(path)
+
+    def save(
+        self,
+        step: int,
+        epoch: float,
+        metrics: dict[str, float],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        tokenizer: Any,
+        training_state: Callable[[list[dict[str, Any]]], dict[str, Any]],
+    ) -> Path:
+        """Collective (every rank calls it); `training_state(every rank's RNG states)` is resume.pt's content.
+        Returns the checkpoint's folder."""
+        config = self.config
+        # Adapter-only checkpoints gather only the trained parameters; merged weights need the frozen ones too.
+        adapter_only = config.lora is not None and not config.merge_lora_on_save
+        model_state = get_model_state_dict(
+            model,
+            options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter_only
+            ),
+        )
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE_ON_RANK0)
+        rng_states = all_gather_object(ckpt.capture_rng_state(self.dist.device))
+        path = ckpt.checkpoint_path(config.output_dir, step)
+        if self.dist.is_main:
+            with ckpt.staged_checkpoint(config.output_dir, step) as staging:
+                self._write_weights(model, staging, model_state)
+                tokenizer.save_pretrained(staging)
+                ckpt.write_trainer_state(staging, step, epoch, metrics)
+                ckpt.write_training_state(staging, optimizer_state, training_state(rng_states))
+            reported_path = self.reported_path(path)
+            self.reporter.checkpoint(step, reported_path, metrics)
+            self.reporter.event(
+                f"Saved checkpoint at step {step}",
+                data={"event": "checkpoint_saved", "step": step, "path": reported_path},
+            )
+            self._prune()
+        barrier()
+        return path
+
+    def _write_weights(self, model: torch.nn.Module, directory: Path, model_state: dict[str, Any]) -> None:
+        if self.config.lora is None:
+            model.save_pretrained(directory, state_dict=model_state)
+        elif self.config.merge_lora_on_save:
+            lora.save_merged(model, model_state, directory)
+            lora.save_adapter(model, model_state, directory / ckpt.ADAPTER_DIRNAME)
+        else:
+            lora.save_adapter(model, model_state, directory)
+
+    def _prune(self) -> None:
+        """Keep the newest `keep_last_checkpoints`; the reporter forgets the others before their files go, so
+        the API never lists a checkpoint whose folder is gone."""
+        stale = ckpt.stale_checkpoints(self.config.output_dir, self.config.keep_last_checkpoints)
+        if stale:
+            self.reporter.checkpoints_deleted([self.reported_path(path) for path in stale])
+        for path in stale:
+            ckpt.delete_checkpoint(path)
+
+    def restore_optimizer(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
+    ) -> None:
+        set_optimizer_state_dict(
+            model, optimizer, ckpt.read_optimizer_state(checkpoint), options=FULL_STATE_ON_EVERY_RANK
         )

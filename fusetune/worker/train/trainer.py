@@ -28,59 +28,39 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
-import traceback
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora, optim
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
-from fusetune.worker.train.distributed import (
-    DistInfo,
-    all_gather_object,
-    all_reduce,
-    barrier,
-    broadcast_object,
-    init_distributed,
-    shard_fsdp,
-    shutdown,
-    synchronize,
-    wrap_ddp,
-)
-from fusetune.worker.train.loading import apply_kernels, load_model, load_tokenizer
+from fusetune.worker.train.distributed import DistInfo, all_reduce, broadcast_object, parallelize, synchronize
+from fusetune.worker.train.evaluation import evaluate
+from fusetune.worker.train.loading import apply_kernels, load_model, load_tokenizer, report_data
 from fusetune.worker.train.methods import METHODS
-from fusetune.worker.train.metrics import peak_memory_bytes, reset_peak_memory, training_flops_per_token
+from fusetune.worker.train.metrics import (
+    StepStats,
+    non_finite_failure,
+    peak_memory_bytes,
+    reset_peak_memory,
+    training_flops_per_token,
+)
 from fusetune.worker.train.outcome import (
-    ERROR_FILENAME,
-    EXIT_FAILED,
-    EXIT_STOPPED,
-    OUT_OF_MEMORY_HINT,
-    OUTCOME_FILENAMES,
     ErrorCode,
     JobStopped,
     TrainingFailure,
     TrainResult,
-    write_error,
-    write_result,
-    write_stopped,
 )
 from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision
-from fusetune.worker.train.reporter import Reporter, StopRequest, make_reporter
+from fusetune.worker.train.reporter import Reporter, StopRequest
 from fusetune.worker.train.state import (
+    Checkpointer,
     TrainingProgress,
     build_scheduler,
     check_resumable,
@@ -89,50 +69,11 @@ from fusetune.worker.train.state import (
     resume_state,
 )
 
-__all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor", "run"]
+__all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor"]
 
-# How long ranks other than 0 wait, after a known failure, for rank 0 to write error.json before they exit:
-# torchrun tears down the whole group as soon as one process exits with an error.
-ERROR_FILE_WAIT_S = 10.0
 ETA_WINDOW_STEPS = 20
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """A step's numbers, summed over its micro-batches and all ranks, still on the device."""
-
-    losses: torch.Tensor  # the loss, then the method's metrics (metric_names)
-    metric_names: tuple[str, ...]
-    grad_norm: torch.Tensor
-    counts: torch.Tensor  # the loss's normaliser and the input tokens (padding excluded), all ranks
-    learning_rate: float
-    mean_padded_length: float
-
-    def read(self) -> dict[str, float]:
-        """The host values (one device read): train_loss, grad_norm, n_input_tokens and the method's metrics."""
-        values = torch.cat([self.losses.double(), self.grad_norm.double().reshape(1), self.counts.double()])
-        loss, *metrics, grad_norm, _, n_input_tokens = values.tolist()
-        return {
-            "train_loss": loss,
-            "grad_norm": grad_norm,
-            "n_input_tokens": n_input_tokens,
-            **dict(zip(self.metric_names, metrics, strict=True)),
-        }
-
-
-def _non_finite(train_loss: float, grad_norm: float, step_number: int) -> TrainingFailure:
-    what = (
-        f"the training loss is {train_loss}"
-        if not math.isfinite(train_loss)
-        else f"the gradient norm is {grad_norm}"
-    )
-    return TrainingFailure(ErrorCode.NON_FINITE_LOSS, f"{what} at step {step_number}")
-
-
-# Gathered state dicts: whole tensors, on the CPU, on rank 0 only (other ranks get empty dicts).
-FULL_STATE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# Loading: every rank reads the whole optimizer state and keeps its part (its shard under FSDP).
-FULL_STATE_ON_EVERY_RANK = StateDictOptions(full_state_dict=True)
 _STOP_CODES = {None: 0, StopRequest.PAUSE: 1, StopRequest.CANCEL: 2}  # all ranks take the largest
 
 
@@ -162,6 +103,7 @@ class Trainer:
             resume_from = ckpt.latest_resumable(config.output_dir) if config.resume else None
         # Every rank must resume from the same checkpoint, whatever each sees of a shared folder.
         self.resume_from: tuple[int, Path] | None = broadcast_object(resume_from)
+        self.checkpoints = Checkpointer(config, dist_info, reporter)
 
         self.tokenizer = self._load_tokenizer()
         self.pad_token_id = next(
@@ -215,16 +157,9 @@ class Trainer:
         return load_model(path, dtype)
 
     def _load_data(self, path: str, packing: bool) -> LoadedData:
-        data = self.method.load_data(path, packing)
-        if data.n_truncated or data.n_dropped:
-            self.reporter.event(
-                f"{Path(path).name}: {data.n_truncated} of {data.n_examples} examples were cut to "
-                f"max_seq_length={self.config.max_seq_length}; {data.n_dropped} were left out because no "
-                "trained token remained",
-                level="warning",
-                data={"event": "data", "n_truncated": data.n_truncated, "n_dropped": data.n_dropped},
-            )
-        return data
+        return report_data(
+            self.method.load_data(path, packing), path, self.config.max_seq_length, self.reporter
+        )
 
     def _build_model(self) -> torch.nn.Module:
         """The model in the precision's weight dtype, from the checkpoint it resumes (full weights) or the base
@@ -247,18 +182,16 @@ class Trainer:
         return self.config.kernels and apply_kernels(self.model, self.device, self.reporter)
 
     def _parallelize(self) -> torch.nn.Module:
-        """The module the training forward goes through: the model itself, its DDP wrapper, or the model
-        sharded in place by FSDP2 (whose parameters stay on the CPU until sharded, so a model too large for
-        one GPU never lands on one whole)."""
-        if self.fsdp:
-            try:
-                return shard_fsdp(self.model, self.device, self.precision.fsdp_mixed_precision())
-            except ValueError as exc:
-                raise TrainingFailure(ErrorCode.TRAINER_ERROR, f"cannot shard the model: {exc}") from exc
-        self.model.to(self.device)
-        if self.dist.world_size > 1:
-            return wrap_ddp(self.model, self.device, self.config.ddp_bucket_cap_mb)
-        return self.model
+        try:
+            return parallelize(
+                self.model,
+                self.dist,
+                self.fsdp,
+                self.precision.fsdp_mixed_precision,
+                self.config.ddp_bucket_cap_mb,
+            )
+        except ValueError as exc:
+            raise TrainingFailure(ErrorCode.TRAINER_ERROR, f"cannot shard the model: {exc}") from exc
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -337,7 +270,7 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         non_finite = ~(torch.isfinite(losses[0]) & torch.isfinite(grad_norm))
         if not optim.skip_step_if(self.optimizer, self.optimizer_name, non_finite) and bool(non_finite):
-            raise _non_finite(float(losses[0]), float(grad_norm), self.step + 1)
+            raise non_finite_failure(float(losses[0]), float(grad_norm), self.step + 1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -378,7 +311,7 @@ class Trainer:
                 values = stats.read()
                 if not (math.isfinite(values["train_loss"]) and math.isfinite(values["grad_norm"])):
                     # The optimizer skipped this step's update on the device.
-                    raise _non_finite(values["train_loss"], values["grad_norm"], self.step + 1)
+                    raise non_finite_failure(values["train_loss"], values["grad_norm"], self.step + 1)
                 self.scheduler.step()
                 epoch_done = batch_index == self.steps_per_epoch - 1
                 self.progress.advance(
@@ -510,34 +443,16 @@ class Trainer:
                 "paused",
                 f"paused at step {self.step}: checkpoint saved, training resumes from it",
                 self.step,
-                self._reported_path(self.last_checkpoint),
+                self.checkpoints.reported_path(self.last_checkpoint),
             )
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """The method's evaluation metrics over the validation set, all ranks together."""
         assert self.valid_data is not None
-        self.model.eval()
-        rows = self.valid_data.sequences
-        chunks = [
-            list(range(i, min(i + self.micro_batch_size, len(rows))))
-            for i in range(0, len(rows), self.micro_batch_size)
-        ]
-        mine = chunks[self.dist.rank :: self.dist.world_size]
-        # FSDP gathers parameters inside each forward, so every rank must run as many forwards as the others;
-        # a rank short of chunks repeats one and leaves it out of the sums.
-        n_forwards = math.ceil(len(chunks) / self.dist.world_size) if self.fsdp else len(mine)
-        sums = torch.zeros(len(self.method.eval_sum_names), dtype=torch.float64, device=self.device)
-        for index in range(n_forwards):
-            counted = index < len(mine)
-            batch = self._batch([rows[i] for i in (mine[index] if counted else chunks[0])], packed=False)
-            with self._autocast():
-                batch_sums = self.method.eval_sums(self.model, batch)
-            if counted:
-                sums += batch_sums
-        all_reduce(sums)
-        self.model.train()
-        results = self.method.eval_metrics(sums.tolist())
+        results = evaluate(
+            self.model, self.method, self.valid_data.sequences, self._batch, self._autocast,
+            self.micro_batch_size, self.dist, same_forwards_on_every_rank=self.fsdp,
+        )  # fmt: skip
         summary = ", ".join(f"{name} {value:.4f}" for name, value in results.items())
         self.reporter.event(
             f"Evaluation at step {self.step}: {summary}",
@@ -546,10 +461,6 @@ class Trainer:
         return results
 
     # ---------------------------------------------------------------------------------------- checkpoints
-
-    def _reported_path(self, path: Path) -> str:
-        base = self.config.checkpoint_paths_relative_to
-        return os.path.relpath(path, base) if base else str(path)
 
     def _run_description(self) -> dict[str, Any]:
         """What a checkpoint's data position depends on; a run may resume from it only if all of it matches."""
@@ -565,54 +476,18 @@ class Trainer:
 
     def _save_checkpoint(self, metrics: dict[str, float]) -> None:
         """Weights, tokenizer and training state of the current step; collective (every rank calls it)."""
-        config = self.config
-        # Adapter-only checkpoints gather only the trained parameters; merged weights need the frozen ones too.
-        adapter_only = config.lora is not None and not config.merge_lora_on_save
-        model_state = get_model_state_dict(
+        path = self.checkpoints.save(
+            self.step,
+            self.step / self.steps_per_epoch,
+            metrics,
             self.model,
-            options=StateDictOptions(
-                full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapter_only
+            self.optimizer,
+            self.tokenizer,
+            lambda rng_states: resume_state(
+                self.progress, self.scheduler, rng_states, self._run_description(), self.method.state_dict()
             ),
         )
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE_ON_RANK0)
-        rng_states = all_gather_object(ckpt.capture_rng_state(self.device))
-        path = ckpt.checkpoint_path(config.output_dir, self.step)
-        if self.dist.is_main:
-            state = resume_state(
-                self.progress, self.scheduler, rng_states, self._run_description(), self.method.state_dict()
-            )
-            with ckpt.staged_checkpoint(config.output_dir, self.step) as staging:
-                self._write_weights(staging, model_state)
-                self.tokenizer.save_pretrained(staging)
-                ckpt.write_trainer_state(staging, self.step, self.step / self.steps_per_epoch, metrics)
-                ckpt.write_training_state(staging, optimizer_state, state)
-            reported_path = self._reported_path(path)
-            self.reporter.checkpoint(self.step, reported_path, metrics)
-            self.reporter.event(
-                f"Saved checkpoint at step {self.step}",
-                data={"event": "checkpoint_saved", "step": self.step, "path": reported_path},
-            )
-            self._prune_checkpoints()
         self.last_checkpoint, self.last_checkpoint_step = path, self.step
-        barrier()
-
-    def _write_weights(self, directory: Path, model_state: dict[str, torch.Tensor]) -> None:
-        if self.config.lora is None:
-            self.model.save_pretrained(directory, state_dict=model_state)
-        elif self.config.merge_lora_on_save:
-            lora.save_merged(self.model, model_state, directory)
-            lora.save_adapter(self.model, model_state, directory / ckpt.ADAPTER_DIRNAME)
-        else:
-            lora.save_adapter(self.model, model_state, directory)
-
-    def _prune_checkpoints(self) -> None:
-        """Keep the newest `keep_last_checkpoints`; the reporter forgets the others before their files go, so
-        the API never lists a checkpoint whose folder is gone."""
-        stale = ckpt.stale_checkpoints(self.config.output_dir, self.config.keep_last_checkpoints)
-        if stale:
-            self.reporter.checkpoints_deleted([self._reported_path(path) for path in stale])
-        for path in stale:
-            ckpt.delete_checkpoint(path)
 
     def _restore_training_state(self, state: dict[str, Any], checkpoint: Path) -> None:
         """Continue from `checkpoint` (its weights are loaded already): each part from its own state."""
@@ -626,76 +501,8 @@ class Trainer:
         self.last_checkpoint, self.last_checkpoint_step = checkpoint, self.step
         self.reporter.event(
             f"Resumed from the checkpoint of step {self.step}",
-            data={"event": "resumed", "step": self.step, "path": self._reported_path(checkpoint)},
+            data={"event": "resumed", "step": self.step, "path": self.checkpoints.reported_path(checkpoint)},
         )
 
     def _restore_optimizer(self, checkpoint: Path) -> None:
-        set_optimizer_state_dict(
-            self.model,
-            self.optimizer,
-            ckpt.read_optimizer_state(checkpoint),
-            options=FULL_STATE_ON_EVERY_RANK,
-        )
-
-
-# ------------------------------------------------------------------------------------------------ entry point
-
-
-def _wait_for_error_file(output_dir: str) -> None:
-    deadline = time.monotonic() + ERROR_FILE_WAIT_S
-    while time.monotonic() < deadline and not (Path(output_dir) / ERROR_FILENAME).exists():
-        time.sleep(0.1)
-
-
-def run(config: TrainConfig) -> int:
-    """Train as one rank of the job; returns the process exit status. Rank 0 writes the outcome file."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    dist_info = init_distributed()
-    output_dir = Path(config.output_dir)
-    if dist_info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        for stale in OUTCOME_FILENAMES:
-            (output_dir / stale).unlink(missing_ok=True)
-    barrier()
-
-    reporter: Reporter | None = None
-    failure: tuple[ErrorCode, str] | None = None
-    try:
-        reporter = make_reporter(config.database_url, config.job_id, dist_info.is_main)
-        result = Trainer(config, dist_info, reporter).train()
-        if dist_info.is_main:
-            write_result(output_dir, result)
-    except JobStopped as stopped:
-        if dist_info.is_main:
-            write_stopped(output_dir, stopped)
-        if reporter is not None:
-            reporter.event(str(stopped), level="warning", data={"event": "stopped", "reason": stopped.reason})
-        shutdown()
-        return EXIT_STOPPED
-    except TrainingFailure as exc:
-        failure = (exc.code, exc.message)
-    except torch.OutOfMemoryError as exc:
-        traceback.print_exc()
-        failure = (
-            ErrorCode.OUT_OF_MEMORY,
-            f"out of memory: {str(exc).splitlines()[0]}. {OUT_OF_MEMORY_HINT}",
-        )
-    except Exception as exc:
-        traceback.print_exc()
-        failure = (ErrorCode.TRAINER_ERROR, f"{type(exc).__name__}: {exc}")
-    finally:
-        if reporter is not None:
-            reporter.close()
-
-    if failure is not None:
-        code, message = failure
-        print(f"fusetune trainer (rank {dist_info.rank}) failed [{code}]: {message}", flush=True)
-        if dist_info.is_main:
-            write_error(output_dir, code, message)
-        else:
-            _wait_for_error_file(config.output_dir)
-        return EXIT_FAILED
-    shutdown()
-    return 0
+        self.checkpoints.restore_optimizer(self.model, self.optimizer, checkpoint)
