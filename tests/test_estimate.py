@@ -51,3 +51,14 @@ def test_micro_batch_follows_the_trainer_default():
         _estimate(batch_size=32).memory_breakdown["activations"]
         == _estimate().memory_breakdown["activations"]
     )
+
+
+def test_the_precision_mode_sets_the_bytes_per_parameter():
+    params = LLAMA_1B.parameter_count()
+    states = {
+        p: _estimate(precision=p).memory_breakdown["weights_grads_optimizer"] for p in ("auto", "bf16-mixed")
+    }
+    assert states["auto"] == states["bf16-mixed"] == 18 * params
+    # fp32: weight 4 + gradient 4 + two fp32 AdamW moments 8, no bf16 copy; bf16: 2 + 2 + 2 x 2, no copy.
+    assert _estimate(precision="fp32").memory_breakdown["weights_grads_optimizer"] == 16 * params
+    assert _estimate(precision="bf16").memory_breakdown["weights_grads_optimizer"] == 8 * params

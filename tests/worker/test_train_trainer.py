@@ -1,6 +1,7 @@
 """The trainer in this process (one rank, CPU): config, schedule, loss normalisation, checkpoints, failures and
 reporting to SQL."""
 
+import dataclasses
 import json
 import math
 
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import launch as launch_module
+from fusetune.worker.train import optim
 from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
 from fusetune.worker.train.data import epoch_order, rank_micro_batches
 from fusetune.worker.train.distributed import DistInfo, decoder_layers
@@ -358,6 +360,46 @@ def test_huge_learning_rate_fails_with_non_finite_loss_before_the_update(
     assert error["code"] == ErrorCode.NON_FINITE_LOSS
     assert error["message"] == raised.value.message
     assert ckpt.list_checkpoints(tmp_path / "out") == []
+
+
+class WeightRecordingReporter(RecordingReporter):
+    """Keeps the weights as they are after each reported step."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = None
+        self.weights = []
+
+    def metric(self, step, values):
+        super().metric(step, values)
+        self.weights.append([p.detach().clone() for p in self.model.parameters()])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["checked-on-host", "skipped-on-device"])
+def test_a_non_finite_step_leaves_the_weights_as_the_last_good_step_left_them(
+    model_dir, small_train_file, tmp_path, monkeypatch, fused
+):
+    if fused:
+        # Fused AdamW (what a GPU runs) skips the bad update on the device and the failure is raised when the
+        # step is read; torch's fused AdamW runs on the CPU too.
+        def fused_adamw(groups, learning_rate, device):
+            return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
+
+        entry = dataclasses.replace(optim.OPTIMIZERS["adamw"], factory=fused_adamw)
+        monkeypatch.setitem(optim.OPTIMIZERS, "adamw", entry)
+    config = make_config(model_dir, small_train_file, tmp_path, learning_rate=1e30, max_grad_norm=None)
+    reporter = WeightRecordingReporter()
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    assert optim.OPTIMIZERS["adamw"].skips_on_found_inf(trainer.optimizer) == fused
+    reporter.model = trainer.model
+    initial = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(TrainingFailure) as raised:
+        trainer.train()
+    assert raised.value.code == ErrorCode.NON_FINITE_LOSS
+    assert (trainer.step, trainer.scheduler.last_epoch) == (len(reporter.metrics), len(reporter.metrics))
+    last_good = reporter.weights[-1] if reporter.weights else initial
+    for after, before in zip(trainer.model.parameters(), last_good, strict=True):
+        torch.testing.assert_close(after.detach(), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
