@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
+from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora
+from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 from fusetune.worker.train.reporter import Reporter
@@ -45,6 +47,19 @@ def load_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise _model_not_found(model_path, "causal LM", exc) from exc
+
+
+def prepare_model(model: torch.nn.Module, config: TrainConfig, resumed: Path | None) -> torch.nn.Module:
+    """A loaded model made ready to train: no KV cache, gradient checkpointing and LoRA adapters as configured
+    (the adapters of the checkpoint a LoRA run resumes)."""
+    model.config.use_cache = False
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora is not None:
+        model = lora.apply_lora(model, config.lora)
+        if resumed is not None:
+            lora.load_adapter_weights(model, ckpt.adapter_dir(resumed))
+    return model
 
 
 def apply_kernels(model: torch.nn.Module, device: torch.device, reporter: Reporter) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import resource
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,61 @@ def non_finite_failure(train_loss: float, grad_norm: float, step_number: int) ->
         else f"the gradient norm is {grad_norm}"
     )
     return TrainingFailure(ErrorCode.NON_FINITE_LOSS, f"{what} at step {step_number}")
+
+
+ETA_WINDOW_STEPS = 20
+
+
+class StepMeter:
+    """The per-step metrics the loop reports besides the method's: learning rate, throughput, memory, MFU,
+    epoch and time left."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        world_size: int,
+        steps_per_epoch: int,
+        total_steps: int,
+        peak_flops: float | None,
+    ) -> None:
+        self.model = model
+        self.world_size = world_size
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = total_steps
+        self.peak_flops = peak_flops
+        self._recent_step_times: deque[float] = deque(maxlen=ETA_WINDOW_STEPS)
+
+    def step_values(
+        self,
+        read: dict[str, float],
+        stats: StepStats,
+        step_time: float,
+        peak_memory: tuple[float, float],
+        step: int,
+    ) -> dict[str, float]:
+        """`read` is `stats.read()`; `peak_memory` the (allocated, reserved) peaks of the step over all ranks;
+        `step` the number of steps done."""
+        self._recent_step_times.append(step_time)
+        mean_step_time = sum(self._recent_step_times) / len(self._recent_step_times)
+        tokens_per_second = read["n_input_tokens"] / step_time
+        per_device = tokens_per_second / self.world_size
+        values: dict[str, float] = {
+            "train_loss": read["train_loss"],
+            "learning_rate": stats.learning_rate,
+            "grad_norm": read["grad_norm"],
+            **{name: read[name] for name in stats.metric_names},
+            "tokens_per_second": tokens_per_second,
+            "tokens_per_second_per_device": per_device,
+            "peak_memory_allocated_bytes": peak_memory[0],
+            "peak_memory_reserved_bytes": peak_memory[1],
+            "step_time_s": step_time,
+            "epoch": step / self.steps_per_epoch,
+            "eta_s": mean_step_time * (self.total_steps - step),
+        }
+        if self.peak_flops:
+            flops_per_token = training_flops_per_token(self.model, stats.mean_padded_length)
+            values["mfu"] = per_device * flops_per_token / self.peak_flops
+        return values
 
 
 # Dense bf16 tensor-core peak FLOP/s from the vendors' spec sheets, matched by substring of the device name,

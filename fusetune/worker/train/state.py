@@ -128,6 +128,19 @@ def read_resume_state(checkpoint: Path) -> dict[str, Any]:
     return state
 
 
+def run_description(config: TrainConfig, training_rows: int) -> dict[str, Any]:
+    """What a checkpoint's data position depends on; a run may resume from it only if all of it matches."""
+    return {
+        "method": config.method.type,
+        "training_rows": training_rows,
+        "batch_size": config.batch_size,
+        "seed": config.seed,
+        "max_seq_length": config.max_seq_length,
+        "packing": config.packing,
+        "lora": config.lora is not None,
+    }
+
+
 def check_resumable(saved_run: dict[str, Any], current_run: dict[str, Any], checkpoint: Path) -> None:
     differences = [
         f"{key}={saved_run.get(key)!r} there, {value!r} now"

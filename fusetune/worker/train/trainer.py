@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +41,20 @@ from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
 from fusetune.worker.train.distributed import DistInfo, all_reduce, broadcast_object, parallelize, synchronize
 from fusetune.worker.train.evaluation import evaluate
-from fusetune.worker.train.loading import apply_kernels, load_model, load_tokenizer, report_data
+from fusetune.worker.train.loading import (
+    apply_kernels,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+    report_data,
+)
 from fusetune.worker.train.methods import METHODS
 from fusetune.worker.train.metrics import (
+    StepMeter,
     StepStats,
     non_finite_failure,
     peak_memory_bytes,
     reset_peak_memory,
-    training_flops_per_token,
 )
 from fusetune.worker.train.outcome import (
     ErrorCode,
@@ -67,12 +72,10 @@ from fusetune.worker.train.state import (
     lr_factor,
     read_resume_state,
     resume_state,
+    run_description,
 )
 
 __all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor"]
-
-ETA_WINDOW_STEPS = 20
-
 
 _STOP_CODES = {None: 0, StopRequest.PAUSE: 1, StopRequest.CANCEL: 2}  # all ranks take the largest
 
@@ -138,8 +141,13 @@ class Trainer:
         self.progress = TrainingProgress()
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_step: int | None = None
-        self._recent_step_times: deque[float] = deque(maxlen=ETA_WINDOW_STEPS)
-        self._peak_flops = self.precision.peak_flops()
+        self.meter = StepMeter(
+            self.model,
+            self.dist.world_size,
+            self.steps_per_epoch,
+            self.total_steps,
+            self.precision.peak_flops(),
+        )
         if saved_state is not None:
             self._restore_training_state(saved_state, self.resume_from[1])
 
@@ -164,19 +172,9 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         """The model in the precision's weight dtype, from the checkpoint it resumes (full weights) or the base
         model, with gradient checkpointing and LoRA adapters as configured."""
-        config = self.config
-        resumed_weights = self.resume_from is not None and config.lora is None
-        model = self._load_model(
-            str(self.resume_from[1]) if resumed_weights else config.model_path, self.precision.weight_dtype
-        )
-        model.config.use_cache = False
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if config.lora is not None:
-            model = lora.apply_lora(model, config.lora)
-            if self.resume_from is not None:
-                lora.load_adapter_weights(model, ckpt.adapter_dir(self.resume_from[1]))
-        return model
+        resumed = self.resume_from[1] if self.resume_from is not None else None
+        path = str(resumed) if resumed is not None and self.config.lora is None else self.config.model_path
+        return prepare_model(self._load_model(path, self.precision.weight_dtype), self.config, resumed)
 
     def _apply_kernels(self) -> bool:
         return self.config.kernels and apply_kernels(self.model, self.device, self.reporter)
@@ -319,14 +317,10 @@ class Trainer:
                 )
                 self._after_step(values, stats, step_time, epoch_done=epoch_done)
             else:
+                done = {"event": "epoch_done", "epoch": epoch + 1, "step": self.step}
                 self.reporter.event(
                     f"Epoch {epoch + 1}/{config.n_epochs} done at step {self.step}",
-                    data={
-                        "event": "epoch_done",
-                        "epoch": epoch + 1,
-                        "step": self.step,
-                        "train_loss": self.last_train_loss,
-                    },
+                    data={**done, "train_loss": self.last_train_loss},
                 )
                 continue
             break  # max_steps reached inside the epoch
@@ -381,42 +375,25 @@ class Trainer:
             },
         )
 
+    def _share_peaks_and_stop_request(self) -> tuple[tuple[float, float], StopRequest | None]:
+        """This step's memory peaks, max over ranks, and the stop request every rank acts on: one collective
+        (only rank 0 reads the job's status)."""
+        allocated, reserved = peak_memory_bytes(self.device)
+        reset_peak_memory(self.device)
+        stop_code = _STOP_CODES[self.reporter.stop_request()]
+        shared = all_reduce(
+            torch.tensor([allocated, reserved, stop_code], dtype=torch.long, device=self.device),
+            op=torch.distributed.ReduceOp.MAX,
+        ).tolist()
+        stop = next(request for request, code in _STOP_CODES.items() if code == shared[2])
+        return (float(shared[0]), float(shared[1])), stop
+
     def _after_step(
         self, read: dict[str, float], stats: StepStats, step_time: float, epoch_done: bool
     ) -> None:
         config = self.config
-        self._recent_step_times.append(step_time)
-        allocated, reserved = peak_memory_bytes(self.device)
-        reset_peak_memory(self.device)
-        # One collective shares the memory peaks and the stop request (only rank 0 reads the job's status).
-        shared = all_reduce(
-            torch.tensor(
-                [allocated, reserved, _STOP_CODES[self.reporter.stop_request()]],
-                dtype=torch.long,
-                device=self.device,
-            ),
-            op=torch.distributed.ReduceOp.MAX,
-        ).tolist()
-        stop = next(request for request, code in _STOP_CODES.items() if code == shared[2])
-        mean_step_time = sum(self._recent_step_times) / len(self._recent_step_times)
-        tokens_per_second = read["n_input_tokens"] / step_time
-        per_device = tokens_per_second / self.dist.world_size
-        values: dict[str, float] = {
-            "train_loss": read["train_loss"],
-            "learning_rate": stats.learning_rate,
-            "grad_norm": read["grad_norm"],
-            **{name: read[name] for name in stats.metric_names},
-            "tokens_per_second": tokens_per_second,
-            "tokens_per_second_per_device": per_device,
-            "peak_memory_allocated_bytes": float(shared[0]),
-            "peak_memory_reserved_bytes": float(shared[1]),
-            "step_time_s": step_time,
-            "epoch": self.step / self.steps_per_epoch,
-            "eta_s": mean_step_time * (self.total_steps - self.step),
-        }
-        if self._peak_flops:
-            flops_per_token = training_flops_per_token(self.model, stats.mean_padded_length)
-            values["mfu"] = per_device * flops_per_token / self._peak_flops
+        peaks, stop = self._share_peaks_and_stop_request()
+        values = self.meter.step_values(read, stats, step_time, peaks, self.step)
         evaluate_now = (
             stop != StopRequest.CANCEL
             and self.valid_data is not None
@@ -463,16 +440,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- checkpoints
 
     def _run_description(self) -> dict[str, Any]:
-        """What a checkpoint's data position depends on; a run may resume from it only if all of it matches."""
-        return {
-            "method": self.config.method.type,
-            "training_rows": len(self.train_data.sequences),
-            "batch_size": self.config.batch_size,
-            "seed": self.config.seed,
-            "max_seq_length": self.config.max_seq_length,
-            "packing": self.config.packing,
-            "lora": self.config.lora is not None,
-        }
+        return run_description(self.config, len(self.train_data.sequences))
 
     def _save_checkpoint(self, metrics: dict[str, float]) -> None:
         """Weights, tokenizer and training state of the current step; collective (every rank calls it)."""

@@ -64,7 +64,9 @@ class TrainingMethod(ABC):
 
     @abstractmethod
     def collate(self, rows: Sequence[Any], packed: bool) -> dict[str, torch.Tensor]:
-        """Rows as CPU tensors; 0-dim tensors stay on the CPU (counts the host reads without a device sync)."""
+        """Rows as CPU tensors: at least `input_ids` (its width is the padded length the MFU counts) and the
+        0-dim `n_input_tokens` (non-padding tokens, for throughput). The trainer moves the others to the device;
+        0-dim tensors stay on the CPU, so that reading them never waits for the device."""
 
     @abstractmethod
     def loss_normaliser(self, batch: dict[str, torch.Tensor]) -> int:
