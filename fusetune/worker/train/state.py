@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora
 from fusetune.worker.train.config import TrainConfig
-from fusetune.worker.train.distributed import DistInfo, all_gather_object, barrier
+from fusetune.worker.train.distributed import DistInfo, all_gather_object, barrier, broadcast_object
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 from fusetune.worker.train.reporter import Reporter
 
@@ -47,6 +47,15 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     return 1.0 - progress
+
+
+def schedule_lengths(config: TrainConfig, training_rows: int) -> tuple[int, int, int]:
+    """(steps per epoch, total steps, warmup steps) of a run over `training_rows` rows."""
+    steps_per_epoch = math.ceil(training_rows / config.batch_size)
+    total_steps = steps_per_epoch * config.n_epochs
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    return steps_per_epoch, total_steps, math.ceil(config.warmup_ratio * total_steps)
 
 
 def build_scheduler(
@@ -89,6 +98,16 @@ class TrainingProgress:
         self.batch_index = state[ckpt.RESUME_BATCH_INDEX]
         self.trained_tokens = state[ckpt.RESUME_TRAINED_TOKENS]
         self.last_train_loss = state[ckpt.RESUME_TRAIN_LOSS]
+
+
+def find_resume_point(config: TrainConfig, dist_info: DistInfo) -> tuple[int, Path] | None:
+    """The (step, folder) of the newest checkpoint to resume from, the same on every rank whatever each sees of
+    a shared folder (rank 0 looks, after removing what an interrupted save left); None to start afresh."""
+    resume_from = None
+    if dist_info.is_main:
+        ckpt.remove_incomplete(config.output_dir)
+        resume_from = ckpt.latest_resumable(config.output_dir) if config.resume else None
+    return broadcast_object(resume_from)
 
 
 def resume_state(

@@ -39,7 +39,7 @@ from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora, optim
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
-from fusetune.worker.train.distributed import DistInfo, all_reduce, broadcast_object, parallelize, synchronize
+from fusetune.worker.train.distributed import DistInfo, all_reduce, parallelize, synchronize
 from fusetune.worker.train.evaluation import evaluate
 from fusetune.worker.train.loading import (
     apply_kernels,
@@ -69,10 +69,12 @@ from fusetune.worker.train.state import (
     TrainingProgress,
     build_scheduler,
     check_resumable,
+    find_resume_point,
     lr_factor,
     read_resume_state,
     resume_state,
     run_description,
+    schedule_lengths,
 )
 
 __all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor"]
@@ -100,12 +102,7 @@ class Trainer:
             raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
         torch.manual_seed(config.seed)
 
-        resume_from = None
-        if dist_info.is_main:
-            ckpt.remove_incomplete(config.output_dir)
-            resume_from = ckpt.latest_resumable(config.output_dir) if config.resume else None
-        # Every rank must resume from the same checkpoint, whatever each sees of a shared folder.
-        self.resume_from: tuple[int, Path] | None = broadcast_object(resume_from)
+        self.resume_from: tuple[int, Path] | None = find_resume_point(config, dist_info)
         self.checkpoints = Checkpointer(config, dist_info, reporter)
 
         self.tokenizer = self._load_tokenizer()
@@ -127,11 +124,9 @@ class Trainer:
         self.model.train()
         self.train_model = self._parallelize()
 
-        self.steps_per_epoch = math.ceil(len(self.train_data.sequences) / config.batch_size)
-        self.total_steps = self.steps_per_epoch * config.n_epochs
-        if config.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.max_steps)
-        self.warmup_steps = math.ceil(config.warmup_ratio * self.total_steps)
+        self.steps_per_epoch, self.total_steps, self.warmup_steps = schedule_lengths(
+            config, len(self.train_data.sequences)
+        )
         self.optimizer_name = self.precision.mode.optimizer
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(
