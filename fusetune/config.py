@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fusetune.jobspec import DEFAULT_BASE_LEARNING_RATE
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FUSETUNE_", extra="ignore")
@@ -43,7 +45,7 @@ class Settings(BaseSettings):
     # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.
     # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front.
     gpu_memory_bytes: int | None = Field(default=None, ge=1)
-    base_learning_rate: float = Field(default=1e-4, gt=0)
+    base_learning_rate: float = Field(default=DEFAULT_BASE_LEARNING_RATE, gt=0)
     checkpoint_every_steps: int = Field(default=0, ge=0, description="0: only at the end of training")
     # How long the worker waits for a training process to exit after SIGTERM before SIGKILL.
     terminate_grace_s: float = 5.0

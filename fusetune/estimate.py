@@ -2,7 +2,9 @@
 
 Computed from the model's config.json (no weights loaded), the dataset's counts and the job's settings. The
 memory model follows what the trainer does on a GPU (precision "auto" = bf16-mixed: fp32 weights and AdamW
-state, bf16 compute under autocast, activations of one micro-batch kept for the backward). Each term is
+state, bf16 compute under autocast, activations of one micro-batch kept for the backward); the bytes of weights,
+gradients and optimizer state per parameter come from the precision mode and its optimizer
+(fusetune/worker/train/precision.py, optim.py). Each term is
 derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
 against measured peaks on a GPU is benchmarks/memory_estimate.py (results in benchmarks/results/*-estimate.*).
 """
@@ -13,12 +15,17 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Per trained parameter: fp32 weight 4 + fp32 gradient 4 + AdamW exp_avg 4 + exp_avg_sq 4, plus the bf16 copy
-# autocast makes of each weight, which the matmul keeps for the backward (the input gradient needs it).
-BYTES_PER_TRAINED_PARAM = 16
-BYTES_PER_AUTOCAST_COPY = 2
-# Per frozen parameter (LoRA's base model): the fp32 weight, and its bf16 copy kept for the backward.
-BYTES_PER_FROZEN_PARAM = 4
+from fusetune.worker.train.precision import AUTO, DTYPE_BYTES, PrecisionMode, mode_for
+
+
+def bytes_per_trained_param(mode: PrecisionMode) -> int:
+    """Weight + gradient (both in the weights' dtype) + the optimizer's state; under bf16-mixed 4 + 4 + 8."""
+    return 2 * mode.weight_bytes + mode.optimizer_state_bytes
+
+
+def bytes_per_frozen_param(mode: PrecisionMode) -> int:
+    """LoRA's base model: the weight only."""
+    return mode.weight_bytes
 
 
 # Tensors saved for the backward, bytes per token and decoder layer, with h = hidden size, q = heads x
@@ -167,27 +174,30 @@ def estimate_job(
     lora: dict | None = None,
     gradient_checkpointing: bool = False,
     distributed: str = "ddp",
+    precision: str = AUTO,
     measured_tokens_per_second: float | None = None,
 ) -> Estimate:
+    mode = mode_for(precision, on_gpu=True)
     mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, example_count)))
     training_tokens = min(token_estimate, example_count * max_seq_length) * n_epochs
     steps = n_epochs * max(1, example_count // batch_size)
     params = shape.parameter_count()
 
-    # Weights, gradients and optimizer state; FSDP shards all three over the GPUs and gathers one layer's bf16
-    # weights at a time (two in flight while the next is prefetched).
+    # Weights, gradients and optimizer state; FSDP shards all three over the GPUs and gathers one layer's
+    # weights (in the compute dtype) at a time (two in flight while the next is prefetched).
     if lora is not None:
         trained = lora_parameter_count(shape, lora.get("r", 16), lora.get("target_modules", "all-linear"))
         frozen = params
     else:
         trained, frozen = params, 0
-    # Under gradient checkpointing the forward saves nothing inside the layers, so the bf16 weight copies are
+    # A mixed mode's autocast keeps a compute-dtype copy of each weight for the backward (the input gradient
+    # needs it). Under gradient checkpointing the forward saves nothing inside the layers, so the copies are
     # made again, one layer at a time, when the backward recomputes it.
-    copy = 0 if gradient_checkpointing else BYTES_PER_AUTOCAST_COPY
-    states = trained * (BYTES_PER_TRAINED_PARAM + copy) + frozen * (BYTES_PER_FROZEN_PARAM + copy)
+    copy = 0 if gradient_checkpointing else mode.compute_copy_bytes
+    states = trained * (bytes_per_trained_param(mode) + copy) + frozen * (bytes_per_frozen_param(mode) + copy)
     if distributed == "fsdp" and n_gpus > 1:
         layer_params = (params - shape.vocab_size * shape.hidden_size) // shape.num_layers
-        states = states // n_gpus + 2 * layer_params * BYTES_PER_AUTOCAST_COPY
+        states = states // n_gpus + 2 * layer_params * DTYPE_BYTES[mode.compute_dtype]
 
     # Activations of one micro-batch (the trainer's default micro-batch; padded to its longest sequence, taken
     # as max_seq_length when examples come near it, else twice the mean).

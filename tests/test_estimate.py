@@ -70,3 +70,14 @@ def test_fused_loss_chunk_follows_the_kernel_default():
         )
         most = fused_loss_chunk_rows(tokens, shape)
         assert chosen <= most and (chosen > 0.8 * most or chosen == tokens), (tokens, hidden, vocab)
+
+
+def test_the_precision_mode_sets_the_bytes_per_parameter():
+    params = LLAMA_1B.parameter_count()
+    states = {
+        p: _estimate(precision=p).memory_breakdown["weights_grads_optimizer"] for p in ("auto", "bf16-mixed")
+    }
+    assert states["auto"] == states["bf16-mixed"] == 18 * params
+    # fp32: weight 4 + gradient 4 + two fp32 AdamW moments 8, no bf16 copy; bf16: 2 + 2 + 2 x 2, no copy.
+    assert _estimate(precision="fp32").memory_breakdown["weights_grads_optimizer"] == 16 * params
+    assert _estimate(precision="bf16").memory_breakdown["weights_grads_optimizer"] == 8 * params

@@ -6,6 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fusetune.jobspec import HyperparametersRequest, LoraSpec, MethodSpec, MethodType
+from fusetune.worker.train.methods import DEFAULT_METHOD
+
 
 class _Request(BaseModel):
     # A misspelt field is an error the user should see, not a setting silently ignored.
@@ -43,72 +46,32 @@ class FileDeleted(BaseModel):
 # ---- jobs ------------------------------------------------------------------------------------------------
 
 
-class LoraHyperparameters(_Request):
-    r: int = Field(default=16, ge=1, le=1024)
-    alpha: float = Field(default=32.0, gt=0)
-    dropout: float = Field(default=0.0, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+# The hyperparameters and their defaults are the job specification's (fusetune.jobspec), shared with the worker
+# and the trainer.
+LoraHyperparameters = LoraSpec
+Hyperparameters = HyperparametersRequest
 
 
-class Hyperparameters(_Request):
-    n_epochs: int | Literal["auto"] = "auto"
-    batch_size: int | Literal["auto"] = "auto"
-    learning_rate_multiplier: float | Literal["auto"] = "auto"
-    learning_rate: float | None = Field(default=None, gt=0, le=1, description="Overrides base x multiplier")
-    max_seq_length: int = Field(default=512, ge=16, le=131072)
-    warmup_ratio: float = Field(default=0.0, ge=0, lt=1)
-    lr_scheduler: Literal["cosine", "linear"] = "cosine"
-    kernels: bool = Field(default=True, description="Patch the model with fusetune's Triton kernels (GPU)")
-    n_gpus: int = Field(default=1, ge=1, le=64, description="Processes (GPUs) the job trains on")
-    lora: LoraHyperparameters | None = Field(
-        default=None, description="Train LoRA adapters instead of all weights"
-    )
-    merge_lora_on_save: bool = Field(default=False, description="Also save merged full weights (needs lora)")
-    gradient_checkpointing: bool = False
-    packing: bool = Field(
-        default=False,
-        description="Pack examples into rows of max_seq_length tokens (best-fit decreasing); attention stays "
-        "within each example",
-    )
-    distributed: Literal["ddp", "fsdp"] = Field(
-        default="ddp", description="fsdp shards models too big for one GPU"
-    )
-
-    @model_validator(mode="after")
-    def _merge_needs_lora(self) -> Hyperparameters:
-        if self.merge_lora_on_save and self.lora is None:
-            raise ValueError("merge_lora_on_save needs lora")
-        return self
-
-    @field_validator("n_epochs")
-    @classmethod
-    def _epochs(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 100:
-            raise ValueError("must be between 1 and 100")
-        return value
-
-    @field_validator("batch_size")
-    @classmethod
-    def _batch(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 4096:
-            raise ValueError("must be between 1 and 4096")
-        return value
-
-    @field_validator("learning_rate_multiplier")
-    @classmethod
-    def _multiplier(cls, value: float | str) -> float | str:
-        if isinstance(value, float | int) and not 0 < value <= 1000:
-            raise ValueError("must be greater than 0 and at most 1000")
-        return value
-
-
-class SupervisedMethod(_Request):
+class MethodSettings(_Request):
     hyperparameters: Hyperparameters | None = None
 
 
 class Method(_Request):
-    type: Literal["supervised"] = "supervised"
-    supervised: SupervisedMethod | None = None
+    """`method` as the OpenAI API has it: `{"type": t, t: {"hyperparameters": {...}}}`, t one of the training
+    methods of fusetune/worker/train/methods/."""
+
+    type: MethodType = DEFAULT_METHOD
+    supervised: MethodSettings | None = None
+
+    @model_validator(mode="after")
+    def _settings_under_their_type(self) -> Method:
+        for name in type(self).model_fields:
+            if name != "type" and getattr(self, name) is not None and name != self.type:
+                raise ValueError(f"method.{name} is given but method.type is '{self.type}'")
+        return self
+
+    def settings(self) -> MethodSettings | None:
+        return getattr(self, self.type, None)
 
 
 class JobCreate(_Request):
@@ -138,16 +101,22 @@ class JobCreate(_Request):
 
     @model_validator(mode="after")
     def _one_place_for_hyperparameters(self) -> JobCreate:
-        in_method = self.method and self.method.supervised and self.method.supervised.hyperparameters
-        if self.hyperparameters is not None and in_method:
-            raise ValueError("give hyperparameters either at the top level or in method.supervised, not both")
+        settings = self.method.settings() if self.method else None
+        if self.hyperparameters is not None and settings and settings.hyperparameters:
+            raise ValueError(
+                f"give hyperparameters either at the top level or in method.{self.method.type}, not both"
+            )
         return self
 
-    def resolved_hyperparameters(self) -> Hyperparameters:
+    def method_spec(self) -> MethodSpec:
+        return MethodSpec(type=self.method.type) if self.method else MethodSpec()
+
+    def requested_hyperparameters(self) -> Hyperparameters:
         if self.hyperparameters is not None:
             return self.hyperparameters
-        if self.method and self.method.supervised and self.method.supervised.hyperparameters:
-            return self.method.supervised.hyperparameters
+        settings = self.method.settings() if self.method else None
+        if settings and settings.hyperparameters:
+            return settings.hyperparameters
         return Hyperparameters()
 
 

@@ -24,6 +24,7 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
+from fusetune.jobspec import JobSpec
 from fusetune.worker.process import prepare_training_process
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.outcome import (
@@ -135,7 +136,6 @@ class JobRunner:
         return None
 
     def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:
-        hyper = job.hyperparameters
         with self.session_factory() as session:
             training = queries.get_file(session, job.training_file_id, job.tenant)
             validation = (
@@ -143,7 +143,10 @@ class JobRunner:
                 if job.validation_file_id
                 else None
             )
+        spec = JobSpec.from_row(job.hyperparameters)
         config = TrainConfig(
+            **spec.hyperparameters.training_fields(),
+            method=spec.method,
             job_id=job.id,
             database_url=self.settings.database_url,
             model_path=model_location,
@@ -151,18 +154,6 @@ class JobRunner:
             validation_file=str(self.settings.files_dir / validation.storage_name) if validation else None,
             output_dir=str(run_dir),
             seed=job.seed,
-            n_epochs=hyper["n_epochs"],
-            batch_size=hyper["batch_size"],
-            learning_rate=hyper["learning_rate"],
-            lr_scheduler=hyper.get("lr_scheduler", "cosine"),
-            warmup_ratio=hyper.get("warmup_ratio", 0.0),
-            max_seq_length=hyper.get("max_seq_length", 512),
-            kernels=hyper.get("kernels", True),
-            gradient_checkpointing=hyper.get("gradient_checkpointing", False),
-            packing=hyper.get("packing", False),
-            distributed=hyper.get("distributed", "ddp"),
-            lora=hyper.get("lora"),
-            merge_lora_on_save=hyper.get("merge_lora_on_save", False),
             checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
             checkpoint_paths_relative_to=str(self.settings.runs_dir),
         )
@@ -193,7 +184,7 @@ class JobRunner:
                 "error",
             )
         config_path = self._write_config(job, run_dir, model_location)
-        nproc = int(job.hyperparameters.get("n_gpus", 1))
+        nproc = JobSpec.from_row(job.hyperparameters).hyperparameters.n_gpus
         env = {**os.environ, **self.settings.subprocess_env(), "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         log_path = run_dir / TRAIN_LOG_FILE

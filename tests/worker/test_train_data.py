@@ -191,15 +191,27 @@ def _write(path, lines):
         ("{not json", "line 2: not valid JSON"),
         (json.dumps({"prompt": "x"}), "line 2: 'prompt' and 'completion' must both be strings"),
         (json.dumps({"question": "x"}), "line 2: expected a non-empty 'messages' list, a 'prompt'"),
-        (json.dumps({"messages": []}), "line 2: expected a non-empty 'messages' list"),
-        (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "line 2: message 0 has role 'robot'"),
-        (json.dumps({"messages": [{"role": "user", "content": 3}]}), "line 2: message 0 needs a string"),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "line 2: no assistant message"),
+        (json.dumps({"messages": []}), "line 2: 'messages' must be a non-empty list"),
+        (
+            json.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+            'line 2: messages[0].role must be one of system, user, assistant, tool (got "robot")',
+        ),
+        (
+            json.dumps({"messages": [{"role": "user", "content": 3}]}),
+            "line 2: messages[0].content must be a string",
+        ),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}]}),
+            "line 2: needs at least one assistant message",
+        ),
         (
             json.dumps({"messages": [{"role": "assistant", "content": "x", "weight": 2}]}),
-            "message 0 has weight 2",
+            "messages[0].weight must be 0 or 1 (got 2)",
         ),
-        (json.dumps({"messages": [{"role": "assistant", "content": None}]}), "message 0 needs a string"),
+        (
+            json.dumps({"messages": [{"role": "assistant", "content": None}]}),
+            "messages[0].content must be a string",
+        ),
         (json.dumps({"text": ""}), "line 2: 'text' must be a non-empty string"),
     ],
 )

@@ -13,6 +13,7 @@ import torch
 
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.launch import run
 from fusetune.worker.train.outcome import (
     EXIT_STOPPED,
     ErrorCode,
@@ -22,7 +23,7 @@ from fusetune.worker.train.outcome import (
     read_stopped,
 )
 from fusetune.worker.train.reporter import StopRequest
-from fusetune.worker.train.trainer import Trainer, run
+from fusetune.worker.train.trainer import Trainer
 from tests.worker.test_train_trainer import (
     ONE_CPU_RANK,
     RecordingReporter,
@@ -128,6 +129,41 @@ def test_resume_refuses_a_checkpoint_of_a_different_run(model_dir, train_file, t
         Trainer(config.model_copy(update={"batch_size": 16}), ONE_CPU_RANK, RecordingReporter())
     assert refused.value.code == ErrorCode.TRAINER_ERROR
     assert "batch_size=8 there, 16 now" in refused.value.message
+
+
+def _rewrite_resume_state(checkpoint, change) -> None:
+    path = checkpoint / ckpt.TRAINING_STATE_DIRNAME / ckpt.RESUME_STATE_FILENAME
+    torch.save(change(torch.load(path, weights_only=True)), path)
+
+
+def _first_format(state: dict) -> dict:
+    """resume.pt as the trainer wrote it before training methods: no format, no method state or name."""
+    old = {key: value for key, value in state.items() if key not in (ckpt.RESUME_FORMAT, ckpt.RESUME_METHOD)}
+    old[ckpt.RESUME_RUN] = {key: value for key, value in state[ckpt.RESUME_RUN].items() if key != "method"}
+    return old
+
+
+def test_a_checkpoint_of_the_first_format_resumes_and_a_newer_format_is_refused(
+    model_dir, train_file, tmp_path
+):
+    whole = RecordingReporter()
+    Trainer(make_config(model_dir, train_file, tmp_path / "whole", max_steps=3), ONE_CPU_RANK, whole).train()
+    config = make_config(model_dir, train_file, tmp_path / "old", max_steps=3)
+    with pytest.raises(JobStopped):
+        Trainer(config, ONE_CPU_RANK, RecordingReporter(stop_after_step=2, stop=StopRequest.PAUSE)).train()
+    _rewrite_resume_state(ckpt.checkpoint_path(config.output_dir, 2), _first_format)
+
+    after = RecordingReporter()
+    Trainer(config, ONE_CPU_RANK, after).train()
+    assert [step for step, _ in after.metrics] == [3]
+    torch.testing.assert_close(curve(after), curve(whole)[2:], rtol=1e-6, atol=0)
+
+    _rewrite_resume_state(
+        ckpt.checkpoint_path(config.output_dir, 3), lambda state: {**state, ckpt.RESUME_FORMAT: 99}
+    )
+    with pytest.raises(TrainingFailure) as refused:
+        Trainer(config.model_copy(update={"max_steps": 4}), ONE_CPU_RANK, RecordingReporter())
+    assert "format 99" in refused.value.message and "resume to false" in refused.value.message
 
 
 def test_an_interrupted_save_is_ignored_and_cleaned_up(model_dir, train_file, tmp_path):

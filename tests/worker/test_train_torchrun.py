@@ -36,6 +36,7 @@ def demo_config(model_dir, output_dir, **overrides) -> TrainConfig:
         validation_file=str(assets.VALID_FILE),
         output_dir=str(output_dir),
         seed=0,
+        n_epochs=1,
         batch_size=16,
         micro_batch_size=8,
         learning_rate=3e-3,

@@ -1,6 +1,7 @@
 """The trainer in this process (one rank, CPU): config, schedule, loss normalisation, checkpoints, failures and
 reporting to SQL."""
 
+import dataclasses
 import json
 import math
 
@@ -11,21 +12,24 @@ from transformers import AutoModelForCausalLM
 
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
-from fusetune.worker.train import trainer as trainer_module
+from fusetune.worker.train import launch as launch_module
+from fusetune.worker.train import optim
 from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
 from fusetune.worker.train.data import collate, epoch_order, rank_micro_batches
 from fusetune.worker.train.distributed import DistInfo, decoder_layers
+from fusetune.worker.train.launch import run
 from fusetune.worker.train.outcome import (
     EXIT_FAILED,
     EXIT_STOPPED,
     ErrorCode,
     JobStopped,
+    TrainingFailure,
     read_error,
     read_result,
     read_stopped,
 )
 from fusetune.worker.train.reporter import ConsoleReporter, NullReporter, StopRequest, parse_console_records
-from fusetune.worker.train.trainer import Trainer, lr_factor, run
+from fusetune.worker.train.trainer import Trainer, lr_factor
 
 ONE_CPU_RANK = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -50,6 +54,7 @@ def make_config(model_dir, train_file, output_dir, **overrides) -> TrainConfig:
         model_path=str(model_dir),
         training_file=str(train_file),
         output_dir=str(output_dir),
+        n_epochs=1,
         batch_size=8,
         learning_rate=3e-3,
         max_seq_length=128,
@@ -370,7 +375,7 @@ def test_huge_learning_rate_fails_with_non_finite_loss_before_the_update(
     )
     reporter = RecordingReporter()
     trainer = Trainer(config, ONE_CPU_RANK, reporter)
-    with pytest.raises(trainer_module.TrainingFailure) as raised:
+    with pytest.raises(TrainingFailure) as raised:
         trainer.train()
     assert raised.value.code == ErrorCode.NON_FINITE_LOSS
     failed_step = len(reporter.metrics) + 1
@@ -384,6 +389,46 @@ def test_huge_learning_rate_fails_with_non_finite_loss_before_the_update(
     assert error["code"] == ErrorCode.NON_FINITE_LOSS
     assert error["message"] == raised.value.message
     assert ckpt.list_checkpoints(tmp_path / "out") == []
+
+
+class WeightRecordingReporter(RecordingReporter):
+    """Keeps the weights as they are after each reported step."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = None
+        self.weights = []
+
+    def metric(self, step, values):
+        super().metric(step, values)
+        self.weights.append([p.detach().clone() for p in self.model.parameters()])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["checked-on-host", "skipped-on-device"])
+def test_a_non_finite_step_leaves_the_weights_as_the_last_good_step_left_them(
+    model_dir, small_train_file, tmp_path, monkeypatch, fused
+):
+    if fused:
+        # Fused AdamW (what a GPU runs) skips the bad update on the device and the failure is raised when the
+        # step is read; torch's fused AdamW runs on the CPU too.
+        def fused_adamw(groups, learning_rate, device):
+            return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
+
+        entry = dataclasses.replace(optim.OPTIMIZERS["adamw"], factory=fused_adamw)
+        monkeypatch.setitem(optim.OPTIMIZERS, "adamw", entry)
+    config = make_config(model_dir, small_train_file, tmp_path, learning_rate=1e30, max_grad_norm=None)
+    reporter = WeightRecordingReporter()
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    assert optim.OPTIMIZERS["adamw"].skips_on_found_inf(trainer.optimizer) == fused
+    reporter.model = trainer.model
+    initial = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(TrainingFailure) as raised:
+        trainer.train()
+    assert raised.value.code == ErrorCode.NON_FINITE_LOSS
+    assert (trainer.step, trainer.scheduler.last_epoch) == (len(reporter.metrics), len(reporter.metrics))
+    last_good = reporter.weights[-1] if reporter.weights else initial
+    for after, before in zip(trainer.model.parameters(), last_good, strict=True):
+        torch.testing.assert_close(after.detach(), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -416,7 +461,7 @@ def test_a_stop_request_ends_the_run_without_a_result(model_dir, small_train_fil
         Trainer(make_config(model_dir, small_train_file, tmp_path), ONE_CPU_RANK, reporter).train()
     assert len(reporter.metrics) == 2
 
-    monkeypatch.setattr(trainer_module, "make_reporter", lambda *args: RecordingReporter(stop_after_step=1))
+    monkeypatch.setattr(launch_module, "make_reporter", lambda *args: RecordingReporter(stop_after_step=1))
     assert run(make_config(model_dir, small_train_file, tmp_path / "out")) == EXIT_STOPPED
     assert read_result(tmp_path / "out") is None and read_error(tmp_path / "out") is None
     # torchrun reports any non-zero rank exit as its own 1: the file is what tells the worker it was a stop.

@@ -33,12 +33,11 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
 from fusetune.estimate import ModelShape, estimate_job
+from fusetune.jobspec import JobHyperparameters, JobSpec, SpecError
+from fusetune.worker.train.methods import DEFAULT_METHOD
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
-DEFAULT_EPOCHS = 3
-DEFAULT_BATCH_SIZE = 8
-DEFAULT_LR_MULTIPLIER = 1.0
 # A metrics page: a plot's worth by default, and a bound on what one request reads and serialises.
 DEFAULT_METRIC_POINTS = 1000
 MAX_METRIC_POINTS = 10_000
@@ -47,6 +46,7 @@ MAX_METRIC_POINTS = 10_000
 def to_schema(job: Job | Row) -> JobObject:
     """The API object of a job, from its ORM object or its row (same attribute names)."""
     hyper = dict(job.hyperparameters)
+    method_type = (hyper.pop("method", None) or {}).get("type", DEFAULT_METHOD)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
     return JobObject(
         id=job.id,
@@ -55,7 +55,7 @@ def to_schema(job: Job | Row) -> JobObject:
         fine_tuned_model=job.fine_tuned_model,
         finished_at=job.finished_at,
         hyperparameters=hyper,
-        method={"type": "supervised", "supervised": {"hyperparameters": public}},
+        method={"type": method_type, method_type: {"hyperparameters": public}},
         model=job.model,
         organization_id=job.tenant,
         result_files=[],
@@ -101,7 +101,9 @@ def _model_config_path(session: Session, settings: Settings, tenant: str, model:
     return path if path is not None and path.is_file() else None
 
 
-def _estimate(session: Session, settings: Settings, tenant: str, model: str, training: File, hyper: dict):
+def _estimate(
+    session: Session, settings: Settings, tenant: str, model: str, training: File, hyper: JobHyperparameters
+) -> EstimateObject | None:
     config_path = _model_config_path(session, settings, tenant, model)
     if config_path is None:
         return None
@@ -112,30 +114,22 @@ def _estimate(session: Session, settings: Settings, tenant: str, model: str, tra
     measured = queries.median_tokens_per_second(session, model)
     estimate = estimate_job(
         shape, example_count=training.example_count, token_estimate=training.token_estimate,
-        n_epochs=hyper["n_epochs"], batch_size=hyper["batch_size"], max_seq_length=hyper["max_seq_length"],
-        n_gpus=hyper["n_gpus"], fused_kernels=hyper["kernels"], lora=hyper.get("lora"),
-        gradient_checkpointing=hyper.get("gradient_checkpointing", False),
-        distributed=hyper.get("distributed", "ddp"), measured_tokens_per_second=measured,
+        n_epochs=hyper.n_epochs, batch_size=hyper.batch_size, max_seq_length=hyper.max_seq_length,
+        n_gpus=hyper.n_gpus, fused_kernels=hyper.kernels,
+        lora=hyper.lora.model_dump() if hyper.lora is not None else None,
+        gradient_checkpointing=hyper.gradient_checkpointing, distributed=hyper.distributed,
+        precision=hyper.precision, measured_tokens_per_second=measured,
     )  # fmt: skip
     capacity = settings.gpu_memory_bytes
     fits = None if capacity is None else estimate.peak_memory_bytes_per_gpu <= capacity
     return EstimateObject(model=model, gpu_memory_bytes=capacity, fits=fits, **estimate.as_dict())
 
 
-@router.post("", response_model=JobObject | EstimateObject)
-def create_job(
-    body: JobCreate,
-    session: SessionDep,
-    settings: SettingsDep,
-    tenant: TenantDep,
-    queue: QueueDep,
-    idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
-) -> JobObject | EstimateObject:
-    key = idempotency.check_key(idempotency_key)
-    request_hash = idempotency.body_hash(body.model_dump(mode="json"))
-    earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
-    if earlier is not None:
-        return to_schema(_get_job(session, earlier, tenant))
+# ---- create_job's steps, in the order it takes them ---------------------------------------------------------
+
+
+def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCreate) -> File:
+    """The files and the model exist for this tenant; returns the training file."""
     training = queries.get_file(session, body.training_file, tenant)
     if training is None:
         raise ApiError(
@@ -152,35 +146,19 @@ def create_job(
             code="file_not_found",
         )
     _check_model(session, settings, tenant, body.model)
+    return training
 
-    requested = body.resolved_hyperparameters()
-    hyper = requested.model_dump()
-    # "auto" is resolved once, here, so the job row says exactly what will run.
-    if hyper["n_epochs"] == "auto":
-        hyper["n_epochs"] = DEFAULT_EPOCHS
-    n_gpus = hyper["n_gpus"]
-    if hyper["batch_size"] == "auto":
-        # Every process gets the same number of sequences per step.
-        hyper["batch_size"] = max(1, min(DEFAULT_BATCH_SIZE, training.example_count) // n_gpus) * n_gpus
-    elif hyper["batch_size"] % n_gpus:
-        raise ApiError(
-            400,
-            f"hyperparameters.batch_size ({hyper['batch_size']}) must be a multiple of "
-            f"hyperparameters.n_gpus ({n_gpus}).",
-            param="hyperparameters.batch_size",
-        )
-    if hyper["learning_rate_multiplier"] == "auto":
-        hyper["learning_rate_multiplier"] = DEFAULT_LR_MULTIPLIER
-    if hyper["learning_rate"] is None:
-        hyper["learning_rate"] = settings.base_learning_rate * hyper["learning_rate_multiplier"]
 
-    estimate = _estimate(session, settings, tenant, body.model, training, hyper)
-    if body.dry_run:
-        if estimate is None:
-            raise ApiError(
-                400, f"No estimate for model '{body.model}': it has no local config.json.", param="model"
-            )
-        return estimate
+def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpec:
+    """ "auto" is resolved once, here, so the job row says exactly what will run."""
+    try:
+        hyper = body.requested_hyperparameters().resolve(training.example_count, settings.base_learning_rate)
+    except SpecError as exc:
+        raise ApiError(400, str(exc), param=f"hyperparameters.{exc.field}") from exc
+    return JobSpec(method=body.method_spec(), hyperparameters=hyper)
+
+
+def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
     if estimate is not None and estimate.fits is False:
         raise ApiError(
             400,
@@ -191,6 +169,12 @@ def create_job(
             code="job_too_large",
         )
 
+
+def _insert_job(
+    session: Session, tenant: str, body: JobCreate, spec: JobSpec, key: str | None, request_hash: str
+) -> tuple[Job, bool]:
+    """Adds and commits the job, its first event and the idempotency record: (the job, True), or (the earlier
+    job, False) when a concurrent request with the same Idempotency-Key committed first."""
     job = Job(
         id=new_id("ftjob-"),
         tenant=tenant,
@@ -198,7 +182,7 @@ def create_job(
         training_file_id=body.training_file,
         validation_file_id=body.validation_file,
         status=JobStatus.QUEUED,
-        hyperparameters=hyper,
+        hyperparameters=spec.to_row(),
         seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") % (2**31),
         suffix=body.suffix,
         user_metadata=body.metadata,
@@ -210,13 +194,17 @@ def create_job(
     try:
         session.commit()
     except IntegrityError:
-        # A concurrent request with the same Idempotency-Key committed first: answer with its job.
         session.rollback()
         earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
         if earlier is None:
             raise
-        return to_schema(_get_job(session, earlier, tenant))
-    # Only after the commit: a worker that receives the id must find the row.
+        return _get_job(session, earlier, tenant), False
+    return job, True
+
+
+def _enqueue(session: Session, queue, job: Job) -> None:
+    """Only after the commit: a worker that receives the id must find the row. A broker that cannot be reached
+    fails the job, so that it does not sit queued for ever."""
     try:
         queue.enqueue(job.id)
     except Exception as exc:
@@ -231,6 +219,35 @@ def create_job(
         raise ApiError(
             503, "The job queue is unavailable; the job was not started.", code="queue_unavailable"
         ) from exc
+
+
+@router.post("", response_model=JobObject | EstimateObject)
+def create_job(
+    body: JobCreate,
+    session: SessionDep,
+    settings: SettingsDep,
+    tenant: TenantDep,
+    queue: QueueDep,
+    idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
+) -> JobObject | EstimateObject:
+    key = idempotency.check_key(idempotency_key)
+    request_hash = idempotency.body_hash(body.model_dump(mode="json"))
+    earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
+    if earlier is not None:
+        return to_schema(_get_job(session, earlier, tenant))
+    training = _check_inputs(session, settings, tenant, body)
+    spec = _resolve_spec(body, training, settings)
+    estimate = _estimate(session, settings, tenant, body.model, training, spec.hyperparameters)
+    if body.dry_run:
+        if estimate is None:
+            raise ApiError(
+                400, f"No estimate for model '{body.model}': it has no local config.json.", param="model"
+            )
+        return estimate
+    _refuse_if_too_large(estimate)
+    job, created = _insert_job(session, tenant, body, spec, key, request_hash)
+    if created:
+        _enqueue(session, queue, job)
     return to_schema(job)
 
 

@@ -8,7 +8,7 @@ A checkpoint folder holds
 - the tokenizer, and `fusetune_trainer_state.json` (step, epoch, metrics) for people and tools;
 - `training_state/`: the optimizer (a full, unsharded state dict keyed by parameter name, so a run may resume
   under another world size or DDP/FSDP choice), and `resume.pt`: the LR scheduler, the data position, the
-  trained-token count and every rank's RNG states.
+  trained-token count, every rank's RNG states and the training method's state (assembled in state.py).
 
 A checkpoint is written under a temporary name and renamed when complete, so a directory named `step-<n>` is
 always a whole checkpoint, even after a crash mid-save.
@@ -49,7 +49,9 @@ RESUME_TRAINED_TOKENS = "trained_tokens"
 RESUME_TRAIN_LOSS = "train_loss"  # of the last step before the checkpoint
 RESUME_SCHEDULER = "scheduler"
 RESUME_RNG = "rng"  # one entry per rank
-RESUME_RUN = "run"  # what must match for the data position to mean the same (see Trainer._check_resumable)
+RESUME_RUN = "run"  # what must match for the data position to mean the same (see state.check_resumable)
+RESUME_METHOD = "method"  # the training method's own state
+RESUME_FORMAT = "format"  # absent in the first format (see state.read_resume_state)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

@@ -1,12 +1,7 @@
 """Training JSONL → token sequences with labels → per-rank micro-batches.
 
-Three line formats, which may be mixed in one file:
-- `{"messages": [...]}`: an OpenAI-style chat (system, user, assistant, tool). It goes through the tokenizer's
-  own chat template; the loss is on the assistant's turns only (unless `train_on_inputs`). An assistant
-  message with `"weight": 0` gets no loss either way (the weight of other roles is ignored, as OpenAI does).
-- `{"prompt": str, "completion": str}`: plain text; the loss is on the completion (and the end-of-sequence
-  token that closes it) unless `train_on_inputs`.
-- `{"text": str}`: plain text; the loss is on every token.
+The line formats and their checks belong to the training method (`methods/sft.py` for the formats below); this
+module reads a file with a method's parser and tokenizes the supervised formats.
 
 Labels are stored already shifted (`labels[i]` is the token that follows position `i`), so that a sequence's
 last position never predicts the first token of the next one when examples are packed.
@@ -24,17 +19,24 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+# The supervised example types, re-exported: they are defined with their parser in the method's module.
+from fusetune.worker.train.methods.sft import (  # noqa: F401
+    ChatExample,
+    Example,
+    PromptCompletionExample,
+    TextExample,
+    parse_example,
+)
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 IGNORE_INDEX = -100
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -56,74 +58,13 @@ class TokenizedSequence:
         return sum(label != IGNORE_INDEX for label in self.shifted_labels)
 
 
-@dataclass(frozen=True)
-class ChatExample:
-    messages: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class PromptCompletionExample:
-    prompt: str
-    completion: str
-
-
-@dataclass(frozen=True)
-class TextExample:
-    text: str
-
-
-Example = ChatExample | PromptCompletionExample | TextExample
-
-
-def _check_messages(messages: Any) -> str | None:
-    """What is wrong with a chat's `messages`, or None."""
-    if not isinstance(messages, list) or not messages:
-        return "expected a non-empty 'messages' list"
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in CHAT_ROLES:
-            return f"message {index} has role {role!r}; expected one of {sorted(CHAT_ROLES)}"
-        content = message.get("content")
-        # An assistant turn that only calls tools has no content (OpenAI sends null).
-        calls_tools = role == "assistant" and bool(message.get("tool_calls"))
-        if not isinstance(content, str) and not (calls_tools and content is None):
-            return f"message {index} needs a string 'content'"
-        if message.get("weight", 1) not in (0, 1):
-            return f"message {index} has weight {message['weight']!r}; expected 0 or 1"
-    if not any(message["role"] == "assistant" for message in messages):
-        return "no assistant message to learn from"
-    return None
-
-
-def parse_example(record: Any) -> Example:
-    """One JSONL record as an example; raises ValueError saying what is wrong with it."""
-    if isinstance(record, dict) and "messages" in record:
-        problem = _check_messages(record["messages"])
-        if problem:
-            raise ValueError(problem)
-        return ChatExample(record["messages"])
-    if isinstance(record, dict) and ("prompt" in record or "completion" in record):
-        prompt, completion = record.get("prompt"), record.get("completion")
-        if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
-            raise ValueError("'prompt' and 'completion' must both be strings, the completion non-empty")
-        return PromptCompletionExample(prompt, completion)
-    if isinstance(record, dict) and "text" in record:
-        if not isinstance(record["text"], str) or not record["text"]:
-            raise ValueError("'text' must be a non-empty string")
-        return TextExample(record["text"])
-    raise ValueError(
-        "expected a non-empty 'messages' list, a 'prompt' and a 'completion', or a 'text' (see the formats of "
-        "fusetune.worker.train.data)"
-    )
-
-
-def read_training_jsonl(path: str | Path) -> list[Example]:
-    """Every example of a training JSONL file, checked; errors name the file and the line."""
+def read_training_jsonl(path: str | Path, parse: Callable[[Any], Any] = parse_example) -> list[Any]:
+    """Every example of a training JSONL file, checked by `parse`; errors name the file and the line."""
     path = Path(path)
     name = path.name
     if not path.is_file():
         raise TrainingDataError(f"training data file not found: {path}")
-    examples: list[Example] = []
+    examples: list[Any] = []
     with path.open(encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -133,7 +74,7 @@ def read_training_jsonl(path: str | Path) -> list[Example]:
             except json.JSONDecodeError as exc:
                 raise TrainingDataError(f"{name}, line {line_number}: not valid JSON ({exc.msg})") from None
             try:
-                examples.append(parse_example(record))
+                examples.append(parse(record))
             except ValueError as exc:
                 raise TrainingDataError(f"{name}, line {line_number}: {exc}") from None
     if not examples:
