@@ -1,8 +1,9 @@
 """Up-front estimates for a job: training tokens, peak GPU memory per GPU and duration.
 
 Computed from the model's config.json (no weights loaded), the dataset's counts and the job's settings. The
-memory model follows what the trainer does on a GPU (precision "auto" = bf16-mixed: fp32 weights and AdamW
-state, bf16 compute under autocast, activations of one micro-batch kept for the backward); the bytes of weights,
+memory model follows what the trainer does on a GPU (precision "auto" = bf16-sr: bf16 weights, gradients and
+AdamW state; bf16-mixed: fp32 weights and state, bf16 compute under autocast; activations of one micro-batch
+kept for the backward); the bytes of weights,
 gradients and optimizer state per parameter come from the precision mode and its optimizer
 (fusetune/worker/train/precision.py, optim.py). Each term is
 derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
@@ -36,10 +37,16 @@ def bytes_per_frozen_param(mode: PrecisionMode) -> int:
 #   saves (2i).
 #   Hugging Face modules add the fp32 normalised rows of both norms (2 x 4h), RoPE's rotated copies of q and k
 #   (2q + 2kv, twice), and the MLP's activation output (2i).
-# With gradient checkpointing a layer keeps only its fp32 input (4h) until its backward recomputes it.
+#   fused kernels with bf16 weights (precision bf16, bf16-sr; no autocast): the MLP block is one autograd node
+#   with the residual add and its norm (fusetune.kernels.add_rms_norm_gated_mlp), which keeps the bf16 residual
+#   (2h, the next layer's input too), gate and up (2 x 2i), and rebuilds the norm output and the product in the
+#   backward; the attention block keeps its norm's output (2h), q/k/v (2q + 4kv) and its output (2q).
+# With gradient checkpointing a layer keeps only its input (4h, or 2h in bf16) until its backward recomputes it.
 # (The product and the checkpointing case were added after the first comparison with a GPU had left them out:
 # benchmarks/results/h100-estimate.md.)
-def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool) -> int:
+def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool, bf16_weights: bool) -> int:
+    if fused and bf16_weights:
+        return 4 * h + 4 * q + 4 * kv + 4 * i
     fused_bytes = 12 * h + 4 * q + 4 * kv + 6 * i
     return fused_bytes if fused else fused_bytes + 8 * h + 4 * q + 4 * kv + 2 * i
 
@@ -205,9 +212,10 @@ def estimate_job(
     micro_batch = default_micro_batch_size(sequences_per_gpu, max_seq_length)
     tokens = micro_batch * min(max_seq_length, 2 * mean_tokens)
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels)
+    bf16_weights = mode.weight_dtype == "bfloat16"
+    per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels, bf16_weights)
     if gradient_checkpointing:
-        activations = tokens * (shape.num_layers * 4 * h + per_layer)
+        activations = tokens * (shape.num_layers * (2 if bf16_weights else 4) * h + per_layer)
     else:
         activations = tokens * shape.num_layers * per_layer
     if fused_kernels:

@@ -79,8 +79,10 @@ class TrainingHyperparameters(_Spec):
     )
     precision: PrecisionName = Field(
         AUTO,
-        description="auto: bf16-mixed on GPU, fp32 on CPU; or one of the modes of "
-        "fusetune/worker/train/precision.py (fp32, bf16-mixed, bf16)",
+        description="auto: bf16-sr on GPU, fp32 on CPU; or one of the modes of "
+        "fusetune/worker/train/precision.py: fp32; bf16-mixed (fp32 weights and AdamW state, bf16 compute); "
+        "bf16 (bf16 weights and state, rounded to nearest); bf16-sr (bf16 weights and state, the update "
+        "stochastically rounded: fp32-master quality at half the memory)",
     )
     kernels: bool = Field(True, description="Patch the model with fusetune's Triton kernels (GPU)")
     gradient_checkpointing: bool = False

@@ -411,7 +411,7 @@ def test_a_non_finite_step_leaves_the_weights_as_the_last_good_step_left_them(
     if fused:
         # Fused AdamW (what a GPU runs) skips the bad update on the device and the failure is raised when the
         # step is read; torch's fused AdamW runs on the CPU too.
-        def fused_adamw(groups, learning_rate, device):
+        def fused_adamw(groups, learning_rate, device, seed):
             return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
 
         entry = dataclasses.replace(optim.OPTIMIZERS["adamw"], factory=fused_adamw)
@@ -426,6 +426,47 @@ def test_a_non_finite_step_leaves_the_weights_as_the_last_good_step_left_them(
         trainer.train()
     assert raised.value.code == ErrorCode.NON_FINITE_LOSS
     assert (trainer.step, trainer.scheduler.last_epoch) == (len(reporter.metrics), len(reporter.metrics))
+    last_good = reporter.weights[-1] if reporter.weights else initial
+    for after, before in zip(trainer.model.parameters(), last_good, strict=True):
+        torch.testing.assert_close(after.detach(), before, rtol=0, atol=0)
+
+
+def test_bf16_sr_trains_bf16_weights_with_the_stochastic_rounding_optimizer(
+    model_dir, small_train_file, tmp_path, bf16_sr_on_cpu
+):
+    from fusetune.kernels import FusedAdamW
+
+    reporter = RecordingReporter()
+    config = make_config(model_dir, small_train_file, tmp_path, precision="bf16-sr", max_steps=4)
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    assert isinstance(trainer.optimizer, FusedAdamW) and trainer.optimizer.seed == config.seed
+    initial = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    state = trainer.optimizer.state[next(trainer.model.parameters())]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    started = next(data for _, data in reporter.events if data.get("event") == "started")
+    assert (started["precision"], started["optimizer"]) == ("bf16-sr", "adamw-stochastic-rounding")
+    losses = [values["train_loss"] for _, values in reporter.metrics]
+    assert losses[-1] < losses[0]
+    moved = [
+        not torch.equal(p.detach(), before)
+        for p, before in zip(trainer.model.parameters(), initial, strict=True)
+    ]
+    assert all(moved)
+
+
+def test_bf16_sr_skips_a_non_finite_step_on_the_device(model_dir, small_train_file, tmp_path, bf16_sr_on_cpu):
+    config = make_config(
+        model_dir, small_train_file, tmp_path, precision="bf16-sr", learning_rate=1e30, max_grad_norm=None
+    )
+    reporter = WeightRecordingReporter()
+    trainer = Trainer(config, ONE_CPU_RANK, reporter)
+    reporter.model = trainer.model
+    initial = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(TrainingFailure) as raised:
+        trainer.train()
+    assert raised.value.code == ErrorCode.NON_FINITE_LOSS
     last_good = reporter.weights[-1] if reporter.weights else initial
     for after, before in zip(trainer.model.parameters(), last_good, strict=True):
         torch.testing.assert_close(after.detach(), before, rtol=0, atol=0)

@@ -196,6 +196,7 @@ class Trainer:
             learning_rate=self.config.learning_rate,
             weight_decay=self.config.weight_decay,
             device=self.device,
+            seed=self.config.seed,
         )
 
     def _autocast(self):
@@ -259,15 +260,15 @@ class Trainer:
             with self._gradient_sync(enabled=index == len(micro_batches) - 1):
                 loss_sum += self.forward_backward_step(batch, counts[0], metric_sums)
         losses = all_reduce(torch.stack([loss_sum, *(value.float() for value in metric_sums.values())]))
-        max_norm = self.config.max_grad_norm or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable_parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
-            grad_norm = grad_norm.full_tensor()
-        non_finite = ~(torch.isfinite(losses[0]) & torch.isfinite(grad_norm))
-        if not optim.skip_step_if(self.optimizer, self.optimizer_name, non_finite) and bool(non_finite):
-            raise non_finite_failure(float(losses[0]), float(grad_norm), self.step + 1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        grad_norm = optim.clip_and_step(
+            self.optimizer,
+            self.optimizer_name,
+            self._trainable_parameters(),
+            self.config.max_grad_norm or float("inf"),
+            losses[0],
+            lambda norm: non_finite_failure(float(losses[0]), float(norm), self.step + 1),
+        )
         self.optimizer.zero_grad(set_to_none=True)
         return StepStats(
             losses=losses,
