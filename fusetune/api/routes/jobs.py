@@ -46,8 +46,11 @@ MAX_METRIC_POINTS = 10_000
 def to_schema(job: Job | Row) -> JobObject:
     """The API object of a job, from its ORM object or its row (same attribute names)."""
     hyper = dict(job.hyperparameters)
-    method_type = (hyper.pop("method", None) or {}).get("type", DEFAULT_METHOD)
+    method = hyper.pop("method", None) or {}
+    method_type = method.get("type", DEFAULT_METHOD)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
+    # A method's own settings (DPO's beta, ...) are reported beside the shared hyperparameters, as OpenAI does.
+    public.update(method.get(method_type) or {})
     return JobObject(
         id=job.id,
         created_at=job.created_at,
@@ -138,7 +141,8 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
             param="training_file",
             code="file_not_found",
         )
-    if body.validation_file is not None and queries.get_file(session, body.validation_file, tenant) is None:
+    validation = queries.get_file(session, body.validation_file, tenant) if body.validation_file else None
+    if body.validation_file is not None and validation is None:
         raise ApiError(
             400,
             f"Validation file '{body.validation_file}' does not exist.",
@@ -146,6 +150,15 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
             code="file_not_found",
         )
     _check_model(session, settings, tenant, body.model)
+    method_type = body.method_spec().type
+    for param, file in (("training_file", training), ("validation_file", validation)):
+        if file is not None and file.method != method_type:
+            raise ApiError(
+                400,
+                f"File '{file.id}' holds {file.method} examples, but the job's method.type is '{method_type}'.",
+                param=param,
+                code="invalid_file_method",
+            )
     return training
 
 
@@ -155,7 +168,13 @@ def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpe
         hyper = body.requested_hyperparameters().resolve(training.example_count, settings.base_learning_rate)
     except SpecError as exc:
         raise ApiError(400, str(exc), param=f"hyperparameters.{exc.field}") from exc
-    return JobSpec(method=body.method_spec(), hyperparameters=hyper)
+    method = body.method_spec()
+    if method.type == "dpo" and hyper.packing:
+        raise ApiError(
+            400, "packing is not available with method dpo: a preference pair is one row.",
+            param="hyperparameters.packing",
+        )  # fmt: skip
+    return JobSpec(method=method, hyperparameters=hyper)
 
 
 def _refuse_if_too_large(estimate: EstimateObject | None) -> None:

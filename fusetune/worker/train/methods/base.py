@@ -33,6 +33,12 @@ class TrainingMethod(ABC):
     # ------------------------------------------------------------------------ examples (no torch needed)
 
     @classmethod
+    def recognizes(cls, record: Any) -> bool:
+        """Whether a decoded JSONL record is in this method's own line format (keys no other method's lines
+        have), so that an uploaded file can say which method it fits; the default method need not."""
+        return False
+
+    @classmethod
     @abstractmethod
     def parse_example(cls, record: Any) -> Any:
         """One decoded JSONL record as this method's example; raises ValueError saying what is wrong."""
