@@ -33,8 +33,8 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
 from fusetune.estimate import ModelShape, estimate_job
-from fusetune.jobspec import JobHyperparameters, JobSpec, SpecError
-from fusetune.worker.train.methods import DEFAULT_METHOD
+from fusetune.jobspec import JobSpec, SpecError
+from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -105,8 +105,10 @@ def _model_config_path(session: Session, settings: Settings, tenant: str, model:
 
 
 def _estimate(
-    session: Session, settings: Settings, tenant: str, model: str, training: File, hyper: JobHyperparameters
+    session: Session, settings: Settings, tenant: str, model: str, training: File, spec: JobSpec
 ) -> EstimateObject | None:
+    hyper = spec.hyperparameters
+    method = METHODS[spec.method.type]
     config_path = _model_config_path(session, settings, tenant, model)
     if config_path is None:
         return None
@@ -122,6 +124,7 @@ def _estimate(
         lora=hyper.lora.model_dump() if hyper.lora is not None else None,
         gradient_checkpointing=hyper.gradient_checkpointing, distributed=hyper.distributed,
         precision=hyper.precision, measured_tokens_per_second=measured,
+        rows_per_example=method.rows_per_example, reference_pass=method.has_reference_pass,
     )  # fmt: skip
     capacity = settings.gpu_memory_bytes
     fits = None if capacity is None else estimate.peak_memory_bytes_per_gpu <= capacity
@@ -169,9 +172,9 @@ def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpe
     except SpecError as exc:
         raise ApiError(400, str(exc), param=f"hyperparameters.{exc.field}") from exc
     method = body.method_spec()
-    if method.type == "dpo" and hyper.packing:
+    if hyper.packing and not METHODS[method.type].supports_packing:
         raise ApiError(
-            400, "packing is not available with method dpo: a preference pair is one row.",
+            400, f"packing is not available with method {method.type}.",
             param="hyperparameters.packing",
         )  # fmt: skip
     return JobSpec(method=method, hyperparameters=hyper)
@@ -256,7 +259,7 @@ def create_job(
         return to_schema(_get_job(session, earlier, tenant))
     training = _check_inputs(session, settings, tenant, body)
     spec = _resolve_spec(body, training, settings)
-    estimate = _estimate(session, settings, tenant, body.model, training, spec.hyperparameters)
+    estimate = _estimate(session, settings, tenant, body.model, training, spec)
     if body.dry_run:
         if estimate is None:
             raise ApiError(

@@ -100,6 +100,9 @@ class PreferencePair:
 class DirectPreferenceOptimization(TrainingMethod):
     type = "dpo"
     eval_sum_names = ("loss", "pairs", *METRIC_NAMES)
+    rows_per_example = 2
+    supports_packing = False
+    has_reference_pass = True
 
     @classmethod
     def recognizes(cls, record: Any) -> bool:
