@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from fusetune.worker.train.methods import DEFAULT_METHOD, METHOD_TYPES
 from fusetune.worker.train.precision import AUTO, PRECISION_NAMES
@@ -86,6 +86,11 @@ class MethodSpec(_Spec):
             if values.get("dpo") is not None and values.get("type") != "dpo":
                 raise ValueError(f"method.dpo is given but method.type is '{values.get('type')}'")
         return values
+
+    @model_serializer(mode="wrap")
+    def _without_absent_settings(self, handler: Any) -> dict[str, Any]:
+        # A method without settings is stored and reported as {"type": ...} alone.
+        return {key: value for key, value in handler(self).items() if key == "type" or value is not None}
 
 
 class TrainingHyperparameters(_Spec):
