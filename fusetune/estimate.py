@@ -183,10 +183,16 @@ def estimate_job(
     distributed: str = "ddp",
     precision: str = AUTO,
     measured_tokens_per_second: float | None = None,
+    rows_per_example: int = 1,
+    reference_pass: bool = False,
 ) -> Estimate:
+    """`rows_per_example`: sequences the trainer makes of one example (2 for a preference pair, which counts
+    as one of `batch_size`); `reference_pass`: one forward over the data before training (DPO's reference)."""
     mode = mode_for(precision, on_gpu=True)
-    mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, example_count)))
-    training_tokens = min(token_estimate, example_count * max_seq_length) * n_epochs
+    rows = example_count * rows_per_example
+    mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, rows)))
+    epoch_tokens = min(token_estimate, rows * max_seq_length)
+    training_tokens = epoch_tokens * n_epochs
     steps = n_epochs * max(1, example_count // batch_size)
     params = shape.parameter_count()
 
@@ -210,7 +216,7 @@ def estimate_job(
     # as max_seq_length when examples come near it, else twice the mean).
     sequences_per_gpu = max(1, batch_size // n_gpus)
     micro_batch = default_micro_batch_size(sequences_per_gpu, max_seq_length)
-    tokens = micro_batch * min(max_seq_length, 2 * mean_tokens)
+    tokens = micro_batch * rows_per_example * min(max_seq_length, 2 * mean_tokens)
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     bf16_weights = mode.weight_dtype == "bfloat16"
     per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels, bf16_weights)
@@ -224,7 +230,9 @@ def estimate_job(
         logits = tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB
     breakdown = {"weights_grads_optimizer": states, "activations": activations, "logits": logits,
                  "overhead": FIXED_OVERHEAD_BYTES}  # fmt: skip
-    duration = training_tokens / measured_tokens_per_second if measured_tokens_per_second else None
+    # A forward is about a third of a training step's compute (forward + backward).
+    timed_tokens = training_tokens + (epoch_tokens / 3 if reference_pass else 0)
+    duration = timed_tokens / measured_tokens_per_second if measured_tokens_per_second else None
     return Estimate(
         training_tokens=int(training_tokens),
         steps=steps,

@@ -7,7 +7,7 @@ trainer runs. Every default is written here once.
   `TrainingHyperparameters`, is also the base of the trainer's `TrainConfig`, so the worker hands the stored
   values to the trainer as they are.
 - `MethodSpec`: `method.type` as in the OpenAI API, one of the training methods registered in
-  `fusetune.worker.train.methods`.
+  `fusetune.worker.train.methods`, with the settings of a method that has some (`DpoSpec` for "dpo").
 
 The names a job may choose for `method.type` and `precision` come from the tables of the training package
 (`methods.METHODS`, `precision.PRECISIONS`), which import no torch; adding an entry there offers it here.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from fusetune.worker.train.methods import DEFAULT_METHOD, METHOD_TYPES
 from fusetune.worker.train.precision import AUTO, PRECISION_NAMES
@@ -28,6 +28,9 @@ DEFAULT_BATCH_SIZE = 8
 DEFAULT_LEARNING_RATE_MULTIPLIER = 1.0
 # The learning rate a multiplier of 1 means (FUSETUNE_BASE_LEARNING_RATE overrides it on a server).
 DEFAULT_BASE_LEARNING_RATE = 1e-4
+# DPO's temperature when "auto": the value of the DPO paper and of OpenAI's API.
+DEFAULT_DPO_BETA = 0.1
+DPO_SETTINGS = ("beta", "loss_type", "sft_weight")
 
 MethodType = Literal[METHOD_TYPES]  # type: ignore[valid-type]
 PrecisionName = Literal[PRECISION_NAMES]  # type: ignore[valid-type]
@@ -56,11 +59,38 @@ class LoraSpec(_Spec):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
 
 
+class DpoSpec(_Spec):
+    """Direct preference optimisation (fusetune/worker/train/methods/dpo.py)."""
+
+    # How far the policy may move from the reference: larger keeps it closer (OpenAI allows up to 2).
+    beta: float = Field(DEFAULT_DPO_BETA, gt=0, le=2)
+    # "sigmoid": DPO's -log sigmoid(beta * margin); "ipo": IPO's squared loss on length-normalised log-ratios.
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    # Weight of a supervised term, the preferred output's per-token negative log-likelihood (0: none).
+    sft_weight: float = Field(0.0, ge=0, le=100)
+
+
 class MethodSpec(_Spec):
-    """Which training method a job runs (fusetune/worker/train/methods/); a method's own settings join it
-    when the method needs some."""
+    """Which training method a job runs (fusetune/worker/train/methods/), with the settings of a method that
+    has some under its own name, as the OpenAI API nests them."""
 
     type: MethodType = DEFAULT_METHOD
+    dpo: DpoSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _settings_of_the_method(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            if values.get("type") == "dpo" and values.get("dpo") is None:
+                values = {**values, "dpo": {}}
+            if values.get("dpo") is not None and values.get("type") != "dpo":
+                raise ValueError(f"method.dpo is given but method.type is '{values.get('type')}'")
+        return values
+
+    @model_serializer(mode="wrap")
+    def _without_absent_settings(self, handler: Any) -> dict[str, Any]:
+        # A method without settings is stored and reported as {"type": ...} alone.
+        return {key: value for key, value in handler(self).items() if key == "type" or value is not None}
 
 
 class TrainingHyperparameters(_Spec):
@@ -150,7 +180,7 @@ class HyperparametersRequest(JobHyperparameters):
     def resolve(self, example_count: int, base_learning_rate: float) -> JobHyperparameters:
         """Every "auto" decided, so that the job row says exactly what will run. Raises SpecError for a
         combination no trainer can run."""
-        values = self.model_dump()
+        values = self.model_dump(include=set(JobHyperparameters.model_fields))
         if values["n_epochs"] == "auto":
             values["n_epochs"] = DEFAULT_N_EPOCHS
         n_gpus = values["n_gpus"]
@@ -170,6 +200,26 @@ class HyperparametersRequest(JobHyperparameters):
         return JobHyperparameters(**values)
 
 
+class DpoHyperparametersRequest(HyperparametersRequest):
+    """`method.dpo.hyperparameters`: the usual ones plus DPO's (OpenAI's `beta`; fusetune's `loss_type`,
+    `sft_weight`)."""
+
+    beta: float | Literal["auto"] = "auto"
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    sft_weight: float = Field(0.0, ge=0, le=100)
+
+    @field_validator("beta")
+    @classmethod
+    def _beta(cls, value: float | str) -> float | str:
+        if isinstance(value, float | int) and not 0 < value <= 2:
+            raise ValueError("must be greater than 0 and at most 2")
+        return value
+
+    def dpo_spec(self) -> DpoSpec:
+        beta = DEFAULT_DPO_BETA if self.beta == "auto" else self.beta
+        return DpoSpec(beta=beta, loss_type=self.loss_type, sft_weight=self.sft_weight)
+
+
 class JobSpec(_Spec):
     """A job's method and hyperparameters, as its row stores them (the method under the "method" key of the
     row's `hyperparameters` column; rows from before methods existed are supervised)."""
@@ -178,7 +228,8 @@ class JobSpec(_Spec):
     hyperparameters: JobHyperparameters = JobHyperparameters()
 
     def to_row(self) -> dict[str, Any]:
-        return {**self.hyperparameters.model_dump(mode="json"), "method": self.method.model_dump(mode="json")}
+        method = self.method.model_dump(mode="json", exclude_none=True)
+        return {**self.hyperparameters.model_dump(mode="json"), "method": method}
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> JobSpec:

@@ -118,7 +118,7 @@ def test_names_come_from_the_method_and_precision_tables():
         assert JobHyperparameters(precision=name).precision == name
     with pytest.raises(ValidationError, match="precision"):
         JobHyperparameters(precision="fp8")
-    assert set(METHODS) == {"supervised"}
+    assert set(METHODS) == {"supervised", "dpo"}
     # A row stored before methods and precision were part of the job: supervised, precision auto.
     old_row = {
         "n_epochs": 2,

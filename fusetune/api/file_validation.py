@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
+from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS, method_of_record
 
 MAX_REPORTED_ERRORS = 20
 # A rough count for estimates before tokenisation: about four characters per token in English text.
@@ -24,6 +24,7 @@ class FileReport:
     token_estimate: int = 0
     errors: list[str] = field(default_factory=list)
     more_errors: int = 0
+    method: str = DEFAULT_METHOD  # whose line format the file is in: that of its first example
 
     def add_error(self, line_number: int, problem: str) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
@@ -38,9 +39,10 @@ class FileReport:
         return text
 
 
-def validate_chat_jsonl(stream: BinaryIO, method_type: str = DEFAULT_METHOD) -> FileReport:
-    """Reads the whole stream once, line by line, and reports every problem up to a limit."""
-    method = METHODS[method_type]
+def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
+    """Reads the whole stream once, line by line, and reports every problem up to a limit. The file's method
+    is the one whose line format its first JSON line is in; every line must be in that format."""
+    method = None
     report = FileReport()
     for line_number, raw in enumerate(stream, start=1):
         if not raw.strip():
@@ -54,6 +56,16 @@ def validate_chat_jsonl(stream: BinaryIO, method_type: str = DEFAULT_METHOD) -> 
             example = json.loads(text)
         except json.JSONDecodeError as exc:
             report.add_error(line_number, f"not valid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        if method is None:
+            report.method = method_of_record(example)
+            method = METHODS[report.method]
+        elif method_of_record(example) != report.method:
+            report.add_error(
+                line_number,
+                f"a {method_of_record(example)} example in a file of {report.method} examples (its first "
+                "line's format); one file holds one method's examples",
+            )
             continue
         try:
             parsed = method.parse_example(example)

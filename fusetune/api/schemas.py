@@ -6,7 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fusetune.jobspec import HyperparametersRequest, LoraSpec, MethodSpec, MethodType
+from fusetune.jobspec import (
+    DpoHyperparametersRequest,
+    DpoSpec,
+    HyperparametersRequest,
+    LoraSpec,
+    MethodSpec,
+    MethodType,
+)
 from fusetune.worker.train.methods import DEFAULT_METHOD
 
 
@@ -29,6 +36,8 @@ class FileObject(BaseModel):
     status_details: str | None = None
     example_count: int = 0
     token_estimate: int = 0
+    # The training method (`method.type` of a job) whose examples the file holds.
+    method: str = DEFAULT_METHOD
 
 
 class FileList(BaseModel):
@@ -56,12 +65,17 @@ class MethodSettings(_Request):
     hyperparameters: Hyperparameters | None = None
 
 
+class DpoMethodSettings(_Request):
+    hyperparameters: DpoHyperparametersRequest | None = None
+
+
 class Method(_Request):
     """`method` as the OpenAI API has it: `{"type": t, t: {"hyperparameters": {...}}}`, t one of the training
     methods of fusetune/worker/train/methods/."""
 
     type: MethodType = DEFAULT_METHOD
     supervised: MethodSettings | None = None
+    dpo: DpoMethodSettings | None = None
 
     @model_validator(mode="after")
     def _settings_under_their_type(self) -> Method:
@@ -109,7 +123,12 @@ class JobCreate(_Request):
         return self
 
     def method_spec(self) -> MethodSpec:
-        return MethodSpec(type=self.method.type) if self.method else MethodSpec()
+        if self.method is None:
+            return MethodSpec()
+        settings = self.method.settings()
+        if isinstance(settings, DpoMethodSettings) and settings.hyperparameters is not None:
+            return MethodSpec(type=self.method.type, dpo=settings.hyperparameters.dpo_spec())
+        return MethodSpec(type=self.method.type, dpo=DpoSpec() if self.method.type == "dpo" else None)
 
     def requested_hyperparameters(self) -> Hyperparameters:
         if self.hyperparameters is not None:

@@ -39,6 +39,7 @@ class _Kernels:
         self.fused_linear_cross_entropy = importlib.import_module(
             "fusetune.kernels.fused_linear_cross_entropy"
         )
+        self.sequence_log_probs = importlib.import_module("fusetune.kernels.sequence_log_probs")
 
 
 kernels = _Kernels()
@@ -314,6 +315,10 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
     (`num_items_in_batch`, `shift_labels`, `ignore_index`), `logits_to_keep` and the family's final logit
     soft-capping; the output has `logits=None`. In eval, without labels, or when `lm_head` is not an
     nn.Linear (a LoRA-wrapped head), the original HF forward runs unchanged.
+
+    `sequence_log_probs=True` (fusetune's own keyword; in training and in eval, with labels) returns in
+    `loss` each row's sum of log-probabilities of its labelled tokens, [batch], through
+    `fusetune.kernels.sequence_log_probs` (what preference losses need), still without the logits.
     """
     softcap_attribute = spec.logit_softcap_config_attribute
 
@@ -330,7 +335,12 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> Any:
-        if not (self.training and labels is not None and isinstance(self.lm_head, nn.Linear)):
+        per_sequence = bool(kwargs.pop("sequence_log_probs", False))
+        if not (
+            (self.training or per_sequence) and labels is not None and isinstance(self.lm_head, nn.Linear)
+        ):
+            if per_sequence:
+                raise ValueError("sequence_log_probs=True needs labels and an nn.Linear lm_head")
             return original_forward(
                 self,
                 input_ids=input_ids,
@@ -368,6 +378,7 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
         if shift_labels is None:
             # Same shift as HF: position t predicts token t + 1, the last position predicts nothing.
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        per_sequence_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
         shift_labels = shift_labels.reshape(-1).to(hidden_states.device)
         if shift_labels.shape[0] != hidden_states.shape[0]:
@@ -387,16 +398,27 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             # the gradients back to the fp32 weights); the kernel itself then runs with autocast off.
             hidden_states, weight = hidden_states.to(autocast_dtype), weight.to(autocast_dtype)
             bias = bias.to(autocast_dtype) if bias is not None else None
+        softcap = getattr(self.config, softcap_attribute, None) if softcap_attribute else None
         with torch.autocast(device_type, enabled=False) if autocast_dtype else contextlib.nullcontext():
-            loss = kernels.fused_linear_cross_entropy.fused_linear_cross_entropy(
-                hidden_states,
-                weight,
-                shift_labels,
-                bias=bias,
-                ignore_index=ignore_index,
-                num_items_in_batch=num_items_in_batch,
-                softcap=getattr(self.config, softcap_attribute, None) if softcap_attribute else None,
-            )
+            if per_sequence:
+                loss = kernels.sequence_log_probs.sequence_log_probs(
+                    hidden_states.view(per_sequence_shape),
+                    weight,
+                    shift_labels.view(per_sequence_shape[:-1]),
+                    bias,
+                    ignore_index=ignore_index,
+                    softcap=softcap,
+                )
+            else:
+                loss = kernels.fused_linear_cross_entropy.fused_linear_cross_entropy(
+                    hidden_states,
+                    weight,
+                    shift_labels,
+                    bias=bias,
+                    ignore_index=ignore_index,
+                    num_items_in_batch=num_items_in_batch,
+                    softcap=softcap,
+                )
 
         if spec.router_aux_loss:
             output = _moe_output(self, spec, loss, outputs, attention_mask, kwargs["output_router_logits"])
@@ -410,7 +432,18 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             )
         return output if return_dict else output.to_tuple()
 
+    forward.fusetune_fused_loss = True  # type: ignore[attr-defined]
     return forward
+
+
+def has_fused_loss(model: nn.Module) -> bool:
+    """Whether `model` (or the model inside a PEFT or DDP wrapper) runs the fused CausalLM forward above with
+    a plain nn.Linear output layer, so that it takes `sequence_log_probs=True`."""
+    from fusetune.models.patching import unwrap_model
+
+    base = unwrap_model(getattr(model, "module", model))
+    head = getattr(base, "lm_head", None)
+    return getattr(type(base).forward, "fusetune_fused_loss", False) and isinstance(head, nn.Linear)
 
 
 def _moe_output(

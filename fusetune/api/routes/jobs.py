@@ -33,8 +33,8 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
 from fusetune.estimate import ModelShape, estimate_job
-from fusetune.jobspec import JobHyperparameters, JobSpec, SpecError
-from fusetune.worker.train.methods import DEFAULT_METHOD
+from fusetune.jobspec import JobSpec, SpecError
+from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -46,8 +46,11 @@ MAX_METRIC_POINTS = 10_000
 def to_schema(job: Job | Row) -> JobObject:
     """The API object of a job, from its ORM object or its row (same attribute names)."""
     hyper = dict(job.hyperparameters)
-    method_type = (hyper.pop("method", None) or {}).get("type", DEFAULT_METHOD)
+    method = hyper.pop("method", None) or {}
+    method_type = method.get("type", DEFAULT_METHOD)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
+    # A method's own settings (DPO's beta, ...) are reported beside the shared hyperparameters, as OpenAI does.
+    public.update(method.get(method_type) or {})
     return JobObject(
         id=job.id,
         created_at=job.created_at,
@@ -102,8 +105,10 @@ def _model_config_path(session: Session, settings: Settings, tenant: str, model:
 
 
 def _estimate(
-    session: Session, settings: Settings, tenant: str, model: str, training: File, hyper: JobHyperparameters
+    session: Session, settings: Settings, tenant: str, model: str, training: File, spec: JobSpec
 ) -> EstimateObject | None:
+    hyper = spec.hyperparameters
+    method = METHODS[spec.method.type]
     config_path = _model_config_path(session, settings, tenant, model)
     if config_path is None:
         return None
@@ -119,6 +124,7 @@ def _estimate(
         lora=hyper.lora.model_dump() if hyper.lora is not None else None,
         gradient_checkpointing=hyper.gradient_checkpointing, distributed=hyper.distributed,
         precision=hyper.precision, measured_tokens_per_second=measured,
+        rows_per_example=method.rows_per_example, reference_pass=method.has_reference_pass,
     )  # fmt: skip
     capacity = settings.gpu_memory_bytes
     fits = None if capacity is None else estimate.peak_memory_bytes_per_gpu <= capacity
@@ -138,7 +144,8 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
             param="training_file",
             code="file_not_found",
         )
-    if body.validation_file is not None and queries.get_file(session, body.validation_file, tenant) is None:
+    validation = queries.get_file(session, body.validation_file, tenant) if body.validation_file else None
+    if body.validation_file is not None and validation is None:
         raise ApiError(
             400,
             f"Validation file '{body.validation_file}' does not exist.",
@@ -146,6 +153,15 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
             code="file_not_found",
         )
     _check_model(session, settings, tenant, body.model)
+    method_type = body.method_spec().type
+    for param, file in (("training_file", training), ("validation_file", validation)):
+        if file is not None and file.method != method_type:
+            raise ApiError(
+                400,
+                f"File '{file.id}' holds {file.method} examples, but the job's method.type is '{method_type}'.",
+                param=param,
+                code="invalid_file_method",
+            )
     return training
 
 
@@ -155,7 +171,13 @@ def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpe
         hyper = body.requested_hyperparameters().resolve(training.example_count, settings.base_learning_rate)
     except SpecError as exc:
         raise ApiError(400, str(exc), param=f"hyperparameters.{exc.field}") from exc
-    return JobSpec(method=body.method_spec(), hyperparameters=hyper)
+    method = body.method_spec()
+    if hyper.packing and not METHODS[method.type].supports_packing:
+        raise ApiError(
+            400, f"packing is not available with method {method.type}.",
+            param="hyperparameters.packing",
+        )  # fmt: skip
+    return JobSpec(method=method, hyperparameters=hyper)
 
 
 def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
@@ -237,7 +259,7 @@ def create_job(
         return to_schema(_get_job(session, earlier, tenant))
     training = _check_inputs(session, settings, tenant, body)
     spec = _resolve_spec(body, training, settings)
-    estimate = _estimate(session, settings, tenant, body.model, training, spec.hyperparameters)
+    estimate = _estimate(session, settings, tenant, body.model, training, spec)
     if body.dry_run:
         if estimate is None:
             raise ApiError(

@@ -29,8 +29,19 @@ class TrainingMethod(ABC):
     type: ClassVar[str]
     # What `eval_sums` returns, in order.
     eval_sum_names: ClassVar[tuple[str, ...]]
+    # For the API's checks and estimate: sequences the method makes of one example (a row of the run counts
+    # as one of `batch_size`), whether rows may be packed, whether `before_training` passes over the data.
+    rows_per_example: ClassVar[int] = 1
+    supports_packing: ClassVar[bool] = True
+    has_reference_pass: ClassVar[bool] = False
 
     # ------------------------------------------------------------------------ examples (no torch needed)
+
+    @classmethod
+    def recognizes(cls, record: Any) -> bool:
+        """Whether a decoded JSONL record is in this method's own line format (keys no other method's lines
+        have), so that an uploaded file can say which method it fits; the default method need not."""
+        return False
 
     @classmethod
     @abstractmethod

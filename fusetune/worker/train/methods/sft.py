@@ -50,7 +50,7 @@ class TextExample:
 Example = ChatExample | PromptCompletionExample | TextExample
 
 
-def _check_messages(messages: Any) -> str | None:
+def check_messages(messages: Any, needs_assistant: bool = True) -> str | None:
     """What is wrong with a chat's `messages`, or None."""
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list"
@@ -69,7 +69,7 @@ def _check_messages(messages: Any) -> str | None:
             return f"messages[{index}].content must be a string"
         if message.get("weight", 1) not in (0, 1):
             return f"messages[{index}].weight must be 0 or 1 (got {json.dumps(message['weight'])})"
-    if not any(message["role"] == "assistant" for message in messages):
+    if needs_assistant and not any(message["role"] == "assistant" for message in messages):
         return "needs at least one assistant message to learn from"
     return None
 
@@ -79,7 +79,7 @@ def parse_example(record: Any) -> Example:
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object with 'messages', 'prompt' and 'completion', or 'text'")
     if "messages" in record:
-        problem = _check_messages(record["messages"])
+        problem = check_messages(record["messages"])
         if problem:
             raise ValueError(problem)
         return ChatExample(record["messages"])
