@@ -238,7 +238,7 @@ def test_throughput_metrics_count_padding_and_trained_tokens(model_dir, small_tr
     started = next(data for _, data in reporter.events if data.get("event") == "started")
     assert "mfu_peak_flops" in started and started["mfu_peak_flops"] is None  # no GPU, no peak
     # The same steps (two micro-batches of 4 rows, each padded to its longest row), counted here from their rows.
-    rows, lengths = trainer.train_data.sequences, trainer.train_data.lengths
+    rows, lengths = trainer.train_data.sequences, trainer.row_lengths
     order = epoch_order(len(rows), trainer.steps_per_epoch, 8, seed=0, epoch=0, lengths=lengths)
     for step, values in reporter.metrics:
         step_rows = [rows[i] for i in order[(step - 1) * 8 : step * 8]]

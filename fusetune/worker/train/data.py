@@ -201,10 +201,6 @@ class LoadedData:
     n_truncated: int
     n_dropped: int  # examples with no trained token left after truncation
 
-    @property
-    def lengths(self) -> list[int]:
-        return [len(sequence.input_ids) for sequence in self.sequences]
-
 
 def load_sequences(
     path: str | Path,

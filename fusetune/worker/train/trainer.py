@@ -111,6 +111,7 @@ class Trainer:
         )
         self.method = METHODS[config.method.type](config, self.tokenizer, self.pad_token_id)
         self.train_data = self._load_data(config.training_file, packing=config.packing)
+        self.row_lengths = [self.method.row_length(row) for row in self.train_data.sequences]
         self.valid_data = (
             self._load_data(config.validation_file, packing=False) if config.validation_file else None
         )
@@ -291,7 +292,7 @@ class Trainer:
                 config.batch_size,
                 config.seed,
                 epoch,
-                lengths=self.train_data.lengths,
+                lengths=self.row_lengths,
             )
             first_batch = start_batch if epoch == start_epoch else 0
             for batch_index in range(first_batch, self.steps_per_epoch):

@@ -64,6 +64,10 @@ class TrainingMethod(ABC):
     def load_data(self, path: str, packing: bool) -> LoadedData:
         """A training or validation file as rows (`LoadedData.sequences`), checked, tokenized, truncated."""
 
+    def row_length(self, row: Any) -> int:
+        """Tokens of one row, by which batches are grouped so that a micro-batch needs little padding."""
+        return len(row.input_ids)
+
     def micro_batches(
         self, global_batch: Sequence[int], micro_batch_size: int, rank: int, world_size: int
     ) -> list[list[int]]:

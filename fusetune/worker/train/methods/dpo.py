@@ -104,6 +104,10 @@ class DirectPreferenceOptimization(TrainingMethod):
     supports_packing = False
     has_reference_pass = True
 
+    def row_length(self, row: PreferencePair) -> int:
+        # Both sides are padded to the longer of the micro-batch's rows.
+        return 2 * max(len(row.chosen.input_ids), len(row.rejected.input_ids))
+
     @classmethod
     def recognizes(cls, record: Any) -> bool:
         return isinstance(record, dict) and any(key in record for key in ("input", *OUTPUT_KEYS))
