@@ -127,6 +127,7 @@ class Estimate:
     training_tokens: int
     steps: int
     parameters: int
+    micro_batch_size: int  # sequences per forward on one GPU (examples, for a method of paired rows)
     peak_memory_bytes_per_gpu: int
     memory_breakdown: dict[str, int]
     tokens_per_second: float | None
@@ -185,9 +186,13 @@ def estimate_job(
     measured_tokens_per_second: float | None = None,
     rows_per_example: int = 1,
     reference_pass: bool = False,
+    micro_batch_size: int | None = None,
+    padded_length: int | None = None,
 ) -> Estimate:
     """`rows_per_example`: sequences the trainer makes of one example (2 for a preference pair, which counts
-    as one of `batch_size`); `reference_pass`: one forward over the data before training (DPO's reference)."""
+    as one of `batch_size`); `reference_pass`: one forward over the data before training (DPO's reference).
+    `micro_batch_size`: default the trainer's default; `padded_length`: tokens of a padded row when the data
+    is known (its longest row), else max_seq_length when examples come near it and twice the mean if not."""
     mode = mode_for(precision, on_gpu=True)
     rows = example_count * rows_per_example
     mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, rows)))
@@ -215,8 +220,9 @@ def estimate_job(
     # Activations of one micro-batch (the trainer's default micro-batch; padded to its longest sequence, taken
     # as max_seq_length when examples come near it, else twice the mean).
     sequences_per_gpu = max(1, batch_size // n_gpus)
-    micro_batch = default_micro_batch_size(sequences_per_gpu, max_seq_length)
-    tokens = micro_batch * rows_per_example * min(max_seq_length, 2 * mean_tokens)
+    micro_batch = micro_batch_size or default_micro_batch_size(sequences_per_gpu, max_seq_length)
+    row_tokens = padded_length or min(max_seq_length, 2 * mean_tokens)
+    tokens = micro_batch * rows_per_example * row_tokens
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     bf16_weights = mode.weight_dtype == "bfloat16"
     per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels, bf16_weights)
@@ -237,6 +243,7 @@ def estimate_job(
         training_tokens=int(training_tokens),
         steps=steps,
         parameters=params,
+        micro_batch_size=micro_batch,
         peak_memory_bytes_per_gpu=int(sum(breakdown.values())),
         memory_breakdown=breakdown,
         tokens_per_second=measured_tokens_per_second,
@@ -245,3 +252,58 @@ def estimate_job(
         if measured_tokens_per_second
         else "no earlier job of this model on this server",
     )
+
+
+# What may make a job fit that does not, tried one at a time by `fit_micro_batch`.
+_REMEDIES: tuple[tuple[str, dict], ...] = (
+    ("kernels on", {"fused_kernels": True}),
+    ("gradient_checkpointing on", {"gradient_checkpointing": True}),
+    ("LoRA (r=16)", {"lora": {"r": 16, "target_modules": "all-linear"}}),
+)
+
+
+@dataclass(frozen=True)
+class MicroBatchFit:
+    """The estimate at the largest micro-batch that fits (or at 1 when none does), and, when none does, what
+    would make the job fit at micro-batch 1 with its peak."""
+
+    estimate: Estimate
+    fits: bool
+    remedies: dict[str, int]
+
+    def refusal(self, memory_bytes: int) -> str:
+        return too_large_message(self.estimate.peak_memory_bytes_per_gpu, memory_bytes, self.remedies)
+
+
+def too_large_message(peak_bytes: int, memory_bytes: int, remedies: dict[str, int] | None) -> str:
+    """Why a job does not fit one GPU, and what would make it fit."""
+    text = (
+        f"The job needs about {peak_bytes / 2**30:.1f} GiB per GPU even at micro_batch_size 1, more than the "
+        f"{memory_bytes / 2**30:.1f} GiB a GPU has for it."
+    )
+    if remedies:
+        options = ", ".join(f"{name} ({peak / 2**30:.1f} GiB)" for name, peak in remedies.items())
+        return f"{text} It would fit with: {options}."
+    return f"{text} Use a smaller max_seq_length, FSDP over more GPUs, or a smaller model."
+
+
+def fit_micro_batch(shape: ModelShape, memory_bytes: int, **job) -> MicroBatchFit:
+    """The largest micro-batch (a divisor of the sequences per GPU) whose estimated peak fits `memory_bytes`;
+    `job` holds `estimate_job`'s keyword arguments. Larger micro-batches need fewer accumulation steps, and
+    fewer, larger matmuls run closer to the GPU's peak."""
+    sequences_per_gpu = max(1, job["batch_size"] // job["n_gpus"])
+    for micro in sorted(
+        (d for d in range(1, sequences_per_gpu + 1) if sequences_per_gpu % d == 0), reverse=True
+    ):
+        estimate = estimate_job(shape, **{**job, "micro_batch_size": micro})
+        if estimate.peak_memory_bytes_per_gpu <= memory_bytes:
+            return MicroBatchFit(estimate, True, {})
+    remedies = {}
+    for name, change in _REMEDIES:
+        changed = {**job, **change, "micro_batch_size": 1}
+        if all(job.get(key) == value for key, value in change.items()):
+            continue  # already so
+        peak = estimate_job(shape, **changed).peak_memory_bytes_per_gpu
+        if peak <= memory_bytes:
+            remedies[name] = peak
+    return MicroBatchFit(estimate, False, remedies)

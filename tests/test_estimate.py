@@ -94,3 +94,30 @@ def test_bf16_weights_with_the_fused_mlp_keep_fewer_activations():
     assert pure == 8 * 2048 * 16 * (4 * 2048 + 4 * 2048 + 4 * 512 + 4 * 8192)
     assert pure < 0.65 * mixed
     assert _estimate(precision="bf16-sr", fused_kernels=False).memory_breakdown["activations"] > mixed
+
+
+def test_micro_batch_is_the_largest_that_fits_and_a_job_too_large_says_what_would_fit():
+    from fusetune.estimate import fit_micro_batch
+
+    job = {"example_count": 64, "token_estimate": 64 * 2048, "n_epochs": 1, "batch_size": 8,
+           "max_seq_length": 2048, "n_gpus": 1, "fused_kernels": False, "precision": "bf16-mixed"}  # fmt: skip
+    peaks = {
+        m: estimate_job(LLAMA_1B, **job, micro_batch_size=m).peak_memory_bytes_per_gpu for m in (1, 2, 4, 8)
+    }
+    assert peaks[1] < peaks[2] < peaks[4] < peaks[8]
+    # Room for micro-batches of 2 but not 4: 2 it is, the rest of the batch by accumulation.
+    fit = fit_micro_batch(LLAMA_1B, (peaks[2] + peaks[4]) // 2, **job)
+    assert (
+        fit.fits and fit.estimate.micro_batch_size == 2 and fit.estimate.peak_memory_bytes_per_gpu == peaks[2]
+    )
+    assert fit_micro_batch(LLAMA_1B, peaks[8], **job).estimate.micro_batch_size == 8
+    # Not even one sequence fits: refused, with the changes that would fit and their peaks.
+    kernels_on = estimate_job(LLAMA_1B, **{**job, "fused_kernels": True}, micro_batch_size=1)
+    fit = fit_micro_batch(LLAMA_1B, kernels_on.peak_memory_bytes_per_gpu, **job)
+    assert not fit.fits and fit.estimate.micro_batch_size == 1
+    assert fit.remedies["kernels on"] == kernels_on.peak_memory_bytes_per_gpu
+    assert set(fit.remedies) == {"kernels on", "gradient_checkpointing on", "LoRA (r=16)"}
+    assert all(peak <= kernels_on.peak_memory_bytes_per_gpu for peak in fit.remedies.values())
+    message = fit.refusal(kernels_on.peak_memory_bytes_per_gpu)
+    assert "even at micro_batch_size 1" in message and "kernels on" in message
+    assert not fit_micro_batch(LLAMA_1B, 2**30, **job).remedies  # nothing helps on 1 GiB

@@ -249,10 +249,19 @@ class EstimateObject(BaseModel):
     training_tokens: int
     steps: int
     parameters: int
+    micro_batch_size: int = Field(
+        description="sequences per forward on one GPU: the largest that fits gpu_memory_bytes when the server "
+        "knows it (the worker decides again from the memory free when the job starts)"
+    )
     peak_memory_bytes_per_gpu: int
     memory_breakdown: dict[str, int]
     gpu_memory_bytes: int | None
     fits: bool | None
+    remedies: dict[str, int] | None = Field(
+        default=None,
+        description="when the job does not fit even at micro_batch_size 1: the changes that would make it fit "
+        "(kernels on, gradient_checkpointing on, LoRA), each with its peak bytes per GPU",
+    )
     tokens_per_second: float | None
     duration_s: float | None
     throughput_source: str

@@ -32,7 +32,7 @@ from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
-from fusetune.estimate import ModelShape, estimate_job
+from fusetune.estimate import ModelShape, estimate_job, fit_micro_batch, too_large_message
 from fusetune.jobspec import JobSpec, SpecError
 from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
 
@@ -116,19 +116,25 @@ def _estimate(
         shape = ModelShape.from_config_file(config_path)
     except (KeyError, ValueError, TypeError):
         return None
-    measured = queries.median_tokens_per_second(session, model)
-    estimate = estimate_job(
-        shape, example_count=training.example_count, token_estimate=training.token_estimate,
+    job = dict(
+        example_count=training.example_count, token_estimate=training.token_estimate,
         n_epochs=hyper.n_epochs, batch_size=hyper.batch_size, max_seq_length=hyper.max_seq_length,
         n_gpus=hyper.n_gpus, fused_kernels=hyper.kernels,
         lora=hyper.lora.model_dump() if hyper.lora is not None else None,
         gradient_checkpointing=hyper.gradient_checkpointing, distributed=hyper.distributed,
-        precision=hyper.precision, measured_tokens_per_second=measured,
+        precision=hyper.precision, measured_tokens_per_second=queries.median_tokens_per_second(session, model),
         rows_per_example=method.rows_per_example, reference_pass=method.has_reference_pass,
     )  # fmt: skip
     capacity = settings.gpu_memory_bytes
-    fits = None if capacity is None else estimate.peak_memory_bytes_per_gpu <= capacity
-    return EstimateObject(model=model, gpu_memory_bytes=capacity, fits=fits, **estimate.as_dict())
+    if capacity is None:
+        estimate = estimate_job(shape, **job)
+        return EstimateObject(model=model, gpu_memory_bytes=None, fits=None, **estimate.as_dict())
+    # The worker sizes micro-batches to its GPU the same way when the job starts.
+    fit = fit_micro_batch(shape, capacity, **job)
+    return EstimateObject(
+        model=model, gpu_memory_bytes=capacity, fits=fit.fits, remedies=fit.remedies or None,
+        **fit.estimate.as_dict(),
+    )  # fmt: skip
 
 
 # ---- create_job's steps, in the order it takes them ---------------------------------------------------------
@@ -184,9 +190,9 @@ def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
     if estimate is not None and estimate.fits is False:
         raise ApiError(
             400,
-            f"The job needs about {estimate.peak_memory_bytes_per_gpu / 2**30:.1f} GiB per GPU, more "
-            f"than the {estimate.gpu_memory_bytes / 2**30:.1f} GiB a worker GPU has. Use a smaller "
-            "batch_size or max_seq_length, or more GPUs.",
+            too_large_message(
+                estimate.peak_memory_bytes_per_gpu, estimate.gpu_memory_bytes, estimate.remedies
+            ),
             param="hyperparameters",
             code="job_too_large",
         )

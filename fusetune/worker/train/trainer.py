@@ -64,6 +64,7 @@ from fusetune.worker.train.outcome import (
 )
 from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision
 from fusetune.worker.train.reporter import Reporter, StopRequest
+from fusetune.worker.train.sizing import fitting_micro_batch, free_memory_bytes
 from fusetune.worker.train.state import (
     Checkpointer,
     TrainingProgress,
@@ -98,6 +99,7 @@ class Trainer:
         try:
             self.precision: PrecisionPolicy = resolve_precision(config.precision, self.device, self.fsdp)
             self.micro_batch_size, self.grad_accum_steps = config.micro_batches_per_rank(dist_info.world_size)
+            self.micro_batch_reason = "as set" if config.micro_batch_size else "the default token budget"
         except ValueError as exc:
             raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
         torch.manual_seed(config.seed)
@@ -112,6 +114,8 @@ class Trainer:
         self.method = METHODS[config.method.type](config, self.tokenizer, self.pad_token_id)
         self.train_data = self._load_data(config.training_file, packing=config.packing)
         self.row_lengths = [self.method.row_length(row) for row in self.train_data.sequences]
+        if self.device.type == "cuda" and config.micro_batch_size is None:
+            self._size_micro_batches_to_the_gpu()
         self.valid_data = (
             self._load_data(config.validation_file, packing=False) if config.validation_file else None
         )
@@ -153,6 +157,21 @@ class Trainer:
     last_train_loss = property(lambda self: self.progress.last_train_loss)
 
     # ----------------------------------------------------------------------------------------------- setup
+
+    def _size_micro_batches_to_the_gpu(self) -> None:
+        free = free_memory_bytes(self.device)
+        micro = fitting_micro_batch(
+            self.config,
+            self.dist.world_size,
+            free,
+            self.row_lengths,
+            self.method.rows_per_example,
+            self.method.has_reference_pass,
+        )
+        if micro is not None:
+            self.micro_batch_size = micro
+            self.grad_accum_steps = self.config.batch_size // (micro * self.dist.world_size)
+            self.micro_batch_reason = f"the largest that fits the {free / 2**30:.1f} GiB free at start"
 
     def _load_tokenizer(self):
         return load_tokenizer(self.config.model_path)
@@ -373,6 +392,7 @@ class Trainer:
                 "total_steps": self.total_steps,
                 "start_step": self.step,
                 "micro_batch_size": self.micro_batch_size,
+                "micro_batch_reason": self.micro_batch_reason,
                 "grad_accum_steps": self.grad_accum_steps,
                 "memory_metrics": "CUDA allocator peaks of each step, max over ranks"
                 if self.device.type == "cuda"
