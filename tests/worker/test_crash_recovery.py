@@ -40,13 +40,13 @@ def _training_pids(marker: str) -> list[int]:
     return pids
 
 
-def _wait_until(predicate, timeout_s: float, what: str):
+def _wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.3)
+        time.sleep(interval_s)
     raise TimeoutError(what)
 
 
@@ -68,13 +68,26 @@ def _start_job(service, train: Path, n_epochs: int) -> str:
     return response.json()["id"]
 
 
-def _kill_worker_mid_training(service, worker, job_id: str, total_steps: int) -> None:
+def _kill_worker_mid_training(
+    service, worker, job_id: str, total_steps: int, at_first_checkpoint: bool = False
+) -> None:
+    """Freezes the job's training processes, after 3 reported steps or, with `at_first_checkpoint`, as soon as
+    its first checkpoint is whole on disk, then kills the worker with SIGKILL."""
+
     def reported_steps() -> int:
         return len(service.client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"])
 
-    _wait_until(lambda: reported_steps() >= 3, 180, "training never reported 3 steps")
-    marker = str(service.settings.runs_dir / job_id)
-    pids = _training_pids(marker)
+    run_dir = service.settings.runs_dir / job_id
+    marker = str(run_dir)
+    if at_first_checkpoint:
+        # The processes are found while the ranks still load, so that the freeze follows the checkpoint within
+        # milliseconds of it, with three epochs left to train.
+        pids = _wait_until(lambda: (found if len(found := _training_pids(marker)) >= 3 else None), 300,
+                           "the training processes never started", interval_s=0.05)  # fmt: skip
+        _wait_until(lambda: ckpt.list_checkpoints(run_dir), 300, "no checkpoint was saved", interval_s=0.005)
+    else:
+        _wait_until(lambda: reported_steps() >= 3, 180, "training never reported 3 steps")
+        pids = _training_pids(marker)
     assert len(pids) >= 3  # torchrun and two ranks
     # Frozen where they stand, the training processes cannot reach the end of the run before the kill,
     # however fast the machine; SIGKILL still ends a stopped process.
@@ -118,8 +131,9 @@ def test_killed_worker_job_is_recovered_by_another_worker(setup, tmp_path):
         run_dir = service.settings.runs_dir / job_id
         try:
             # The kill comes once a checkpoint is saved (the first epoch's end), with epochs still to train.
-            _wait_until(lambda: _checkpoint_steps(service, job_id), 300, "no checkpoint was saved")
-            _kill_worker_mid_training(service, first, job_id, total_steps=final_step)
+            _kill_worker_mid_training(
+                service, first, job_id, total_steps=final_step, at_first_checkpoint=True
+            )
             # What the training processes had saved when they froze: the newest whole checkpoint on disk.
             saved_step, _ = ckpt.latest_resumable(run_dir)
             assert saved_step < final_step and saved_step % STEPS_PER_EPOCH == 0
