@@ -46,7 +46,12 @@ class Settings(BaseSettings):
     # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front.
     gpu_memory_bytes: int | None = Field(default=None, ge=1)
     base_learning_rate: float = Field(default=DEFAULT_BASE_LEARNING_RATE, gt=0)
-    checkpoint_every_steps: int = Field(default=0, ge=0, description="0: only at the end of training")
+    # Resumable checkpoints while a job trains, so that a crash (a killed worker, a lost node) costs the steps since
+    # the last one, not the run; the last `keep_last_checkpoints` of a job are kept.
+    checkpoint_every_steps: int = Field(default=0, ge=0, description="0: no step-count checkpoints")
+    checkpoint_every_epoch: bool = True
+    checkpoint_every_minutes: float = Field(default=30.0, ge=0, description="0: no time-based checkpoints")
+    keep_last_checkpoints: int = Field(default=2, ge=1)
     # How long the worker waits for a training process to exit after SIGTERM before SIGKILL.
     terminate_grace_s: float = 5.0
     # How long a paused job's trainer may take to save its checkpoint and exit before it is stopped.
@@ -93,6 +98,9 @@ class Settings(BaseSettings):
             "FUSETUNE_NPROC_PER_JOB": str(self.nproc_per_job),
             "FUSETUNE_BASE_LEARNING_RATE": str(self.base_learning_rate),
             "FUSETUNE_CHECKPOINT_EVERY_STEPS": str(self.checkpoint_every_steps),
+            "FUSETUNE_CHECKPOINT_EVERY_EPOCH": str(self.checkpoint_every_epoch).lower(),
+            "FUSETUNE_CHECKPOINT_EVERY_MINUTES": str(self.checkpoint_every_minutes),
+            "FUSETUNE_KEEP_LAST_CHECKPOINTS": str(self.keep_last_checkpoints),
             "FUSETUNE_DEV_API_KEY": self.dev_api_key,
             "FUSETUNE_LEASE_S": str(self.lease_s),
             "FUSETUNE_REAPER_INTERVAL_S": str(self.reaper_interval_s),

@@ -29,9 +29,6 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     app.state.session_factory = make_session_factory(engine)
     app.state.reads = Reads.for_engine(engine)
     app.state.queue = queue or JobQueue(make_celery_app(settings))
-    install_error_handlers(app)
-    for module in (files, jobs, models, metrics):
-        app.include_router(module.router)
     # A registry per app, so several apps in one process (tests) don't share counters. With several API
     # processes (PROMETHEUS_MULTIPROC_DIR set, see `fusetune serve`), each writes its request metrics to files
     # there and a scrape answered by any of them reads them all.
@@ -40,6 +37,9 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         request_registry = CollectorRegistry()  # its values live in the files, not here
         multiprocess.MultiProcessCollector(app.state.metrics_registry)
+    install_error_handlers(app, request_registry)
+    for module in (files, jobs, models, metrics):
+        app.include_router(module.router)
     metrics.install_state_collector(app.state.metrics_registry, app.state.session_factory)
     app.add_middleware(RequestMetrics, registry=request_registry)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)

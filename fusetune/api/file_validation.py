@@ -3,19 +3,29 @@
 One JSON object per line, checked by the same code the trainer reads the file with: the training method's
 `parse_example` (fusetune/worker/train/methods/; the supervised formats are chat `{"messages": [...]}`,
 `{"prompt", "completion"}` and `{"text"}`). That code imports no torch.
+
+A UTF-8 byte order mark at the start of the file is allowed (Windows editors write one). Lines are parsed by
+orjson, which never recurses on the interpreter's stack, and nesting deeper than MAX_NESTING_DEPTH, numbers no
+double can hold and lone UTF-16 surrogates are refused with the line's number.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import BinaryIO
+
+import orjson
 
 from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS, method_of_record
 
 MAX_REPORTED_ERRORS = 20
 # A rough count for estimates before tokenisation: about four characters per token in English text.
 CHARS_PER_TOKEN = 4
+UTF8_BOM = b"\xef\xbb\xbf"
+# Examples nest a few levels (a tool call's arguments in a message in the list), tool schemas a few more; a line
+# nested deeper is not a training example. The limit also keeps every line within what the trainer's parser
+# reads without running out of stack.
+MAX_NESTING_DEPTH = 64
 
 
 @dataclass
@@ -39,23 +49,54 @@ class FileReport:
         return text
 
 
+def _nested_deeper_than(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels (`[]` is one level), walked without recursion."""
+    pending = [(value, 1)] if isinstance(value, dict | list) else []
+    while pending:
+        node, depth = pending.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def parse_line(raw: bytes) -> object:
+    """The JSON value of one line of a JSON Lines file; raises ValueError with a problem to show the user."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not valid UTF-8") from None
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        where = f"at column {exc.colno}"
+        if "depth" in exc.msg or "recursion" in exc.msg:
+            raise ValueError(f"nested deeper than the limit of {MAX_NESTING_DEPTH} levels") from None
+        if exc.msg.startswith("number"):
+            raise ValueError(
+                f"a number {where} is out of range: numbers must fit a 64-bit float (up to about 1.8e308)"
+            ) from None
+        raise ValueError(f"not valid JSON ({exc.msg} {where})") from None
+    if _nested_deeper_than(value, MAX_NESTING_DEPTH):
+        raise ValueError(f"nested deeper than the limit of {MAX_NESTING_DEPTH} levels")
+    return value
+
+
 def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
     """Reads the whole stream once, line by line, and reports every problem up to a limit. The file's method
     is the one whose line format its first JSON line is in; every line must be in that format."""
     method = None
     report = FileReport()
     for line_number, raw in enumerate(stream, start=1):
+        if line_number == 1:
+            raw = raw.removeprefix(UTF8_BOM)  # the trainer reads the file as utf-8-sig
         if not raw.strip():
             continue
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            report.add_error(line_number, "not valid UTF-8")
-            continue
-        try:
-            example = json.loads(text)
-        except json.JSONDecodeError as exc:
-            report.add_error(line_number, f"not valid JSON ({exc.msg} at column {exc.colno})")
+            example = parse_line(raw)
+        except ValueError as exc:
+            report.add_error(line_number, str(exc))
             continue
         if method is None:
             report.method = method_of_record(example)

@@ -155,6 +155,9 @@ class JobRunner:
             output_dir=str(run_dir),
             seed=job.seed,
             checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
+            checkpoint_every_epoch=self.settings.checkpoint_every_epoch,
+            checkpoint_every_minutes=self.settings.checkpoint_every_minutes or None,
+            keep_last_checkpoints=self.settings.keep_last_checkpoints,
             checkpoint_paths_relative_to=str(self.settings.runs_dir),
         )
         return config.write(run_dir / CONFIG_FILE)
@@ -281,8 +284,9 @@ def reap_lapsed_jobs(settings: Settings, session_factory, requeue: Callable[[str
     with session_factory() as session:
         for job in queries.lapsed_jobs(session):
             if job.attempts < settings.max_attempts:
-                if queries.requeue_job(session, job.id, worker=job.worker):
-                    queries.add_event(session, job.id, f"Worker {job.worker} stopped renewing its lease; job "
+                lost_worker = job.worker  # the requeue clears the row's worker, and the loaded job's with it
+                if queries.requeue_job(session, job.id, worker=lost_worker):
+                    queries.add_event(session, job.id, f"Worker {lost_worker} stopped renewing its lease; job "
                                       f"requeued for attempt {job.attempts + 1} of {settings.max_attempts}.",
                                       level="warning")  # fmt: skip
                     session.commit()

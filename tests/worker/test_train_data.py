@@ -425,3 +425,10 @@ def test_a_template_that_rejects_an_example_names_it(tmp_path, tokenizer):
         TrainingDataError, match="t.jsonl, example 2: the chat template failed: no system turns"
     ):
         load_sequences(path, strict, max_seq_length=64)
+
+
+def test_a_byte_order_mark_at_the_start_is_not_part_of_line_one(tmp_path):
+    # Files saved by Windows editors start with one; the upload check accepts them, so the trainer must too.
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join([json.dumps({"messages": MESSAGES})] * 2).encode())
+    assert len(read_training_jsonl(path)) == 2

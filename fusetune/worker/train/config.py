@@ -54,7 +54,13 @@ class TrainConfig(TrainingHyperparameters):
 
     # Evaluation and checkpoints (evaluation also runs at the end of every epoch when a validation file is set).
     eval_every_steps: int | None = Field(None, ge=1)
-    checkpoint_every_steps: int | None = Field(None, ge=1, description="None: only the final checkpoint")
+    # Resumable checkpoints before the final one (see checkpoint.CheckpointSchedule): a crashed run resumes from
+    # the newest. Off here by default; the service turns on every epoch and every 30 minutes (fusetune.config).
+    checkpoint_every_steps: int | None = Field(None, ge=1, description="None: no step-count checkpoints")
+    checkpoint_every_epoch: bool = False
+    checkpoint_every_minutes: float | None = Field(
+        None, gt=0, description="of training since the last checkpoint; None: no time-based checkpoints"
+    )
     keep_last_checkpoints: int = Field(2, ge=1)
     # Continue from the newest checkpoint in output_dir that holds training state (a retry, a resumed pause).
     resume: bool = True

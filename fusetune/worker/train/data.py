@@ -65,7 +65,7 @@ def read_training_jsonl(path: str | Path, parse: Callable[[Any], Any] = parse_ex
     if not path.is_file():
         raise TrainingDataError(f"training data file not found: {path}")
     examples: list[Any] = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # a byte order mark at the start is not part of line 1
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue

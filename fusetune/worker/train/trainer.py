@@ -141,6 +141,7 @@ class Trainer:
         self.progress = TrainingProgress()
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_step: int | None = None
+        self.checkpoint_schedule = ckpt.CheckpointSchedule.from_config(config)
         self.meter = StepMeter(
             self.model,
             self.dist.world_size,
@@ -400,24 +401,31 @@ class Trainer:
             },
         )
 
-    def _share_peaks_and_stop_request(self) -> tuple[tuple[float, float], StopRequest | None]:
-        """This step's memory peaks, max over ranks, and the stop request every rank acts on: one collective
-        (only rank 0 reads the job's status)."""
+    def _share_peaks_and_stop_request(
+        self, checkpoint_due: bool
+    ) -> tuple[tuple[float, float], StopRequest | None, bool]:
+        """This step's memory peaks, max over ranks, the stop request every rank acts on, and whether any rank's
+        checkpoint schedule is due (the save is collective): one collective (only rank 0 reads the job's
+        status)."""
         allocated, reserved = peak_memory_bytes(self.device)
         reset_peak_memory(self.device)
         stop_code = _STOP_CODES[self.reporter.stop_request()]
         shared = all_reduce(
-            torch.tensor([allocated, reserved, stop_code], dtype=torch.long, device=self.device),
+            torch.tensor(
+                [allocated, reserved, stop_code, checkpoint_due], dtype=torch.long, device=self.device
+            ),
             op=torch.distributed.ReduceOp.MAX,
         ).tolist()
         stop = next(request for request, code in _STOP_CODES.items() if code == shared[2])
-        return (float(shared[0]), float(shared[1])), stop
+        return (float(shared[0]), float(shared[1])), stop, bool(shared[3])
 
     def _after_step(
         self, read: dict[str, float], stats: StepStats, step_time: float, epoch_done: bool
     ) -> None:
         config = self.config
-        peaks, stop = self._share_peaks_and_stop_request()
+        peaks, stop, periodic = self._share_peaks_and_stop_request(
+            self.checkpoint_schedule.due(self.step, epoch_done)
+        )
         values = self.meter.step_values(read, stats, step_time, peaks, self.step)
         evaluate_now = (
             stop != StopRequest.CANCEL
@@ -433,13 +441,11 @@ class Trainer:
         self.reporter.metric(self.step, values)
         if stop == StopRequest.CANCEL:
             raise JobStopped("cancelled", f"stopped at step {self.step}: the job was cancelled", self.step)
-        periodic = (
-            config.checkpoint_every_steps is not None and self.step % config.checkpoint_every_steps == 0
-        )
         # The final checkpoint is saved after the loop, unless a pause needs it now.
         if (periodic and self.step < self.total_steps) or stop == StopRequest.PAUSE:
             if self.last_checkpoint_step != self.step:
                 self._save_checkpoint({k: v for k, v in values.items() if k in ("train_loss", "valid_loss")})
+                self.checkpoint_schedule.saved()
         if stop == StopRequest.PAUSE:
             raise JobStopped(
                 "paused",
