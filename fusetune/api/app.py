@@ -12,6 +12,7 @@ from fusetune.api.deps import Reads
 from fusetune.api.errors import install_error_handlers
 from fusetune.api.middleware import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, RequestMetrics
 from fusetune.api.routes import files, jobs, metrics, models
+from fusetune.api.routes.ui import install_dashboard
 from fusetune.config import Settings
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.queue import JobQueue, make_celery_app
@@ -32,6 +33,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     install_error_handlers(app)
     for module in (files, jobs, models, metrics):
         app.include_router(module.router)
+    install_dashboard(app)
     # A registry per app, so several apps in one process (tests) don't share counters. With several API
     # processes (PROMETHEUS_MULTIPROC_DIR set, see `fusetune serve`), each writes its request metrics to files
     # there and a scrape answered by any of them reads them all.
