@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "dashboard.png"
-WAIT_S = 120  # an upper bound for slow CI machines; every wait ends as soon as its condition holds
+WAIT_S = 600  # an upper bound for a busy machine; every wait ends as soon as its condition holds
+# The finished job: 3 epochs of 32 examples in batches of 8, 12 steps.
+TRAIN_EXAMPLES, EPOCHS, BATCH_SIZE = 32, 3, 8
 CHROMIUM_FLAGS = (
     "--headless",
     "--no-sandbox",
@@ -84,7 +86,7 @@ def _subset(path: Path, lines: int, target: Path) -> Path:
 
 def _create_job(service: Service, training: str, validation: str | None, **hyperparameters) -> dict:
     body = {"model": MODEL, "training_file": training, "seed": 0,
-            "hyperparameters": {"batch_size": 8, "learning_rate": 3e-3, "n_gpus": 1, **hyperparameters}}  # fmt: skip
+            "hyperparameters": {"batch_size": BATCH_SIZE, "learning_rate": 3e-3, "n_gpus": 1, **hyperparameters}}  # fmt: skip
     if validation:
         body["validation_file"] = validation
     response = service.client.post("/v1/fine_tuning/jobs", json=body)
@@ -109,9 +111,10 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
     (data_dir / "models").mkdir(parents=True)
     build_tiny_model(data_dir / "models" / MODEL)
     with running_service(data_dir) as service:
-        training = service.upload(_subset(TRAIN_FILE, 64, root / "train.jsonl")).json()["id"]
-        validation = service.upload(_subset(VALID_FILE, 16, root / "valid.jsonl")).json()["id"]
-        finished = service.wait_for_job(_create_job(service, training, validation, n_epochs=3)["id"])
+        training = service.upload(_subset(TRAIN_FILE, TRAIN_EXAMPLES, root / "train.jsonl")).json()["id"]
+        validation = service.upload(_subset(VALID_FILE, 8, root / "valid.jsonl")).json()["id"]
+        finished = _create_job(service, training, validation, n_epochs=EPOCHS)
+        finished = service.wait_for_job(finished["id"], timeout_s=WAIT_S)
         assert finished["status"] == "succeeded", finished
         # The worker takes one job at a time, so this one starts once the first is done. 100 epochs of the whole
         # demo set (6,400 steps) cannot finish before the last test cancels it.
@@ -240,7 +243,7 @@ def test_finished_job_page_plots_every_step_and_downloads_a_checkpoint(dashboard
     service, job = demo.service, demo.finished
     browser.get(f"{service.base_url}/ui/#/jobs/{job['id']}")
     metrics = service.client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics").json()["data"]
-    assert len(metrics) == 3 * 64 // 8
+    assert len(metrics) == EPOCHS * TRAIN_EXAMPLES // BATCH_SIZE
     steps = [point["step"] for point in metrics]
     _wait_for(lambda: _chart_steps(browser) == steps, "one plotted point per reported step")
     plotted_loss = browser.execute_script(
@@ -256,7 +259,7 @@ def test_finished_job_page_plots_every_step_and_downloads_a_checkpoint(dashboard
     assert "Training started" in events and "Step 1:" not in events  # per-step metrics events are left out
     assert [b.is_enabled() for b in browser.find_elements(By.CSS_SELECTOR, ".actions button")] == [False] * 3
 
-    # The metrics module follows has_more pages; with 5 points a page it needs 5 requests for 24 steps.
+    # The metrics module follows has_more pages: 5 points a page, 3 requests for 12 steps.
     paged = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
         "import(arguments[1]).then(api => api.fetchMetricsFrom(arguments[0], 0, 5))"

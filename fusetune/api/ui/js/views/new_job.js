@@ -102,7 +102,10 @@ export function render(main) {
     } catch (error) {
       if (mine !== generation) return;
       replaceChildren(estimatePanel, errorBox(error.message));
-      if (!(error instanceof ApiError) || error.status >= 500 || error.param !== "model") return;
+      if (!(error instanceof ApiError) || error.status >= 500 || error.param !== "model") {
+        requestedFor = null; // the next change asks again
+        return;
+      }
     }
     // A model without a local config gets no estimate but may still be trained; anything else wrong with the
     // request is shown above and would be refused the same way on creation.
@@ -125,7 +128,12 @@ export function render(main) {
       row("Throughput", e.tokens_per_second ? `${formatCount(Math.round(e.tokens_per_second))} tokens/s (${e.throughput_source})` : e.throughput_source)));
   }
 
+  let requestedFor = null; // the body of the latest estimate asked for
   const scheduleEstimate = () => {
+    // A blur fires "change" with nothing changed (as when the Create button is clicked): keep the estimate.
+    const text = JSON.stringify(body());
+    if (text === requestedFor) return;
+    requestedFor = text;
     submit.disabled = true;
     clearTimeout(timer);
     timer = setTimeout(estimate, ESTIMATE_DELAY_MS);
@@ -139,7 +147,7 @@ export function render(main) {
     event.preventDefault();
     const request = body();
     const text = JSON.stringify(request);
-    if (text !== estimatedFor) return scheduleEstimate();
+    if (text !== estimatedFor) return;  // the button is enabled only for the estimated body
     // A retried click sends the same key, so a slow answer never creates the job twice.
     if (idempotency.body !== text) idempotency = { body: text, key: randomKey() };
     submit.disabled = true;
