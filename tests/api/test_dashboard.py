@@ -281,7 +281,7 @@ def test_finished_job_page_plots_every_step_and_downloads_a_checkpoint(dashboard
         assert any(name.endswith("config.json") for name in tar.getnames())
     assert demo.service.api_key not in browser.page_source
 
-    browser.set_window_size(1400, 1500)
+    browser.set_window_size(1400, 1700)
     try:
         browser.execute_script("window.scrollTo(0, 0)")
         SCREENSHOT.parent.mkdir(exist_ok=True)
@@ -337,6 +337,25 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     assert service.client.post(f"/v1/fine_tuning/jobs/{created}/cancel").status_code == 200
 
 
+def test_a_failed_jobs_error_is_shown_plainly(dashboard, demo):
+    from fusetune.db import queries
+    from fusetune.db.session import make_engine, make_session_factory
+
+    service = demo.service
+    job = _create_job(service, demo.training_file, None, n_epochs=1)
+    # Failed the way the worker fails a job (it is queued behind the running one, so no worker holds it).
+    engine = make_engine(service.settings.database_url)
+    with make_session_factory(engine)() as session:
+        error = {"code": "out_of_memory", "message": "CUDA out of memory at step 3: use a smaller batch_size"}
+        assert queries.finish_job_from(session, job["id"], "queued", "failed", error=error)
+        session.commit()
+    engine.dispose()
+    dashboard.get(f"{service.base_url}/ui/#/jobs/{job['id']}")
+    shown = _element(dashboard, "#job-error .error").text
+    assert "CUDA out of memory at step 3: use a smaller batch_size" in shown and "out_of_memory" in shown
+    assert _element(dashboard, "#job-status").get_attribute("data-status") == "failed"
+
+
 def test_a_tenant_sees_only_its_own_jobs(browser, demo):
     from selenium.webdriver.common.by import By
 
@@ -352,7 +371,7 @@ def test_a_tenant_sees_only_its_own_jobs(browser, demo):
     assert demo.finished["id"] not in browser.page_source and demo.running["id"] not in browser.page_source
 
     browser.get(f"{service.base_url}/ui/#/jobs/{demo.finished['id']}")
-    assert "not found" in _element(browser, "#job-page-error .error").text.lower()
+    assert "No fine-tuning job with id" in _element(browser, "#job-page-error .error").text
     assert _chart_steps(browser) in (None, [])
     assert browser.find_elements(By.CSS_SELECTOR, "#job-checkpoints tbody tr") == []
     browser.get(f"{service.base_url}/ui/#/compare?jobs={demo.finished['id']},{demo.running['id']}")

@@ -99,7 +99,8 @@ export const METRIC_CHARTS = [
     name: "memory",
     title: "Peak memory",
     metrics: [["peak_memory_allocated_bytes", "allocated"], ["peak_memory_reserved_bytes", "reserved"]],
-    format: (v) => `${(v / 2 ** 30).toFixed(2)} GiB`,
+    // MiB below 4 GiB: a small model's peaks differ by a few MiB, which GiB with two decimals would hide.
+    format: (v) => (Math.abs(v) < 4 * 2 ** 30 ? `${(v / 2 ** 20).toFixed(0)} MiB` : `${(v / 2 ** 30).toFixed(2)} GiB`),
   },
 ];
 

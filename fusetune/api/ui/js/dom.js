@@ -75,7 +75,8 @@ export function formatNumber(value, digits = 4) {
   if (typeof value !== "number") return String(value);
   if (Number.isInteger(value)) return formatCount(value);
   const magnitude = Math.abs(value);
-  return magnitude !== 0 && (magnitude < 1e-3 || magnitude >= 1e6) ? value.toExponential(2) : value.toPrecision(digits);
+  if (magnitude !== 0 && (magnitude < 1e-3 || magnitude >= 1e6)) return value.toExponential(2);
+  return String(Number(value.toPrecision(digits))); // 0.003, not 0.003000
 }
 
 /** An error as a visible alert (role=alert, so it is announced and easy to find). */
