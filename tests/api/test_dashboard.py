@@ -65,6 +65,7 @@ def browser(tmp_path_factory) -> Iterator[Any]:
         options.add_argument(flag)
     options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
     options.add_argument("--window-size=1400,1000")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     options.add_experimental_option(
         "prefs", {"download.default_directory": str(downloads), "download.prompt_for_download": False}
     )
@@ -127,9 +128,20 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
 
 @pytest.fixture
 def dashboard(browser, demo):
-    """The browser, signed in with the demo service's key."""
+    """The browser, signed in with the demo service's key; the test fails on any script error or blocked load."""
     _sign_in(browser, demo.service, demo.service.api_key)
-    return browser
+    browser.get_log("browser")  # start from an empty console
+    yield browser
+    assert _console_errors(browser) == []
+
+
+def _console_errors(driver) -> list[str]:
+    # A refused request (401, 404) is logged by the browser itself; the page shows it, which the tests check.
+    return [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and "Failed to load resource" not in entry["message"]
+    ]
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
@@ -205,6 +217,7 @@ def _listed_jobs(driver) -> dict[str, str]:
 def test_a_wrong_key_shows_an_error_and_no_data(browser, demo):
     from selenium.webdriver.common.by import By
 
+    browser.get_log("browser")
     browser.get(f"{demo.service.base_url}/")  # the root redirects to the dashboard
     assert browser.current_url.endswith("/ui/")
     browser.execute_script("window.sessionStorage.clear()")
@@ -218,6 +231,7 @@ def test_a_wrong_key_shows_an_error_and_no_data(browser, demo):
     assert demo.finished["id"] not in browser.page_source
     assert browser.execute_script("return window.sessionStorage.length") == 0
     assert "sk-not-a-key" not in browser.current_url
+    assert _console_errors(browser) == []
 
 
 def test_jobs_list_shows_the_finished_and_the_running_job_with_filters(dashboard, demo):
@@ -365,6 +379,7 @@ def test_a_tenant_sees_only_its_own_jobs(browser, demo):
         env=service_env(service.settings), capture_output=True, text=True, check=True,
     )  # fmt: skip
     bob_key = created.stdout.strip().split("\t")[-1]
+    browser.get_log("browser")
     _sign_in(browser, service, bob_key)
     _element(browser, "#jobs-empty")
     assert _listed_jobs(browser) == {}
@@ -377,6 +392,7 @@ def test_a_tenant_sees_only_its_own_jobs(browser, demo):
     browser.get(f"{service.base_url}/ui/#/compare?jobs={demo.finished['id']},{demo.running['id']}")
     _element(browser, "#compare-error .error")
     assert _chart_steps(browser) == []
+    assert _console_errors(browser) == []
 
 
 def test_running_job_chart_grows_and_cancel_works_from_the_page(dashboard, demo):
