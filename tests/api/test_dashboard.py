@@ -319,7 +319,7 @@ def test_compare_view_overlays_the_jobs(dashboard, demo):
     assert finished in rows and running in rows
 
 
-def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo):
+def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo, tmp_path):
     browser = dashboard
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -329,6 +329,13 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     file = service.client.get(f"/v1/files/{demo.training_file}").json()
     row = _element(browser, f"#files-table tr[data-file-id='{demo.training_file}']").text
     assert f"{file['example_count']:,}" in row and f"{file['token_estimate']:,}" in row and "valid" in row
+    # An upload that fails the check shows the server's line-numbered problems and adds no file.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(TRAIN_FILE.read_text().splitlines()[0] + "\n{not json\n")
+    browser.find_element(By.ID, "upload-file").send_keys(str(bad))
+    browser.find_element(By.CSS_SELECTOR, "#upload-form button[type=submit]").click()
+    assert "line 2: not valid JSON" in _element(browser, "#upload-result .error").text
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#files-table tbody tr")) == 3
 
     browser.get(f"{service.base_url}/ui/#/new")
     _wait_for(lambda: Select(_element(browser, "#training_file")).options, "the file choices")

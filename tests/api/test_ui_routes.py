@@ -35,6 +35,7 @@ def test_root_and_ui_redirect_to_the_dashboard(settings):
         .startswith(("text/javascript", "application/javascript"))
     )
     assert "/ui" not in client.get("/openapi.json").json()["paths"]
+    assert 'route="/ui/{path:path}",status="200"' in client.get("/metrics").text
 
 
 def test_every_file_the_pages_load_exists_and_is_package_data():

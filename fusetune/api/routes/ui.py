@@ -28,7 +28,12 @@ router = APIRouter(include_in_schema=False)
 
 
 class DashboardFiles(StaticFiles):
+    # The request metrics label a request with its route's template, read from scope["route"].path.
+    path = f"{UI_PATH}/{{path:path}}"
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["route"] = self
+
         async def send_with_headers(message):
             if message["type"] == "http.response.start":
                 message.setdefault("headers", [])

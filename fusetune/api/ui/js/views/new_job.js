@@ -115,13 +115,13 @@ export function render(main) {
 
   function showEstimate(e) {
     const fits = e.fits === null ? "unknown (the server has no GPU memory size set)" : e.fits ? "yes" : "no — it would be refused";
-    const row = (name, value, id) => h("tr", {}, h("th", {}, name), h("td", id ? { id } : {}, value));
+    const row = (name, value, id, part) => h("tr", {}, h("th", part ? { class: "part" } : {}, name), h("td", id ? { id } : {}, value));
     replaceChildren(estimatePanel, h("table", { class: "data compact", dataset: { fits: String(e.fits) } },
       row("Training tokens", formatCount(e.training_tokens), "estimate-tokens"),
       row("Steps", formatCount(e.steps), "estimate-steps"),
       row("Parameters", formatCount(e.parameters)),
       row("Peak memory per GPU", formatBytes(e.peak_memory_bytes_per_gpu), "estimate-memory"),
-      Object.entries(e.memory_breakdown || {}).map(([part, bytes]) => row(`  ${part.replaceAll("_", " ")}`, formatBytes(bytes))),
+      Object.entries(e.memory_breakdown || {}).map(([part, bytes]) => row(part.replaceAll("_", " "), formatBytes(bytes), null, true)),
       row("GPU memory", e.gpu_memory_bytes ? formatBytes(e.gpu_memory_bytes) : "not set"),
       row("Fits", fits, "estimate-fits"),
       row("Time", e.duration_s !== null ? formatDuration(e.duration_s) : "unknown until this server has trained the model", "estimate-duration"),
