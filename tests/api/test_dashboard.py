@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -148,23 +149,25 @@ def _console_errors(driver) -> list[str]:
 
 
 def _wait_for(condition: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
-    import time
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        value = condition()
+        try:
+            value = condition()
+        except (NoSuchElementException, StaleElementReferenceException):
+            value = None  # the page redrew that part between finding and reading it
         if value:
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _api_steps(service: Service, job_id: str, client=None) -> list[int]:
+def _api_steps(service: Service, job_id: str) -> list[int]:
     """Every reported step of the job, read through the metrics endpoint's pages."""
-    client = client or service.client
     steps: list[int] = []
     while True:
-        page = client.get(
+        page = service.client.get(
             f"/v1/fine_tuning/jobs/{job_id}/metrics", params={"min_step": len(steps) and steps[-1] + 1}
         )
         page = page.json()
@@ -196,6 +199,16 @@ def _element(driver, selector: str):
     return _wait_for(find, f"element {selector}")
 
 
+def _text(driver, selector: str) -> str:
+    """The element's text once it exists, read in one step (the page redraws parts of itself as data arrives)."""
+    return _wait_for(
+        lambda: driver.execute_script(
+            "const e = document.querySelector(arguments[0]); return e && e.innerText;", selector
+        ),
+        f"text of {selector}",
+    )
+
+
 def _chart_steps(driver, name: str = "loss") -> list[int] | None:
     return driver.execute_script(
         "const chart = document.querySelector(`[data-chart='${arguments[0]}']`);"
@@ -224,8 +237,7 @@ def test_a_wrong_key_shows_an_error_and_no_data(browser, demo):
     browser.refresh()
     _element(browser, "#api-key").send_keys("sk-not-a-key")
     browser.find_element(By.CSS_SELECTOR, "#sign-in button[type=submit]").click()
-    error = _element(browser, "#sign-in .error")
-    assert "Invalid or revoked API key" in error.text
+    assert "Invalid or revoked API key" in _text(browser, "#sign-in .error")
     assert not browser.find_element(By.ID, "nav").is_displayed()
     assert browser.find_elements(By.CSS_SELECTOR, "#jobs-table, [data-chart]") == []
     assert demo.finished["id"] not in browser.page_source
@@ -235,12 +247,20 @@ def test_a_wrong_key_shows_an_error_and_no_data(browser, demo):
 
 
 def test_jobs_list_shows_the_finished_and_the_running_job_with_filters(dashboard, demo):
+    from selenium.webdriver.common.by import By
+
     browser = dashboard
     finished, running = demo.finished["id"], demo.running["id"]
     listed = _wait_for(lambda: (jobs := _listed_jobs(browser)) and len(jobs) >= 2 and jobs, "the jobs list")
     assert listed[finished] == "succeeded" and listed[running] == "running"
-    row = _element(browser, f"#jobs-table tr[data-job-id='{finished}']").text
+    row = _text(browser, f"#jobs-table tr[data-job-id='{finished}']")
     assert MODEL in row and "supervised" in row and f"{demo.finished['trained_tokens']:,}" in row
+    for job_id in (finished, running):
+        browser.find_element(
+            By.CSS_SELECTOR, f"#jobs-table tr[data-job-id='{job_id}'] input[type=checkbox]"
+        ).click()
+    browser.find_element(By.ID, "compare-selected").click()
+    assert browser.current_url.endswith(f"#/compare?jobs={finished},{running}")
 
     browser.get(f"{demo.service.base_url}/ui/#/jobs?status=running")
     _wait_for(lambda: _listed_jobs(browser) == {running: "running"}, "the status filter")
@@ -267,9 +287,9 @@ def test_finished_job_page_plots_every_step_and_downloads_a_checkpoint(dashboard
     for chart in ("throughput", "memory"):
         assert _chart_steps(browser, chart) == steps
     assert _element(browser, "#job-status").get_attribute("data-status") == "succeeded"
-    assert _wait_for(lambda: "fp32" in _element(browser, "#job-precision").text, "the precision")
-    assert "n_epochs" in _element(browser, "#job-hyperparameters").text
-    events = _element(browser, "#job-events").text
+    assert _wait_for(lambda: "fp32" in _text(browser, "#job-precision"), "the precision")
+    assert "n_epochs" in _text(browser, "#job-hyperparameters")
+    events = _text(browser, "#job-events")
     assert "Training started" in events and "Step 1:" not in events  # per-step metrics events are left out
     assert [b.is_enabled() for b in browser.find_elements(By.CSS_SELECTOR, ".actions button")] == [False] * 3
 
@@ -315,7 +335,7 @@ def test_compare_view_overlays_the_jobs(dashboard, demo):
         "return document.querySelector(\"[data-chart='loss']\").uplot.series.length"
     )
     assert series == 1 + 2 * 2
-    rows = _element(browser, "#compare-table tbody").text
+    rows = _text(browser, "#compare-table tbody")
     assert finished in rows and running in rows
 
 
@@ -327,14 +347,14 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     service = demo.service
     browser.get(f"{service.base_url}/ui/#/files")
     file = service.client.get(f"/v1/files/{demo.training_file}").json()
-    row = _element(browser, f"#files-table tr[data-file-id='{demo.training_file}']").text
+    row = _text(browser, f"#files-table tr[data-file-id='{demo.training_file}']")
     assert f"{file['example_count']:,}" in row and f"{file['token_estimate']:,}" in row and "valid" in row
     # An upload that fails the check shows the server's line-numbered problems and adds no file.
     bad = tmp_path / "bad.jsonl"
     bad.write_text(TRAIN_FILE.read_text().splitlines()[0] + "\n{not json\n")
     browser.find_element(By.ID, "upload-file").send_keys(str(bad))
     browser.find_element(By.CSS_SELECTOR, "#upload-form button[type=submit]").click()
-    assert "line 2: not valid JSON" in _element(browser, "#upload-result .error").text
+    assert "line 2: not valid JSON" in _text(browser, "#upload-result .error")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#files-table tbody tr")) == 3
 
     browser.get(f"{service.base_url}/ui/#/new")
@@ -345,12 +365,14 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     body = {"model": MODEL, "training_file": demo.training_file, "dry_run": True,
             "hyperparameters": {"n_epochs": 2}}  # fmt: skip
     expected = service.client.post("/v1/fine_tuning/jobs", json=body).json()
-    steps = _wait_for(lambda: browser.find_elements(By.ID, "estimate-steps"), "the estimate")[0]
-    assert steps.text == f"{expected['steps']:,}"
-    assert _element(browser, "#create-job").is_enabled()
-    epochs.send_keys("0")  # 20 epochs: the estimate shown is out of date until the new one arrives
-    _wait_for(lambda: browser.find_element(By.ID, "estimate-steps").text == f"{expected['steps'] * 10:,}",
-              "the new estimate")  # fmt: skip
+    shown = lambda: browser.find_element(By.ID, "estimate-steps").text  # noqa: E731
+    _wait_for(lambda: shown() == f"{expected['steps']:,}", "the estimate of 2 epochs")
+    assert _text(browser, "#estimate-memory").endswith(("KiB", "MiB", "GiB"))
+    _wait_for(lambda: browser.find_element(By.ID, "create-job").is_enabled(), "the enabled Create button")
+    epochs.send_keys("0")  # 20 epochs: Create waits for the new estimate
+    assert not browser.find_element(By.ID, "create-job").is_enabled()
+    _wait_for(lambda: shown() == f"{expected['steps'] * 10:,}", "the estimate of 20 epochs")
+    _wait_for(lambda: browser.find_element(By.ID, "create-job").is_enabled(), "the enabled Create button")
     browser.find_element(By.ID, "create-job").click()
     _wait_for(lambda: "#/jobs/ftjob-" in browser.current_url, "the new job's page")
     created = browser.current_url.rsplit("/", 1)[1]
@@ -358,12 +380,13 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     assert service.client.post(f"/v1/fine_tuning/jobs/{created}/cancel").status_code == 200
 
 
-def test_a_failed_jobs_error_is_shown_plainly(dashboard, demo):
+def test_a_failed_jobs_status_updates_live_and_its_error_is_shown_plainly(dashboard, demo):
     from fusetune.db import queries
     from fusetune.db.session import make_engine, make_session_factory
 
     service = demo.service
     job = _create_job(service, demo.training_file, None, n_epochs=1)
+    _wait_for(lambda: _listed_jobs(dashboard).get(job["id"]) == "queued", "the new job in the list")
     # Failed the way the worker fails a job (it is queued behind the running one, so no worker holds it).
     engine = make_engine(service.settings.database_url)
     with make_session_factory(engine)() as session:
@@ -371,8 +394,10 @@ def test_a_failed_jobs_error_is_shown_plainly(dashboard, demo):
         assert queries.finish_job_from(session, job["id"], "queued", "failed", error=error)
         session.commit()
     engine.dispose()
+    # The list shows the new status without a reload.
+    _wait_for(lambda: _listed_jobs(dashboard).get(job["id"]) == "failed", "the live status")
     dashboard.get(f"{service.base_url}/ui/#/jobs/{job['id']}")
-    shown = _element(dashboard, "#job-error .error").text
+    shown = _text(dashboard, "#job-error .error")
     assert "CUDA out of memory at step 3: use a smaller batch_size" in shown and "out_of_memory" in shown
     assert _element(dashboard, "#job-status").get_attribute("data-status") == "failed"
 
@@ -393,7 +418,7 @@ def test_a_tenant_sees_only_its_own_jobs(browser, demo):
     assert demo.finished["id"] not in browser.page_source and demo.running["id"] not in browser.page_source
 
     browser.get(f"{service.base_url}/ui/#/jobs/{demo.finished['id']}")
-    assert "No fine-tuning job with id" in _element(browser, "#job-page-error .error").text
+    assert "No fine-tuning job with id" in _text(browser, "#job-page-error .error")
     assert _chart_steps(browser) in (None, [])
     assert browser.find_elements(By.CSS_SELECTOR, "#job-checkpoints tbody tr") == []
     browser.get(f"{service.base_url}/ui/#/compare?jobs={demo.finished['id']},{demo.running['id']}")
