@@ -152,6 +152,7 @@ class JobObject(BaseModel):
     error: JobError | None = None
     fine_tuned_model: str | None = None
     finished_at: int | None = None
+    started_at: int | None = None  # fusetune: when a worker last began training it
     hyperparameters: dict[str, Any]
     method: dict[str, Any]
     model: str

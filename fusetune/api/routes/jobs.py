@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import orjson
 from fastapi import APIRouter, Header, Query, Request
@@ -41,6 +41,7 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 # A metrics page: a plot's worth by default, and a bound on what one request reads and serialises.
 DEFAULT_METRIC_POINTS = 1000
 MAX_METRIC_POINTS = 10_000
+JobStatusName = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
 
 
 def to_schema(job: Job | Row) -> JobObject:
@@ -57,6 +58,7 @@ def to_schema(job: Job | Row) -> JobObject:
         error=JobError(**job.error) if job.error else None,
         fine_tuned_model=job.fine_tuned_model,
         finished_at=job.finished_at,
+        started_at=job.started_at,
         hyperparameters=hyper,
         method={"type": method_type, method_type: {"hyperparameters": public}},
         model=job.model,
@@ -286,6 +288,8 @@ def list_jobs(
     tenant: TenantDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    status: Annotated[JobStatusName | None, Query(description="Only jobs in this status")] = None,
+    model: Annotated[str | None, Query(max_length=255, description="Only jobs of this model")] = None,
 ) -> JobList:
     """``metadata[key]=value`` query parameters keep only jobs carrying all those pairs."""
     metadata = {
@@ -293,7 +297,9 @@ def list_jobs(
         for name, value in request.query_params.multi_items()
         if name.startswith("metadata[") and name.endswith("]")
     }
-    rows, has_more = queries.list_jobs(session, tenant, after=after, limit=limit, metadata=metadata)
+    rows, has_more = queries.list_jobs(
+        session, tenant, after=after, limit=limit, metadata=metadata, status=status, model=model
+    )
     return JobList(data=[to_schema(job) for job in rows], has_more=has_more)
 
 
@@ -390,10 +396,14 @@ async def list_events(
     tenant: TenantDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    type: Annotated[
+        Literal["message", "metrics"] | None,
+        Query(description='Only events of this type ("metrics" events mirror the per-step metrics)'),
+    ] = None,
 ) -> Response:
     def read(connection: Connection) -> Response:
         _check_job(connection, job_id, tenant)
-        rows, has_more = queries.list_events(connection, job_id, after=after, limit=limit)
+        rows, has_more = queries.list_events(connection, job_id, after=after, limit=limit, type=type)
         events = [
             {"id": id_, "object": "fine_tuning.job.event", "created_at": created_at, "level": level,
              "message": message, "type": type_, "data": _stored_json(data_json)}
