@@ -7,10 +7,13 @@ import math
 import resource
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from fusetune.worker.train.distributed import all_reduce
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
+from fusetune.worker.train.reporter import Reporter, StopRequest
 
 
 @dataclass(frozen=True)
@@ -167,3 +170,64 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, int]:
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+# The stop request every rank acts on, by code: all ranks take the largest.
+_STOP_CODES = {None: 0, StopRequest.PAUSE: 1, StopRequest.CANCEL: 2}
+
+
+def share_step_state(
+    device: torch.device, reporter: Reporter, checkpoint_due: bool
+) -> tuple[tuple[float, float], StopRequest | None, bool]:
+    """This step's memory peaks, max over ranks, the stop request every rank acts on, and whether any rank's
+    checkpoint schedule is due (the save is collective): one collective (only rank 0 reads the job's status)."""
+    allocated, reserved = peak_memory_bytes(device)
+    reset_peak_memory(device)
+    stop_code = _STOP_CODES[reporter.stop_request()]
+    shared = all_reduce(
+        torch.tensor([allocated, reserved, stop_code, checkpoint_due], dtype=torch.long, device=device),
+        op=torch.distributed.ReduceOp.MAX,
+    ).tolist()
+    stop = next(request for request, code in _STOP_CODES.items() if code == shared[2])
+    return (float(shared[0]), float(shared[1])), stop, bool(shared[3])
+
+
+def run_summary(trainer: Any) -> tuple[str, dict[str, Any]]:
+    """The `started` event of a run: what runs where, in which precision, with which batches."""
+    from fusetune.worker.train import lora
+
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    trainable = trainer._trainable_parameters()
+    n_trainable = sum(p.numel() for p in trainable)
+    device, world_size = trainer.device, trainer.dist.world_size
+    message = (
+        f"Training started: {world_size} process(es) on {device.type}, "
+        f"{n_params:,} parameters ({n_trainable:,} trained), {trainer.total_steps} steps"
+    )
+    config = trainer.config
+    return message, {
+        "event": "started",
+        "world_size": world_size,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "distributed": "fsdp" if trainer.fsdp else "ddp" if world_size > 1 else "none",
+        "model_parameters": n_params,
+        "trainable_parameters": n_trainable,
+        "lora": lora.lora_summary(trainer.model, config.lora) if config.lora is not None else None,
+        "mfu_peak_flops": trainer.precision.peak_flops(),
+        "method": config.method.type,
+        "precision": trainer.precision.name,
+        "optimizer": trainer.optimizer_name,
+        "optimizer_state_dtype": str(trainable[0].dtype).removeprefix("torch."),
+        "kernels": trainer.kernels_applied,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "n_train_sequences": len(trainer.train_data.sequences),
+        "steps_per_epoch": trainer.steps_per_epoch,
+        "total_steps": trainer.total_steps,
+        "start_step": trainer.step,
+        "micro_batch_size": trainer.micro_batch_size,
+        "micro_batch_reason": trainer.micro_batch_reason,
+        "grad_accum_steps": trainer.grad_accum_steps,
+        "memory_metrics": "CUDA allocator peaks of each step, max over ranks"
+        if device.type == "cuda"
+        else "peak resident set size of each process since its start, max over ranks",
+    }

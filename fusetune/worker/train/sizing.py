@@ -10,12 +10,13 @@ changes that would make it fit.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from fusetune.estimate import ModelShape, fit_micro_batch
 from fusetune.worker.train.config import TrainConfig
-from fusetune.worker.train.distributed import all_reduce
+from fusetune.worker.train.distributed import DistInfo, all_reduce
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 
@@ -60,3 +61,17 @@ def fitting_micro_batch(
     if not fit.fits:
         raise TrainingFailure(ErrorCode.OUT_OF_MEMORY, fit.refusal(free_bytes))
     return fit.estimate.micro_batch_size
+
+
+def micro_batches_for_the_gpu(
+    config: TrainConfig, dist: DistInfo, method: Any, row_lengths: list[int]
+) -> tuple[int, int, str] | None:
+    """(micro-batch size, micro-batches per rank per step, why) sized to the memory free on the job's GPUs."""
+    free = free_memory_bytes(dist.device)
+    micro = fitting_micro_batch(
+        config, dist.world_size, free, row_lengths, method.rows_per_example, method.has_reference_pass
+    )
+    if micro is None:
+        return None
+    accumulation = config.batch_size // (micro * dist.world_size)
+    return micro, accumulation, f"the largest that fits the {free / 2**30:.1f} GiB free at start"

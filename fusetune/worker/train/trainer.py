@@ -36,7 +36,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from fusetune.worker.train import checkpoint as ckpt
-from fusetune.worker.train import lora, optim
+from fusetune.worker.train import optim
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
 from fusetune.worker.train.distributed import DistInfo, all_reduce, parallelize, synchronize
@@ -53,8 +53,8 @@ from fusetune.worker.train.metrics import (
     StepMeter,
     StepStats,
     non_finite_failure,
-    peak_memory_bytes,
-    reset_peak_memory,
+    run_summary,
+    share_step_state,
 )
 from fusetune.worker.train.outcome import (
     ErrorCode,
@@ -64,7 +64,7 @@ from fusetune.worker.train.outcome import (
 )
 from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision
 from fusetune.worker.train.reporter import Reporter, StopRequest
-from fusetune.worker.train.sizing import fitting_micro_batch, free_memory_bytes
+from fusetune.worker.train.sizing import micro_batches_for_the_gpu
 from fusetune.worker.train.state import (
     Checkpointer,
     TrainingProgress,
@@ -79,8 +79,6 @@ from fusetune.worker.train.state import (
 )
 
 __all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor"]
-
-_STOP_CODES = {None: 0, StopRequest.PAUSE: 1, StopRequest.CANCEL: 2}  # all ranks take the largest
 
 
 class Trainer:
@@ -115,7 +113,9 @@ class Trainer:
         self.train_data = self._load_data(config.training_file, packing=config.packing)
         self.row_lengths = [self.method.row_length(row) for row in self.train_data.sequences]
         if self.device.type == "cuda" and config.micro_batch_size is None:
-            self._size_micro_batches_to_the_gpu()
+            sized = micro_batches_for_the_gpu(config, dist_info, self.method, self.row_lengths)
+            if sized is not None:
+                self.micro_batch_size, self.grad_accum_steps, self.micro_batch_reason = sized
         self.valid_data = (
             self._load_data(config.validation_file, packing=False) if config.validation_file else None
         )
@@ -158,21 +158,6 @@ class Trainer:
     last_train_loss = property(lambda self: self.progress.last_train_loss)
 
     # ----------------------------------------------------------------------------------------------- setup
-
-    def _size_micro_batches_to_the_gpu(self) -> None:
-        free = free_memory_bytes(self.device)
-        micro = fitting_micro_batch(
-            self.config,
-            self.dist.world_size,
-            free,
-            self.row_lengths,
-            self.method.rows_per_example,
-            self.method.has_reference_pass,
-        )
-        if micro is not None:
-            self.micro_batch_size = micro
-            self.grad_accum_steps = self.config.batch_size // (micro * self.dist.world_size)
-            self.micro_batch_reason = f"the largest that fits the {free / 2**30:.1f} GiB free at start"
 
     def _load_tokenizer(self):
         return load_tokenizer(self.config.model_path)
@@ -366,65 +351,15 @@ class Trainer:
         return result
 
     def _report_start(self) -> None:
-        n_params = sum(p.numel() for p in self.model.parameters())
-        n_trainable = sum(p.numel() for p in self._trainable_parameters())
-        self.reporter.event(
-            f"Training started: {self.dist.world_size} process(es) on {self.device.type}, "
-            f"{n_params:,} parameters ({n_trainable:,} trained), {self.total_steps} steps",
-            data={
-                "event": "started",
-                "world_size": self.dist.world_size,
-                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-                "distributed": "fsdp" if self.fsdp else "ddp" if self.dist.world_size > 1 else "none",
-                "model_parameters": n_params,
-                "trainable_parameters": n_trainable,
-                "lora": lora.lora_summary(self.model, self.config.lora)
-                if self.config.lora is not None
-                else None,
-                "mfu_peak_flops": self.precision.peak_flops(),
-                "method": self.config.method.type,
-                "precision": self.precision.name,
-                "optimizer": self.optimizer_name,
-                "optimizer_state_dtype": str(self._trainable_parameters()[0].dtype).removeprefix("torch."),
-                "kernels": self.kernels_applied,
-                "gradient_checkpointing": self.config.gradient_checkpointing,
-                "n_train_sequences": len(self.train_data.sequences),
-                "steps_per_epoch": self.steps_per_epoch,
-                "total_steps": self.total_steps,
-                "start_step": self.step,
-                "micro_batch_size": self.micro_batch_size,
-                "micro_batch_reason": self.micro_batch_reason,
-                "grad_accum_steps": self.grad_accum_steps,
-                "memory_metrics": "CUDA allocator peaks of each step, max over ranks"
-                if self.device.type == "cuda"
-                else "peak resident set size of each process since its start, max over ranks",
-            },
-        )
-
-    def _share_peaks_and_stop_request(
-        self, checkpoint_due: bool
-    ) -> tuple[tuple[float, float], StopRequest | None, bool]:
-        """This step's memory peaks, max over ranks, the stop request every rank acts on, and whether any rank's
-        checkpoint schedule is due (the save is collective): one collective (only rank 0 reads the job's
-        status)."""
-        allocated, reserved = peak_memory_bytes(self.device)
-        reset_peak_memory(self.device)
-        stop_code = _STOP_CODES[self.reporter.stop_request()]
-        shared = all_reduce(
-            torch.tensor(
-                [allocated, reserved, stop_code, checkpoint_due], dtype=torch.long, device=self.device
-            ),
-            op=torch.distributed.ReduceOp.MAX,
-        ).tolist()
-        stop = next(request for request, code in _STOP_CODES.items() if code == shared[2])
-        return (float(shared[0]), float(shared[1])), stop, bool(shared[3])
+        message, data = run_summary(self)
+        self.reporter.event(message, data=data)
 
     def _after_step(
         self, read: dict[str, float], stats: StepStats, step_time: float, epoch_done: bool
     ) -> None:
         config = self.config
-        peaks, stop, periodic = self._share_peaks_and_stop_request(
-            self.checkpoint_schedule.due(self.step, epoch_done)
+        peaks, stop, periodic = share_step_state(
+            self.device, self.reporter, self.checkpoint_schedule.due(self.step, epoch_done)
         )
         values = self.meter.step_values(read, stats, step_time, peaks, self.step)
         evaluate_now = (
