@@ -65,7 +65,9 @@ class Settings(BaseSettings):
     # Empty: the client's usual sources (AWS_* variables, a web identity token, instance metadata).
     storage_access_key_id: str = ""
     storage_secret_access_key: str = Field(default="", repr=False)
-    storage_part_bytes: int = Field(default=16 * 1024 * 1024, ge=5 * 1024 * 1024, description="multipart part")
+    storage_part_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=5 * 1024 * 1024, description="multipart part"
+    )
     storage_max_retries: int = Field(default=5, ge=0)
     storage_retry_timeout_s: float = Field(default=120.0, gt=0)
     storage_connect_timeout_s: float = Field(default=10.0, gt=0)

@@ -249,7 +249,9 @@ class LocalStorage(Storage):
         for relative, path in _checkpoint_files(folder, excluded_top_level):
             status = path.stat()
             # The local archive needs no checksum: the ETag is made of names, sizes, modes and times.
-            files.append(StoredFile(relative, status.st_size, stat.S_IMODE(status.st_mode), status.st_mtime_ns, ""))
+            files.append(
+                StoredFile(relative, status.st_size, stat.S_IMODE(status.st_mode), status.st_mtime_ns, "")
+            )
         return files
 
     def read_checkpoint_file(
@@ -371,9 +373,9 @@ class _ObjectFileWriter(FileWriter):
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
-            raise StorageError(_describe_failure(self.error, self.storage.settings, self.storage.bucket)) from (
-                self.error
-            )
+            raise StorageError(
+                _describe_failure(self.error, self.storage.settings, self.storage.bucket)
+            ) from (self.error)
 
     def write(self, chunk: bytes) -> None:
         self._raise_if_failed()
@@ -419,8 +421,11 @@ class ObjectStorage(Storage):
             retry_config={
                 "max_retries": settings.storage_max_retries,
                 "retry_timeout": timedelta(seconds=settings.storage_retry_timeout_s),
-                "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15),
-                            "base": 2},
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=100),
+                    "max_backoff": timedelta(seconds=15),
+                    "base": 2,
+                },
             },  # fmt: skip
             **options,
         )
@@ -433,9 +438,7 @@ class ObjectStorage(Storage):
     def _put(self, key: str, source: Any) -> None:
         import obstore
 
-        obstore.put(
-            self.store, key, source, chunk_size=self.settings.storage_part_bytes, max_concurrency=4
-        )
+        obstore.put(self.store, key, source, chunk_size=self.settings.storage_part_bytes, max_concurrency=4)
 
     def _list(self, prefix: str) -> list[dict]:
         import obstore

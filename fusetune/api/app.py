@@ -15,6 +15,7 @@ from fusetune.api.routes import files, jobs, metrics, models
 from fusetune.config import Settings
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.queue import JobQueue, make_celery_app
+from fusetune.storage import open_storage
 
 
 def create_app(settings: Settings | None = None, queue: JobQueue | None = None) -> FastAPI:
@@ -29,6 +30,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     app.state.session_factory = make_session_factory(engine)
     app.state.reads = Reads.for_engine(engine)
     app.state.queue = queue or JobQueue(make_celery_app(settings))
+    app.state.storage = open_storage(settings)
     install_error_handlers(app)
     for module in (files, jobs, models, metrics):
         app.include_router(module.router)
