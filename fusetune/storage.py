@@ -243,8 +243,10 @@ class LocalStorage(Storage):
         self, tenant: str, storage_path: str, excluded_top_level: Iterable[str] = ()
     ) -> list[StoredFile] | None:
         folder = self._checkpoint_dir(storage_path)
-        if folder is None:
-            return None
+        return None if folder is None else self.folder_files(folder, excluded_top_level)
+
+    @staticmethod
+    def folder_files(folder: Path, excluded_top_level: Iterable[str] = ()) -> list[StoredFile]:
         files = []
         for relative, path in _checkpoint_files(folder, excluded_top_level):
             status = path.stat()

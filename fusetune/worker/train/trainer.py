@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora
+from fusetune.worker.train.checkpoint_store import publish_checkpoint
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import (
     IGNORE_INDEX,
@@ -660,6 +661,7 @@ class Trainer:
                 ckpt.write_trainer_state(staging, self.step, self.step / self.steps_per_epoch, metrics)
                 ckpt.write_training_state(staging, optimizer_state, resume_state)
             reported_path = self._reported_path(path)
+            publish_checkpoint(path, reported_path)  # to the object store, if any, before SQL records it
             self.reporter.checkpoint(self.step, reported_path, metrics)
             self.reporter.event(
                 f"Saved checkpoint at step {self.step}",
