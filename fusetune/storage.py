@@ -555,7 +555,7 @@ class ObjectStorage(Storage):
 
         try:
             raw = obstore.get(self.store, f"{run_key(tenant, storage_path)}/{MANIFEST_FILENAME}").bytes()
-        except NotFoundError:
+        except (NotFoundError, FileNotFoundError):  # obstore raises the latter for a missing key
             return None
         except Exception as error:
             raise self._failure(error) from error
