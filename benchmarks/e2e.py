@@ -283,6 +283,9 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
             return {**row, "error": "the Liger patch replaced no module of this model"}
     model.to(device=device, dtype=torch.bfloat16)
     model.train()
+    if spec.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        row["gradient_checkpointing"] = True
     row["params"] = sum(p.numel() for p in model.parameters())
     row["flops_per_token"] = flops_per_token(model, config, spec["seq"])
 
@@ -334,7 +337,153 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         row["mfu"] = round(tokens_per_s * row["flops_per_token"] / (peak * 1e12), 4)
     if not all(map(_finite, losses)):
         row["error"] = f"non-finite loss {losses}"
+    if spec.get("profile") and device == "cuda":
+        # After the row's peak is read: the profile resets the peak counter per phase.
+        row["profile"] = profile_step(step_model, optimizer, batches[-1])
     return row
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Profile of one step (--profile): where the GPU time goes, where it idles, where the memory peak sits.
+
+KERNEL_CATEGORIES = (
+    # (category, substrings of the kernel name, lower case); the first match wins
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("cross-entropy", ("cross_entropy", "logsumexp", "_ce_", "flce", "_lse")),
+    ("rms-norm", ("rms_norm", "rmsnorm", "_norm_")),
+    ("rope", ("rope", "rotary")),
+    ("gated-activation", ("gated", "swiglu", "geglu", "silu", "gelu")),
+    ("copy/fill", ("copy", "fill", "memcpy", "memset", "cat", "index")),
+    ("reduce", ("reduce", "sum")),
+    ("elementwise", ("elementwise", "vectorized")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, needles in KERNEL_CATEGORIES:
+        if any(needle in lowered for needle in needles):
+            return category
+    return "other"
+
+
+def profile_step(step_model: Any, optimizer: Any, input_ids: Any, top: int = 15) -> dict[str, Any]:
+    """One more training step, measured twice: first the memory of each phase (peak allocated during the
+    forward, held after it, peak during the backward and the optimizer step), then a torch.profiler trace of
+    the same step for the GPU time by kernel and the idle gaps of the GPU (host-bound stretches)."""
+    import torch
+
+    def phase_peaks() -> dict[str, float]:
+        peaks: dict[str, float] = {}
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = step_model(input_ids=input_ids, labels=input_ids).loss
+        torch.cuda.synchronize()
+        peaks["forward_peak_gb"] = torch.cuda.max_memory_allocated() / GIB
+        peaks["held_after_forward_gb"] = torch.cuda.memory_allocated() / GIB
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks["backward_peak_gb"] = torch.cuda.max_memory_allocated() / GIB
+        torch.cuda.reset_peak_memory_stats()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        peaks["optimizer_peak_gb"] = torch.cuda.max_memory_allocated() / GIB
+        return {key: round(value, 3) for key, value in peaks.items()}
+
+    memory = phase_peaks()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        torch.cuda.synchronize()
+        loss = step_model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        trace_path = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(trace_path))
+        trace = json.loads(trace_path.read_text())
+    return {"memory": memory, **summarize_trace(trace.get("traceEvents", []), top)}
+
+
+def summarize_trace(events: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
+    """GPU time by kernel and by category, and the GPU's idle time between the first and last kernel."""
+    kernels = sorted(
+        (float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "?"))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not kernels:
+        return {"error": "the trace holds no GPU kernels"}
+    by_name: dict[str, list[float]] = {}
+    by_category: dict[str, float] = {}
+    for _, duration, name in kernels:
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += duration
+        entry[1] += 1
+        category = kernel_category(name)
+        by_category[category] = by_category.get(category, 0.0) + duration
+    busy_us, gaps, covered_until = 0.0, [], kernels[0][0]
+    previous_name = kernels[0][2]
+    for start, duration, name in kernels:
+        if start > covered_until:
+            gaps.append((start - covered_until, previous_name))
+        busy_us += max(0.0, start + duration - max(start, covered_until))
+        if start + duration >= covered_until:
+            covered_until, previous_name = start + duration, name
+    span_us = covered_until - kernels[0][0]
+    gaps.sort(reverse=True)
+    return {
+        "gpu_span_ms": round(span_us / 1e3, 2),
+        "gpu_busy_ms": round(busy_us / 1e3, 2),
+        "gpu_idle_ms": round((span_us - busy_us) / 1e3, 2),
+        "idle_gaps_over_20us": sum(1 for gap, _ in gaps if gap > 20),
+        "largest_gaps": [{"us": round(gap, 1), "after": name[:90]} for gap, name in gaps[:5]],
+        "kernel_count": len(kernels),
+        "by_category_ms": {
+            category: round(us / 1e3, 2)
+            for category, us in sorted(by_category.items(), key=lambda item: -item[1])
+        },
+        "top_kernels": [
+            {"name": name[:120], "ms": round(us / 1e3, 3), "calls": calls, "category": kernel_category(name)}
+            for name, (us, calls) in sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+        ],
+    }
+
+
+def render_profiles(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown of the --profile results: one section per model, implementations side by side."""
+    lines: list[str] = []
+    profiled = [row for row in rows if isinstance(row.get("profile"), dict) and "memory" in row["profile"]]
+    for model in dict.fromkeys(row["model"] for row in profiled):
+        group = [row for row in profiled if row["model"] == model]
+        impls = [row["impl"] for row in group]
+        lines += [f"## Profile of one step: {model}", ""]
+        summary_keys = ("gpu_span_ms", "gpu_busy_ms", "gpu_idle_ms", "idle_gaps_over_20us", "kernel_count")
+        memory_keys = tuple(group[0]["profile"]["memory"])
+        table = [[key, *(row["profile"].get(key) for row in group)] for key in summary_keys]
+        table += [[key, *(row["profile"]["memory"].get(key) for row in group)] for key in memory_keys]
+        categories = list(dict.fromkeys(c for row in group for c in row["profile"]["by_category_ms"]))
+        table += [
+            [f"GPU ms: {category}", *(row["profile"]["by_category_ms"].get(category) for row in group)]
+            for category in categories
+        ]
+        lines += [markdown_table(["", *impls], table), ""]
+        for row in group:
+            lines += [f"Top kernels, {row['impl']}:", ""]
+            lines.append(
+                markdown_table(
+                    ["kernel", "category", "calls", "GPU ms"],
+                    [[k["name"], k["category"], k["calls"], k["ms"]] for k in row["profile"]["top_kernels"]],
+                )
+            )
+            gaps = ", ".join(f"{g['us']} us after {g['after']}" for g in row["profile"]["largest_gaps"])
+            lines += ["", f"Largest GPU idle gaps: {gaps}", ""]
+    return lines
 
 
 def _finite(value: float) -> bool:
@@ -407,10 +556,17 @@ def _run_subprocess(arguments: list[str], timeout_s: float) -> tuple[dict | None
 
 
 def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | None, models: list[str]) -> dict:
-    run_keys = {(row["model"], row["impl"]) for row in rows}
-    kept = [
-        row for row in (previous or {}).get("rows", []) if (row.get("model"), row.get("impl")) not in run_keys
-    ]
+    def key(row: dict) -> tuple:
+        return (
+            row.get("model"),
+            row.get("impl"),
+            row.get("batch"),
+            row.get("seq"),
+            row.get("gradient_checkpointing", False),
+        )
+
+    run_keys = {key(row) for row in rows}
+    kept = [row for row in (previous or {}).get("rows", []) if key(row) not in run_keys]
     return {
         "gpu": meta["gpu"],
         "date": meta["date"],
@@ -489,6 +645,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
             )
         )
         lines += ["", *notes, ""] if notes else [""]
+    lines += render_profiles(payload["rows"])
     return "\n".join(lines)
 
 
@@ -515,6 +672,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (the median is reported)")
     parser.add_argument(
         "--warmup-steps", type=int, default=3, help="untimed steps first (compilation happens here)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile one more step: memory per phase, GPU time by kernel, idle gaps",
+    )
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="recompute each decoder layer in the backward"
     )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
@@ -616,7 +781,9 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": args.steps,
                 "warmup_steps": args.warmup_steps,
                 "attn": args.attn,
+                "gradient_checkpointing": args.gradient_checkpointing,
                 "peak_tflops": peak_tflops,
+                "profile": args.profile,
             }
             timeout = args.impl_timeout_s
             if args.time_budget_s is not None:

@@ -7,6 +7,7 @@
 #   benchmarks/gpu_session.sh e2e MODELS IMPLS
 #   benchmarks/gpu_session.sh estimate [CONFIGS]   # benchmarks/memory_estimate.py
 #   benchmarks/gpu_session.sh scaling ARGS...      # benchmarks/scaling.py ARGS (e.g. --nproc 1,2,4)
+#   benchmarks/gpu_session.sh optimizer [IMPLS]    # benchmarks/optimizer.py (AdamW step at the 1B parameter set)
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -41,4 +42,7 @@ case "$1" in
   scaling)
     shift
     timeout "$budget" python3 benchmarks/scaling.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/scaling.log" | tail -20 ;;
+  optimizer)
+    timeout "$budget" python3 benchmarks/optimizer.py ${2:+--impls "$2"} --out "$OUT" 2>&1 \
+      | tee -a "$OUT/optimizer.log" | tail -15 ;;
 esac

@@ -202,7 +202,7 @@ def _worker_main(spec_json: str) -> int:
                 kernels_applied=trainer.kernels_applied,
                 distributed=spec["distributed"] if n_gpus > 1 else "none",
                 ddp_bucket_cap_mb=config.ddp_bucket_cap_mb or DEFAULT_DDP_BUCKET_CAP_MB,
-                precision=trainer.precision,
+                precision=trainer.precision.name,
                 steps=spec["steps"],
                 warmup_steps=spec["warmup_steps"],
             )

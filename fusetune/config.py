@@ -11,6 +11,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fusetune.jobspec import DEFAULT_BASE_LEARNING_RATE
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FUSETUNE_", extra="ignore")
@@ -43,8 +45,13 @@ class Settings(BaseSettings):
     # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.
     # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front.
     gpu_memory_bytes: int | None = Field(default=None, ge=1)
-    base_learning_rate: float = Field(default=1e-4, gt=0)
-    checkpoint_every_steps: int = Field(default=0, ge=0, description="0: only at the end of training")
+    base_learning_rate: float = Field(default=DEFAULT_BASE_LEARNING_RATE, gt=0)
+    # Resumable checkpoints while a job trains, so that a crash (a killed worker, a lost node) costs the steps since
+    # the last one, not the run; the last `keep_last_checkpoints` of a job are kept.
+    checkpoint_every_steps: int = Field(default=0, ge=0, description="0: no step-count checkpoints")
+    checkpoint_every_epoch: bool = True
+    checkpoint_every_minutes: float = Field(default=30.0, ge=0, description="0: no time-based checkpoints")
+    keep_last_checkpoints: int = Field(default=2, ge=1)
     # How long the worker waits for a training process to exit after SIGTERM before SIGKILL.
     terminate_grace_s: float = 5.0
     # How long a paused job's trainer may take to save its checkpoint and exit before it is stopped.
@@ -106,6 +113,9 @@ class Settings(BaseSettings):
             "FUSETUNE_NPROC_PER_JOB": str(self.nproc_per_job),
             "FUSETUNE_BASE_LEARNING_RATE": str(self.base_learning_rate),
             "FUSETUNE_CHECKPOINT_EVERY_STEPS": str(self.checkpoint_every_steps),
+            "FUSETUNE_CHECKPOINT_EVERY_EPOCH": str(self.checkpoint_every_epoch).lower(),
+            "FUSETUNE_CHECKPOINT_EVERY_MINUTES": str(self.checkpoint_every_minutes),
+            "FUSETUNE_KEEP_LAST_CHECKPOINTS": str(self.keep_last_checkpoints),
             "FUSETUNE_DEV_API_KEY": self.dev_api_key,
             "FUSETUNE_LEASE_S": str(self.lease_s),
             "FUSETUNE_REAPER_INTERVAL_S": str(self.reaper_interval_s),

@@ -1,8 +1,11 @@
 """Up-front estimates for a job: training tokens, peak GPU memory per GPU and duration.
 
 Computed from the model's config.json (no weights loaded), the dataset's counts and the job's settings. The
-memory model follows what the trainer does on a GPU (precision "auto" = bf16-mixed: fp32 weights and AdamW
-state, bf16 compute under autocast, activations of one micro-batch kept for the backward). Each term is
+memory model follows what the trainer does on a GPU (precision "auto" = bf16-sr: bf16 weights, gradients and
+AdamW state; bf16-mixed: fp32 weights and state, bf16 compute under autocast; activations of one micro-batch
+kept for the backward); the bytes of weights,
+gradients and optimizer state per parameter come from the precision mode and its optimizer
+(fusetune/worker/train/precision.py, optim.py). Each term is
 derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
 against measured peaks on a GPU is benchmarks/memory_estimate.py (results in benchmarks/results/*-estimate.*).
 """
@@ -13,12 +16,17 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Per trained parameter: fp32 weight 4 + fp32 gradient 4 + AdamW exp_avg 4 + exp_avg_sq 4, plus the bf16 copy
-# autocast makes of each weight, which the matmul keeps for the backward (the input gradient needs it).
-BYTES_PER_TRAINED_PARAM = 16
-BYTES_PER_AUTOCAST_COPY = 2
-# Per frozen parameter (LoRA's base model): the fp32 weight, and its bf16 copy kept for the backward.
-BYTES_PER_FROZEN_PARAM = 4
+from fusetune.worker.train.precision import AUTO, DTYPE_BYTES, PrecisionMode, mode_for
+
+
+def bytes_per_trained_param(mode: PrecisionMode) -> int:
+    """Weight + gradient (both in the weights' dtype) + the optimizer's state; under bf16-mixed 4 + 4 + 8."""
+    return 2 * mode.weight_bytes + mode.optimizer_state_bytes
+
+
+def bytes_per_frozen_param(mode: PrecisionMode) -> int:
+    """LoRA's base model: the weight only."""
+    return mode.weight_bytes
 
 
 # Tensors saved for the backward, bytes per token and decoder layer, with h = hidden size, q = heads x
@@ -29,10 +37,16 @@ BYTES_PER_FROZEN_PARAM = 4
 #   saves (2i).
 #   Hugging Face modules add the fp32 normalised rows of both norms (2 x 4h), RoPE's rotated copies of q and k
 #   (2q + 2kv, twice), and the MLP's activation output (2i).
-# With gradient checkpointing a layer keeps only its fp32 input (4h) until its backward recomputes it.
+#   fused kernels with bf16 weights (precision bf16, bf16-sr; no autocast): the MLP block is one autograd node
+#   with the residual add and its norm (fusetune.kernels.add_rms_norm_gated_mlp), which keeps the bf16 residual
+#   (2h, the next layer's input too), gate and up (2 x 2i), and rebuilds the norm output and the product in the
+#   backward; the attention block keeps its norm's output (2h), q/k/v (2q + 4kv) and its output (2q).
+# With gradient checkpointing a layer keeps only its input (4h, or 2h in bf16) until its backward recomputes it.
 # (The product and the checkpointing case were added after the first comparison with a GPU had left them out:
 # benchmarks/results/h100-estimate.md.)
-def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool) -> int:
+def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool, bf16_weights: bool) -> int:
+    if fused and bf16_weights:
+        return 4 * h + 4 * q + 4 * kv + 4 * i
     fused_bytes = 12 * h + 4 * q + 4 * kv + 6 * i
     return fused_bytes if fused else fused_bytes + 8 * h + 4 * q + 4 * kv + 2 * i
 
@@ -40,9 +54,10 @@ def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool) -
 # Logits of the micro-batch when the loss is not fused: bf16 logits 2 + their fp32 copy 4 + the saved fp32
 # log-softmax 4 + its fp32 gradient 4 at the start of the backward.
 UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB = 14
-# The fused loss holds one chunk of fp32 logits and its gradient (about 256 rows; see
-# fusetune.kernels.fused_linear_cross_entropy_chunk_rows).
-FUSED_LOSS_CHUNK_ROWS = 256
+# The fused loss holds one chunk of bf16 logits (its gradient is written in place): Liger-Kernel's chunk at
+# the shape plus this many bytes. The same rule as fusetune.kernels.fused_linear_cross_entropy_chunk_rows,
+# written again here because this module must not import torch; tests/test_estimate.py checks they agree.
+FUSED_LOSS_EXTRA_CHUNK_BYTES = 252 * 2**20
 # cuBLAS workspaces, the NCCL/DDP buffers and the allocator's rounding and fragmentation (what torch reserves
 # beyond what it has allocated), observed at 0.5-2 GiB.
 FIXED_OVERHEAD_BYTES = 2 * 2**30
@@ -112,6 +127,7 @@ class Estimate:
     training_tokens: int
     steps: int
     parameters: int
+    micro_batch_size: int  # sequences per forward on one GPU (examples, for a method of paired rows)
     peak_memory_bytes_per_gpu: int
     memory_breakdown: dict[str, int]
     tokens_per_second: float | None
@@ -143,10 +159,14 @@ def lora_parameter_count(shape: ModelShape, r: int, target_modules: list[str] | 
     return shape.num_layers * sum(r * (fan_in + fan_out) for fan_in, fan_out in targets.values())
 
 
-def _fused_loss_chunk_rows(tokens: int, shape: ModelShape) -> int:
-    """Rows of the fused loss's logits chunk, as its default policy picks them (a power of two, >= 128)."""
+def fused_loss_chunk_rows(tokens: int, shape: ModelShape) -> int:
+    """Most rows of the fused loss's bf16 logits chunk under its default budget (before the kernel balances
+    the chunks, which only makes them smaller)."""
+    row_bytes = shape.vocab_size * 2
     vocab_per_hidden = -(-shape.vocab_size // shape.hidden_size)
-    return max(128, 1 << max(0, (-(-tokens // vocab_per_hidden) - 1).bit_length()))
+    liger_rows = 1 << max(0, (-(-tokens // vocab_per_hidden) - 1).bit_length())
+    budget_rows = (min(liger_rows, tokens) * row_bytes + FUSED_LOSS_EXTRA_CHUNK_BYTES) // row_bytes
+    return max(1, min(tokens, budget_rows))
 
 
 def estimate_job(
@@ -162,50 +182,68 @@ def estimate_job(
     lora: dict | None = None,
     gradient_checkpointing: bool = False,
     distributed: str = "ddp",
+    precision: str = AUTO,
     measured_tokens_per_second: float | None = None,
+    rows_per_example: int = 1,
+    reference_pass: bool = False,
+    micro_batch_size: int | None = None,
+    padded_length: int | None = None,
 ) -> Estimate:
-    mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, example_count)))
-    training_tokens = min(token_estimate, example_count * max_seq_length) * n_epochs
+    """`rows_per_example`: sequences the trainer makes of one example (2 for a preference pair, which counts
+    as one of `batch_size`); `reference_pass`: one forward over the data before training (DPO's reference).
+    `micro_batch_size`: default the trainer's default; `padded_length`: tokens of a padded row when the data
+    is known (its longest row), else max_seq_length when examples come near it and twice the mean if not."""
+    mode = mode_for(precision, on_gpu=True)
+    rows = example_count * rows_per_example
+    mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, rows)))
+    epoch_tokens = min(token_estimate, rows * max_seq_length)
+    training_tokens = epoch_tokens * n_epochs
     steps = n_epochs * max(1, example_count // batch_size)
     params = shape.parameter_count()
 
-    # Weights, gradients and optimizer state; FSDP shards all three over the GPUs and gathers one layer's bf16
-    # weights at a time (two in flight while the next is prefetched).
+    # Weights, gradients and optimizer state; FSDP shards all three over the GPUs and gathers one layer's
+    # weights (in the compute dtype) at a time (two in flight while the next is prefetched).
     if lora is not None:
         trained = lora_parameter_count(shape, lora.get("r", 16), lora.get("target_modules", "all-linear"))
         frozen = params
     else:
         trained, frozen = params, 0
-    # Under gradient checkpointing the forward saves nothing inside the layers, so the bf16 weight copies are
+    # A mixed mode's autocast keeps a compute-dtype copy of each weight for the backward (the input gradient
+    # needs it). Under gradient checkpointing the forward saves nothing inside the layers, so the copies are
     # made again, one layer at a time, when the backward recomputes it.
-    copy = 0 if gradient_checkpointing else BYTES_PER_AUTOCAST_COPY
-    states = trained * (BYTES_PER_TRAINED_PARAM + copy) + frozen * (BYTES_PER_FROZEN_PARAM + copy)
+    copy = 0 if gradient_checkpointing else mode.compute_copy_bytes
+    states = trained * (bytes_per_trained_param(mode) + copy) + frozen * (bytes_per_frozen_param(mode) + copy)
     if distributed == "fsdp" and n_gpus > 1:
         layer_params = (params - shape.vocab_size * shape.hidden_size) // shape.num_layers
-        states = states // n_gpus + 2 * layer_params * BYTES_PER_AUTOCAST_COPY
+        states = states // n_gpus + 2 * layer_params * DTYPE_BYTES[mode.compute_dtype]
 
     # Activations of one micro-batch (the trainer's default micro-batch; padded to its longest sequence, taken
     # as max_seq_length when examples come near it, else twice the mean).
     sequences_per_gpu = max(1, batch_size // n_gpus)
-    micro_batch = default_micro_batch_size(sequences_per_gpu, max_seq_length)
-    tokens = micro_batch * min(max_seq_length, 2 * mean_tokens)
+    micro_batch = micro_batch_size or default_micro_batch_size(sequences_per_gpu, max_seq_length)
+    row_tokens = padded_length or min(max_seq_length, 2 * mean_tokens)
+    tokens = micro_batch * rows_per_example * row_tokens
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels)
+    bf16_weights = mode.weight_dtype == "bfloat16"
+    per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels, bf16_weights)
     if gradient_checkpointing:
-        activations = tokens * (shape.num_layers * 4 * h + per_layer)
+        activations = tokens * (shape.num_layers * (2 if bf16_weights else 4) * h + per_layer)
     else:
         activations = tokens * shape.num_layers * per_layer
     if fused_kernels:
-        logits = _fused_loss_chunk_rows(tokens, shape) * shape.vocab_size * 4 * 2
+        logits = fused_loss_chunk_rows(tokens, shape) * shape.vocab_size * 2
     else:
         logits = tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB
     breakdown = {"weights_grads_optimizer": states, "activations": activations, "logits": logits,
                  "overhead": FIXED_OVERHEAD_BYTES}  # fmt: skip
-    duration = training_tokens / measured_tokens_per_second if measured_tokens_per_second else None
+    # A forward is about a third of a training step's compute (forward + backward).
+    timed_tokens = training_tokens + (epoch_tokens / 3 if reference_pass else 0)
+    duration = timed_tokens / measured_tokens_per_second if measured_tokens_per_second else None
     return Estimate(
         training_tokens=int(training_tokens),
         steps=steps,
         parameters=params,
+        micro_batch_size=micro_batch,
         peak_memory_bytes_per_gpu=int(sum(breakdown.values())),
         memory_breakdown=breakdown,
         tokens_per_second=measured_tokens_per_second,
@@ -214,3 +252,58 @@ def estimate_job(
         if measured_tokens_per_second
         else "no earlier job of this model on this server",
     )
+
+
+# What may make a job fit that does not, tried one at a time by `fit_micro_batch`.
+_REMEDIES: tuple[tuple[str, dict], ...] = (
+    ("kernels on", {"fused_kernels": True}),
+    ("gradient_checkpointing on", {"gradient_checkpointing": True}),
+    ("LoRA (r=16)", {"lora": {"r": 16, "target_modules": "all-linear"}}),
+)
+
+
+@dataclass(frozen=True)
+class MicroBatchFit:
+    """The estimate at the largest micro-batch that fits (or at 1 when none does), and, when none does, what
+    would make the job fit at micro-batch 1 with its peak."""
+
+    estimate: Estimate
+    fits: bool
+    remedies: dict[str, int]
+
+    def refusal(self, memory_bytes: int) -> str:
+        return too_large_message(self.estimate.peak_memory_bytes_per_gpu, memory_bytes, self.remedies)
+
+
+def too_large_message(peak_bytes: int, memory_bytes: int, remedies: dict[str, int] | None) -> str:
+    """Why a job does not fit one GPU, and what would make it fit."""
+    text = (
+        f"The job needs about {peak_bytes / 2**30:.1f} GiB per GPU even at micro_batch_size 1, more than the "
+        f"{memory_bytes / 2**30:.1f} GiB a GPU has for it."
+    )
+    if remedies:
+        options = ", ".join(f"{name} ({peak / 2**30:.1f} GiB)" for name, peak in remedies.items())
+        return f"{text} It would fit with: {options}."
+    return f"{text} Use a smaller max_seq_length, FSDP over more GPUs, or a smaller model."
+
+
+def fit_micro_batch(shape: ModelShape, memory_bytes: int, **job) -> MicroBatchFit:
+    """The largest micro-batch (a divisor of the sequences per GPU) whose estimated peak fits `memory_bytes`;
+    `job` holds `estimate_job`'s keyword arguments. Larger micro-batches need fewer accumulation steps, and
+    fewer, larger matmuls run closer to the GPU's peak."""
+    sequences_per_gpu = max(1, job["batch_size"] // job["n_gpus"])
+    for micro in sorted(
+        (d for d in range(1, sequences_per_gpu + 1) if sequences_per_gpu % d == 0), reverse=True
+    ):
+        estimate = estimate_job(shape, **{**job, "micro_batch_size": micro})
+        if estimate.peak_memory_bytes_per_gpu <= memory_bytes:
+            return MicroBatchFit(estimate, True, {})
+    remedies = {}
+    for name, change in _REMEDIES:
+        changed = {**job, **change, "micro_batch_size": 1}
+        if all(job.get(key) == value for key, value in change.items()):
+            continue  # already so
+        peak = estimate_job(shape, **changed).peak_memory_bytes_per_gpu
+        if peak <= memory_bytes:
+            remedies[name] = peak
+    return MicroBatchFit(estimate, False, remedies)

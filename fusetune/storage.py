@@ -40,7 +40,6 @@ from urllib.parse import quote, urlparse
 from fusetune.config import Settings
 
 MANIFEST_FILENAME = "fusetune-manifest.json"
-STORAGE_ERROR_CODE = "storage_error"
 _READ_CHUNK_BYTES = 1 << 20
 # One path segment the server made itself: a file or job id, "checkpoints", "step-12", a checkpoint's file name.
 _SAFE_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")

@@ -134,3 +134,42 @@ def test_merge_keeps_rows_of_ops_not_rerun():
     assert [(row["op"], row["set"], row["ms"]) for row in swept["rows"]] == [
         ("rms_norm", "main", 1.0), ("layer_norm", "main", 2.0), ("rms_norm", "sweep", 3.0)
     ]  # fmt: skip
+
+
+def test_service_benchmark_variants_are_checked():
+    from benchmarks import service
+
+    args = service.parse_args(["--variants", "kernels=on,precision=bf16-mixed; kernels=off,batch_size=auto"])
+    assert args.variant_hyper == [
+        ("kernels=on,precision=bf16-mixed", {"kernels": True, "precision": "bf16-mixed"}),
+        ("kernels=off,batch_size=auto", {"kernels": False, "batch_size": "auto"}),
+    ]
+    with pytest.raises(SystemExit):
+        service.parse_args(["--variants", "kernel=on"])
+    with pytest.raises(SystemExit):
+        service.parse_args(["--variants", "kernels=maybe"])
+
+
+def test_service_benchmark_data_has_the_asked_length_spread():
+    from benchmarks import service
+    from fusetune.demo.assets import build_tokenizer
+
+    _, lengths = service.chat_examples(200, 620, seed=0, tokenizer=build_tokenizer())
+    mean = sum(lengths) / len(lengths)
+    assert 0.85 * 620 < mean < 1.15 * 620 and max(lengths) <= 3 * 620 + 64 and min(lengths) < 0.6 * 620
+
+
+def test_e2e_profile_summary_counts_busy_time_once_and_finds_the_idle_gaps():
+    """Overlapping kernels count once toward busy time; the gap after the last covering kernel is idle."""
+    events = [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 1000, "name": "nvjet_sm90_gemm"},
+        {"ph": "X", "cat": "kernel", "ts": 500, "dur": 1000, "name": "_rms_norm_fwd_kernel"},  # overlaps
+        {"ph": "X", "cat": "cpu_op", "ts": 2000, "dur": 50000, "name": "aten::mm"},  # host op: ignored
+        {"ph": "X", "cat": "kernel", "ts": 10000, "dur": 5000, "name": "flash_fwd"},
+    ]
+    summary = e2e.summarize_trace(events)
+    assert (summary["gpu_span_ms"], summary["gpu_busy_ms"], summary["gpu_idle_ms"]) == (15.0, 6.5, 8.5)
+    assert summary["largest_gaps"] == [{"us": 8500.0, "after": "_rms_norm_fwd_kernel"}]
+    assert summary["by_category_ms"] == {"attention": 5.0, "gemm": 1.0, "rms-norm": 1.0}
+    rows = [{"model": "m", "impl": "fusetune", "profile": {**summary, "memory": {"forward_peak_gb": 1.0}}}]
+    assert "## Profile of one step: m" in "\n".join(e2e.render_profiles(rows))

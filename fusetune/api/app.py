@@ -12,6 +12,7 @@ from fusetune.api.deps import Reads
 from fusetune.api.errors import install_error_handlers
 from fusetune.api.middleware import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, RequestMetrics
 from fusetune.api.routes import files, jobs, metrics, models
+from fusetune.api.routes.ui import install_dashboard
 from fusetune.config import Settings
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.queue import JobQueue, make_celery_app
@@ -31,9 +32,6 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     app.state.reads = Reads.for_engine(engine)
     app.state.queue = queue or JobQueue(make_celery_app(settings))
     app.state.storage = open_storage(settings)
-    install_error_handlers(app)
-    for module in (files, jobs, models, metrics):
-        app.include_router(module.router)
     # A registry per app, so several apps in one process (tests) don't share counters. With several API
     # processes (PROMETHEUS_MULTIPROC_DIR set, see `fusetune serve`), each writes its request metrics to files
     # there and a scrape answered by any of them reads them all.
@@ -42,6 +40,10 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         request_registry = CollectorRegistry()  # its values live in the files, not here
         multiprocess.MultiProcessCollector(app.state.metrics_registry)
+    install_error_handlers(app, request_registry)
+    for module in (files, jobs, models, metrics):
+        app.include_router(module.router)
+    install_dashboard(app)
     metrics.install_state_collector(app.state.metrics_registry, app.state.session_factory)
     app.add_middleware(RequestMetrics, registry=request_registry)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)

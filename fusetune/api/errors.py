@@ -1,11 +1,23 @@
-"""One error shape everywhere: ``{"error": {"message", "type", "param", "code"}}`` (the OpenAI API's)."""
+"""One error shape everywhere: ``{"error": {"message", "type", "param", "code"}}`` (the OpenAI API's).
+
+An unexpected exception is a 500 in the same shape. Its body names a request id and nothing of the exception;
+the server log has the traceback under that id, and Prometheus counts it by exception type.
+"""
 
 from __future__ import annotations
+
+import logging
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -49,7 +61,15 @@ def _param_from_loc(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(8)}"
+
+
+def install_error_handlers(app: FastAPI, registry: CollectorRegistry) -> None:
+    unexpected_errors = Counter("fusetune_http_unexpected_errors_total",
+                                "Requests answered 500 because of an unexpected exception, by its type",
+                                ["exception"], registry=registry)  # fmt: skip
+
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(
@@ -73,4 +93,18 @@ def install_error_handlers(app: FastAPI) -> None:
             error_body(exc.status_code, str(exc.detail), None, None),
             status_code=exc.status_code,
             headers=exc.headers,
+        )
+
+    # Starlette runs this handler outermost, after the exception went up through every middleware (the request
+    # metrics count it as a 500 there), and re-raises it once the response is sent, for the server to log too.
+    @app.exception_handler(Exception)
+    async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        request_id = new_request_id()
+        log.error("request %s (%s %s) failed", request_id, request.method, request.url.path, exc_info=exc)
+        unexpected_errors.labels(type(exc).__name__).inc()
+        message = f"Internal server error (request id {request_id}); the server's log has the details."
+        return JSONResponse(
+            error_body(500, message, None, "internal_error"),
+            status_code=500,
+            headers={REQUEST_ID_HEADER: request_id},
         )

@@ -1,23 +1,31 @@
 """Checks a training file line by line before anything is stored.
 
-One JSON object per line, in one of three shapes (they may be mixed):
-- chat, OpenAI's fine-tuning format: ``{"messages": [...]}``, each message ``{"role": "system" | "user" |
-  "assistant" | "tool", "content": str}`` (an assistant message may carry ``tool_calls`` and null content, and
-  an optional ``weight`` of 0 or 1), with at least one assistant message;
-- ``{"prompt": str, "completion": str}`` (the loss is on the completion);
-- ``{"text": str}`` (the loss is on every token).
+One JSON object per line, checked by the same code the trainer reads the file with: the training method's
+`parse_example` (fusetune/worker/train/methods/; the supervised formats are chat `{"messages": [...]}`,
+`{"prompt", "completion"}` and `{"text"}`). That code imports no torch.
+
+A UTF-8 byte order mark at the start of the file is allowed (Windows editors write one). Lines are parsed by
+orjson, which never recurses on the interpreter's stack, and nesting deeper than MAX_NESTING_DEPTH, numbers no
+double can hold and lone UTF-16 surrogates are refused with the line's number.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-ROLES = ("system", "user", "assistant", "tool")
+import orjson
+
+from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS, method_of_record
+
 MAX_REPORTED_ERRORS = 20
 # A rough count for estimates before tokenisation: about four characters per token in English text.
 CHARS_PER_TOKEN = 4
+UTF8_BOM = b"\xef\xbb\xbf"
+# Examples nest a few levels (a tool call's arguments in a message in the list), tool schemas a few more; a line
+# nested deeper is not a training example. The limit also keeps every line within what the trainer's parser
+# reads without running out of stack.
+MAX_NESTING_DEPTH = 64
 
 
 @dataclass
@@ -26,6 +34,7 @@ class FileReport:
     token_estimate: int = 0
     errors: list[str] = field(default_factory=list)
     more_errors: int = 0
+    method: str = DEFAULT_METHOD  # whose line format the file is in: that of its first example
 
     def add_error(self, line_number: int, problem: str) -> None:
         if len(self.errors) < MAX_REPORTED_ERRORS:
@@ -40,74 +49,72 @@ class FileReport:
         return text
 
 
-def _check_example(example: object) -> str | None:
-    if not isinstance(example, dict):
-        return "expected a JSON object with 'messages', 'prompt' and 'completion', or 'text'"
-    if "messages" not in example:
-        if "prompt" in example or "completion" in example:
-            if not isinstance(example.get("prompt"), str) or not isinstance(example.get("completion"), str):
-                return "'prompt' and 'completion' must both be strings"
-            return None if example["completion"] else "'completion' must not be empty"
-        if "text" in example:
-            return (
-                None
-                if isinstance(example["text"], str) and example["text"]
-                else "'text' must be a non-empty string"
-            )
-        return "expected 'messages', 'prompt' and 'completion', or 'text'"
-    messages = example.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return "'messages' must be a non-empty list"
-    has_assistant = False
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"messages[{index}] must be an object"
-        role = message.get("role")
-        if role not in ROLES:
-            return f"messages[{index}].role must be one of {', '.join(ROLES)} (got {json.dumps(role)})"
-        content = message.get("content")
-        tool_call_only = (
-            role == "assistant" and content is None and isinstance(message.get("tool_calls"), list)
-        )
-        if not isinstance(content, str) and not tool_call_only:
-            return f"messages[{index}].content must be a string"
-        weight = message.get("weight", 1)
-        if weight not in (0, 1):
-            return f"messages[{index}].weight must be 0 or 1"
-        has_assistant |= role == "assistant"
-    if not has_assistant:
-        return "needs at least one assistant message to learn from"
-    return None
+def _nested_deeper_than(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels (`[]` is one level), walked without recursion."""
+    pending = [(value, 1)] if isinstance(value, dict | list) else []
+    while pending:
+        node, depth = pending.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
-def _characters(example: dict) -> int:
-    if "messages" in example:
-        return sum(len(m.get("content") or "") for m in example["messages"])
-    return sum(len(example.get(key, "")) for key in ("prompt", "completion", "text"))
+def parse_line(raw: bytes) -> object:
+    """The JSON value of one line of a JSON Lines file; raises ValueError with a problem to show the user."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not valid UTF-8") from None
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        where = f"at column {exc.colno}"
+        if "depth" in exc.msg or "recursion" in exc.msg:
+            raise ValueError(f"nested deeper than the limit of {MAX_NESTING_DEPTH} levels") from None
+        if exc.msg.startswith("number"):
+            raise ValueError(
+                f"a number {where} is out of range: numbers must fit a 64-bit float (up to about 1.8e308)"
+            ) from None
+        raise ValueError(f"not valid JSON ({exc.msg} {where})") from None
+    if _nested_deeper_than(value, MAX_NESTING_DEPTH):
+        raise ValueError(f"nested deeper than the limit of {MAX_NESTING_DEPTH} levels")
+    return value
 
 
 def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
-    """Reads the whole stream once, line by line, and reports every problem up to a limit."""
+    """Reads the whole stream once, line by line, and reports every problem up to a limit. The file's method
+    is the one whose line format its first JSON line is in; every line must be in that format."""
+    method = None
     report = FileReport()
     for line_number, raw in enumerate(stream, start=1):
+        if line_number == 1:
+            raw = raw.removeprefix(UTF8_BOM)  # the trainer reads the file as utf-8-sig
         if not raw.strip():
             continue
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            report.add_error(line_number, "not valid UTF-8")
+            example = parse_line(raw)
+        except ValueError as exc:
+            report.add_error(line_number, str(exc))
+            continue
+        if method is None:
+            report.method = method_of_record(example)
+            method = METHODS[report.method]
+        elif method_of_record(example) != report.method:
+            report.add_error(
+                line_number,
+                f"a {method_of_record(example)} example in a file of {report.method} examples (its first "
+                "line's format); one file holds one method's examples",
+            )
             continue
         try:
-            example = json.loads(text)
-        except json.JSONDecodeError as exc:
-            report.add_error(line_number, f"not valid JSON ({exc.msg} at column {exc.colno})")
-            continue
-        problem = _check_example(example)
-        if problem:
-            report.add_error(line_number, problem)
+            parsed = method.parse_example(example)
+        except ValueError as exc:
+            report.add_error(line_number, str(exc))
             continue
         report.example_count += 1
-        report.token_estimate += max(1, _characters(example) // CHARS_PER_TOKEN)
+        report.token_estimate += max(1, method.example_characters(parsed) // CHARS_PER_TOKEN)
     if report.example_count == 0 and not report.errors:
         report.errors.append("the file holds no examples")
     return report

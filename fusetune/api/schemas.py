@@ -6,6 +6,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fusetune.jobspec import (
+    DpoHyperparametersRequest,
+    DpoSpec,
+    HyperparametersRequest,
+    LoraSpec,
+    MethodSpec,
+    MethodType,
+)
+from fusetune.worker.train.methods import DEFAULT_METHOD
+
 
 class _Request(BaseModel):
     # A misspelt field is an error the user should see, not a setting silently ignored.
@@ -26,6 +36,8 @@ class FileObject(BaseModel):
     status_details: str | None = None
     example_count: int = 0
     token_estimate: int = 0
+    # The training method (`method.type` of a job) whose examples the file holds.
+    method: str = DEFAULT_METHOD
 
 
 class FileList(BaseModel):
@@ -43,68 +55,37 @@ class FileDeleted(BaseModel):
 # ---- jobs ------------------------------------------------------------------------------------------------
 
 
-class LoraHyperparameters(_Request):
-    r: int = Field(default=16, ge=1, le=1024)
-    alpha: float = Field(default=32.0, gt=0)
-    dropout: float = Field(default=0.0, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+# The hyperparameters and their defaults are the job specification's (fusetune.jobspec), shared with the worker
+# and the trainer.
+LoraHyperparameters = LoraSpec
+Hyperparameters = HyperparametersRequest
 
 
-class Hyperparameters(_Request):
-    n_epochs: int | Literal["auto"] = "auto"
-    batch_size: int | Literal["auto"] = "auto"
-    learning_rate_multiplier: float | Literal["auto"] = "auto"
-    learning_rate: float | None = Field(default=None, gt=0, le=1, description="Overrides base x multiplier")
-    max_seq_length: int = Field(default=512, ge=16, le=131072)
-    warmup_ratio: float = Field(default=0.0, ge=0, lt=1)
-    lr_scheduler: Literal["cosine", "linear"] = "cosine"
-    kernels: bool = Field(default=True, description="Patch the model with fusetune's Triton kernels (GPU)")
-    n_gpus: int = Field(default=1, ge=1, le=64, description="Processes (GPUs) the job trains on")
-    lora: LoraHyperparameters | None = Field(
-        default=None, description="Train LoRA adapters instead of all weights"
-    )
-    merge_lora_on_save: bool = Field(default=False, description="Also save merged full weights (needs lora)")
-    gradient_checkpointing: bool = False
-    packing: bool = Field(default=False, description="Pack examples into max_seq_length rows")
-    distributed: Literal["ddp", "fsdp"] = Field(
-        default="ddp", description="fsdp shards models too big for one GPU"
-    )
-
-    @model_validator(mode="after")
-    def _merge_needs_lora(self) -> Hyperparameters:
-        if self.merge_lora_on_save and self.lora is None:
-            raise ValueError("merge_lora_on_save needs lora")
-        return self
-
-    @field_validator("n_epochs")
-    @classmethod
-    def _epochs(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 100:
-            raise ValueError("must be between 1 and 100")
-        return value
-
-    @field_validator("batch_size")
-    @classmethod
-    def _batch(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 4096:
-            raise ValueError("must be between 1 and 4096")
-        return value
-
-    @field_validator("learning_rate_multiplier")
-    @classmethod
-    def _multiplier(cls, value: float | str) -> float | str:
-        if isinstance(value, float | int) and not 0 < value <= 1000:
-            raise ValueError("must be greater than 0 and at most 1000")
-        return value
-
-
-class SupervisedMethod(_Request):
+class MethodSettings(_Request):
     hyperparameters: Hyperparameters | None = None
 
 
+class DpoMethodSettings(_Request):
+    hyperparameters: DpoHyperparametersRequest | None = None
+
+
 class Method(_Request):
-    type: Literal["supervised"] = "supervised"
-    supervised: SupervisedMethod | None = None
+    """`method` as the OpenAI API has it: `{"type": t, t: {"hyperparameters": {...}}}`, t one of the training
+    methods of fusetune/worker/train/methods/."""
+
+    type: MethodType = DEFAULT_METHOD
+    supervised: MethodSettings | None = None
+    dpo: DpoMethodSettings | None = None
+
+    @model_validator(mode="after")
+    def _settings_under_their_type(self) -> Method:
+        for name in type(self).model_fields:
+            if name != "type" and getattr(self, name) is not None and name != self.type:
+                raise ValueError(f"method.{name} is given but method.type is '{self.type}'")
+        return self
+
+    def settings(self) -> MethodSettings | None:
+        return getattr(self, self.type, None)
 
 
 class JobCreate(_Request):
@@ -134,16 +115,27 @@ class JobCreate(_Request):
 
     @model_validator(mode="after")
     def _one_place_for_hyperparameters(self) -> JobCreate:
-        in_method = self.method and self.method.supervised and self.method.supervised.hyperparameters
-        if self.hyperparameters is not None and in_method:
-            raise ValueError("give hyperparameters either at the top level or in method.supervised, not both")
+        settings = self.method.settings() if self.method else None
+        if self.hyperparameters is not None and settings and settings.hyperparameters:
+            raise ValueError(
+                f"give hyperparameters either at the top level or in method.{self.method.type}, not both"
+            )
         return self
 
-    def resolved_hyperparameters(self) -> Hyperparameters:
+    def method_spec(self) -> MethodSpec:
+        if self.method is None:
+            return MethodSpec()
+        settings = self.method.settings()
+        if isinstance(settings, DpoMethodSettings) and settings.hyperparameters is not None:
+            return MethodSpec(type=self.method.type, dpo=settings.hyperparameters.dpo_spec())
+        return MethodSpec(type=self.method.type, dpo=DpoSpec() if self.method.type == "dpo" else None)
+
+    def requested_hyperparameters(self) -> Hyperparameters:
         if self.hyperparameters is not None:
             return self.hyperparameters
-        if self.method and self.method.supervised and self.method.supervised.hyperparameters:
-            return self.method.supervised.hyperparameters
+        settings = self.method.settings() if self.method else None
+        if settings and settings.hyperparameters:
+            return settings.hyperparameters
         return Hyperparameters()
 
 
@@ -160,6 +152,7 @@ class JobObject(BaseModel):
     error: JobError | None = None
     fine_tuned_model: str | None = None
     finished_at: int | None = None
+    started_at: int | None = None  # fusetune: when a worker last began training it
     hyperparameters: dict[str, Any]
     method: dict[str, Any]
     model: str
@@ -216,11 +209,32 @@ class CheckpointList(BaseModel):
     last_id: str | None = None
 
 
+METRIC_VALUES_DESCRIPTION = """The step's metrics by name. Counts are over all of the job's processes.
+
+- `train_loss`: mean cross-entropy over the step's trained tokens (those with a label).
+- `learning_rate`; `grad_norm`: the gradients' global L2 norm before clipping.
+- `tokens_per_second`: input tokens of the step, padding excluded, over `step_time_s`.
+- `trained_tokens_per_second`: tokens with a label (the ones the loss is computed on) over `step_time_s`.
+- `tokens_per_second_per_device`: `tokens_per_second` over the number of processes.
+- `padding_fraction`: padding tokens over all tokens of the step's rows (each micro-batch is padded to its
+  longest row); the model computes on padding too, so all tokens per second are
+  `tokens_per_second / (1 - padding_fraction)`.
+- `mfu` (GPUs of known peak only): `tokens_per_second_per_device` times the model's training FLOPs per token
+  (6 per matmul weight, plus attention at the step's padded row length) over the peak FLOP/s that the job's
+  `started` event names (`mfu_peak_flops`: the dense bf16 peak of its `device`'s spec sheet).
+- `peak_memory_allocated_bytes`, `peak_memory_reserved_bytes`: the CUDA allocator's peaks during the step,
+  the largest over processes (on CPU: the peak resident set size).
+- `step_time_s`: wall time of the step; `epoch`: epochs done, fractional; `eta_s`: time left at the mean step
+  time of the last 20 steps.
+- `valid_loss`, `valid_token_accuracy`: on evaluation steps, over the validation file's trained tokens.
+"""
+
+
 class MetricPoint(BaseModel):
     step: int
     created_at: int
     train_loss: float | None = None
-    values: dict[str, Any]
+    values: dict[str, Any] = Field(description=METRIC_VALUES_DESCRIPTION)
 
 
 class MetricList(BaseModel):
@@ -236,10 +250,19 @@ class EstimateObject(BaseModel):
     training_tokens: int
     steps: int
     parameters: int
+    micro_batch_size: int = Field(
+        description="sequences per forward on one GPU: the largest that fits gpu_memory_bytes when the server "
+        "knows it (the worker decides again from the memory free when the job starts)"
+    )
     peak_memory_bytes_per_gpu: int
     memory_breakdown: dict[str, int]
     gpu_memory_bytes: int | None
     fits: bool | None
+    remedies: dict[str, int] | None = Field(
+        default=None,
+        description="when the job does not fit even at micro_batch_size 1: the changes that would make it fit "
+        "(kernels on, gradient_checkpointing on, LoRA), each with its peak bytes per GPU",
+    )
     tokens_per_second: float | None
     duration_s: float | None
     throughput_source: str

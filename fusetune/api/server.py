@@ -8,6 +8,7 @@ clients of the busier process waited longer (p99 124 ms against p50 33 ms, 2 pro
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -22,10 +23,13 @@ from fusetune.config import Settings
 
 # No access log: Prometheus counts requests per route, and a log line per poll costs CPU the API needs.
 UVICORN_OPTIONS = {"log_level": "info", "access_log": False}
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def run_api(settings: Settings) -> None:
     """Serve until interrupted (SIGINT/SIGTERM), with ``settings.api_processes`` processes."""
+    # The service's own log lines (an unexpected error's request id and traceback) beside uvicorn's.
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     if settings.api_processes == 1:
         from fusetune.api.app import create_app
 
@@ -63,6 +67,7 @@ def run_api(settings: Settings) -> None:
 
 
 def _serve_one(host: str, port: int) -> None:
+    logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -49,6 +49,8 @@ class File(Base):
     storage_name: Mapped[str] = mapped_column(String(255))
     example_count: Mapped[int] = mapped_column(Integer, default=0)
     token_estimate: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The training method whose line format the file is in (fusetune.worker.train.methods).
+    method: Mapped[str] = mapped_column(String(32), default="supervised", server_default="supervised")
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
 

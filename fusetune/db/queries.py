@@ -52,9 +52,16 @@ def list_jobs(
     after: str | None = None,
     limit: int = 20,
     metadata: dict[str, str] | None = None,
+    status: str | None = None,
+    model: str | None = None,
 ) -> tuple[list[Job], bool]:
-    """Newest first, cursor after a job id, optionally only jobs whose metadata has every given pair."""
+    """Newest first, cursor after a job id, optionally only jobs in one status, of one model and whose metadata
+    has every given pair."""
     query = select(Job).where(Job.tenant == tenant).order_by(Job.created_at.desc(), Job.id.desc())
+    if status is not None:
+        query = query.where(Job.status == status)
+    if model is not None:
+        query = query.where(Job.model == model)
     if after is not None:
         cursor = get_job(session, after, tenant)
         if cursor is not None:
@@ -275,6 +282,14 @@ _EVENTS_BEFORE = (
     .order_by(JobEvent.seq.desc())
     .limit(bindparam("limit"))
 )
+# The same, of one event type only (the dashboard's event log leaves out the per-step "metrics" events).
+_EVENTS_OF_TYPE = _EVENTS.where(JobEvent.type == bindparam("type"))
+_EVENTS_OF_TYPE_NEWEST = _EVENTS_OF_TYPE.order_by(JobEvent.seq.desc()).limit(bindparam("limit"))
+_EVENTS_OF_TYPE_BEFORE = (
+    _EVENTS_OF_TYPE.where(JobEvent.seq < bindparam("before_seq"))
+    .order_by(JobEvent.seq.desc())
+    .limit(bindparam("limit"))
+)
 _EVENT_SEQ = select(JobEvent.seq).where(
     JobEvent.id == bindparam("event_id"), JobEvent.job_id == bindparam("job_id")
 )
@@ -304,18 +319,27 @@ def is_tenants_job(connection: Connection | Session, job_id: str, tenant: str) -
 
 
 def list_events(
-    connection: Connection | Session, job_id: str, *, after: str | None = None, limit: int = 20
+    connection: Connection | Session,
+    job_id: str,
+    *,
+    after: str | None = None,
+    limit: int = 20,
+    type: str | None = None,
 ) -> tuple[list[Row], bool]:
-    """Newest first, after the event ``after`` when it is one of the job's (else from the newest), as rows (id,
-    created_at, level, message, type, data_json); (page, has_more)."""
+    """Newest first, after the event ``after`` when it is one of the job's (else from the newest), only of
+    ``type`` when given, as rows (id, created_at, level, message, type, data_json); (page, has_more)."""
     params = {"job_id": job_id, "limit": limit + 1}
+    newest, before = _EVENTS_NEWEST, _EVENTS_BEFORE
+    if type is not None:
+        params["type"] = type
+        newest, before = _EVENTS_OF_TYPE_NEWEST, _EVENTS_OF_TYPE_BEFORE
     cursor_seq = None
     if after is not None:
         cursor_seq = connection.scalar(_EVENT_SEQ, {"event_id": after, "job_id": job_id})
     if cursor_seq is None:
-        rows = connection.execute(_EVENTS_NEWEST, params).all()
+        rows = connection.execute(newest, params).all()
     else:
-        rows = connection.execute(_EVENTS_BEFORE, {**params, "before_seq": cursor_seq}).all()
+        rows = connection.execute(before, {**params, "before_seq": cursor_seq}).all()
     return rows[:limit], len(rows) > limit
 
 

@@ -24,6 +24,7 @@ import torch
 DATA_DIR = Path(__file__).parent / "data"
 TRAIN_FILE = DATA_DIR / "arithmetic.jsonl"
 VALID_FILE = DATA_DIR / "arithmetic_valid.jsonl"
+PREFERENCE_FILE = DATA_DIR / "arithmetic_preference.jsonl"
 BUNDLED_TRAIN_EXAMPLES = 512
 BUNDLED_VALID_EXAMPLES = 64
 
@@ -117,6 +118,28 @@ def write_demo_dataset(path: str | Path, n_examples: int = BUNDLED_TRAIN_EXAMPLE
     return write_jsonl(path, demo_examples(n_examples, seed=seed))
 
 
+def preference_example(chat: dict[str, Any]) -> dict[str, Any]:
+    """A demo chat as a DPO pair: its correct answer preferred over a wrong one of the same kind (the
+    arithmetic result 10 off, the word not reversed), a preference a small model learns quickly."""
+    *prompt, answer = chat["messages"]
+    correct = answer["content"]
+    if prompt[-1]["content"].startswith("Reverse the word: "):
+        wrong = correct[::-1]
+    else:
+        value = int(correct)
+        wrong = str(value + 10 if value < 10 else value - 10)
+    return {
+        "input": {"messages": prompt},
+        "preferred_output": [{"role": "assistant", "content": correct}],
+        "non_preferred_output": [{"role": "assistant", "content": wrong}],
+    }
+
+
+def write_preference_dataset(path: str | Path, n_examples: int = 64, seed: int = 0) -> Path:
+    """Write `n_examples` demo preference pairs (OpenAI's DPO format) as JSON Lines to `path`."""
+    return write_jsonl(path, [preference_example(chat) for chat in demo_examples(n_examples, seed=seed)])
+
+
 def bundled_examples() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and validation examples of the bundled files; no validation question is in the training set."""
     train = demo_examples(BUNDLED_TRAIN_EXAMPLES, seed=0)
@@ -129,6 +152,7 @@ def write_bundled_datasets(data_dir: str | Path = DATA_DIR) -> tuple[Path, Path]
     """Regenerate `arithmetic.jsonl` and `arithmetic_valid.jsonl` (run after changing the generator)."""
     train, valid = bundled_examples()
     data_dir = Path(data_dir)
+    write_preference_dataset(data_dir / PREFERENCE_FILE.name, seed=0)
     return write_jsonl(data_dir / TRAIN_FILE.name, train), write_jsonl(data_dir / VALID_FILE.name, valid)
 
 

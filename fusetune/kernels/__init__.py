@@ -10,6 +10,12 @@ The functions named like their module (``rms_norm``, ``layer_norm``, ``swiglu``,
 those functions from their modules (``from fusetune.kernels.rms_norm import rms_norm``).
 """
 
+from fusetune.kernels.adamw import (
+    FusedAdamW,
+    adamw_state_bytes_per_parameter,
+    adamw_step_reference,
+    gradient_clipping_scale,
+)
 from fusetune.kernels.cross_entropy import FusedCrossEntropyLoss, cross_entropy_reference
 from fusetune.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
@@ -32,6 +38,7 @@ from fusetune.kernels.swiglu import (
 )
 
 __all__ = [
+    "FusedAdamW",
     "FusedCrossEntropyLoss",
     "FusedGeGLUMLP",
     "FusedLayerNorm",
@@ -40,11 +47,14 @@ __all__ = [
     "FusedSwiGLUMLP",
     "add_rms_norm",
     "add_rms_norm_reference",
+    "adamw_state_bytes_per_parameter",
+    "adamw_step_reference",
     "apply_rotary_pos_emb",
     "cross_entropy_reference",
     "fused_linear_cross_entropy_reference",
     "geglu",
     "geglu_reference",
+    "gradient_clipping_scale",
     "layer_norm_reference",
     "rms_norm_reference",
     "rope_reference",

@@ -382,7 +382,10 @@ def cross_entropy_launch_config(
     but 528 rows in flight no longer fit in L2 for the second sweep). The 32-warp program is capped at
     64 registers, so with extra lane state (ptxas: 240-800 bytes of spills) the 16-warp programs take
     over: 8192 columns (no spills with accuracy or smoothing alone; 2.14 ms with accuracy, Liger 2.55)
-    and 4096 with both.
+    and 4096 with both. Splitting each row's first sweep over 2, 4 or 8 programs (the last to finish
+    combines their partial max/sum through an atomic arrival count and writes the gradient, so fewer
+    bytes lie between a line's two reads) was slower, 2.33 / 3.53 / 6.36 ms against 1.74 unsplit
+    (benchmarks/loss_launch_settings.py, one run, 2026-11-25; Liger 2.86, torch.compile 2.88).
     Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.

@@ -44,9 +44,13 @@ __all__ = [
     "fused_linear_cross_entropy_reference",
 ]
 
-# Below this many rows a chunk's matmuls are bound by reading all of W (V x H) per chunk, so the default
-# chunk is never smaller (costs at most 128 * V * 2 bytes, 64 MB at V=262k in bf16).
-_MIN_CHUNK_ROWS = 128
+# Liger-Kernel's chunk: ceil(T / ceil(V / H)) rows rounded up to a power of two. By default a chunk (with the
+# gathered hidden rows and their dh when tokens are ignored) may use this much more than that chunk's bytes:
+# the extra memory stays within 256 MiB of Liger-Kernel's, with 4 MiB left for the loop's per-token buffers.
+DEFAULT_EXTRA_CHUNK_BYTES = 252 * 2**20
+# Chunks are balanced (the last is not a sliver), and their rows a multiple of this when the budget allows,
+# so the [C, H] x [H, V] matmul has no partial 64-row tile.
+_CHUNK_ROW_ALIGNMENT = 64
 
 
 def fused_linear_cross_entropy_chunk_rows(
@@ -56,43 +60,66 @@ def fused_linear_cross_entropy_chunk_rows(
     logits_dtype: torch.dtype,
     device: torch.device,
     logits_chunk_bytes: int | None = None,
+    *,
+    rows_to_chunk: int | None = None,
 ) -> int:
     """Rows per chunk of logits: the one place the chunking is chosen.
 
-    Default (memory-matched): ceil(T / ceil(V / H)) rows rounded up to a power of two, at least 128 --
-    the same transient as Liger-Kernel's chunking, so peak memory matches it at every shape with
-    T >= 128 * ceil(V / H). ``logits_chunk_bytes`` instead gives a byte budget for the [C, V] chunk
-    (rounded down to whole 64-row matmul tiles): the memory/speed knob. Either way the chunk takes at
-    most half of the free device memory.
+    The budget for the [C, V] chunk is ``logits_chunk_bytes``, or by default the bytes of Liger-Kernel's
+    chunk at this shape plus :data:`DEFAULT_EXTRA_CHUNK_BYTES`, less the chunk's gathered [C, H] hidden
+    rows and their dh when ``rows_to_chunk`` (the valid tokens; default ``n_tokens``) < ``n_tokens``;
+    never more than half of the free device memory. The rows are then cut into the fewest chunks that
+    fit, of balanced sizes rounded up to 64 rows where that fits.
 
-    Measured on H100, bf16, fwd+bwd, in two runs (transient = the chunk; matmul floor 35.7 ms):
-      T=8192, H=4096, V=128256:
-        256 rows (default)  63.6 / 63.1 ms,   63 MB   (Liger-Kernel 0.8.5: 64.4 / 64.4 ms, 63 MB)
-        512 rows            47.6 ms,         125 MB
-        1024 rows           42.4 / 42.1 ms,  251 MB
-        2048 rows           41.1 / 41.2 ms,  501 MB
-        4096 rows           40.5 ms,        1002 MB
-      T=16384, H=2048, V=128256 (Llama-3.2-1B, 8 x 2048 tokens):
-        512 rows (default)  50.2 ms,         125 MB   (Liger-Kernel: 50.5 ms, 125 MB)
-        1024 rows           44.3 ms,         251 MB
-        2048 rows           42.6 ms,         501 MB
-    Small chunks are slow because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
-    bytes: at C=256 that matmul takes 1.08 of the 2.0 ms per chunk, at C=1024 1.54 of 4.7 ms.
+    Larger chunks are faster because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
+    bytes, once per chunk, and each chunk re-reads W twice. Measured on H100, bf16, fwd+bwd through
+    torch.autograd.grad, peak extra memory including the returned gradients (1066 MB here), one run
+    (benchmarks/loss_launch_settings.py, 2026-11-25; matmul floor 35.7 ms; do_bench takes only 2-3
+    samples of a 40 ms call, so +-1 ms), T=8192, H=4096, V=128256:
+        torch.compile      37.9 ms, 3070 MB          Liger-Kernel 0.8.5   64.5 ms, 1129 MB
+        256 rows (Liger's chunk, the earlier default)                    63.3 ms, 1129 MB
+        1216 rows (default: 7 chunks, 6 x 1216 + 896)                     42.7 ms, 1364 MB
+        1024 rows  43.5 ms, 1317 MB;  1536 rows  43.1 ms, 1411 MB
+        2048 rows  39.0 ms, 1567 MB;  4096 rows  40.8 ms, 2068 MB
+    (these with a variant of the cross-entropy kernel 0.6 ms slower per 8192 rows than the one used now).
+    Profile of the default: per 1216-row chunk the three matmuls take 1.73 (h @ W^T), 1.64 (dh) and
+    1.83 ms (dW, beta = 1), near the matmul rate; the 896-row last chunk's take 4.6 ms (cuBLAS picks
+    split-K and smaller tiles); the cross-entropy kernel 0.34 ms per chunk; and about 4 ms of the measured
+    time is not in any kernel of the profile. At other shapes (default; ms and MB above Liger's memory):
+        T=1024,  H=4096, V=128256   5.5 ms, +243    (compile 4.8, Liger 59.6; earlier default 15.5)
+        T=16384, H=4096, V=128256  79.8 ms, +251    (compile 76.0, Liger 94.8; earlier 93.2)
+        T=8192,  H=4096, V=32000    9.9 ms, +188    (compile 9.5, Liger 11.4; earlier 11.2)
+        T=8192,  H=4096, V=151936  49.3 ms, +223    (compile 44.5, Liger 75.7; earlier 74.3)
+        T=8192,  H=4096, V=256000, softcap 30   95.6 ms, +250  (compile 78.4, Liger 131.8; earlier 129.5)
+        T=16384, H=1536, V=128256  35.3 ms, +252    (compile 32.2, Liger 54.0; earlier 53.7)
+        T=65536, H=4096, V=128256  320.5 ms, +235   (Liger 317.1; earlier 329.4)
     """
     itemsize = torch.empty((), dtype=logits_dtype).element_size()
     row_bytes = max(1, vocab_size * itemsize)
+    rows_to_chunk = n_tokens if rows_to_chunk is None else rows_to_chunk
     if logits_chunk_bytes is None:
-        rows = triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab_size, hidden_size)))
-        rows = max(rows, _MIN_CHUNK_ROWS)
+        liger_rows = triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab_size, hidden_size)))
+        budget = min(liger_rows, n_tokens) * row_bytes + DEFAULT_EXTRA_CHUNK_BYTES
+        gathered_row_bytes = 2 * hidden_size * itemsize if rows_to_chunk < n_tokens else 0
+        budget_rows = budget // (row_bytes + gathered_row_bytes)
     else:
-        rows = int(logits_chunk_bytes) // row_bytes
-        if rows >= 64:
-            rows -= rows % 64
+        budget_rows = int(logits_chunk_bytes) // row_bytes
     if device.type == "cuda":
         free_bytes, _ = torch.cuda.mem_get_info(device)
         cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        rows = min(rows, (free_bytes + cached_free) // 2 // row_bytes)
-    return int(max(1, min(rows, n_tokens)))
+        budget_rows = min(budget_rows, (free_bytes + cached_free) // 2 // row_bytes)
+    max_rows = max(1, budget_rows)
+    n_chunks = triton.cdiv(rows_to_chunk, max_rows)
+    if n_chunks <= 1:
+        return int(max(1, rows_to_chunk))
+    while True:
+        rows = triton.cdiv(rows_to_chunk, n_chunks)
+        aligned = triton.cdiv(rows, _CHUNK_ROW_ALIGNMENT) * _CHUNK_ROW_ALIGNMENT
+        if aligned <= max_rows:
+            return int(aligned if aligned * (n_chunks - 1) < rows_to_chunk else rows)
+        if rows < _CHUNK_ROW_ALIGNMENT:
+            return int(rows)
+        n_chunks += 1
 
 
 def _valid_token_rows(labels: Tensor, ignore_index: int) -> Tensor:
@@ -172,9 +199,8 @@ def _chunked_linear_cross_entropy(
 
     if n_valid > 0:
         chunk_rows = fused_linear_cross_entropy_chunk_rows(
-            n_tokens, hidden_size, vocab_size, hidden.dtype, device, logits_chunk_bytes
+            n_tokens, hidden_size, vocab_size, hidden.dtype, device, logits_chunk_bytes, rows_to_chunk=n_valid
         )
-        chunk_rows = min(chunk_rows, n_valid)
         logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
         weight_t = weight.t()
         for start in range(0, n_valid, chunk_rows):
@@ -542,11 +568,12 @@ def fused_linear_cross_entropy(
     accumulate_dw_in_fp32: accumulate grad_weight over the token chunks in float32 (one rounding to
         weight's dtype at the end) instead of in weight's dtype (one rounding per chunk; each chunk's
         matmul itself accumulates in float32). Costs a float32 [V, H] buffer and time: on H100 at
-        T=8192, H=4096, V=128256 with the default chunks, 97 ms and +2 GB instead of 64 ms. Off by
+        T=8192, H=4096, V=128256 with the earlier default of 256-row chunks, 97 ms and +2 GB instead of
+        64 ms. Off by
         default for that reason.
-    logits_chunk_bytes: budget for the [C, V] logits chunk; None picks the memory-matched default of
-        :func:`fused_linear_cross_entropy_chunk_rows`. A larger budget trades memory for speed (its
-        docstring has the measured trade-off: about 250 MB buys 64 -> 42 ms at T=8192, H=4096, V=128256).
+    logits_chunk_bytes: budget for the [C, V] logits chunk; None picks the default of
+        :func:`fused_linear_cross_entropy_chunk_rows` (Liger-Kernel's chunk + 252 MiB). A larger budget
+        trades memory for speed; its docstring has the measured trade-off.
     return_accuracy: also return argmax == label over valid tokens (a fraction; per token for "none").
     """
     _validate(hidden, weight, labels, bias, reduction)

@@ -22,6 +22,7 @@ so the peak of a forward+backward holds three [tokens, intermediate] buffers whe
 four or more.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,15 @@ import triton.language as tl
 from torch import nn
 from torch.library import triton_op, wrap_triton
 
+import fusetune.kernels.rms_norm as _rms_norm
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
 
 __all__ = [
     "FusedGeGLUMLP",
     "FusedSwiGLUMLP",
     "GatedLaunchSettings",
+    "add_rms_norm_gated_mlp",
+    "gated_mlp",
     "gated_launch_settings",
     "geglu",
     "geglu_reference",
@@ -405,7 +409,7 @@ def geglu_reference(a: torch.Tensor, b: torch.Tensor, approximate: str = "tanh")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Whole-MLP autograd node (eager)
+# Whole-MLP autograd nodes (eager)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -415,75 +419,312 @@ def _release_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
+def _gate_up_halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n_cols = gate_up.shape[-1] // 2
+    return gate_up[:, :n_cols], gate_up[:, n_cols:]
+
+
+def _project_gate_up(
+    x_rows: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The projection buffers the backward keeps: (gate, up), or (gate_up,) when up_weight is None and
+    gate_weight is a fused [gate; up] projection (Phi-3's gate_up_proj), whose output halves are gate and up."""
+    if up_weight is None:
+        return (F.linear(x_rows, gate_weight, gate_bias),)
+    return F.linear(x_rows, gate_weight, gate_bias), F.linear(x_rows, up_weight, up_bias)
+
+
+def _gated_mlp_rows_forward(
+    x_rows: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    activation: str,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """down(act(gate) * up) over [rows, hidden]; returns the output rows and the projection buffers to save
+    (the product itself is freed here and recomputed by the backward)."""
+    buffers = _project_gate_up(x_rows, gate_weight, gate_bias, up_weight, up_bias)
+    gate, up = buffers if len(buffers) == 2 else _gate_up_halves(buffers[0])
+    hidden = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _launch_gated_forward(gate, up, hidden, activation)
+    return F.linear(hidden, down_weight, down_bias), buffers
+
+
+def _gated_mlp_rows_backward(
+    grad_rows: torch.Tensor,
+    x_rows: torch.Tensor | Callable[[], torch.Tensor],
+    buffers: tuple[torch.Tensor, ...],
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    activation: str,
+    needs: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients (x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias) of
+    _gated_mlp_rows_forward, in the order of the module docstring; `needs` flags them in that order.
+
+    The projection buffers are overwritten with their gradients and then freed. `x_rows` may be a function
+    that rebuilds the input (a recomputed norm output): it is called only once grad_hidden is freed, so the
+    rebuilt rows never sit beside it.
+    """
+    need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b = needs
+    fused_gate_up = len(buffers) == 1
+    gate, up = _gate_up_halves(buffers[0]) if fused_gate_up else buffers
+
+    grad_hidden = torch.mm(grad_rows, down_weight)
+    # gate <- d gate, up <- d up, grad_hidden <- act(gate) * up (the forward product, for dW_down).
+    _launch_gated_backward(grad_hidden, gate, up, gate, up, grad_hidden if need_down_w else None, activation)
+    grad_down_weight = torch.mm(grad_rows.t(), grad_hidden) if need_down_w else None
+    grad_down_bias = grad_rows.sum(0) if need_down_b else None
+    del grad_hidden
+    if callable(x_rows):
+        x_rows = x_rows() if (need_gate_w or need_up_w) else None
+
+    grad_up_weight = grad_up_bias = None
+    if fused_gate_up:
+        (grad_gate_up,) = buffers
+        grad_x_rows = torch.mm(grad_gate_up, gate_weight) if need_x else None
+        grad_gate_weight = torch.mm(grad_gate_up.t(), x_rows) if need_gate_w else None
+        grad_gate_bias = grad_gate_up.sum(0) if need_gate_b else None
+        del gate, up, grad_gate_up
+        _release_storage(buffers[0])
+        return grad_x_rows, grad_gate_weight, grad_gate_bias, None, None, grad_down_weight, grad_down_bias
+
+    grad_x_rows = torch.mm(gate, gate_weight) if need_x else None
+    grad_gate_weight = torch.mm(gate.t(), x_rows) if need_gate_w else None
+    grad_gate_bias = gate.sum(0) if need_gate_b else None
+    del gate
+    _release_storage(buffers[0])
+    if need_x:
+        grad_x_rows.addmm_(up, up_weight)
+    grad_up_weight = torch.mm(up.t(), x_rows) if need_up_w else None
+    grad_up_bias = up.sum(0) if need_up_b else None
+    del up
+    _release_storage(buffers[1])
+    return (
+        grad_x_rows,
+        grad_gate_weight,
+        grad_gate_bias,
+        grad_up_weight,
+        grad_up_bias,
+        grad_down_weight,
+        grad_down_bias,
+    )
+
+
+def _refuse_second_backward(ctx) -> None:
+    if ctx.consumed:
+        raise RuntimeError(
+            "the fused gated MLP overwrites its saved activations in the backward; a second backward "
+            "through the same graph (retain_graph=True) is not supported"
+        )
+    ctx.consumed = True
+
+
 class _GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation):
-        gate = F.linear(x, gate_weight, gate_bias)
-        up = F.linear(x, up_weight, up_bias)
-        hidden = torch.empty_like(gate)
-        n_cols = gate.shape[-1]
-        _launch_gated_forward(gate.view(-1, n_cols), up.view(-1, n_cols), hidden.view(-1, n_cols), activation)
-        out = F.linear(hidden, down_weight, down_bias)
-        del hidden  # recomputed in the backward
-        ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate, up)
+        x_rows = x.reshape(-1, x.shape[-1])
+        out_rows, buffers = _gated_mlp_rows_forward(
+            x_rows, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation
+        )
+        ctx.save_for_backward(x, gate_weight, up_weight, down_weight, *buffers)
         ctx.activation = activation
         ctx.consumed = False
-        return out
+        return out_rows.view(*x.shape[:-1], out_rows.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        if ctx.consumed:
-            raise RuntimeError(
-                "the fused gated MLP overwrites its saved activations in the backward; a second backward "
-                "through the same graph (retain_graph=True) is not supported"
-            )
-        ctx.consumed = True
-        x, gate_weight, up_weight, down_weight, gate, up = ctx.saved_tensors
-        (need_x, need_gate_w, need_gate_b, need_up_w, need_up_b, need_down_w, need_down_b, _) = (
-            ctx.needs_input_grad
-        )
-        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
-        x_rows = x.reshape(-1, x.shape[-1])
-        gate_rows, up_rows = _as_rows(gate), _as_rows(up)
-
-        grad_hidden = torch.mm(grad_rows, down_weight)
-        # gate <- d gate, up <- d up, grad_hidden <- act(gate) * up (the forward product, for dW_down).
-        _launch_gated_backward(
-            grad_hidden,
-            gate_rows,
-            up_rows,
-            gate_rows,
-            up_rows,
-            grad_hidden if need_down_w else None,
+        _refuse_second_backward(ctx)
+        x, gate_weight, up_weight, down_weight, *buffers = ctx.saved_tensors
+        grads = _gated_mlp_rows_backward(
+            grad_out.reshape(-1, grad_out.shape[-1]),
+            x.reshape(-1, x.shape[-1]),
+            tuple(buffers),
+            gate_weight,
+            up_weight,
+            down_weight,
             ctx.activation,
+            ctx.needs_input_grad[:7],
         )
-        grad_down_weight = torch.mm(grad_rows.t(), grad_hidden) if need_down_w else None
-        grad_down_bias = grad_rows.sum(0) if need_down_b else None
-        del grad_hidden
+        grad_x = grads[0].view(x.shape) if grads[0] is not None else None
+        return (grad_x, *grads[1:], None)
 
-        grad_x_rows = torch.mm(gate_rows, gate_weight) if need_x else None
-        grad_gate_weight = torch.mm(gate_rows.t(), x_rows) if need_gate_w else None
-        grad_gate_bias = gate_rows.sum(0) if need_gate_b else None
-        del gate_rows
-        _release_storage(gate)
-        if need_x:
-            grad_x_rows.addmm_(up_rows, up_weight)
-        grad_up_weight = torch.mm(up_rows.t(), x_rows) if need_up_w else None
-        grad_up_bias = up_rows.sum(0) if need_up_b else None
-        del up_rows
-        _release_storage(up)
 
-        grad_x = grad_x_rows.view(x.shape) if need_x else None
-        return (
-            grad_x,
-            grad_gate_weight,
-            grad_gate_bias,
-            grad_up_weight,
-            grad_up_bias,
-            grad_down_weight,
-            grad_down_bias,
-            None,
+@dataclass(frozen=True)
+class _AddNormSettings:
+    eps: float
+    offset: float
+    casting_mode: str
+    activation: str
+
+
+class _AddRMSNormGatedMLPFunction(torch.autograd.Function):
+    """h = branch + residual;  out = down(act(gate(n)) * up(n)),  n = rms_norm(h).
+
+    Saves h (the new residual stream, an output anyway), rstd, gate and up: neither the norm output n nor
+    the product. The backward rebuilds n from h once the MLP's grad_hidden is freed, then
+
+        dn = d gate @ W_gate + d up @ W_up;   dh = rms_norm backward(dn) + d h_out   (one kernel, in place)
+
+    and both branch and residual receive dh.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        branch,
+        residual,
+        norm_weight,
+        gate_weight,
+        gate_bias,
+        up_weight,
+        up_bias,
+        down_weight,
+        down_bias,
+        settings,
+    ):
+        normed, new_residual, rstd = _rms_norm._launch_forward(
+            branch, residual, norm_weight, settings.eps, settings.offset, settings.casting_mode
         )
+        n_cols = branch.shape[-1]
+        out_rows, buffers = _gated_mlp_rows_forward(
+            normed.view(-1, n_cols),
+            gate_weight,
+            gate_bias,
+            up_weight,
+            up_bias,
+            down_weight,
+            down_bias,
+            settings.activation,
+        )
+        del normed  # rebuilt by the backward
+        ctx.save_for_backward(new_residual, norm_weight, rstd, gate_weight, up_weight, down_weight, *buffers)
+        ctx.settings = settings
+        ctx.consumed = False
+        return out_rows.view(*branch.shape[:-1], out_rows.shape[-1]), new_residual
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_new_residual):
+        _refuse_second_backward(ctx)
+        new_residual, norm_weight, rstd, gate_weight, up_weight, down_weight, *buffers = ctx.saved_tensors
+        settings = ctx.settings
+        n_cols = new_residual.shape[-1]
+
+        def rebuild_normed() -> torch.Tensor:
+            # The forward kernel on the stored (already rounded) h: the same rows bit for bit.
+            normed, _, _ = _rms_norm._launch_forward(
+                new_residual, None, norm_weight, settings.eps, settings.offset, settings.casting_mode
+            )
+            return normed.view(-1, n_cols)
+
+        needs = ctx.needs_input_grad
+        grads = _gated_mlp_rows_backward(
+            grad_out.reshape(-1, grad_out.shape[-1]),
+            rebuild_normed,
+            tuple(buffers),
+            gate_weight,
+            up_weight,
+            down_weight,
+            settings.activation,
+            (True, *needs[3:9]),
+        )
+        grad_normed = grads[0]
+        grad_h, grad_norm_weight = _rms_norm._backward(
+            grad_normed,
+            new_residual.view(-1, n_cols),
+            norm_weight,
+            rstd,
+            grad_new_residual,
+            settings.offset,
+            settings.casting_mode,
+            inplace_backward=True,  # grad_normed is this node's own buffer
+        )
+        grad_h = grad_h.view(new_residual.shape)
+        return (grad_h, grad_h, grad_norm_weight if needs[2] else None, *grads[1:], None)
+
+
+def _check_mlp_weights(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    activation: str,
+) -> None:
+    if activation not in _ACTIVATION_CODES:
+        raise ValueError(f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}")
+    intermediate = gate_weight.shape[0] if up_weight is not None else gate_weight.shape[0] // 2
+    expected = {
+        "gate_weight": (intermediate * (1 if up_weight is not None else 2), x.shape[-1]),
+        "up_weight": (intermediate, x.shape[-1]) if up_weight is not None else None,
+        "down_weight": (down_weight.shape[0], intermediate),
+    }
+    actual = {"gate_weight": gate_weight, "up_weight": up_weight, "down_weight": down_weight}
+    for name, shape in expected.items():
+        if shape is not None and tuple(actual[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(actual[name].shape)}")
+    if up_weight is None and gate_weight.shape[0] % 2:
+        raise ValueError(f"a fused gate_up weight needs an even number of rows, got {gate_weight.shape[0]}")
+
+
+def gated_mlp(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """down_proj(act(gate_proj(x)) * up_proj(x)) as one autograd node (eager only) that saves x, gate and
+    up. With up_weight None, gate_weight (and gate_bias) is a fused [gate; up] projection. `activation`:
+    "silu", "gelu_tanh" or "gelu". One backward only (no retain_graph)."""
+    _check_mlp_weights(x, gate_weight, up_weight, down_weight, activation)
+    return _GatedMLPFunction.apply(
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation
+    )
+
+
+def add_rms_norm_gated_mlp(
+    branch: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    down_weight: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    *,
+    eps: float,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    activation: str = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gated_mlp(rms_norm(branch + residual)), branch + residual) as one autograd node (eager only) that
+    keeps neither the norm output nor the product for the backward. Norm arguments as in
+    `fusetune.kernels.rms_norm.add_rms_norm`; MLP arguments as in `gated_mlp`."""
+    if branch.shape != residual.shape or branch.dtype != residual.dtype:
+        raise ValueError(
+            "add_rms_norm_gated_mlp: residual must match branch in shape and dtype, got "
+            f"{tuple(residual.shape)} {residual.dtype} for branch {tuple(branch.shape)} {branch.dtype}"
+        )
+    if norm_weight.shape != (branch.shape[-1],):
+        raise ValueError(f"norm_weight must have shape ({branch.shape[-1]},), got {tuple(norm_weight.shape)}")
+    _check_mlp_weights(branch, gate_weight, up_weight, down_weight, activation)
+    settings = _AddNormSettings(float(eps), float(offset), casting_mode, activation)
+    return _AddRMSNormGatedMLPFunction.apply(
+        branch, residual, norm_weight, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
+        settings,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_internals
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from fusetune.kernels._interpreter import interpreted
@@ -38,6 +39,7 @@ class _Kernels:
         self.fused_linear_cross_entropy = importlib.import_module(
             "fusetune.kernels.fused_linear_cross_entropy"
         )
+        self.sequence_log_probs = importlib.import_module("fusetune.kernels.sequence_log_probs")
 
 
 kernels = _Kernels()
@@ -56,6 +58,55 @@ def gated_activation_kernel(
     if activation in GEGLU_APPROXIMATIONS and use_geglu:
         return functools.partial(kernels.swiglu.geglu, approximate=GEGLU_APPROXIMATIONS[activation])
     return None
+
+
+def gated_activation_name(activation: str | None, *, use_swiglu: bool, use_geglu: bool) -> str | None:
+    """The activation name of `fusetune.kernels.swiglu.gated_mlp` for an HF activation, or None."""
+    if activation in SWIGLU_ACTIVATIONS and use_swiglu:
+        return "silu"
+    if activation in GEGLU_APPROXIMATIONS and use_geglu:
+        return "gelu_tanh" if GEGLU_APPROXIMATIONS[activation] == "tanh" else "gelu"
+    return None
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear whose forward is exactly F.linear on plain tensors: no adapter (a LoRA layer is another
+    class), no hooks, no sharded parameters."""
+    if type(module) is not nn.Linear or module._forward_hooks or module._forward_pre_hooks:
+        return False
+    return type(module.weight.data) is torch.Tensor and (
+        module.bias is None or type(module.bias.data) is torch.Tensor
+    )
+
+
+def mlp_weights(mlp: nn.Module, fused_gate_up: bool) -> tuple[torch.Tensor | None, ...] | None:
+    """(gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias) of a gated MLP whose projections
+    are plain Linears (up_* None for a fused gate_up_proj), or None when the whole MLP cannot run as one node."""
+    if mlp._forward_hooks or mlp._forward_pre_hooks:
+        return None
+    down = mlp.down_proj
+    if fused_gate_up:
+        gate_up = mlp.gate_up_proj
+        if not (_is_plain_linear(gate_up) and _is_plain_linear(down)):
+            return None
+        return gate_up.weight, gate_up.bias, None, None, down.weight, down.bias
+    gate, up = mlp.gate_proj, mlp.up_proj
+    if not (_is_plain_linear(gate) and _is_plain_linear(up) and _is_plain_linear(down)):
+        return None
+    return gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias
+
+
+def whole_mlp_fusable(x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether the MLP (and its norm) may run as one eager autograd node on `x`: not under torch.compile
+    (which gets the registered ops), not under autocast (whose casts the node would skip), one dtype and
+    device throughout, a device the kernels reach, and no global module hooks (the node calls no modules)."""
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        return False
+    if not (x.is_cuda or interpreted()):
+        return False
+    if module_internals._global_forward_hooks or module_internals._global_forward_pre_hooks:
+        return False
+    return all(t.dtype == x.dtype and t.device == x.device for t in tensors if t is not None)
 
 
 def activation_of(module: nn.Module, spec: FamilySpec) -> str | None:
@@ -109,14 +160,21 @@ def make_rms_norm_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
 def make_mlp_forward(
     spec: FamilySpec, original_forward: Callable[..., torch.Tensor], *, use_swiglu: bool, use_geglu: bool
 ) -> Callable[..., torch.Tensor]:
-    """Gated MLP forward: the projections stay the module's own (so LoRA-wrapped Linears keep working); only
-    `act(gate) * up` runs in one kernel whose backward reuses the gate and up buffers."""
+    """Gated MLP forward. With plain Linear projections the whole MLP is one autograd node
+    (`kernels.swiglu.gated_mlp`) that keeps x, gate and up but not the product; otherwise (LoRA-wrapped
+    Linears, hooks, autocast, torch.compile) the projections stay the module's own and only `act(gate) * up`
+    runs in one kernel whose backward reuses the gate and up buffers."""
     fused_gate_up = spec.mlp_layout == "fused_gate_up"
 
     def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        gated = gated_activation_kernel(activation_of(self, spec), use_swiglu=use_swiglu, use_geglu=use_geglu)
-        if gated is None:
+        activation = activation_of(self, spec)
+        name = gated_activation_name(activation, use_swiglu=use_swiglu, use_geglu=use_geglu)
+        if name is None:
             return original_forward(self, hidden_states)
+        weights = mlp_weights(self, fused_gate_up)
+        if weights is not None and whole_mlp_fusable(hidden_states, weights):
+            return kernels.swiglu.gated_mlp(hidden_states, *weights, activation=name)
+        gated = gated_activation_kernel(activation, use_swiglu=use_swiglu, use_geglu=use_geglu)
         if fused_gate_up:
             gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
         else:
@@ -146,16 +204,22 @@ def make_experts_apply_gate(
 # -------------------------------------------------------------------------------------- decoder layers
 
 
-def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
-    """The family's decoder layer with its middle "residual add, then RMSNorm" done by `add_rms_norm`.
+def make_decoder_layer_forward(
+    spec: FamilySpec, *, use_swiglu: bool = True, use_geglu: bool = True
+) -> Callable[..., torch.Tensor]:
+    """The family's decoder layer with its middle "residual add, then RMSNorm" done by `add_rms_norm`, and
+    when the MLP can run as one node, that add, the norm and the gated MLP done by `add_rms_norm_gated_mlp`,
+    which keeps neither the norm output nor the MLP's product for the backward.
 
-    Everything else (attention, MLP, the other norms, the last residual add) is the layer's own modules in
-    HF's order, so this is exact up to the kernels' rounding. The models call their layers as
+    Everything else (attention, the other norms, the last residual add) is the layer's own modules in HF's
+    order, so this is exact up to the kernels' rounding. The models call their layers as
     `layer(hidden_states, attention_mask=..., position_embeddings=..., ...)`; those keywords go to the
     attention unchanged, as HF's layers do.
     """
     offset, casting_mode, eps_attribute = spec.norm_offset, spec.norm_casting_mode, spec.norm_eps_attribute
     attn_dropout_name, mlp_dropout_name = spec.residual_dropout_attributes or (None, None)
+    mlp_class = spec.resolve(spec.mlp_class) if spec.mlp_class else None
+    fused_gate_up = spec.mlp_layout == "fused_gate_up"
 
     def add_norm(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
         if branch.dtype != residual.dtype:
@@ -173,14 +237,39 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
             casting_mode=casting_mode,
         )
 
+    def add_norm_mlp(norm: nn.Module, mlp: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
+        """(mlp(norm(branch + residual)), branch + residual)."""
+        name = None
+        if mlp_class is not None and isinstance(mlp, mlp_class):
+            name = gated_activation_name(activation_of(mlp, spec), use_swiglu=use_swiglu, use_geglu=use_geglu)
+        weights = mlp_weights(mlp, fused_gate_up) if name is not None else None
+        if (
+            weights is not None
+            and type(norm.weight.data) is torch.Tensor
+            and whole_mlp_fusable(branch, (residual, norm.weight, *weights))
+        ):
+            return kernels.swiglu.add_rms_norm_gated_mlp(
+                branch,
+                residual,
+                norm.weight,
+                *weights,
+                eps=getattr(norm, eps_attribute),
+                offset=offset,
+                casting_mode=casting_mode,
+                activation=name,
+            )
+        hidden_states, residual = add_norm(norm, branch, residual)
+        return mlp(hidden_states), residual
+
     def prenorm_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
         if attn_dropout_name is not None:
             hidden_states = getattr(self, attn_dropout_name)(hidden_states)
-        hidden_states, residual = add_norm(self.post_attention_layernorm, hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
+        hidden_states, residual = add_norm_mlp(
+            self.post_attention_layernorm, self.mlp, hidden_states, residual
+        )
         if mlp_dropout_name is not None:
             hidden_states = getattr(self, mlp_dropout_name)(hidden_states)
         return residual + hidden_states
@@ -190,8 +279,9 @@ def make_decoder_layer_forward(spec: FamilySpec) -> Callable[..., torch.Tensor]:
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
         hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states, residual = add_norm(self.pre_feedforward_layernorm, hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
+        hidden_states, residual = add_norm_mlp(
+            self.pre_feedforward_layernorm, self.mlp, hidden_states, residual
+        )
         hidden_states = self.post_feedforward_layernorm(hidden_states)
         return residual + hidden_states
 
@@ -225,6 +315,10 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
     (`num_items_in_batch`, `shift_labels`, `ignore_index`), `logits_to_keep` and the family's final logit
     soft-capping; the output has `logits=None`. In eval, without labels, or when `lm_head` is not an
     nn.Linear (a LoRA-wrapped head), the original HF forward runs unchanged.
+
+    `sequence_log_probs=True` (fusetune's own keyword; in training and in eval, with labels) returns in
+    `loss` each row's sum of log-probabilities of its labelled tokens, [batch], through
+    `fusetune.kernels.sequence_log_probs` (what preference losses need), still without the logits.
     """
     softcap_attribute = spec.logit_softcap_config_attribute
 
@@ -241,7 +335,12 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs: Any,
     ) -> Any:
-        if not (self.training and labels is not None and isinstance(self.lm_head, nn.Linear)):
+        per_sequence = bool(kwargs.pop("sequence_log_probs", False))
+        if not (
+            (self.training or per_sequence) and labels is not None and isinstance(self.lm_head, nn.Linear)
+        ):
+            if per_sequence:
+                raise ValueError("sequence_log_probs=True needs labels and an nn.Linear lm_head")
             return original_forward(
                 self,
                 input_ids=input_ids,
@@ -279,6 +378,7 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
         if shift_labels is None:
             # Same shift as HF: position t predicts token t + 1, the last position predicts nothing.
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        per_sequence_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
         shift_labels = shift_labels.reshape(-1).to(hidden_states.device)
         if shift_labels.shape[0] != hidden_states.shape[0]:
@@ -298,16 +398,27 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             # the gradients back to the fp32 weights); the kernel itself then runs with autocast off.
             hidden_states, weight = hidden_states.to(autocast_dtype), weight.to(autocast_dtype)
             bias = bias.to(autocast_dtype) if bias is not None else None
+        softcap = getattr(self.config, softcap_attribute, None) if softcap_attribute else None
         with torch.autocast(device_type, enabled=False) if autocast_dtype else contextlib.nullcontext():
-            loss = kernels.fused_linear_cross_entropy.fused_linear_cross_entropy(
-                hidden_states,
-                weight,
-                shift_labels,
-                bias=bias,
-                ignore_index=ignore_index,
-                num_items_in_batch=num_items_in_batch,
-                softcap=getattr(self.config, softcap_attribute, None) if softcap_attribute else None,
-            )
+            if per_sequence:
+                loss = kernels.sequence_log_probs.sequence_log_probs(
+                    hidden_states.view(per_sequence_shape),
+                    weight,
+                    shift_labels.view(per_sequence_shape[:-1]),
+                    bias,
+                    ignore_index=ignore_index,
+                    softcap=softcap,
+                )
+            else:
+                loss = kernels.fused_linear_cross_entropy.fused_linear_cross_entropy(
+                    hidden_states,
+                    weight,
+                    shift_labels,
+                    bias=bias,
+                    ignore_index=ignore_index,
+                    num_items_in_batch=num_items_in_batch,
+                    softcap=softcap,
+                )
 
         if spec.router_aux_loss:
             output = _moe_output(self, spec, loss, outputs, attention_mask, kwargs["output_router_logits"])
@@ -321,7 +432,18 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             )
         return output if return_dict else output.to_tuple()
 
+    forward.fusetune_fused_loss = True  # type: ignore[attr-defined]
     return forward
+
+
+def has_fused_loss(model: nn.Module) -> bool:
+    """Whether `model` (or the model inside a PEFT or DDP wrapper) runs the fused CausalLM forward above with
+    a plain nn.Linear output layer, so that it takes `sequence_log_probs=True`."""
+    from fusetune.models.patching import unwrap_model
+
+    base = unwrap_model(getattr(model, "module", model))
+    head = getattr(base, "lm_head", None)
+    return getattr(type(base).forward, "fusetune_fused_loss", False) and isinstance(head, nn.Linear)
 
 
 def _moe_output(

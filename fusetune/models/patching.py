@@ -334,7 +334,7 @@ def _fused_subclass(base: type, role: str, spec: FamilySpec, options: PatchOptio
     elif role == "experts":
         replacement = fused.make_experts_apply_gate(spec, original, **gated)
     elif role == "decoder_layer":
-        replacement = fused.make_decoder_layer_forward(spec)
+        replacement = fused.make_decoder_layer_forward(spec, **gated)
     elif role == "causal_lm":
         original_forward = _shared.original(base, "forward")
         replacement = fused.make_causal_lm_forward(spec, original_forward)

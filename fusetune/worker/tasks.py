@@ -24,7 +24,8 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
-from fusetune.storage import STORAGE_ERROR_CODE, StorageError, open_storage
+from fusetune.jobspec import JobSpec
+from fusetune.storage import StorageError, open_storage
 from fusetune.worker import run_storage
 from fusetune.worker.process import prepare_training_process
 from fusetune.worker.train.config import TrainConfig
@@ -32,6 +33,7 @@ from fusetune.worker.train.outcome import (
     ERROR_FILENAME,
     RESULT_FILENAME,
     STOPPED_FILENAME,
+    ErrorCode,
     read_error,
     read_result,
     read_stopped,
@@ -97,7 +99,7 @@ class JobRunner:
             log.exception("job %s: the store failed", job_id)
             outcome = Outcome(
                 JobStatus.FAILED,
-                {"error": {"code": STORAGE_ERROR_CODE, "message": str(exc)}},
+                {"error": {"code": ErrorCode.STORAGE_ERROR.value, "message": str(exc)}},
                 f"Job failed: the store failed: {exc}",
                 "error",
             )
@@ -148,7 +150,6 @@ class JobRunner:
         return None
 
     def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:
-        hyper = job.hyperparameters
         with self.session_factory() as session:
             training = queries.get_file(session, job.training_file_id, job.tenant)
             validation = (
@@ -156,7 +157,10 @@ class JobRunner:
                 if job.validation_file_id
                 else None
             )
+        spec = JobSpec.from_row(job.hyperparameters)
         config = TrainConfig(
+            **spec.hyperparameters.training_fields(),
+            method=spec.method,
             job_id=job.id,
             database_url=self.settings.database_url,
             model_path=model_location,
@@ -170,19 +174,10 @@ class JobRunner:
             ),
             output_dir=str(run_dir),
             seed=job.seed,
-            n_epochs=hyper["n_epochs"],
-            batch_size=hyper["batch_size"],
-            learning_rate=hyper["learning_rate"],
-            lr_scheduler=hyper.get("lr_scheduler", "cosine"),
-            warmup_ratio=hyper.get("warmup_ratio", 0.0),
-            max_seq_length=hyper.get("max_seq_length", 512),
-            kernels=hyper.get("kernels", True),
-            gradient_checkpointing=hyper.get("gradient_checkpointing", False),
-            packing=hyper.get("packing", False),
-            distributed=hyper.get("distributed", "ddp"),
-            lora=hyper.get("lora"),
-            merge_lora_on_save=hyper.get("merge_lora_on_save", False),
             checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
+            checkpoint_every_epoch=self.settings.checkpoint_every_epoch,
+            checkpoint_every_minutes=self.settings.checkpoint_every_minutes or None,
+            keep_last_checkpoints=self.settings.keep_last_checkpoints,
             checkpoint_paths_relative_to=str(self.settings.runs_dir),
         )
         return config.write(run_dir / CONFIG_FILE)
@@ -214,7 +209,7 @@ class JobRunner:
         config_path = self._write_config(job, run_dir, model_location)
         # A retry on this host or any other resumes from the newest checkpoint SQL records.
         run_storage.restore_checkpoints(self.storage, self.session_factory, job, self.settings.runs_dir)
-        nproc = int(job.hyperparameters.get("n_gpus", 1))
+        nproc = JobSpec.from_row(job.hyperparameters).hyperparameters.n_gpus
         env = {**os.environ, **self.settings.subprocess_env(), "PYTHONUNBUFFERED": "1"}
         env[run_storage.TENANT_ENV] = job.tenant
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -314,8 +309,9 @@ def reap_lapsed_jobs(settings: Settings, session_factory, requeue: Callable[[str
     with session_factory() as session:
         for job in queries.lapsed_jobs(session):
             if job.attempts < settings.max_attempts:
-                if queries.requeue_job(session, job.id, worker=job.worker):
-                    queries.add_event(session, job.id, f"Worker {job.worker} stopped renewing its lease; job "
+                lost_worker = job.worker  # the requeue clears the row's worker, and the loaded job's with it
+                if queries.requeue_job(session, job.id, worker=lost_worker):
+                    queries.add_event(session, job.id, f"Worker {lost_worker} stopped renewing its lease; job "
                                       f"requeued for attempt {job.attempts + 1} of {settings.max_attempts}.",
                                       level="warning")  # fmt: skip
                     session.commit()

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
+from fusetune.demo.assets import PREFERENCE_FILE, TRAIN_FILE, build_tiny_model
 from tests.services import running_service
 
 pytestmark = pytest.mark.slow
@@ -146,3 +146,28 @@ def test_errors_have_the_openai_shape(client):
     bad_key = openai.OpenAI(base_url=str(client.base_url), api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad_key.files.list()
+
+
+def test_a_dpo_job_learns_the_bundled_preferences(client):
+    """DPO end to end through the SDK, unchanged: the bundled preference file (correct arithmetic answers
+    preferred over wrong ones), 2 processes, and the reward accuracy the job reports rises."""
+    pairs = "".join(PREFERENCE_FILE.read_text().splitlines(keepends=True)[:32])
+    training = client.files.create(file=("pairs.jsonl", pairs.encode()), purpose="fine-tune")
+    assert training.method == "dpo" and training.example_count == 32
+    job = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=training.id, seed=3,
+        method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 3, "batch_size": 8,
+                                                           "learning_rate_multiplier": 30}}},
+    )  # fmt: skip
+    assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.1
+    done = _wait(client, job.id, {"succeeded", "failed", "cancelled"})
+    assert done.status == "succeeded", done.error
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
+    assert any((e.data or {}).get("event") == "reference_ready" for e in events)
+    metrics = sorted((e.data for e in events if e.type == "metrics"), key=lambda data: data["step"])
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    accuracy = [m["reward_accuracy"] for m in metrics]
+    assert accuracy[0] == 0.0  # the policy is the reference at the first step: no reward yet
+    assert sum(accuracy[-4:]) / 4 >= 0.7, accuracy
+    for key in ("chosen_reward", "rejected_reward", "reward_margin", "train_loss"):
+        assert key in metrics[-1], key

@@ -165,14 +165,20 @@ def test_dry_run_estimates_and_creates_nothing(tmp_path):
     assert estimate["object"] == "fine_tuning.job.estimate"
     # Llama-3.2-1B has 1.236e9 parameters (tied embeddings).
     assert abs(estimate["parameters"] - 1.2358e9) / 1.2358e9 < 0.01
-    # fp32 weight, gradient and two AdamW moments, and the bf16 copy autocast keeps for the backward
-    assert estimate["memory_breakdown"]["weights_grads_optimizer"] == 18 * estimate["parameters"]
+    # bf16-sr, the GPU default: bf16 weight and gradient and two bf16 AdamW moments
+    assert estimate["memory_breakdown"]["weights_grads_optimizer"] == 8 * estimate["parameters"]
     assert estimate["fits"] is True and estimate["steps"] == 2 and estimate["training_tokens"] > 0
+    assert estimate["micro_batch_size"] == 4 and estimate["remedies"] is None
     assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
 
     tight = Settings(data_dir=tmp_path / "est", gpu_memory_bytes=8 * 2**30)
     client = _client(create_app(tight), tight.dev_api_key)
+    too_large = client.post("/v1/fine_tuning/jobs", json={**body, "dry_run": True}).json()
+    # The weights, gradients and AdamW state alone (9.2 GiB) exceed 8 GiB; LoRA would fit.
+    assert too_large["fits"] is False and too_large["micro_batch_size"] == 1
+    assert set(too_large["remedies"]) == {"LoRA (r=16)"}
     refused = client.post("/v1/fine_tuning/jobs", json=body)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "job_too_large"
-    assert "GiB" in refused.json()["error"]["message"]
+    assert "even at micro_batch_size 1" in refused.json()["error"]["message"]
+    assert "It would fit with: LoRA (r=16)" in refused.json()["error"]["message"]
     assert client.get("/v1/fine_tuning/jobs").json()["data"] == []

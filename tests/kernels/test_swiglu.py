@@ -575,3 +575,169 @@ def test_mlp_peak_memory_holds_three_intermediate_buffers(device):
     hf_peak = peak_extra_bytes(LlamaMLP(config).to(device=device, dtype=torch.bfloat16))
     assert fused_peak <= bound, (fused_peak, bound)
     assert hf_peak > bound, (hf_peak, bound)  # the bound tells the two designs apart
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Whole-MLP nodes used by the patched decoder layers: gated_mlp and add_rms_norm_gated_mlp
+# ----------------------------------------------------------------------------------------------------------
+
+_MLP_NODE_CASES = [
+    # (layout, activation, bias, casting mode, norm offset)
+    ("split", "silu", False, "llama", 0.0),
+    ("fused_gate_up", "silu", True, "llama", 0.0),
+    ("split", "gelu_tanh", False, "gemma", 1.0),
+]
+
+
+def _mlp_node_tensors(layout, bias, device, tokens=(2, 3), hidden=8, intermediate=12, seed=0):
+    gate_rows = 2 * intermediate if layout == "fused_gate_up" else intermediate
+    shapes = {
+        "branch": (*tokens, hidden),
+        "residual": (*tokens, hidden),
+        "norm_weight": (hidden,),
+        "gate_weight": (gate_rows, hidden),
+        "gate_bias": (gate_rows,) if bias else None,
+        "up_weight": (intermediate, hidden) if layout == "split" else None,
+        "up_bias": (intermediate,) if bias and layout == "split" else None,
+        "down_weight": (hidden, intermediate),
+        "down_bias": (hidden,) if bias else None,
+    }
+    tensors = {}
+    for index, (name, shape) in enumerate(shapes.items()):
+        if shape is not None:
+            scale = 1.0 / math.sqrt(shape[-1]) if len(shape) == 2 and "weight" in name else 0.5
+            tensors[name] = _randn(shape, torch.float32, device, seed + index, scale).requires_grad_(True)
+        else:
+            tensors[name] = None
+    return tensors
+
+
+def _mlp_node_reference(t, activation, casting_mode, offset, eps):
+    from fusetune.kernels.rms_norm import add_rms_norm_reference
+
+    normed, new_residual = add_rms_norm_reference(
+        t["branch"], t["residual"], t["norm_weight"], eps, offset, casting_mode
+    )
+    if t["up_weight"] is None:
+        gate, up = torch.nn.functional.linear(normed, t["gate_weight"], t["gate_bias"]).chunk(2, dim=-1)
+    else:
+        gate = torch.nn.functional.linear(normed, t["gate_weight"], t["gate_bias"])
+        up = torch.nn.functional.linear(normed, t["up_weight"], t["up_bias"])
+    act = (
+        torch.nn.functional.silu(gate)
+        if activation == "silu"
+        else torch.nn.functional.gelu(gate, approximate="tanh")
+    )
+    out = torch.nn.functional.linear(act * up, t["down_weight"], t["down_bias"])
+    return out, new_residual
+
+
+def _run_mlp_node(t, activation, casting_mode, offset, eps, grads):
+    names = [k for k, v in t.items() if v is not None]
+    inputs = {k: v.detach().clone().requires_grad_(True) if v is not None else None for k, v in t.items()}
+    branch = inputs["branch"] * 1  # an intermediate of the graph, as the attention output is
+    out, new_residual = swiglu_module.add_rms_norm_gated_mlp(
+        branch,
+        inputs["residual"],
+        inputs["norm_weight"],
+        inputs["gate_weight"],
+        inputs["gate_bias"],
+        inputs["up_weight"],
+        inputs["up_bias"],
+        inputs["down_weight"],
+        inputs["down_bias"],
+        eps=eps,
+        offset=offset,
+        casting_mode=casting_mode,
+        activation=activation,
+    )
+    torch.autograd.backward((out, new_residual), grads)
+    return out.detach(), new_residual.detach(), {k: inputs[k].grad for k in names}
+
+
+@pytest.mark.parametrize("layout, activation, bias, casting_mode, offset", _MLP_NODE_CASES)
+def test_add_rms_norm_gated_mlp_matches_reference(layout, activation, bias, casting_mode, offset, device):
+    """Outputs and every gradient, with gradients arriving on both outputs (the MLP output and the residual
+    stream, as in a decoder layer)."""
+    t = _mlp_node_tensors(layout, bias, device)
+    grads = (_randn((2, 3, 8), torch.float32, device, 90), _randn((2, 3, 8), torch.float32, device, 91))
+    out, new_residual, actual = _run_mlp_node(t, activation, casting_mode, offset, 1e-6, grads)
+
+    ref_out, ref_residual = _mlp_node_reference(t, activation, casting_mode, offset, 1e-6)
+    torch.autograd.backward((ref_out, ref_residual), grads)
+    _assert_matches(out, ref_out, torch.float32)
+    _assert_matches(new_residual, ref_residual, torch.float32)
+    assert actual.keys() == {k for k, v in t.items() if v is not None}
+    for name, grad in actual.items():
+        summed_rows = 1 if name in ("branch", "residual") else 6
+        _assert_matches(grad, t[name].grad, torch.float32, summed_rows=summed_rows)
+
+
+def test_add_rms_norm_gated_mlp_keeps_neither_the_norm_output_nor_the_product(device):
+    """What the node saves for the backward: the new residual stream (returned anyway), rstd, the weights, and
+    the gate and up projections; no [tokens, hidden] norm output and no third [tokens, intermediate] buffer."""
+    t = _mlp_node_tensors("split", False, device, tokens=(5,), hidden=8, intermediate=12)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        out, new_residual = swiglu_module.add_rms_norm_gated_mlp(
+            t["branch"] * 1, t["residual"], t["norm_weight"], t["gate_weight"], None, t["up_weight"], None,
+            t["down_weight"], None, eps=1e-6,
+        )  # fmt: skip
+    activations = sorted(tuple(s.shape) for s in saved if s.shape[0] == 5)  # rows = tokens
+    assert activations == [(5,), (5, 8), (5, 12), (5, 12)]
+    assert any(s is new_residual for s in saved), "the saved stream must be the returned one, not a copy"
+
+
+def test_add_rms_norm_gated_mlp_tolerance_catches_a_wrong_recomputed_product(device, monkeypatch):
+    """The backward recomputes act(gate) * up for down_proj's weight gradient; a backward that skips that
+    (and so multiplies by grad_hidden instead) must fail the comparison above."""
+    t = _mlp_node_tensors("split", False, device)
+    grads = (_randn((2, 3, 8), torch.float32, device, 90), _randn((2, 3, 8), torch.float32, device, 91))
+    real = swiglu_module._launch_gated_backward
+
+    def without_product(grad, a, b, grad_a, grad_b, hidden, activation, traced=False):
+        return real(grad, a, b, grad_a, grad_b, None, activation, traced)
+
+    monkeypatch.setattr(swiglu_module, "_launch_gated_backward", without_product)
+    _, _, actual = _run_mlp_node(t, "silu", "llama", 0.0, 1e-6, grads)
+    ref_out, ref_residual = _mlp_node_reference(t, "silu", "llama", 0.0, 1e-6)
+    torch.autograd.backward((ref_out, ref_residual), grads)
+    with pytest.raises(AssertionError):
+        _assert_matches(actual["down_weight"], t["down_weight"].grad, torch.float32, summed_rows=6)
+
+
+def test_gated_mlp_with_a_fused_gate_up_projection(device):
+    """Phi-3's layout: one [gate; up] projection whose output halves feed the activation."""
+    t = _mlp_node_tensors("fused_gate_up", True, device)
+    x = t["branch"].detach().clone().requires_grad_(True)
+    weights = [
+        t[k].detach().clone().requires_grad_(True) for k in ("gate_weight", "gate_bias", "down_weight")
+    ]
+    out = swiglu_module.gated_mlp(x * 1, weights[0], weights[1], None, None, weights[2], None, "silu")
+    grad = _randn(out.shape, torch.float32, device, 92)
+    out.backward(grad)
+    x_ref = x.detach().clone().requires_grad_(True)
+    gate, up = torch.nn.functional.linear(x_ref, t["gate_weight"], t["gate_bias"]).chunk(2, dim=-1)
+    ref = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, t["down_weight"])
+    ref.backward(grad)
+    _assert_matches(out, ref, torch.float32)
+    _assert_matches(x.grad, x_ref.grad, torch.float32)
+    for mine, name in zip(weights, ("gate_weight", "gate_bias", "down_weight"), strict=True):
+        _assert_matches(mine.grad, t[name].grad, torch.float32, summed_rows=6)
+
+
+def test_mlp_nodes_name_a_wrong_argument(device):
+    t = _mlp_node_tensors("split", False, device)
+    with pytest.raises(ValueError, match="up_weight must have shape"):
+        swiglu_module.gated_mlp(
+            t["branch"], t["gate_weight"], None, t["gate_weight"][:5], None, t["down_weight"], None
+        )
+    with pytest.raises(ValueError, match="activation must be one of"):
+        swiglu_module.gated_mlp(
+            t["branch"], t["gate_weight"], None, t["up_weight"], None, t["down_weight"], None, "relu"
+        )
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        swiglu_module.add_rms_norm_gated_mlp(
+            t["branch"], t["residual"], t["down_weight"], t["gate_weight"], None, t["up_weight"], None,
+            t["down_weight"], None, eps=1e-6,
+        )  # fmt: skip

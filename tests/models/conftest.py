@@ -41,6 +41,8 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
         ("rope", "apply_rotary_pos_emb"),
         ("swiglu", "swiglu"),
         ("swiglu", "geglu"),
+        ("swiglu", "gated_mlp"),
+        ("swiglu", "add_rms_norm_gated_mlp"),
         ("fused_linear_cross_entropy", "fused_linear_cross_entropy"),
     ]:
         module = importlib.import_module(f"fusetune.kernels.{module_name}")

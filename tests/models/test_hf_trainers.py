@@ -388,7 +388,7 @@ def test_sft_trainer_matches_unpatched(
     patched_model.load_state_dict(initial_state)
     patched = run_sft(patched_model, tokenizer, examples, tmp_path / "patched", device, **fp32)
 
-    assert kernel_calls["rms_norm"] > 0 and kernel_calls["add_rms_norm"] > 0 and kernel_calls["swiglu"] > 0
+    assert kernel_calls["rms_norm"] > 0 and kernel_calls["add_rms_norm_gated_mlp"] > 0
     if patched.trainer_replaced_forward:
         assert kernel_calls["fused_linear_cross_entropy"] == 0
     else:

@@ -144,9 +144,10 @@ def test_instance_patch_matches_hf_and_revert_restores_it_exactly(device: str, k
     assert patched_out.logits is None, "the fused loss must not build logits"
     assert reference_out.logits is not None
     _assert_same_step(patched_out, patched_grads, reference_out, reference_grads, exact=False)
-    # 2 layers: one input norm each + the final norm; the post-attention norms go through add_rms_norm.
+    # 2 layers: one input norm each + the final norm; the post-attention norm, its residual add and the MLP
+    # run as one node per layer.
     assert kernel_calls == Counter(
-        rms_norm=3, add_rms_norm=2, apply_rotary_pos_emb=2, swiglu=2, fused_linear_cross_entropy=1
+        rms_norm=3, add_rms_norm_gated_mlp=2, apply_rotary_pos_emb=2, fused_linear_cross_entropy=1
     )
     torch.testing.assert_close(_eval_logits(model, batch), reference_logits, **FP32_STEP)
 
@@ -221,9 +222,10 @@ def test_class_patch_before_loading_and_revert(device: str, kernel_calls: Counte
     reference_out, reference_grads = _loss_and_grads(reference, batch)
     assert patched_out.logits is None
     _assert_same_step(patched_out, patched_grads, reference_out, reference_grads, exact=False)
-    # Per layer: input norm, q_norm, k_norm; plus the final norm. The post-attention norms are fused.
+    # Per layer: input norm, q_norm, k_norm; plus the final norm. The post-attention norms are fused with the
+    # residual add and the MLP.
     assert kernel_calls == Counter(
-        rms_norm=2 * 3 + 1, add_rms_norm=2, apply_rotary_pos_emb=2, swiglu=2, fused_linear_cross_entropy=1
+        rms_norm=2 * 3 + 1, add_rms_norm_gated_mlp=2, apply_rotary_pos_emb=2, fused_linear_cross_entropy=1
     )
     kernel_calls.clear()
     # The model built while patched runs plain HF code again.

@@ -13,6 +13,7 @@ import torch
 
 from fusetune.demo import assets
 from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.launch import run
 from fusetune.worker.train.outcome import (
     EXIT_STOPPED,
     ErrorCode,
@@ -22,7 +23,7 @@ from fusetune.worker.train.outcome import (
     read_stopped,
 )
 from fusetune.worker.train.reporter import StopRequest
-from fusetune.worker.train.trainer import Trainer, run
+from fusetune.worker.train.trainer import Trainer
 from tests.worker.test_train_trainer import (
     ONE_CPU_RANK,
     RecordingReporter,
@@ -96,6 +97,24 @@ def test_a_paused_run_resumes_on_the_same_loss_curve(uninterrupted, model_dir, t
     assert resumed.trained_tokens == whole_result.trained_tokens
 
 
+def test_a_bf16_sr_run_resumes_exactly(model_dir, train_file, tmp_path, bf16_sr_on_cpu):
+    """bf16 weights with stochastically rounded AdamW: the moments and the step count come back from the
+    checkpoint, and the rounding bits follow (seed, step), so the resumed run draws the bits the uninterrupted
+    one drew."""
+    run_config = dict(RUN, n_epochs=1, checkpoint_every_steps=3, precision="bf16-sr")
+    whole = RecordingReporter()
+    whole_trainer = Trainer(
+        make_config(model_dir, train_file, tmp_path / "whole", **run_config), ONE_CPU_RANK, whole
+    )
+    whole_trainer.train()
+    before, after, resumed = train_paused_then_resumed(
+        make_config(model_dir, train_file, tmp_path / "r", **run_config)
+    )
+    assert curve(before) + curve(after) == curve(whole)
+    for a, b in zip(whole_trainer.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_resuming_without_the_optimizer_state_leaves_the_curve(
     uninterrupted, model_dir, train_file, tmp_path, monkeypatch
 ):
@@ -128,6 +147,41 @@ def test_resume_refuses_a_checkpoint_of_a_different_run(model_dir, train_file, t
         Trainer(config.model_copy(update={"batch_size": 16}), ONE_CPU_RANK, RecordingReporter())
     assert refused.value.code == ErrorCode.TRAINER_ERROR
     assert "batch_size=8 there, 16 now" in refused.value.message
+
+
+def _rewrite_resume_state(checkpoint, change) -> None:
+    path = checkpoint / ckpt.TRAINING_STATE_DIRNAME / ckpt.RESUME_STATE_FILENAME
+    torch.save(change(torch.load(path, weights_only=True)), path)
+
+
+def _first_format(state: dict) -> dict:
+    """resume.pt as the trainer wrote it before training methods: no format, no method state or name."""
+    old = {key: value for key, value in state.items() if key not in (ckpt.RESUME_FORMAT, ckpt.RESUME_METHOD)}
+    old[ckpt.RESUME_RUN] = {key: value for key, value in state[ckpt.RESUME_RUN].items() if key != "method"}
+    return old
+
+
+def test_a_checkpoint_of_the_first_format_resumes_and_a_newer_format_is_refused(
+    model_dir, train_file, tmp_path
+):
+    whole = RecordingReporter()
+    Trainer(make_config(model_dir, train_file, tmp_path / "whole", max_steps=3), ONE_CPU_RANK, whole).train()
+    config = make_config(model_dir, train_file, tmp_path / "old", max_steps=3)
+    with pytest.raises(JobStopped):
+        Trainer(config, ONE_CPU_RANK, RecordingReporter(stop_after_step=2, stop=StopRequest.PAUSE)).train()
+    _rewrite_resume_state(ckpt.checkpoint_path(config.output_dir, 2), _first_format)
+
+    after = RecordingReporter()
+    Trainer(config, ONE_CPU_RANK, after).train()
+    assert [step for step, _ in after.metrics] == [3]
+    torch.testing.assert_close(curve(after), curve(whole)[2:], rtol=1e-6, atol=0)
+
+    _rewrite_resume_state(
+        ckpt.checkpoint_path(config.output_dir, 3), lambda state: {**state, ckpt.RESUME_FORMAT: 99}
+    )
+    with pytest.raises(TrainingFailure) as refused:
+        Trainer(config.model_copy(update={"max_steps": 4}), ONE_CPU_RANK, RecordingReporter())
+    assert "format 99" in refused.value.message and "resume to false" in refused.value.message
 
 
 def test_an_interrupted_save_is_ignored_and_cleaned_up(model_dir, train_file, tmp_path):

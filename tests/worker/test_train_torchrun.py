@@ -36,6 +36,7 @@ def demo_config(model_dir, output_dir, **overrides) -> TrainConfig:
         validation_file=str(assets.VALID_FILE),
         output_dir=str(output_dir),
         seed=0,
+        n_epochs=1,
         batch_size=16,
         micro_batch_size=8,
         learning_rate=3e-3,
@@ -102,6 +103,7 @@ def test_one_process_trains_and_saves_a_loadable_checkpoint(one_process_run):
     expected = {
         "train_loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_per_second_per_device",
         "peak_memory_allocated_bytes", "peak_memory_reserved_bytes", "step_time_s", "epoch", "eta_s",
+        "trained_tokens_per_second", "padding_fraction",
     }  # fmt: skip
     assert expected <= set(metrics[0])
     assert "mfu" not in metrics[0]  # no GPU, no peak FLOP/s to compare with
@@ -113,6 +115,7 @@ def test_one_process_trains_and_saves_a_loadable_checkpoint(one_process_run):
     assert kinds.count("started") == 1 and kinds[-1] == "finished"
     started = events[kinds.index("started")]["data"]
     assert (started["world_size"], started["device"], started["grad_accum_steps"]) == (1, "cpu", 2)
+    assert started["mfu_peak_flops"] is None
 
     checkpoint = Path(result.final_checkpoint)
     assert checkpoint.name == "step-32" and (checkpoint / "model.safetensors").is_file()

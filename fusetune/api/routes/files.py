@@ -36,6 +36,7 @@ def to_schema(row: File) -> FileObject:
         purpose=row.purpose,
         example_count=row.example_count,
         token_estimate=row.token_estimate,
+        method=row.method,
     )
 
 
@@ -126,6 +127,7 @@ def create_file(
                 storage_name=storage_name,
                 example_count=report.example_count,
                 token_estimate=report.token_estimate,
+                method=report.method,
             )
             session.add(row)
             idempotency.remember(session, tenant, "files", key, digest.hexdigest(), file_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path, PurePosixPath
-from typing import Annotated
+from typing import Annotated, Literal
 
 import orjson
 from fastapi import APIRouter, Header, Query, Request
@@ -32,31 +32,36 @@ from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
-from fusetune.estimate import ModelShape, estimate_job
+from fusetune.estimate import ModelShape, estimate_job, fit_micro_batch, too_large_message
+from fusetune.jobspec import JobSpec, SpecError
 from fusetune.storage import StorageError
+from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
-DEFAULT_EPOCHS = 3
-DEFAULT_BATCH_SIZE = 8
-DEFAULT_LR_MULTIPLIER = 1.0
 # A metrics page: a plot's worth by default, and a bound on what one request reads and serialises.
 DEFAULT_METRIC_POINTS = 1000
 MAX_METRIC_POINTS = 10_000
+JobStatusName = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
 
 
 def to_schema(job: Job | Row) -> JobObject:
     """The API object of a job, from its ORM object or its row (same attribute names)."""
     hyper = dict(job.hyperparameters)
+    method = hyper.pop("method", None) or {}
+    method_type = method.get("type", DEFAULT_METHOD)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
+    # A method's own settings (DPO's beta, ...) are reported beside the shared hyperparameters, as OpenAI does.
+    public.update(method.get(method_type) or {})
     return JobObject(
         id=job.id,
         created_at=job.created_at,
         error=JobError(**job.error) if job.error else None,
         fine_tuned_model=job.fine_tuned_model,
         finished_at=job.finished_at,
+        started_at=job.started_at,
         hyperparameters=hyper,
-        method={"type": "supervised", "supervised": {"hyperparameters": public}},
+        method={"type": method_type, method_type: {"hyperparameters": public}},
         model=job.model,
         organization_id=job.tenant,
         result_files=[],
@@ -102,7 +107,11 @@ def _model_config_path(session: Session, settings: Settings, tenant: str, model:
     return path if path is not None and path.is_file() else None
 
 
-def _estimate(session: Session, settings: Settings, tenant: str, model: str, training: File, hyper: dict):
+def _estimate(
+    session: Session, settings: Settings, tenant: str, model: str, training: File, spec: JobSpec
+) -> EstimateObject | None:
+    hyper = spec.hyperparameters
+    method = METHODS[spec.method.type]
     config_path = _model_config_path(session, settings, tenant, model)
     if config_path is None:
         return None
@@ -110,17 +119,137 @@ def _estimate(session: Session, settings: Settings, tenant: str, model: str, tra
         shape = ModelShape.from_config_file(config_path)
     except (KeyError, ValueError, TypeError):
         return None
-    measured = queries.median_tokens_per_second(session, model)
-    estimate = estimate_job(
-        shape, example_count=training.example_count, token_estimate=training.token_estimate,
-        n_epochs=hyper["n_epochs"], batch_size=hyper["batch_size"], max_seq_length=hyper["max_seq_length"],
-        n_gpus=hyper["n_gpus"], fused_kernels=hyper["kernels"], lora=hyper.get("lora"),
-        gradient_checkpointing=hyper.get("gradient_checkpointing", False),
-        distributed=hyper.get("distributed", "ddp"), measured_tokens_per_second=measured,
+    job = dict(
+        example_count=training.example_count, token_estimate=training.token_estimate,
+        n_epochs=hyper.n_epochs, batch_size=hyper.batch_size, max_seq_length=hyper.max_seq_length,
+        n_gpus=hyper.n_gpus, fused_kernels=hyper.kernels,
+        lora=hyper.lora.model_dump() if hyper.lora is not None else None,
+        gradient_checkpointing=hyper.gradient_checkpointing, distributed=hyper.distributed,
+        precision=hyper.precision, measured_tokens_per_second=queries.median_tokens_per_second(session, model),
+        rows_per_example=method.rows_per_example, reference_pass=method.has_reference_pass,
     )  # fmt: skip
     capacity = settings.gpu_memory_bytes
-    fits = None if capacity is None else estimate.peak_memory_bytes_per_gpu <= capacity
-    return EstimateObject(model=model, gpu_memory_bytes=capacity, fits=fits, **estimate.as_dict())
+    if capacity is None:
+        estimate = estimate_job(shape, **job)
+        return EstimateObject(model=model, gpu_memory_bytes=None, fits=None, **estimate.as_dict())
+    # The worker sizes micro-batches to its GPU the same way when the job starts.
+    fit = fit_micro_batch(shape, capacity, **job)
+    return EstimateObject(
+        model=model, gpu_memory_bytes=capacity, fits=fit.fits, remedies=fit.remedies or None,
+        **fit.estimate.as_dict(),
+    )  # fmt: skip
+
+
+# ---- create_job's steps, in the order it takes them ---------------------------------------------------------
+
+
+def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCreate) -> File:
+    """The files and the model exist for this tenant; returns the training file."""
+    training = queries.get_file(session, body.training_file, tenant)
+    if training is None:
+        raise ApiError(
+            400,
+            f"Training file '{body.training_file}' does not exist.",
+            param="training_file",
+            code="file_not_found",
+        )
+    validation = queries.get_file(session, body.validation_file, tenant) if body.validation_file else None
+    if body.validation_file is not None and validation is None:
+        raise ApiError(
+            400,
+            f"Validation file '{body.validation_file}' does not exist.",
+            param="validation_file",
+            code="file_not_found",
+        )
+    _check_model(session, settings, tenant, body.model)
+    method_type = body.method_spec().type
+    for param, file in (("training_file", training), ("validation_file", validation)):
+        if file is not None and file.method != method_type:
+            raise ApiError(
+                400,
+                f"File '{file.id}' holds {file.method} examples, but the job's method.type is '{method_type}'.",
+                param=param,
+                code="invalid_file_method",
+            )
+    return training
+
+
+def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpec:
+    """ "auto" is resolved once, here, so the job row says exactly what will run."""
+    try:
+        hyper = body.requested_hyperparameters().resolve(training.example_count, settings.base_learning_rate)
+    except SpecError as exc:
+        raise ApiError(400, str(exc), param=f"hyperparameters.{exc.field}") from exc
+    method = body.method_spec()
+    if hyper.packing and not METHODS[method.type].supports_packing:
+        raise ApiError(
+            400, f"packing is not available with method {method.type}.",
+            param="hyperparameters.packing",
+        )  # fmt: skip
+    return JobSpec(method=method, hyperparameters=hyper)
+
+
+def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
+    if estimate is not None and estimate.fits is False:
+        raise ApiError(
+            400,
+            too_large_message(
+                estimate.peak_memory_bytes_per_gpu, estimate.gpu_memory_bytes, estimate.remedies
+            ),
+            param="hyperparameters",
+            code="job_too_large",
+        )
+
+
+def _insert_job(
+    session: Session, tenant: str, body: JobCreate, spec: JobSpec, key: str | None, request_hash: str
+) -> tuple[Job, bool]:
+    """Adds and commits the job, its first event and the idempotency record: (the job, True), or (the earlier
+    job, False) when a concurrent request with the same Idempotency-Key committed first."""
+    job = Job(
+        id=new_id("ftjob-"),
+        tenant=tenant,
+        model=body.model,
+        training_file_id=body.training_file,
+        validation_file_id=body.validation_file,
+        status=JobStatus.QUEUED,
+        hyperparameters=spec.to_row(),
+        seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") % (2**31),
+        suffix=body.suffix,
+        user_metadata=body.metadata,
+    )
+    session.add(job)
+    session.flush()
+    queries.add_event(session, job.id, f"Created fine-tuning job: {job.id}")
+    idempotency.remember(session, tenant, "jobs", key, request_hash, job.id)
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
+        if earlier is None:
+            raise
+        return _get_job(session, earlier, tenant), False
+    return job, True
+
+
+def _enqueue(session: Session, queue, job: Job) -> None:
+    """Only after the commit: a worker that receives the id must find the row. A broker that cannot be reached
+    fails the job, so that it does not sit queued for ever."""
+    try:
+        queue.enqueue(job.id)
+    except Exception as exc:
+        queries.finish_job_from(
+            session,
+            job.id,
+            JobStatus.QUEUED,
+            JobStatus.FAILED,
+            error={"code": "queue_unavailable", "message": f"Could not reach the broker: {exc}"},
+        )
+        session.commit()
+        raise ApiError(
+            503, "The job queue is unavailable; the job was not started.", code="queue_unavailable"
+        ) from exc
 
 
 @router.post("", response_model=JobObject | EstimateObject)
@@ -137,101 +266,19 @@ def create_job(
     earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
     if earlier is not None:
         return to_schema(_get_job(session, earlier, tenant))
-    training = queries.get_file(session, body.training_file, tenant)
-    if training is None:
-        raise ApiError(
-            400,
-            f"Training file '{body.training_file}' does not exist.",
-            param="training_file",
-            code="file_not_found",
-        )
-    if body.validation_file is not None and queries.get_file(session, body.validation_file, tenant) is None:
-        raise ApiError(
-            400,
-            f"Validation file '{body.validation_file}' does not exist.",
-            param="validation_file",
-            code="file_not_found",
-        )
-    _check_model(session, settings, tenant, body.model)
-
-    requested = body.resolved_hyperparameters()
-    hyper = requested.model_dump()
-    # "auto" is resolved once, here, so the job row says exactly what will run.
-    if hyper["n_epochs"] == "auto":
-        hyper["n_epochs"] = DEFAULT_EPOCHS
-    n_gpus = hyper["n_gpus"]
-    if hyper["batch_size"] == "auto":
-        # Every process gets the same number of sequences per step.
-        hyper["batch_size"] = max(1, min(DEFAULT_BATCH_SIZE, training.example_count) // n_gpus) * n_gpus
-    elif hyper["batch_size"] % n_gpus:
-        raise ApiError(
-            400,
-            f"hyperparameters.batch_size ({hyper['batch_size']}) must be a multiple of "
-            f"hyperparameters.n_gpus ({n_gpus}).",
-            param="hyperparameters.batch_size",
-        )
-    if hyper["learning_rate_multiplier"] == "auto":
-        hyper["learning_rate_multiplier"] = DEFAULT_LR_MULTIPLIER
-    if hyper["learning_rate"] is None:
-        hyper["learning_rate"] = settings.base_learning_rate * hyper["learning_rate_multiplier"]
-
-    estimate = _estimate(session, settings, tenant, body.model, training, hyper)
+    training = _check_inputs(session, settings, tenant, body)
+    spec = _resolve_spec(body, training, settings)
+    estimate = _estimate(session, settings, tenant, body.model, training, spec)
     if body.dry_run:
         if estimate is None:
             raise ApiError(
                 400, f"No estimate for model '{body.model}': it has no local config.json.", param="model"
             )
         return estimate
-    if estimate is not None and estimate.fits is False:
-        raise ApiError(
-            400,
-            f"The job needs about {estimate.peak_memory_bytes_per_gpu / 2**30:.1f} GiB per GPU, more "
-            f"than the {estimate.gpu_memory_bytes / 2**30:.1f} GiB a worker GPU has. Use a smaller "
-            "batch_size or max_seq_length, or more GPUs.",
-            param="hyperparameters",
-            code="job_too_large",
-        )
-
-    job = Job(
-        id=new_id("ftjob-"),
-        tenant=tenant,
-        model=body.model,
-        training_file_id=body.training_file,
-        validation_file_id=body.validation_file,
-        status=JobStatus.QUEUED,
-        hyperparameters=hyper,
-        seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") % (2**31),
-        suffix=body.suffix,
-        user_metadata=body.metadata,
-    )
-    session.add(job)
-    session.flush()
-    queries.add_event(session, job.id, f"Created fine-tuning job: {job.id}")
-    idempotency.remember(session, tenant, "jobs", key, request_hash, job.id)
-    try:
-        session.commit()
-    except IntegrityError:
-        # A concurrent request with the same Idempotency-Key committed first: answer with its job.
-        session.rollback()
-        earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
-        if earlier is None:
-            raise
-        return to_schema(_get_job(session, earlier, tenant))
-    # Only after the commit: a worker that receives the id must find the row.
-    try:
-        queue.enqueue(job.id)
-    except Exception as exc:
-        queries.finish_job_from(
-            session,
-            job.id,
-            JobStatus.QUEUED,
-            JobStatus.FAILED,
-            error={"code": "queue_unavailable", "message": f"Could not reach the broker: {exc}"},
-        )
-        session.commit()
-        raise ApiError(
-            503, "The job queue is unavailable; the job was not started.", code="queue_unavailable"
-        ) from exc
+    _refuse_if_too_large(estimate)
+    job, created = _insert_job(session, tenant, body, spec, key, request_hash)
+    if created:
+        _enqueue(session, queue, job)
     return to_schema(job)
 
 
@@ -242,6 +289,8 @@ def list_jobs(
     tenant: TenantDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    status: Annotated[JobStatusName | None, Query(description="Only jobs in this status")] = None,
+    model: Annotated[str | None, Query(max_length=255, description="Only jobs of this model")] = None,
 ) -> JobList:
     """``metadata[key]=value`` query parameters keep only jobs carrying all those pairs."""
     metadata = {
@@ -249,7 +298,9 @@ def list_jobs(
         for name, value in request.query_params.multi_items()
         if name.startswith("metadata[") and name.endswith("]")
     }
-    rows, has_more = queries.list_jobs(session, tenant, after=after, limit=limit, metadata=metadata)
+    rows, has_more = queries.list_jobs(
+        session, tenant, after=after, limit=limit, metadata=metadata, status=status, model=model
+    )
     return JobList(data=[to_schema(job) for job in rows], has_more=has_more)
 
 
@@ -346,10 +397,14 @@ async def list_events(
     tenant: TenantDep,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    type: Annotated[
+        Literal["message", "metrics"] | None,
+        Query(description='Only events of this type ("metrics" events mirror the per-step metrics)'),
+    ] = None,
 ) -> Response:
     def read(connection: Connection) -> Response:
         _check_job(connection, job_id, tenant)
-        rows, has_more = queries.list_events(connection, job_id, after=after, limit=limit)
+        rows, has_more = queries.list_events(connection, job_id, after=after, limit=limit, type=type)
         events = [
             {"id": id_, "object": "fine_tuning.job.event", "created_at": created_at, "level": level,
              "message": message, "type": type_, "data": _stored_json(data_json)}

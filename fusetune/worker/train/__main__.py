@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     # huggingface_hub is first imported, which reads it once.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from fusetune.worker.train.trainer import run  # torch and transformers load only once the config is good
+    from fusetune.worker.train.launch import run  # torch and transformers load only once the config is good
 
     return run(config)
 

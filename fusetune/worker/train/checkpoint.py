@@ -8,7 +8,7 @@ A checkpoint folder holds
 - the tokenizer, and `fusetune_trainer_state.json` (step, epoch, metrics) for people and tools;
 - `training_state/`: the optimizer (a full, unsharded state dict keyed by parameter name, so a run may resume
   under another world size or DDP/FSDP choice), and `resume.pt`: the LR scheduler, the data position, the
-  trained-token count and every rank's RNG states.
+  trained-token count, every rank's RNG states and the training method's state (assembled in state.py).
 
 A checkpoint is written under a temporary name and renamed when complete, so a directory named `step-<n>` is
 always a whole checkpoint, even after a crash mid-save.
@@ -21,7 +21,8 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,51 @@ RESUME_TRAINED_TOKENS = "trained_tokens"
 RESUME_TRAIN_LOSS = "train_loss"  # of the last step before the checkpoint
 RESUME_SCHEDULER = "scheduler"
 RESUME_RNG = "rng"  # one entry per rank
-RESUME_RUN = "run"  # what must match for the data position to mean the same (see Trainer._check_resumable)
+RESUME_RUN = "run"  # what must match for the data position to mean the same (see state.check_resumable)
+RESUME_METHOD = "method"  # the training method's own state
+RESUME_FORMAT = "format"  # absent in the first format (see state.read_resume_state)
+
+
+class CheckpointSchedule:
+    """When a run saves a resumable checkpoint before its final one, so that a crash loses at most the steps since
+    then: every `every_steps` steps, at the end of every epoch, and once `every_s` seconds have passed since the
+    last save (or the schedule's start). Any of the three may be off (None / False).
+
+    `clock` is injectable for tests. Each rank keeps its own schedule; the trainer saves when any rank's is due
+    (the save is collective) and then tells every rank's schedule.
+    """
+
+    def __init__(
+        self,
+        every_steps: int | None = None,
+        every_epoch: bool = False,
+        every_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.every_steps = every_steps
+        self.every_epoch = every_epoch
+        self.every_s = every_s
+        self.clock = clock
+        self.last_save_s = clock()
+
+    @classmethod
+    def from_config(cls, config: Any, clock: Callable[[], float] = time.monotonic) -> CheckpointSchedule:
+        """From a TrainConfig's `checkpoint_every_steps`, `checkpoint_every_epoch`, `checkpoint_every_minutes`."""
+        minutes = config.checkpoint_every_minutes
+        every_s = minutes * 60 if minutes is not None else None
+        return cls(config.checkpoint_every_steps, config.checkpoint_every_epoch, every_s, clock)
+
+    def due(self, step: int, epoch_done: bool) -> bool:
+        """Whether to save after optimizer step `step` (1-based), which ended an epoch if `epoch_done`."""
+        return (
+            (self.every_steps is not None and step % self.every_steps == 0)
+            or (self.every_epoch and epoch_done)
+            or (self.every_s is not None and self.clock() - self.last_save_s >= self.every_s)
+        )
+
+    def saved(self) -> None:
+        """A checkpoint was just saved: the time-based interval starts again."""
+        self.last_save_s = self.clock()
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

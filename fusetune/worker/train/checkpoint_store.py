@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 
 from fusetune.config import Settings
-from fusetune.storage import STORAGE_ERROR_CODE, Storage, StorageError, open_storage
+from fusetune.storage import Storage, StorageError, open_storage
 from fusetune.worker.run_storage import TENANT_ENV
-from fusetune.worker.train.outcome import TrainingFailure
+from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 
 @functools.cache
@@ -31,6 +31,6 @@ def publish_checkpoint(folder: Path, storage_path: str) -> None:
     try:
         storage.publish_checkpoint(os.environ[TENANT_ENV], storage_path, folder)
     except StorageError as error:
-        raise TrainingFailure(  # type: ignore[arg-type]  # a code of the storage layer, not the trainer's
-            STORAGE_ERROR_CODE, f"uploading the checkpoint {storage_path} to the store failed: {error}"
+        raise TrainingFailure(
+            ErrorCode.STORAGE_ERROR, f"uploading the checkpoint {storage_path} to the store failed: {error}"
         ) from error

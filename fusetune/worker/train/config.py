@@ -1,34 +1,29 @@
 """The training job's configuration: one validated tree, stored as JSON and handed to the trainer as is.
 
-This module imports nothing heavier than pydantic so that the API and the Celery worker can build and check a
-config without importing torch.
+Its training fields and their defaults are the job specification's (fusetune.jobspec); this module adds the
+run's paths and the settings a service job does not choose. It imports nothing heavier than pydantic so that
+the Celery worker can build and check a config without importing torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from fusetune.estimate import default_micro_batch_size
+from fusetune.jobspec import LoraSpec, MethodSpec, TrainingHyperparameters
+
+# The spelling the trainer's code has always used for the adapters' settings.
+LoraConfig = LoraSpec
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class TrainConfig(TrainingHyperparameters):
+    """The trainer's configuration: a job's training hyperparameters (fusetune.jobspec, defaults there) plus
+    where the run lives and settings the service does not offer per job."""
 
+    method: MethodSpec = MethodSpec()
 
-class LoraConfig(_Frozen):
-    """Low-rank adapters through peft on the base model's linear layers (the base weights stay frozen)."""
-
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    # "all-linear": every linear layer but the output head; or module names such as ["q_proj", "v_proj"].
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-
-
-class TrainConfig(_Frozen):
     # Where the job lives. `database_url=None` reports to the console instead of SQL (standalone runs, tests).
     job_id: str | None = None
     database_url: str | None = None
@@ -47,49 +42,30 @@ class TrainConfig(_Frozen):
     # micro-batch is the largest divisor of batch_size / world_size that keeps a micro-batch within
     # fusetune.estimate.DEFAULT_MICRO_BATCH_TOKENS tokens, so memory stays bounded whatever the batch size.
     seed: int = 0
-    n_epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
-    batch_size: int = Field(8, ge=1)
     micro_batch_size: int | None = Field(
         None, ge=1, description="default: batch_size / world_size, capped at 16384 tokens per micro-batch"
     )
-    learning_rate: float = Field(5e-5, gt=0)
-    lr_scheduler: Literal["cosine", "linear"] = "cosine"
-    warmup_ratio: float = Field(0.03, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="None: no clipping (the norm is still reported)"
     )
-    max_seq_length: int = Field(2048, ge=2)
-
-    # Data.
-    packing: bool = False
     train_on_inputs: bool = Field(False, description="put the loss on every token, not only the assistant's")
 
     # Evaluation and checkpoints (evaluation also runs at the end of every epoch when a validation file is set).
     eval_every_steps: int | None = Field(None, ge=1)
-    checkpoint_every_steps: int | None = Field(None, ge=1, description="None: only the final checkpoint")
+    # Resumable checkpoints before the final one (see checkpoint.CheckpointSchedule): a crashed run resumes from
+    # the newest. Off here by default; the service turns on every epoch and every 30 minutes (fusetune.config).
+    checkpoint_every_steps: int | None = Field(None, ge=1, description="None: no step-count checkpoints")
+    checkpoint_every_epoch: bool = False
+    checkpoint_every_minutes: float | None = Field(
+        None, gt=0, description="of training since the last checkpoint; None: no time-based checkpoints"
+    )
     keep_last_checkpoints: int = Field(2, ge=1)
     # Continue from the newest checkpoint in output_dir that holds training state (a retry, a resumed pause).
     resume: bool = True
 
-    # Model and speed.
-    precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = Field(
-        "auto",
-        description="auto: bf16-mixed on GPU, fp32 on CPU. bf16-mixed: fp32 weights and AdamW state, bf16 "
-        "compute (autocast under DDP, bf16-gathered parameters and fp32 gradient reduction under FSDP); bf16: "
-        "bf16 weights and AdamW state",
-    )
-    kernels: bool = True
-    gradient_checkpointing: bool = False
-    lora: LoraConfig | None = None
-    # With LoRA, checkpoints hold the adapter; this also saves the merged full weights, so that a checkpoint
-    # loads with AutoModelForCausalLM.from_pretrained without the base model (the adapter moves to adapter/).
-    merge_lora_on_save: bool = False
-
-    # Parallelism over the processes torchrun starts. "ddp": a full replica per GPU; "fsdp": parameters,
-    # gradients and optimizer state sharded (FSDP2, one unit per decoder layer), for models that do not fit.
-    distributed: Literal["ddp", "fsdp"] = "ddp"
+    # DDP's gradient buckets (a tuning knob for benchmarks/scaling.py).
     ddp_bucket_cap_mb: int | None = Field(
         None, ge=1, description="DDP gradient bucket size; default chosen in the trainer for overlap"
     )
@@ -102,8 +78,6 @@ class TrainConfig(_Frozen):
                     f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size "
                     f"({self.micro_batch_size})"
                 )
-        if self.merge_lora_on_save and self.lora is None:
-            raise ValueError("merge_lora_on_save needs lora: there is no adapter to merge")
         return self
 
     def micro_batches_per_rank(self, world_size: int) -> tuple[int, int]:

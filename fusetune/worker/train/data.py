@@ -1,37 +1,42 @@
 """Training JSONL → token sequences with labels → per-rank micro-batches.
 
-Three line formats, which may be mixed in one file:
-- `{"messages": [...]}`: an OpenAI-style chat (system, user, assistant, tool). It goes through the tokenizer's
-  own chat template; the loss is on the assistant's turns only (unless `train_on_inputs`). An assistant
-  message with `"weight": 0` gets no loss either way (the weight of other roles is ignored, as OpenAI does).
-- `{"prompt": str, "completion": str}`: plain text; the loss is on the completion (and the end-of-sequence
-  token that closes it) unless `train_on_inputs`.
-- `{"text": str}`: plain text; the loss is on every token.
+The line formats and their checks belong to the training method (`methods/sft.py` for the formats below); this
+module reads a file with a method's parser and tokenizes the supervised formats.
 
 Labels are stored already shifted (`labels[i]` is the token that follows position `i`), so that a sequence's
 last position never predicts the first token of the next one when examples are packed.
 
-Batches: every rank computes the same shuffled order for an epoch, cuts it into global batches of `batch_size`
-sequences, and each global batch into micro-batches of `micro_batch_size`; micro-batch `j` of a step belongs to
-rank `j % world_size`. So one process with two micro-batches sees exactly the micro-batches that two processes
-with one each see, which is what makes their steps identical.
+Packing puts examples into rows by best-fit decreasing, so rows are nearly full (`pack_sequences`).
+
+Batches: every rank computes the same shuffled order for an epoch, with rows of similar length grouped into the
+same batch (`epoch_order`), cuts it into global batches of `batch_size` sequences, and each global batch into
+micro-batches of `micro_batch_size`; micro-batch `j` of a step belongs to rank `j % world_size`. So one process
+with two micro-batches sees exactly the micro-batches that two processes with one each see, which is what makes
+their steps identical.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+# The supervised example types, re-exported: they are defined with their parser in the method's module.
+from fusetune.worker.train.methods.sft import (  # noqa: F401
+    ChatExample,
+    Example,
+    PromptCompletionExample,
+    TextExample,
+    parse_example,
+)
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 IGNORE_INDEX = -100
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -53,75 +58,14 @@ class TokenizedSequence:
         return sum(label != IGNORE_INDEX for label in self.shifted_labels)
 
 
-@dataclass(frozen=True)
-class ChatExample:
-    messages: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class PromptCompletionExample:
-    prompt: str
-    completion: str
-
-
-@dataclass(frozen=True)
-class TextExample:
-    text: str
-
-
-Example = ChatExample | PromptCompletionExample | TextExample
-
-
-def _check_messages(messages: Any) -> str | None:
-    """What is wrong with a chat's `messages`, or None."""
-    if not isinstance(messages, list) or not messages:
-        return "expected a non-empty 'messages' list"
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in CHAT_ROLES:
-            return f"message {index} has role {role!r}; expected one of {sorted(CHAT_ROLES)}"
-        content = message.get("content")
-        # An assistant turn that only calls tools has no content (OpenAI sends null).
-        calls_tools = role == "assistant" and bool(message.get("tool_calls"))
-        if not isinstance(content, str) and not (calls_tools and content is None):
-            return f"message {index} needs a string 'content'"
-        if message.get("weight", 1) not in (0, 1):
-            return f"message {index} has weight {message['weight']!r}; expected 0 or 1"
-    if not any(message["role"] == "assistant" for message in messages):
-        return "no assistant message to learn from"
-    return None
-
-
-def parse_example(record: Any) -> Example:
-    """One JSONL record as an example; raises ValueError saying what is wrong with it."""
-    if isinstance(record, dict) and "messages" in record:
-        problem = _check_messages(record["messages"])
-        if problem:
-            raise ValueError(problem)
-        return ChatExample(record["messages"])
-    if isinstance(record, dict) and ("prompt" in record or "completion" in record):
-        prompt, completion = record.get("prompt"), record.get("completion")
-        if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
-            raise ValueError("'prompt' and 'completion' must both be strings, the completion non-empty")
-        return PromptCompletionExample(prompt, completion)
-    if isinstance(record, dict) and "text" in record:
-        if not isinstance(record["text"], str) or not record["text"]:
-            raise ValueError("'text' must be a non-empty string")
-        return TextExample(record["text"])
-    raise ValueError(
-        "expected a non-empty 'messages' list, a 'prompt' and a 'completion', or a 'text' (see the formats of "
-        "fusetune.worker.train.data)"
-    )
-
-
-def read_training_jsonl(path: str | Path) -> list[Example]:
-    """Every example of a training JSONL file, checked; errors name the file and the line."""
+def read_training_jsonl(path: str | Path, parse: Callable[[Any], Any] = parse_example) -> list[Any]:
+    """Every example of a training JSONL file, checked by `parse`; errors name the file and the line."""
     path = Path(path)
     name = path.name
     if not path.is_file():
         raise TrainingDataError(f"training data file not found: {path}")
-    examples: list[Example] = []
-    with path.open(encoding="utf-8") as f:
+    examples: list[Any] = []
+    with path.open(encoding="utf-8-sig") as f:  # a byte order mark at the start is not part of line 1
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -130,7 +74,7 @@ def read_training_jsonl(path: str | Path) -> list[Example]:
             except json.JSONDecodeError as exc:
                 raise TrainingDataError(f"{name}, line {line_number}: not valid JSON ({exc.msg})") from None
             try:
-                examples.append(parse_example(record))
+                examples.append(parse(record))
             except ValueError as exc:
                 raise TrainingDataError(f"{name}, line {line_number}: {exc}") from None
     if not examples:
@@ -291,30 +235,99 @@ def load_sequences(
     return LoadedData(sequences, len(examples), n_truncated, n_dropped)
 
 
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into rows of at most `capacity` tokens: longest first, each into the fullest
+    row it still fits (a new row when none has room). A length over `capacity` gets a row of its own.
+
+    The rows come in the order of their first index, each row's indices ascending. Ties (equal lengths, rows
+    with equal room) go by index, so the result depends on the lengths alone.
+    """
+    rows: list[list[int]] = []
+    rows_by_room: dict[int, list[int]] = {}  # free tokens -> the rows that have exactly that many
+    rooms_mask = 0  # bit r is set while some row has exactly r free tokens: the fullest fitting row is one
+    # shift and one lowest-bit lookup away, whatever the number of rows
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        fitting_rooms = rooms_mask >> length if length <= capacity else 0
+        if fitting_rooms:
+            room = length + (fitting_rooms & -fitting_rooms).bit_length() - 1
+            candidates = rows_by_room[room]
+            row = candidates.pop()
+            if not candidates:
+                rooms_mask &= ~(1 << room)
+        else:
+            row, room = len(rows), capacity
+            rows.append([])
+        rows[row].append(index)
+        room -= length
+        if room > 0:
+            rows_by_room.setdefault(room, []).append(row)
+            rooms_mask |= 1 << room
+    for row in rows:
+        row.sort()
+    rows.sort(key=lambda row: row[0])
+    return rows
+
+
 def pack_sequences(sequences: Sequence[TokenizedSequence], max_seq_length: int) -> list[TokenizedSequence]:
-    """Concatenate examples, in order, into rows of at most `max_seq_length` tokens. Positions restart with each
-    example, which is how the model tells the examples apart and keeps attention inside each one."""
-    rows: list[TokenizedSequence] = []
-    ids: list[int] = []
-    labels: list[int] = []
-    positions: list[int] = []
-    for sequence in sequences:
-        if ids and len(ids) + len(sequence.input_ids) > max_seq_length:
-            rows.append(TokenizedSequence(ids, labels, positions))
-            ids, labels, positions = [], [], []
-        ids = ids + sequence.input_ids
-        labels = labels + sequence.shifted_labels
-        positions = positions + sequence.position_ids
-    if ids:
+    """Concatenate examples into rows of at most `max_seq_length` tokens, placed by best-fit decreasing so that
+    rows come out nearly full (in-order packing of ~600-token examples into 2048-token rows left about a fifth of
+    every row as padding). Within a row the examples keep their order in the file.
+
+    Positions restart with each example, which is how the model tells the examples apart and keeps attention
+    inside each one. The rows are the same for the same examples; `epoch_order` shuffles their order per epoch.
+    """
+    rows = []
+    for members in best_fit_decreasing([len(s.input_ids) for s in sequences], max_seq_length):
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        for index in members:
+            ids += sequences[index].input_ids
+            labels += sequences[index].shifted_labels
+            positions += sequences[index].position_ids
         rows.append(TokenizedSequence(ids, labels, positions))
     return rows
 
 
-def epoch_order(n_sequences: int, steps_per_epoch: int, batch_size: int, seed: int, epoch: int) -> list[int]:
-    """The same shuffled order on every rank; the last batch wraps around so every step is full."""
+# Batches per window of the shuffled order that is sorted by length (see `epoch_order`): in unpacked batches of
+# 8 of lognormal lengths (median 600, sigma 0.5), 32 leaves about 4% padding, 8 leaves 14% and no grouping 46%.
+LENGTH_GROUP_BATCHES = 32
+
+
+def epoch_order(
+    n_sequences: int,
+    steps_per_epoch: int,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    lengths: Sequence[int] | None = None,
+) -> list[int]:
+    """The same shuffled order on every rank; the last batch wraps around so every step is full.
+
+    With `lengths` (of each sequence), batches are grouped by length: the shuffled order is cut into windows of
+    `LENGTH_GROUP_BATCHES` batches, each window is sorted longest first and cut into batches, and the batches are
+    shuffled again, so that the rows of a batch, and of each of its micro-batches, have similar lengths and need
+    little padding. The batch that holds the longest row goes first, so that a run that cannot fit it in memory
+    fails at its first step. The order depends on (seed, epoch) and the lengths only, never on the number of
+    processes or micro-batches, which keeps their steps identical and a resumed run exact.
+    """
     generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n_sequences, generator=generator).tolist()
-    return [order[i % n_sequences] for i in range(steps_per_epoch * batch_size)]
+    order = [order[i % n_sequences] for i in range(steps_per_epoch * batch_size)]
+    if lengths is None:
+        return order
+    window = batch_size * LENGTH_GROUP_BATCHES
+    by_length = [
+        index
+        for start in range(0, len(order), window)
+        for index in sorted(order[start : start + window], key=lambda i: -lengths[i])
+    ]
+    batches = [by_length[start : start + batch_size] for start in range(0, len(by_length), batch_size)]
+    batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    longest = max(range(len(batches)), key=lambda b: lengths[batches[b][0]])
+    batches[0], batches[longest] = batches[longest], batches[0]
+    return [index for batch in batches for index in batch]
 
 
 def rank_micro_batches(
@@ -328,7 +341,8 @@ def rank_micro_batches(
 
 
 def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) -> dict[str, torch.Tensor]:
-    """Right-pad rows to the longest one.
+    """Right-pad rows to the longest one. The token counts (`n_input_tokens` without padding, `n_trained_tokens`
+    with a label, `n_row_tokens` with padding) are 0-d tensors.
 
     Unpacked rows get an `attention_mask`; packed rows get `position_ids` instead (and no mask), from which the
     model builds attention that stays within each example. Padding of a packed row is given positions of its own
@@ -351,6 +365,7 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
         "shifted_labels": shifted_labels,
         "n_input_tokens": attention_mask.sum(),
         "n_trained_tokens": (shifted_labels != IGNORE_INDEX).sum(),
+        "n_row_tokens": torch.tensor(input_ids.numel()),  # padding included
     }
     if packed:
         batch["position_ids"] = position_ids

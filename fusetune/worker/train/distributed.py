@@ -11,6 +11,7 @@ data on storage every node sees (rank 0 writes checkpoints; every rank reads the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,27 +129,40 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, bucket_cap_mb: int | 
     )
 
 
-def shard_fsdp(model: torch.nn.Module, device: torch.device, mixed_bf16: bool) -> torch.nn.Module:
+def shard_fsdp(model: torch.nn.Module, device: torch.device, mp_policy: Any) -> torch.nn.Module:
     """FSDP2 in place: one unit per decoder layer, then the root (embeddings, final norm, output head).
 
-    With `mixed_bf16`, parameters are gathered in bf16 for compute while the sharded fp32 copy is what AdamW
-    updates, and gradients are reduced in fp32.
+    `mp_policy` is the precision policy's `MixedPrecisionPolicy` (under bf16-mixed, parameters are gathered in
+    bf16 for compute while the sharded fp32 copy is what AdamW updates, and gradients are reduced in fp32).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules) to shard")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_bf16
-        else MixedPrecisionPolicy()
-    )
     # fully_shard moves each unit's parameters and buffers to the mesh's device as it shards them, so a model
     # loaded on the CPU never has to fit on one GPU whole.
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+def parallelize(
+    model: torch.nn.Module,
+    dist_info: DistInfo,
+    fsdp: bool,
+    fsdp_mp_policy: Callable[[], Any],
+    ddp_bucket_cap_mb: int | None,
+) -> torch.nn.Module:
+    """The module the training forward goes through: the model itself, its DDP wrapper, or the model sharded
+    in place by FSDP2 (whose parameters stay on the CPU until sharded, so a model too large for one GPU never
+    lands on one whole). Raises ValueError for a model FSDP cannot shard."""
+    if fsdp:
+        return shard_fsdp(model, dist_info.device, fsdp_mp_policy())
+    model.to(dist_info.device)
+    if dist_info.world_size > 1:
+        return wrap_ddp(model, dist_info.device, ddp_bucket_cap_mb)
     return model

@@ -1,10 +1,110 @@
-"""Throughput, memory and model-FLOPs-utilisation helpers for the per-step metrics."""
+"""A step's numbers as the loop keeps them on the device, and the throughput, memory and model-FLOPs-utilisation
+helpers for the per-step metrics."""
 
 from __future__ import annotations
 
+import math
 import resource
+from collections import deque
+from dataclasses import dataclass
 
 import torch
+
+from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """A step's numbers, summed over its micro-batches and all ranks, still on the device."""
+
+    losses: torch.Tensor  # the loss, then the method's metrics (metric_names)
+    metric_names: tuple[str, ...]
+    grad_norm: torch.Tensor
+    # All ranks: the loss's normaliser, input tokens (padding excluded), trained tokens (with a label), and all
+    # tokens of the step's rows (padding included).
+    counts: torch.Tensor
+    learning_rate: float
+    mean_padded_length: float
+
+    def read(self) -> dict[str, float]:
+        """The host values (one device read): train_loss, grad_norm, the token counts and the method's metrics."""
+        values = torch.cat([self.losses.double(), self.grad_norm.double().reshape(1), self.counts.double()])
+        loss, *metrics, grad_norm, _, n_input_tokens, n_trained_tokens, n_row_tokens = values.tolist()
+        return {
+            "train_loss": loss,
+            "grad_norm": grad_norm,
+            "n_input_tokens": n_input_tokens,
+            "n_trained_tokens": n_trained_tokens,
+            "n_row_tokens": n_row_tokens,
+            **dict(zip(self.metric_names, metrics, strict=True)),
+        }
+
+
+def non_finite_failure(train_loss: float, grad_norm: float, step_number: int) -> TrainingFailure:
+    what = (
+        f"the training loss is {train_loss}"
+        if not math.isfinite(train_loss)
+        else f"the gradient norm is {grad_norm}"
+    )
+    return TrainingFailure(ErrorCode.NON_FINITE_LOSS, f"{what} at step {step_number}")
+
+
+ETA_WINDOW_STEPS = 20
+
+
+class StepMeter:
+    """The per-step metrics the loop reports besides the method's: learning rate, throughput, memory, MFU,
+    epoch and time left."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        world_size: int,
+        steps_per_epoch: int,
+        total_steps: int,
+        peak_flops: float | None,
+    ) -> None:
+        self.model = model
+        self.world_size = world_size
+        self.steps_per_epoch = steps_per_epoch
+        self.total_steps = total_steps
+        self.peak_flops = peak_flops
+        self._recent_step_times: deque[float] = deque(maxlen=ETA_WINDOW_STEPS)
+
+    def step_values(
+        self,
+        read: dict[str, float],
+        stats: StepStats,
+        step_time: float,
+        peak_memory: tuple[float, float],
+        step: int,
+    ) -> dict[str, float]:
+        """`read` is `stats.read()`; `peak_memory` the (allocated, reserved) peaks of the step over all ranks;
+        `step` the number of steps done."""
+        self._recent_step_times.append(step_time)
+        mean_step_time = sum(self._recent_step_times) / len(self._recent_step_times)
+        tokens_per_second = read["n_input_tokens"] / step_time
+        per_device = tokens_per_second / self.world_size
+        values: dict[str, float] = {
+            "train_loss": read["train_loss"],
+            "learning_rate": stats.learning_rate,
+            "grad_norm": read["grad_norm"],
+            **{name: read[name] for name in stats.metric_names},
+            "tokens_per_second": tokens_per_second,
+            "trained_tokens_per_second": read["n_trained_tokens"] / step_time,
+            "padding_fraction": 1.0 - read["n_input_tokens"] / max(1.0, read["n_row_tokens"]),
+            "tokens_per_second_per_device": per_device,
+            "peak_memory_allocated_bytes": peak_memory[0],
+            "peak_memory_reserved_bytes": peak_memory[1],
+            "step_time_s": step_time,
+            "epoch": step / self.steps_per_epoch,
+            "eta_s": mean_step_time * (self.total_steps - step),
+        }
+        if self.peak_flops:
+            flops_per_token = training_flops_per_token(self.model, stats.mean_padded_length)
+            values["mfu"] = per_device * flops_per_token / self.peak_flops
+        return values
+
 
 # Dense bf16 tensor-core peak FLOP/s from the vendors' spec sheets, matched by substring of the device name,
 # most specific first (e.g. "H100 PCIe" before "H100").

@@ -1,0 +1,240 @@
+// Job page: live per-step curves (from the metrics endpoint's pages), hyperparameters and precision, the event
+// log, checkpoints with downloads, cancel / pause / resume, and the error of a failed job.
+
+import { MetricsStream, downloadCheckpoint, jobs } from "../api.js";
+import { METRIC_CHARTS, PALETTE, StepChart, valueOf } from "../charts.js";
+import {
+  FINISHED_STATUSES,
+  errorBox,
+  formatBytes,
+  formatCount,
+  formatDuration,
+  formatNumber,
+  formatTime,
+  h,
+  jobDuration,
+  replaceChildren,
+  statusBadge,
+} from "../dom.js";
+import { poll } from "./poll.js";
+
+const RUNNING_REFRESH_MS = 1500;
+// A finished job's page still looks now and then: a cancelled trainer may report its last step after the
+// status changed.
+const FINISHED_REFRESH_MS = 10000;
+const EVENTS_SHOWN = 200;
+
+const ACTIONS = [
+  ["cancel", "Cancel", ["validating_files", "queued", "running", "paused"]],
+  ["pause", "Pause", ["queued", "running"]],
+  ["resume", "Resume", ["paused"]],
+];
+
+export function render(main, [jobId]) {
+  const title = h("h1", { id: "job-title" }, jobId);
+  const status = h("span", { id: "job-status" });
+  const actionError = h("div", { id: "job-action-error" });
+  const buttons = ACTIONS.map(([verb, label]) => {
+    const button = h("button", { type: "button", id: `job-${verb}`, disabled: true }, label);
+    button.addEventListener("click", () => act(verb, button));
+    return button;
+  });
+  const errorPanel = h("div", { id: "job-error" });
+  const progress = h("p", { id: "job-progress", class: "muted" });
+  const summary = h("dl", { id: "job-summary", class: "facts" });
+  const hyper = h("tbody");
+  const chartGrid = h("div", { class: "chart-grid", id: "job-charts" });
+  const events = h("tbody");
+  const checkpoints = h("tbody");
+  const downloadStatus = h("div", { id: "download-status", class: "muted" });
+  const pageError = h("div", { id: "job-page-error" });
+
+  replaceChildren(
+    main,
+    pageError,
+    h("div", { class: "title-row" }, h("div", {}, title, status), h("div", { class: "actions" }, buttons)),
+    actionError,
+    errorPanel,
+    progress,
+    h("section", { class: "columns" },
+      h("div", {}, h("h2", {}, "Job"), summary),
+      h("div", {}, h("h2", {}, "Hyperparameters"),
+        h("table", { class: "data compact", id: "job-hyperparameters" }, h("thead", {}, h("tr", {}, h("th", {}, "name"), h("th", {}, "value"))), hyper))),
+    h("h2", {}, "Metrics per step"),
+    chartGrid,
+    h("h2", {}, "Checkpoints"),
+    h("table", { class: "data", id: "job-checkpoints" },
+      h("thead", {}, h("tr", {}, ["Step", "Saved", "Train loss", "Valid loss", "Model", "Download"].map((c) => h("th", {}, c)))),
+      checkpoints),
+    downloadStatus,
+    h("h2", {}, "Events"),
+    h("table", { class: "data compact", id: "job-events" },
+      h("thead", {}, h("tr", {}, ["Time", "Level", "Message"].map((c) => h("th", {}, c)))), events),
+  );
+
+  const charts = METRIC_CHARTS.map((spec) => {
+    const box = h("div", { class: "chart-box" });
+    chartGrid.append(box);
+    const chart = new StepChart(box, {
+      name: spec.name,
+      title: spec.title,
+      format: spec.format,
+      series: spec.metrics.map(([, label], i) => ({ label, color: PALETTE[i], points: label === "validation" ? true : undefined })),
+    });
+    const note = h("p", { class: "muted chart-note" });
+    box.append(note);
+    return { spec, chart, note };
+  });
+
+  const stream = new MetricsStream(jobId);
+  let job = null;
+  let stopped = false;
+
+  function drawCharts() {
+    const points = stream.points;
+    const steps = points.map((p) => p.step);
+    for (const { spec, chart, note } of charts) {
+      const columns = spec.metrics.map(([name]) => points.map((p) => valueOf(p, name)));
+      chart.setData(steps, columns);
+      const reported = columns.some((column) => column.some((v) => v !== null));
+      note.textContent = points.length && !reported
+        ? spec.name === "mfu" ? "Not reported: the device's peak FLOP/s is unknown (CPU)." : "Not reported."
+        : "";
+    }
+  }
+
+  function drawJob(started) {
+    replaceChildren(status, statusBadge(job.status));
+    status.dataset.status = job.status;
+    for (const [i, [, , allowed]] of ACTIONS.entries()) buttons[i].disabled = !allowed.includes(job.status);
+    replaceChildren(errorPanel, job.error
+      ? errorBox(`Failed: ${job.error.message}${job.error.code ? ` (${job.error.code})` : ""}`)
+      : null);
+
+    const hp = job.hyperparameters || {};
+    const precision = started && started.precision
+      ? `${started.precision}${hp.precision && hp.precision !== started.precision ? ` (asked: ${hp.precision})` : ""}`
+      : hp.precision || "chosen by the trainer at start";
+    const fact = (name, value, id) => [h("dt", {}, name), h("dd", id ? { id } : {}, value)];
+    replaceChildren(summary,
+      fact("Model", job.model),
+      fact("Method", (job.method && job.method.type) || "supervised"),
+      fact("Precision", precision, "job-precision"),
+      started ? fact("Trained on", `${started.world_size} × ${started.device}, ${started.distributed}, kernels ${started.kernels ? "on" : "off"}`) : null,
+      fact("Fine-tuned model", job.fine_tuned_model || "—"),
+      fact("Training file", job.training_file),
+      fact("Validation file", job.validation_file || "—"),
+      fact("Created", formatTime(job.created_at)),
+      fact("Started", formatTime(job.started_at)),
+      fact("Finished", formatTime(job.finished_at)),
+      fact("Duration", formatDuration(jobDuration(job))),
+      fact("Trained tokens", formatCount(job.trained_tokens), "job-trained-tokens"),
+      fact("Seed", job.seed),
+    );
+    replaceChildren(hyper, flatten(hp).map(([name, value]) => h("tr", {}, h("td", {}, name), h("td", {}, formatNumber(value)))));
+
+    const last = stream.points[stream.points.length - 1];
+    const total = started && started.total_steps;
+    const parts = [];
+    if (last) parts.push(`step ${last.step}${total ? ` of ${total}` : ""}`);
+    if (last && job.status === "running" && last.values && last.values.eta_s != null) parts.push(`about ${formatDuration(last.values.eta_s)} left`);
+    progress.textContent = parts.join(" · ");
+  }
+
+  function drawEvents(list) {
+    replaceChildren(events, list.map((e) =>
+      h("tr", { class: `level-${e.level}` }, h("td", { class: "nowrap" }, formatTime(e.created_at)), h("td", {}, e.level), h("td", {}, e.message))));
+  }
+
+  function drawCheckpoints(list) {
+    replaceChildren(checkpoints, list.map((c) => {
+      const download = (withState) => {
+        const button = h("button", { type: "button", class: "download", dataset: { checkpointId: c.id, trainingState: String(withState) } },
+          withState ? "with training state" : "Download");
+        button.addEventListener("click", () => download_(c, withState, button));
+        return button;
+      };
+      return h("tr", { dataset: { checkpointId: c.id } },
+        h("td", {}, c.step_number),
+        h("td", {}, formatTime(c.created_at)),
+        h("td", {}, formatNumber(c.metrics.train_loss)),
+        h("td", {}, formatNumber(c.metrics.valid_loss)),
+        h("td", {}, c.fine_tuned_model_checkpoint),
+        h("td", { class: "nowrap" }, download(false), " ", download(true)));
+    }));
+  }
+
+  async function download_(checkpoint, withState, button) {
+    button.disabled = true;
+    downloadStatus.textContent = `Downloading step ${checkpoint.step_number}…`;
+    try {
+      const { filename, bytes } = await downloadCheckpoint(jobId, checkpoint.id, {
+        includeTrainingState: withState,
+        onProgress: (received, total) => {
+          downloadStatus.textContent = `Downloading step ${checkpoint.step_number}: ${formatBytes(received)}${total ? ` of ${formatBytes(total)}` : ""}`;
+        },
+      });
+      downloadStatus.textContent = `Saved ${filename} (${formatBytes(bytes)}).`;
+      downloadStatus.dataset.saved = filename;
+    } catch (error) {
+      replaceChildren(downloadStatus, errorBox(`Download failed: ${error.message}`));
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  async function act(verb, button) {
+    if (verb === "cancel" && !window.confirm(`Cancel job ${jobId}? It cannot be resumed.`)) return;
+    button.disabled = true;
+    replaceChildren(actionError);
+    try {
+      job = await jobs.action(jobId, verb);
+      drawJob(null);
+    } catch (error) {
+      replaceChildren(actionError, errorBox(`${verb} failed: ${error.message}`));
+    }
+    if (!stopped) refreshNow();
+  }
+
+  async function refresh() {
+    try {
+      job = await jobs.get(jobId);
+    } catch (error) {
+      replaceChildren(pageError, errorBox(error.message));
+      main.classList.add("not-found");
+      for (const section of main.children) if (section !== pageError) section.hidden = true;
+      return false;
+    }
+    const [, eventPage, checkpointPage] = await Promise.all([
+      stream.poll(),
+      jobs.events(jobId, { type: "message", limit: EVENTS_SHOWN }),
+      jobs.checkpoints(jobId),
+    ]);
+    const startedEvent = eventPage.data.find((e) => e.data && e.data.event === "started");
+    drawCharts();
+    drawJob(startedEvent ? startedEvent.data : null);
+    drawEvents(eventPage.data);
+    drawCheckpoints(checkpointPage.data);
+    return FINISHED_STATUSES.has(job.status) ? FINISHED_REFRESH_MS : RUNNING_REFRESH_MS;
+  }
+
+  let stopPolling = poll(refresh, RUNNING_REFRESH_MS);
+  function refreshNow() {
+    stopPolling();
+    stopPolling = poll(refresh, RUNNING_REFRESH_MS);
+  }
+
+  return () => {
+    stopped = true;
+    stopPolling();
+    for (const { chart } of charts) chart.destroy();
+  };
+}
+
+/** {"lora": {"r": 8}} -> [["lora.r", 8]] */
+function flatten(object, prefix = "") {
+  return Object.entries(object).flatMap(([name, value]) =>
+    value && typeof value === "object" && !Array.isArray(value)
+      ? flatten(value, `${prefix}${name}.`)
+      : [[`${prefix}${name}`, Array.isArray(value) ? value.join(", ") : value === null ? "—" : value]]);
+}

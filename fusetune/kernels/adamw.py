@@ -1,0 +1,601 @@
+"""AdamW for bf16 weights and optimizer state, with stochastic rounding: fp32-master quality at 8 bytes/param.
+
+Plain bf16 AdamW loses small updates: a weight keeps 8 significant bits, so an update under about 2^-9 of the
+weight rounds back to the old value every step, and at fine-tuning learning rates most updates are that small.
+Stochastic rounding keeps them on average: the fp32 result x lying between the bf16 neighbours lo < x < hi is
+stored as hi with probability (x - lo) / (hi - lo), else as lo, so E[stored] = x and the small updates add up
+over steps as they do on fp32 master weights. The moments get the same treatment: with beta2 = 0.999 the second
+moment moves by 0.1% a step, under bf16's half ulp, so a round-to-nearest exp_avg_sq would stop following the
+gradient.
+
+One kernel launch updates every tensor of a parameter group (per dtype combination and step count, which a
+group normally has one of), through a table of addresses; per element, in fp32:
+
+    g      = grad * grad_scale                       (grad_scale: the clipping factor, a device scalar;
+                                                      NaN leaves parameters and state as they are)
+    m      = m * beta1 + g * (1 - beta1)
+    v      = v * beta2 + (g * g) * (1 - beta2)
+    denom  = sqrt(v) * (1 / sqrt(1 - beta2^step)) + eps
+    p      = p * (1 - lr * weight_decay) - (m / denom) * (lr / (1 - beta1^step))
+
+then p, m and v are stored: bf16 ones rounded stochastically, fp32 ones as they are. Every operation is one
+IEEE fp32 operation (division and square root correctly rounded, no fused multiply-add), so the pure-PyTorch
+`adamw_step_reference` gives the same bits. The update uses m and v before they are rounded for storage.
+
+The random bits come from (seed, step, element index) through an integer hash written identically in Triton and
+in torch: r1 = mix(index_lo ^ mix(index_hi ^ key(seed, step))), r2 = mix(r1 ^ SALT), with mix a 32-bit
+xorshift-multiply finaliser; the weight uses the low 16 bits of r1, exp_avg its high 16, exp_avg_sq the low
+16 of r2. The index counts a parameter's elements from its start in the group's concatenation (group order), so
+the bits do not depend on how the kernel is blocked, and every data-parallel rank draws the same ones. Rounding
+is then `(bits(x) + r16) >> 16` on the fp32 bit pattern (NaN kept quiet): exact values are left unchanged.
+
+fp32 parameters (LoRA adapters, say) get plain fp32 AdamW with fp32 state, no rounding. FSDP2 parameters
+(DTensors) are updated through their local shards; their state is kept as DTensors of the same placement, so
+the distributed checkpoint helpers see the usual AdamW state (`step`, `exp_avg`, `exp_avg_sq`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from fusetune.kernels._interpreter import interpreted
+
+__all__ = [
+    "AdamWLaunchSettings",
+    "FusedAdamW",
+    "adamw_launch_settings",
+    "adamw_state_bytes_per_parameter",
+    "adamw_step_reference",
+    "gradient_clipping_scale",
+    "stochastic_rounding_key",
+]
+
+_MASK32 = 0xFFFFFFFF
+# Multipliers of the 32-bit finaliser (a xorshift-multiply hash of low measured bias). Both are below 2^31, so
+# the torch reference can multiply a 32-bit value by them in int64 without overflow and mask the product.
+_MIX_MULTIPLIER_1 = 0x21F0AAAD
+_MIX_MULTIPLIER_2 = 0x735A2D97
+# Second hash of an element, for exp_avg_sq's bits (the golden-ratio constant, any odd constant would do).
+_SALT = 0x9E3779B9
+# Columns of the per-launch address table (int64): param, grad, exp_avg, exp_avg_sq addresses, numel, element
+# offset of the tensor in the group, first block of the tensor in the launch, and padding to 8.
+_TABLE_COLUMNS = 8
+_SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class AdamWLaunchSettings:
+    """Elements per program and warps of the AdamW kernel (one program per block of one tensor)."""
+
+    block_size: int
+    num_warps: int
+
+
+def adamw_launch_settings() -> AdamWLaunchSettings:
+    """The kernel's launch settings.
+
+    GPU: one H100, the Llama-3.2-1B parameter set (1.236e9 bf16 params in 146 tensors), median of 10 steps,
+    `benchmarks/optimizer.py --sweep` (2026-11-25, torch 2.11, triton 3.6): 2048 elements with 8 warps 9.01 ms
+    (9.86 when re-measured later in the same run), 1024 with 4 warps 9.08, 2048 with 4 12.1, 4096 with 8 12.5,
+    4096 with 16 10.7, 8192 with 16 21.7; the floor (14 bytes a parameter at the measured 3001 GB/s) is 5.77.
+    The same kernel over one flat tensor of that size took 7.83 ms: the address table (a dependent load of the
+    block's tensor, then of its row, before the data) costs about 1.2 ms of the 9.0. A flat buffer would need the
+    parameters and gradients to live in one allocation, which the model and FSDP own, so the table stays.
+    Interpreter: a small block, so CPU tests at a few thousand elements walk several blocks per tensor.
+    """
+    if interpreted():
+        return AdamWLaunchSettings(block_size=512, num_warps=4)
+    return AdamWLaunchSettings(block_size=2048, num_warps=8)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Random bits, shared by the kernel and the reference
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _mix32(value: int) -> int:
+    value &= _MASK32
+    value ^= value >> 16
+    value = (value * _MIX_MULTIPLIER_1) & _MASK32
+    value ^= value >> 15
+    value = (value * _MIX_MULTIPLIER_2) & _MASK32
+    value ^= value >> 15
+    return value
+
+
+def stochastic_rounding_key(seed: int, step: int) -> int:
+    """The 32-bit key of one optimizer step: a hash of the seed (any non-negative int, 64 bits used) and step."""
+    if seed < 0:
+        raise ValueError(f"FusedAdamW: seed must be a non-negative integer, got {seed}")
+    seed_key = _mix32((seed & _MASK32) ^ _mix32((seed >> 32) & _MASK32))
+    return _mix32(seed_key ^ (step & _MASK32))
+
+
+def _mix32_reference(values: torch.Tensor) -> torch.Tensor:
+    """`_mix32` on an int64 tensor of values in [0, 2^32): products stay under 2^63, masked back to 32 bits."""
+    values = values ^ (values >> 16)
+    values = (values * _MIX_MULTIPLIER_1) & _MASK32
+    values = values ^ (values >> 15)
+    values = (values * _MIX_MULTIPLIER_2) & _MASK32
+    return values ^ (values >> 15)
+
+
+def _random_bits_reference(element_index: torch.Tensor, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    low = element_index & _MASK32
+    high = element_index >> 32
+    first = _mix32_reference(low ^ _mix32_reference(high ^ key))
+    second = _mix32_reference(first ^ _SALT)
+    return first, second
+
+
+def _round_stochastic_reference(value: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """fp32 `value` to bf16, up with probability (value - lo) / (hi - lo), given 16 random bits per element."""
+    bits = value.view(torch.int32).to(torch.int64) & _MASK32
+    bits = torch.where(torch.isnan(value), bits | 0x400000, bits + random16)
+    upper = (bits >> 16) & 0xFFFF
+    return torch.where(upper >= 0x8000, upper - 0x10000, upper).to(torch.int16).view(torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mix32_kernel(value):
+    value ^= value >> 16
+    value *= 0x21F0AAAD
+    value ^= value >> 15
+    value *= 0x735A2D97
+    value ^= value >> 15
+    return value
+
+
+@triton.jit
+def _round_stochastic(value, random16):
+    """fp32 -> bf16 by adding 16 random bits below the kept ones; a NaN is made quiet instead (as in
+    round_to_dtype), so the addition cannot carry its payload into an inf or wrap it to zero."""
+    bits = value.to(tl.uint32, bitcast=True)
+    bits = tl.where(value != value, bits | 0x400000, bits + random16)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["step_key"])
+def _adamw_kernel(
+    table_ptr,
+    block_tensor_ptr,
+    param_proto_ptr,
+    grad_proto_ptr,
+    state_proto_ptr,
+    grad_scale_ptr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    inv_sqrt_bias_correction2,
+    eps,
+    weight_decay_factor,
+    step_size,
+    step_key,
+    HAS_GRAD_SCALE: tl.constexpr,
+    TABLE_COLUMNS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One block of one tensor of the group: the update of the module docstring, in place.
+
+    The *_proto pointers are the first tensor's, passed only for their element types (every tensor of a
+    launch has the same ones); addresses come from the table row of the block's tensor.
+    """
+    param_dtype = param_proto_ptr.dtype.element_ty
+    state_dtype = state_proto_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    tensor = tl.load(block_tensor_ptr + pid).to(tl.int64)
+    row = table_ptr + tensor * TABLE_COLUMNS
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_dtype))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
+    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(state_dtype))
+    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(state_dtype))
+    numel = tl.load(row + 4)
+    group_offset = tl.load(row + 5)
+    first_block = tl.load(row + 6)
+
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
+        numel = tl.where(grad_scale == grad_scale, numel, 0)
+    offsets = (pid - first_block) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if HAS_GRAD_SCALE:
+        grad = grad * grad_scale
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    exp_avg = exp_avg * beta1 + grad * one_minus_beta1
+    exp_avg_sq = exp_avg_sq * beta2 + (grad * grad) * one_minus_beta2
+    denom = tl.sqrt_rn(exp_avg_sq) * inv_sqrt_bias_correction2 + eps
+    param = param * weight_decay_factor - tl.div_rn(exp_avg, denom) * step_size
+
+    if param_dtype == tl.bfloat16 or state_dtype == tl.bfloat16:
+        index = group_offset + offsets
+        key = step_key.to(tl.uint32, bitcast=True)
+        high_key = _mix32_kernel((index >> 32).to(tl.uint32) ^ key)
+        first = _mix32_kernel(index.to(tl.uint32) ^ high_key)
+        second = _mix32_kernel(first ^ 0x9E3779B9)
+    if param_dtype == tl.bfloat16:
+        tl.store(param_ptr + offsets, _round_stochastic(param, first & 0xFFFF), mask=mask)
+    else:
+        tl.store(param_ptr + offsets, param, mask=mask)
+    if state_dtype == tl.bfloat16:
+        tl.store(exp_avg_ptr + offsets, _round_stochastic(exp_avg, first >> 16), mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, _round_stochastic(exp_avg_sq, second & 0xFFFF), mask=mask)
+    else:
+        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Step constants, launcher and reference
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _StepConstants:
+    """The scalars of one step, as Python floats that both the kernel and the reference round to fp32."""
+
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    inv_sqrt_bias_correction2: float
+    eps: float
+    weight_decay_factor: float
+    step_size: float
+
+    @classmethod
+    def of(
+        cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float
+    ) -> _StepConstants:
+        if step < 1:
+            raise ValueError(f"AdamW: step counts from 1, got {step}")
+        return cls(
+            beta1=beta1,
+            one_minus_beta1=1.0 - beta1,
+            beta2=beta2,
+            one_minus_beta2=1.0 - beta2,
+            inv_sqrt_bias_correction2=1.0 / (1.0 - beta2**step) ** 0.5,
+            eps=eps,
+            weight_decay_factor=1.0 - lr * weight_decay,
+            step_size=lr / (1.0 - beta1**step),
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor, or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _block_map(numels: tuple[int, ...], block_size: int, device: torch.device) -> tuple[torch.Tensor, tuple]:
+    """The tensor of each block (int32, on the device) and each tensor's first block; cached per layout."""
+    blocks = [triton.cdiv(numel, block_size) for numel in numels]
+    first_blocks = [0]
+    for count in blocks[:-1]:
+        first_blocks.append(first_blocks[-1] + count)
+    block_tensor = torch.repeat_interleave(
+        torch.arange(len(numels), dtype=torch.int32), torch.tensor(blocks, dtype=torch.int64)
+    )
+    return block_tensor.to(device), tuple(first_blocks)
+
+
+def _launch(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    element_offsets: Sequence[int],
+    constants: _StepConstants,
+    step_key: int,
+    grad_scale: torch.Tensor | None,
+    settings: AdamWLaunchSettings,
+) -> None:
+    """One kernel launch over local, contiguous tensors that share their dtypes and step."""
+    device = params[0].device
+    numels = tuple(p.numel() for p in params)
+    block_tensor, first_blocks = _block_map(numels, settings.block_size, device)
+    rows = [
+        [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, offset, first, 0]
+        for p, g, m, v, n, offset, first in zip(
+            params, grads, exp_avgs, exp_avg_sqs, numels, element_offsets, first_blocks, strict=True
+        )
+    ]
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cpu":
+        # Grad addresses change every step (zero_grad(set_to_none=True)), so the table is sent each time; from
+        # pinned memory the copy is queued without waiting for the GPU.
+        table = table.pin_memory().to(device, non_blocking=True)
+    if grad_scale is not None:
+        if grad_scale.numel() != 1 or grad_scale.device != device:
+            raise ValueError(
+                f"FusedAdamW: grad_scale must be one element on {device}, got shape "
+                f"{tuple(grad_scale.shape)} on {grad_scale.device}"
+            )
+        grad_scale = grad_scale.to(torch.float32)
+    step_key_signed = step_key - (1 << 32) if step_key >= 1 << 31 else step_key
+    _adamw_kernel[(block_tensor.numel(),)](
+        table,
+        block_tensor,
+        params[0],
+        grads[0],
+        exp_avgs[0],
+        grad_scale if grad_scale is not None else table,
+        constants.beta1,
+        constants.one_minus_beta1,
+        constants.beta2,
+        constants.one_minus_beta2,
+        constants.inv_sqrt_bias_correction2,
+        constants.eps,
+        constants.weight_decay_factor,
+        constants.step_size,
+        step_key_signed,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        TABLE_COLUMNS=_TABLE_COLUMNS,
+        BLOCK=settings.block_size,
+        num_warps=settings.num_warps,
+        # Fused multiply-adds would round differently from the reference's separate operations.
+        enable_fp_fusion=False,
+    )
+
+
+def adamw_step_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    grad_scale: torch.Tensor | None = None,
+    element_offsets: Sequence[int] | None = None,
+) -> None:
+    """One AdamW step in pure PyTorch, in place, bit for bit the kernel's (the module docstring's math).
+
+    `step` is the step being taken (1 for the first). `element_offsets` are where each tensor starts in the
+    group's element count (default: the tensors back to back, as FusedAdamW lays out a group). bf16 tensors
+    are rounded stochastically from the (seed, step, element index) bits, fp32 ones stored as computed.
+    """
+    constants = _StepConstants.of(step, lr, betas[0], betas[1], eps, weight_decay)
+    if grad_scale is not None and bool(torch.isnan(grad_scale).any()):
+        return  # the non-finite guard: nothing changes
+    if element_offsets is None:
+        element_offsets = _back_to_back_offsets(params)
+    key = stochastic_rounding_key(seed, step)
+    for param, grad, exp_avg, exp_avg_sq, offset in zip(
+        params, grads, exp_avgs, exp_avg_sqs, element_offsets, strict=True
+    ):
+        g = grad.to(torch.float32)
+        if grad_scale is not None:
+            g = g * grad_scale.to(torch.float32)
+        m = exp_avg.to(torch.float32) * constants.beta1 + g * constants.one_minus_beta1
+        v = exp_avg_sq.to(torch.float32) * constants.beta2 + (g * g) * constants.one_minus_beta2
+        denom = _sqrt_rn(v) * constants.inv_sqrt_bias_correction2 + constants.eps
+        p = param.to(torch.float32) * constants.weight_decay_factor - _div_rn(m, denom) * constants.step_size
+        if param.dtype == torch.bfloat16 or exp_avg.dtype == torch.bfloat16:
+            index = offset + torch.arange(param.numel(), dtype=torch.int64, device=param.device)
+            first, second = _random_bits_reference(index.view(param.shape), key)
+        if param.dtype == torch.bfloat16:
+            param.copy_(_round_stochastic_reference(p, first & 0xFFFF))
+        else:
+            param.copy_(p)
+        if exp_avg.dtype == torch.bfloat16:
+            exp_avg.copy_(_round_stochastic_reference(m, first >> 16))
+            exp_avg_sq.copy_(_round_stochastic_reference(v, second & 0xFFFF))
+        else:
+            exp_avg.copy_(m)
+            exp_avg_sq.copy_(v)
+
+
+def _sqrt_rn(value: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root. torch's own fp32 sqrt on CPU is not (it differed from the correctly
+    rounded result in 17% of random inputs with torch 2.14 on AVX-512); computed in float64 and rounded once
+    it is, since float64 has more than twice float32's precision."""
+    return torch.sqrt(value.to(torch.float64)).to(torch.float32)
+
+
+def _div_rn(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 division (float64 then one rounding, for the same reason as _sqrt_rn)."""
+    return (numerator.to(torch.float64) / denominator.to(torch.float64)).to(torch.float32)
+
+
+def _back_to_back_offsets(tensors: Iterable[torch.Tensor]) -> list[int]:
+    offsets, total = [], 0
+    for tensor in tensors:
+        offsets.append(total)
+        total += tensor.numel()
+    return offsets
+
+
+def adamw_state_bytes_per_parameter(param_dtype: torch.dtype, state_dtype: torch.dtype | None = None) -> int:
+    """Bytes of FusedAdamW state (exp_avg + exp_avg_sq) per parameter of `param_dtype`: 4 for bf16 parameters
+    with the default bf16 state, 8 for fp32 parameters or an fp32 `state_dtype`."""
+    return 2 * torch.empty((), dtype=_state_dtype(param_dtype, state_dtype)).element_size()
+
+
+def gradient_clipping_scale(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor clip_grad_norm_ multiplies gradients by, min(1, max_norm / (norm + 1e-6)), left on the device
+    for FusedAdamW.step(grad_scale=...) instead of a separate pass over the gradients. A non-finite norm gives
+    NaN, which makes the step change nothing (the trainer then fails the job when it reads the loss)."""
+    norm = total_norm.to(torch.float32)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return torch.where(torch.isfinite(norm), scale, torch.full_like(scale, float("nan")))
+
+
+def _state_dtype(param_dtype: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
+    if param_dtype not in _SUPPORTED_PARAM_DTYPES:
+        raise TypeError(f"FusedAdamW: parameters must be bfloat16 or float32, got {param_dtype}")
+    if param_dtype == torch.float32:
+        return torch.float32
+    return state_dtype or torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Optimizer
+# ------------------------------------------------------------------------------------------------------------
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW whose step is one Triton launch per parameter group, bf16 weights and state stochastically rounded.
+
+    `state_dtype` is the dtype of exp_avg / exp_avg_sq for bf16 parameters: bf16 (default, rounded
+    stochastically) or float32; fp32 parameters always keep fp32 state. `seed` fixes the rounding bits, so two
+    runs with the same seed, inputs and step count give the same weights. `step(grad_scale=t)` multiplies every
+    gradient by the one-element device tensor `t` (the clipping factor of `gradient_clipping_scale`) inside
+    the kernel, with no host synchronisation. The state has torch.optim.AdamW's keys (`step` a float32 CPU
+    scalar per parameter, `exp_avg`, `exp_avg_sq`), so checkpoints and the distributed state-dict helpers
+    treat it like AdamW's.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        seed: int = 0,
+        state_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"FusedAdamW: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"FusedAdamW: betas must lie in [0, 1), got {betas}")
+        if not 0.0 <= eps:
+            raise ValueError(f"FusedAdamW: eps must be >= 0, got {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"FusedAdamW: weight_decay must be >= 0, got {weight_decay}")
+        if state_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"FusedAdamW: state_dtype must be torch.bfloat16 or torch.float32, got {state_dtype}"
+            )
+        stochastic_rounding_key(seed, 0)  # validates the seed
+        self.seed = seed
+        self.state_dtype = state_dtype
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        for group in self.param_groups:
+            for param in group["params"]:
+                _state_dtype(param.dtype, state_dtype)  # refuses fp16 and others now, not at the first step
+
+    def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        dtype = _state_dtype(param.dtype, self.state_dtype)
+        return {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg": _zeros_like_param(param, dtype),
+            "exp_avg_sq": _zeros_like_param(param, dtype),
+        }
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):  # type: ignore[override]
+        """One AdamW step of every parameter that has a gradient; `grad_scale` multiplies the gradients."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                raise TypeError(
+                    "FusedAdamW: lr must be a Python float (a tensor would be read back every step)"
+                )
+            beta1, beta2 = group["betas"]
+            # (dtypes, step) -> tensors of one launch; offsets count every parameter of the group, so the random
+            # bits of a parameter do not depend on which others have gradients this step.
+            launches: dict[tuple, list[tuple]] = {}
+            offset = 0
+            for index, param in enumerate(group["params"]):
+                local_param = _local(param)
+                start, offset = offset, offset + local_param.numel()
+                if param.grad is None:
+                    continue
+                grad = _local(param.grad)
+                if grad.is_sparse:
+                    raise RuntimeError(f"FusedAdamW: parameter {index} of its group has a sparse gradient")
+                if not local_param.is_contiguous():
+                    raise ValueError(f"FusedAdamW: parameter {index} of its group is not contiguous")
+                state = self.state[param]
+                if not state:
+                    state.update(self._new_state(param))
+                state["step"] += 1
+                step = int(state["step"].item())
+                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                key = (local_param.dtype, grad.dtype, exp_avg.dtype, local_param.device, step)
+                launches.setdefault(key, []).append(
+                    (local_param, grad.contiguous(), exp_avg, exp_avg_sq, start)
+                )
+            for (_, _, _, device, step), members in launches.items():
+                if device.type == "cpu" and not interpreted():
+                    raise RuntimeError(
+                        "FusedAdamW: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1); "
+                        "use torch.optim.AdamW on CPU"
+                    )
+                members = [m for m in members if m[0].numel() > 0]
+                if not members:
+                    continue
+                params, grads, exp_avgs, exp_avg_sqs, offsets = zip(*members, strict=True)
+                _launch(
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    offsets,
+                    _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"]),
+                    stochastic_rounding_key(self.seed, step),
+                    grad_scale,
+                    adamw_launch_settings(),
+                )
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (ours or torch.optim.AdamW's); exp_avg / exp_avg_sq take this optimizer's state dtype.
+
+        torch.optim.Optimizer casts floating state to the parameter's dtype on load, which would round an fp32
+        state of bf16 parameters to bf16; the saved tensors are converted again from the originals here.
+        """
+        saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
+        super().load_state_dict(state_dict)
+        params = [param for group in self.param_groups for param in group["params"]]
+        for param_id, param in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(param_id)
+            if not saved:
+                continue
+            state = self.state[param]
+            dtype = _state_dtype(param.dtype, self.state_dtype)
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name not in saved:
+                    raise KeyError(f"FusedAdamW: the saved state of parameter {param_id} has no {name!r}")
+                state[name] = saved[name].to(device=param.device, dtype=dtype, copy=True)
+            state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
+
+
+def _zeros_like_param(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros shaped like the parameter's local tensor; a DTensor of the same placement for a DTensor."""
+    local = torch.zeros_like(_local(param), dtype=dtype, memory_format=torch.contiguous_format)
+    if not hasattr(param, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

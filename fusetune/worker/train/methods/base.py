@@ -1,0 +1,116 @@
+"""The interface every training method implements; the trainer calls it and knows no method by name.
+
+What a method decides: how a line of a training file is parsed and checked (the API's upload check runs the
+same code), how examples become rows and rows become micro-batches (rows that belong together, such as a
+preference pair, stay on one rank), the loss of a micro-batch with what it is normalised by and its metrics,
+the evaluation metrics, an optional pass over the data before training (a reference model's log-probabilities,
+say) and any state of its own that a checkpoint must carry. What the loop keeps for itself: precision, the
+optimizer, gradient accumulation and synchronisation, clipping, checkpoints and the reporter.
+
+The parsing half (`parse_example`, `example_characters`) must not need torch: the API imports it. Methods
+import torch and the data helpers inside their training half.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from fusetune.worker.train.config import TrainConfig
+    from fusetune.worker.train.data import LoadedData
+
+
+class TrainingMethod(ABC):
+    # The job specification's `method.type` that selects this class (see methods.METHODS).
+    type: ClassVar[str]
+    # What `eval_sums` returns, in order.
+    eval_sum_names: ClassVar[tuple[str, ...]]
+    # For the API's checks and estimate: sequences the method makes of one example (a row of the run counts
+    # as one of `batch_size`), whether rows may be packed, whether `before_training` passes over the data.
+    rows_per_example: ClassVar[int] = 1
+    supports_packing: ClassVar[bool] = True
+    has_reference_pass: ClassVar[bool] = False
+
+    # ------------------------------------------------------------------------ examples (no torch needed)
+
+    @classmethod
+    def recognizes(cls, record: Any) -> bool:
+        """Whether a decoded JSONL record is in this method's own line format (keys no other method's lines
+        have), so that an uploaded file can say which method it fits; the default method need not."""
+        return False
+
+    @classmethod
+    @abstractmethod
+    def parse_example(cls, record: Any) -> Any:
+        """One decoded JSONL record as this method's example; raises ValueError saying what is wrong."""
+
+    @classmethod
+    @abstractmethod
+    def example_characters(cls, example: Any) -> int:
+        """Characters of text in an example, for the token estimate of an uploaded file."""
+
+    # ----------------------------------------------------------------------------------------- training
+
+    def __init__(self, config: TrainConfig, tokenizer: Any, pad_token_id: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.pad_token_id = pad_token_id
+
+    @abstractmethod
+    def load_data(self, path: str, packing: bool) -> LoadedData:
+        """A training or validation file as rows (`LoadedData.sequences`), checked, tokenized, truncated."""
+
+    def row_length(self, row: Any) -> int:
+        """Tokens of one row, by which batches are grouped so that a micro-batch needs little padding."""
+        return len(row.input_ids)
+
+    def micro_batches(
+        self, global_batch: Sequence[int], micro_batch_size: int, rank: int, world_size: int
+    ) -> list[list[int]]:
+        """This rank's micro-batches (lists of row indices) of a global batch. Every rank computes the same
+        split, so a method whose rows come in groups keeps each group inside one micro-batch."""
+        from fusetune.worker.train.data import rank_micro_batches
+
+        return rank_micro_batches(global_batch, micro_batch_size, rank, world_size)
+
+    @abstractmethod
+    def collate(self, rows: Sequence[Any], packed: bool) -> dict[str, torch.Tensor]:
+        """Rows as CPU tensors: at least `input_ids` (its width is the padded length the MFU counts) and the
+        0-dim `n_input_tokens` (non-padding tokens, for throughput). The trainer moves the others to the device;
+        0-dim tensors stay on the CPU, so that reading them never waits for the device."""
+
+    @abstractmethod
+    def loss_normaliser(self, batch: dict[str, torch.Tensor]) -> int:
+        """This micro-batch's part of what the step's loss is divided by (summed over the step's micro-batches
+        and ranks); read from the batch's CPU tensors."""
+
+    def before_training(self, trainer: Any) -> None:  # noqa: B027 - optional, does nothing by default
+        """A pass before the first step (a frozen reference model's log-probabilities, for instance)."""
+
+    @abstractmethod
+    def loss(
+        self, model: torch.nn.Module, batch: dict[str, torch.Tensor], normaliser: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The micro-batch's share of the step's loss (its sum over the batch divided by the step's global
+        `normaliser`), and its shares of further metrics. Device tensors: the trainer sums them over the step's
+        micro-batches and ranks and reads them only when it reports them."""
+
+    @abstractmethod
+    def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A float64 device tensor of sums over the batch (`eval_sum_names`), added up over all batches and
+        ranks."""
+
+    @abstractmethod
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        """The evaluation metrics (names start with `valid_`) from the summed `eval_sums`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State of the method's own that a checkpoint carries (none by default)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless by default
+        pass

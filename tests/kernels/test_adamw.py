@@ -1,0 +1,515 @@
+"""FusedAdamW's kernel against its bit-exact reference, against torch.optim.AdamW, and its stochastic rounding.
+
+On CPU the real Triton kernel runs under TRITON_INTERPRET=1 (set by tests/conftest.py) with 512-element blocks,
+so the 4095-element tensor walks eight blocks with a ragged tail. Kernel and reference perform the same IEEE
+fp32 operations and draw the same random bits, so they are compared exactly; the reference itself is compared
+with torch.optim.AdamW within TOLERANCES. The quality evidence (fine-tuning a pretrained model) is in
+test_adamw_quality.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from fusetune.kernels import adamw as adamw_module
+from fusetune.kernels.adamw import (
+    FusedAdamW,
+    adamw_state_bytes_per_parameter,
+    adamw_step_reference,
+    gradient_clipping_scale,
+    stochastic_rounding_key,
+)
+
+# (atol, rtol) of FusedAdamW's parameters against torch.optim.AdamW run on an fp32 copy, per parameter dtype.
+# float32: the same update with the bias correction of the second moment multiplied by its inverse instead of
+#   divided, a few fp32 roundings apart (parameters near 1, updates near lr).
+# bfloat16: the stochastically rounded weight is one of the two bf16 neighbours of the fp32 result, at most one
+#   bf16 ulp (2^-7 relative) away; round to nearest would allow half of that, so the bound is the ulp itself.
+TOLERANCES = {
+    torch.float32: (1e-7, 2e-6),
+    torch.bfloat16: (0.0, 2.0**-7),
+}
+# exp_avg / exp_avg_sq (fp32) against torch.optim.AdamW's: torch forms exp_avg with lerp and exp_avg_sq with
+# addcmul, a few fp32 roundings from the two products and a sum here; where the sum cancels (exp_avg near zero)
+# the difference is absolute, about an ulp of the terms (gradients are N(0, 1)).
+STATE_TOLERANCE = (1e-7, 1e-6)
+SHAPES = [(1,), (5,), (4095,), (33, 17)]
+HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+STEPS = 3
+
+
+def _tensors(shapes, dtype, device, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape, generator=generator) * scale).to(dtype).to(device) for shape in shapes]
+
+
+def _run_fused(param_dtypes, device, *, state_dtype=torch.bfloat16, seed=7, grad_scale=None, steps=STEPS):
+    """Params and optimizer after `steps` steps of FusedAdamW on fixed random gradients."""
+    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    params = [torch.nn.Parameter(p.to(dtype)) for p, dtype in zip(start, param_dtypes, strict=True)]
+    optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=seed, state_dtype=state_dtype)
+    for step in range(steps):
+        for param, grad in zip(params, _tensors(SHAPES, torch.float32, device, seed=100 + step), strict=True):
+            param.grad = grad.to(param.dtype)
+        optimizer.step(grad_scale=grad_scale)
+    return params, optimizer
+
+
+def _run_reference(param_dtypes, device, *, state_dtype=torch.bfloat16, seed=7, grad_scale=None, steps=STEPS):
+    params = [
+        p.to(dtype) for p, dtype in zip(_tensors(SHAPES, torch.float32, device, 1), param_dtypes, strict=True)
+    ]
+    states = [p.dtype if p.dtype == torch.float32 else state_dtype for p in params]
+    exp_avgs = [torch.zeros_like(p, dtype=dtype) for p, dtype in zip(params, states, strict=True)]
+    exp_avg_sqs = [torch.zeros_like(p, dtype=dtype) for p, dtype in zip(params, states, strict=True)]
+    for step in range(steps):
+        grads = [
+            g.to(p.dtype)
+            for p, g in zip(params, _tensors(SHAPES, torch.float32, device, 100 + step), strict=True)
+        ]
+        adamw_step_reference(
+            params, grads, exp_avgs, exp_avg_sqs, step=step + 1, **HYPERPARAMETERS, seed=seed, grad_scale=grad_scale
+        )  # fmt: skip
+    return params, exp_avgs, exp_avg_sqs
+
+
+PARAM_DTYPE_SETS = [
+    pytest.param([torch.bfloat16] * 4, torch.bfloat16, id="bf16-params-bf16-state"),
+    pytest.param([torch.bfloat16] * 4, torch.float32, id="bf16-params-fp32-state"),
+    pytest.param([torch.float32] * 4, torch.bfloat16, id="fp32-params"),
+    # one group, two launches (bf16 and fp32 tensors); element offsets still count the whole group
+    pytest.param([torch.bfloat16, torch.float32, torch.bfloat16, torch.float32], torch.bfloat16, id="mixed"),
+]
+
+
+@pytest.mark.parametrize("grad_scale", [None, 0.37], ids=["no-scale", "grad-scale"])
+@pytest.mark.parametrize(("param_dtypes", "state_dtype"), PARAM_DTYPE_SETS)
+def test_kernel_matches_reference_exactly(param_dtypes, state_dtype, grad_scale, device):
+    scale = None if grad_scale is None else torch.tensor(grad_scale, device=device)
+    params, optimizer = _run_fused(param_dtypes, device, state_dtype=state_dtype, grad_scale=scale)
+    ref_params, ref_exp_avgs, ref_exp_avg_sqs = _run_reference(
+        param_dtypes, device, state_dtype=state_dtype, grad_scale=scale
+    )
+    for param, ref_param, ref_exp_avg, ref_exp_avg_sq in zip(
+        params, ref_params, ref_exp_avgs, ref_exp_avg_sqs, strict=True
+    ):
+        state = optimizer.state[param]
+        assert state["step"].item() == STEPS
+        torch.testing.assert_close(param.detach(), ref_param, atol=0.0, rtol=0.0)
+        torch.testing.assert_close(state["exp_avg"], ref_exp_avg, atol=0.0, rtol=0.0)
+        torch.testing.assert_close(state["exp_avg_sq"], ref_exp_avg_sq, atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_follows_torch_adamw(param_dtype, device):
+    """The update itself (not only the kernel's agreement with the reference) is AdamW's: against
+    torch.optim.AdamW on fp32 copies, one step at a time from the same fp32 values."""
+    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    torch_params = [torch.nn.Parameter(p.to(param_dtype).float()) for p in start]
+    torch_optimizer = torch.optim.AdamW(torch_params, **HYPERPARAMETERS)
+    params = [p.detach().to(param_dtype) for p in start]
+    exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    atol, rtol = TOLERANCES[param_dtype]
+    for step in range(1, STEPS + 1):
+        grads = _tensors(SHAPES, torch.float32, device, seed=100 + step)
+        for torch_param, param, grad in zip(torch_params, params, grads, strict=True):
+            torch_param.data.copy_(param.float())  # both start this step from the stored weights
+            torch_param.grad = grad.to(param_dtype).float()
+        torch_optimizer.step()
+        adamw_step_reference(
+            params, [g.to(param_dtype) for g in grads], exp_avgs, exp_avg_sqs, step=step, **HYPERPARAMETERS
+        )
+        for torch_param, param, exp_avg, exp_avg_sq in zip(
+            torch_params, params, exp_avgs, exp_avg_sqs, strict=True
+        ):
+            torch.testing.assert_close(param.float(), torch_param.detach(), atol=atol, rtol=rtol)
+            state = torch_optimizer.state[torch_param]
+            torch.testing.assert_close(
+                exp_avg, state["exp_avg"], atol=STATE_TOLERANCE[0], rtol=STATE_TOLERANCE[1]
+            )
+            torch.testing.assert_close(
+                exp_avg_sq, state["exp_avg_sq"], atol=STATE_TOLERANCE[0], rtol=STATE_TOLERANCE[1]
+            )
+
+
+def test_grad_scale_is_the_same_as_scaled_gradients(device):
+    scale = torch.tensor(0.37, device=device)
+    params, _ = _run_fused([torch.float32] * 4, device, grad_scale=scale)
+    unscaled = [torch.nn.Parameter(p) for p in _tensors(SHAPES, torch.float32, device, seed=1)]
+    optimizer = FusedAdamW(unscaled, **HYPERPARAMETERS, seed=7)
+    for step in range(STEPS):
+        for param, grad in zip(
+            unscaled, _tensors(SHAPES, torch.float32, device, seed=100 + step), strict=True
+        ):
+            param.grad = grad * scale
+        optimizer.step()
+    for param, other in zip(params, unscaled, strict=True):
+        torch.testing.assert_close(param, other, atol=0.0, rtol=0.0)
+    # and a scale that matters: without it the result differs
+    plain, _ = _run_fused([torch.float32] * 4, device)
+    assert not torch.equal(plain[2], params[2])
+
+
+def test_gradient_clipping_scale_is_clip_grad_norms_factor():
+    grads = [torch.full((3,), 2.0), torch.full((4,), -1.0)]
+    total_norm = torch.linalg.vector_norm(torch.cat(grads))
+    clipped = [g.clone() for g in grads]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, clipped, strict=True):
+        param.grad = grad
+    torch.nn.utils.clip_grad_norm_(params, max_norm=1.5)
+    scale = gradient_clipping_scale(total_norm, 1.5)
+    for param, grad in zip(params, grads, strict=True):
+        torch.testing.assert_close(param.grad, grad * scale, atol=0.0, rtol=1e-6)
+    assert gradient_clipping_scale(total_norm, 100.0).item() == 1.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Stochastic rounding
+# ----------------------------------------------------------------------------------------------------------
+
+N_ROUNDED = 4095
+ULP_BELOW_ONE = 2.0**-8  # bf16 spacing in [0.5, 1)
+
+
+def _first_step_from_one(device, lr, state_dtype=torch.bfloat16, seed=0):
+    """Weights 1.0 and gradients 1.0: the first Adam step moves each weight by lr (times 1 / (1 + eps)), a
+    fraction of a bf16 ulp here, and sets exp_avg = 0.1, exp_avg_sq = 0.001, none of them bf16 numbers."""
+    param = torch.nn.Parameter(torch.ones(N_ROUNDED, dtype=torch.bfloat16, device=device))
+    optimizer = FusedAdamW([param], lr=lr, weight_decay=0.0, seed=seed, state_dtype=state_dtype)
+    param.grad = torch.ones_like(param)
+    optimizer.step()
+    # the fp32 values that were rounded, from the fp32 path of the same update
+    exact = torch.nn.Parameter(torch.ones(N_ROUNDED, dtype=torch.float32, device=device))
+    exact_optimizer = FusedAdamW([exact], lr=lr, weight_decay=0.0)
+    exact.grad = torch.ones_like(exact)
+    exact_optimizer.step()
+    return param, optimizer.state[param], exact, exact_optimizer.state[exact]
+
+
+def _assert_unbiased(rounded: torch.Tensor, exact: torch.Tensor) -> None:
+    """The mean of the rounded values is the mean of the fp32 values within 5 standard deviations of a mean of
+    Bernoulli draws (at most half the bf16 spacing each)."""
+    toward_zero, away = _bf16_neighbours(exact)
+    sigma = (away - toward_zero).abs().max().double() * 0.5 / rounded.numel() ** 0.5
+    error = (rounded.double().mean() - exact.double().mean()).abs()
+    assert error <= 5 * sigma, (
+        f"mean {rounded.double().mean().item()!r} vs exact {exact.double().mean().item()!r}"
+    )
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.85])
+def test_stochastic_rounding_is_unbiased(fraction, device):
+    param, state, exact, exact_state = _first_step_from_one(device, lr=fraction * ULP_BELOW_ONE)
+    # the update is below the ulp, so round to nearest would keep 1.0 (fraction < 0.5) or drop it to 1 - ulp
+    assert set(param.detach().float().unique().tolist()) == {1.0, 1.0 - ULP_BELOW_ONE}
+    _assert_unbiased(param.detach(), exact.detach())
+    _assert_unbiased(state["exp_avg"], exact_state["exp_avg"])
+    _assert_unbiased(state["exp_avg_sq"], exact_state["exp_avg_sq"])
+
+
+def _bf16_neighbours(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just toward zero and just away from zero of each fp32 value (equal when exact)."""
+    bits = exact.view(torch.int32)
+    toward_zero = bits & ~0xFFFF
+    away = torch.where(bits == toward_zero, toward_zero, toward_zero + 0x10000)
+    return toward_zero.view(torch.float32), away.view(torch.float32)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_each_rounded_value_is_one_of_its_two_bf16_neighbours(state_dtype, device):
+    params, optimizer = _run_fused([torch.bfloat16] * 4, device, state_dtype=state_dtype, steps=1)
+    # the fp32 results of the same update: the reference on fp32 copies of the same bf16 inputs
+    start = [p.to(torch.bfloat16).float() for p in _tensors(SHAPES, torch.float32, device, seed=1)]
+    grads = [g.to(torch.bfloat16).float() for g in _tensors(SHAPES, torch.float32, device, seed=100)]
+    exp_avgs = [torch.zeros_like(p) for p in start]
+    exp_avg_sqs = [torch.zeros_like(p) for p in start]
+    adamw_step_reference(start, grads, exp_avgs, exp_avg_sqs, step=1, **HYPERPARAMETERS)
+    for param, exact, exact_m, exact_v in zip(params, start, exp_avgs, exp_avg_sqs, strict=True):
+        state = optimizer.state[param]
+        for rounded, value in [
+            (param.detach(), exact),
+            (state["exp_avg"], exact_m),
+            (state["exp_avg_sq"], exact_v),
+        ]:
+            if rounded.dtype == torch.float32:
+                torch.testing.assert_close(rounded, value, atol=0.0, rtol=0.0)
+                continue
+            toward_zero, away = _bf16_neighbours(value)
+            rounded = rounded.float()
+            assert torch.all((rounded == toward_zero) | (rounded == away)), "a value left its bf16 neighbours"
+    # and both neighbours occur, on the 4095 weights
+    toward_zero, away = _bf16_neighbours(start[2])
+    weights = params[2].detach().float()
+    assert (weights == toward_zero).any() and ((weights == away) & (away != toward_zero)).any()
+
+
+def test_same_seed_same_bits_other_seed_or_step_other_bits(device):
+    first, _ = _run_fused([torch.bfloat16] * 4, device, seed=11, steps=1)
+    again, _ = _run_fused([torch.bfloat16] * 4, device, seed=11, steps=1)
+    other, _ = _run_fused([torch.bfloat16] * 4, device, seed=12, steps=1)
+    torch.testing.assert_close(first[2], again[2], atol=0.0, rtol=0.0)
+    changed = (first[2] != other[2]).float().mean().item()
+    assert 0.05 < changed < 0.95, changed  # some, not all, of the weights round the other way
+    keys = {stochastic_rounding_key(seed, step) for seed in (0, 1, 2**40) for step in (1, 2, 3)}
+    assert len(keys) == 9
+    index = torch.arange(1 << 16, dtype=torch.int64)
+    bits_step1, _ = adamw_module._random_bits_reference(index, stochastic_rounding_key(0, 1))
+    bits_step2, _ = adamw_module._random_bits_reference(index, stochastic_rounding_key(0, 2))
+    assert (bits_step1 != bits_step2).float().mean() > 0.99
+    # the 16 bits used for the weights are close to uniform: each of 16 bins holds 1/16 of 65536 draws
+    counts = torch.bincount((bits_step1 & 0xFFFF) >> 12, minlength=16).float()
+    assert ((counts - 4096).abs() < 5 * 4096**0.5).all(), counts
+
+
+def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
+    """An update of zero rounds to the weight itself (the distributed checkpoint helpers step with lr 0 to
+    create the state)."""
+    start = _tensors(SHAPES, torch.bfloat16, device, seed=1)
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    optimizer = FusedAdamW(params, lr=0.0, weight_decay=0.1)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    for param, before in zip(params, start, strict=True):
+        torch.testing.assert_close(param.detach(), before, atol=0.0, rtol=0.0)
+
+
+def test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device):
+    """The trainer's guard against a non-finite gradient, decided on the device: a NaN or infinite norm gives a
+    NaN clipping scale, and the step then writes nothing (a gradient holding NaN included)."""
+    params, optimizer = _run_fused([torch.bfloat16] * 4, device, steps=1)
+    before = [p.detach().clone() for p in params]
+    state_before = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
+    for param in params:
+        param.grad = torch.full_like(param, float("nan"))
+    for bad_norm in (float("nan"), float("inf")):
+        scale = gradient_clipping_scale(torch.tensor(bad_norm, device=device), 1.0)
+        assert torch.isnan(scale)
+        optimizer.step(grad_scale=scale)
+    for param, old, state in zip(params, before, state_before, strict=True):
+        torch.testing.assert_close(param.detach(), old, atol=0.0, rtol=0.0)
+        for key, value in state.items():
+            torch.testing.assert_close(optimizer.state[param][key], value, atol=0.0, rtol=0.0)
+    # control: a finite scale on the same gradients does write (NaN)
+    optimizer.step(grad_scale=gradient_clipping_scale(torch.tensor(1.0, device=device), 1.0))
+    assert torch.isnan(params[0]).any()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_state_dict_round_trip_resumes_exactly(state_dtype, device):
+    params, optimizer = _run_fused([torch.bfloat16] * 4, device, state_dtype=state_dtype, steps=2)
+    saved = optimizer.state_dict()
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = FusedAdamW(copies, **HYPERPARAMETERS, seed=7, state_dtype=state_dtype)
+    resumed.load_state_dict(saved)
+    for param, copy in zip(params, copies, strict=True):
+        assert resumed.state[copy]["step"].item() == 2
+        assert resumed.state[copy]["exp_avg"].dtype == state_dtype
+        torch.testing.assert_close(
+            resumed.state[copy]["exp_avg"], optimizer.state[param]["exp_avg"], atol=0, rtol=0
+        )
+    grads = _tensors(SHAPES, torch.float32, device, seed=102)
+    for model_params, opt in ((params, optimizer), (copies, resumed)):
+        for param, grad in zip(model_params, grads, strict=True):
+            param.grad = grad.to(param.dtype)
+        opt.step()
+    for param, copy in zip(params, copies, strict=True):
+        torch.testing.assert_close(param, copy, atol=0.0, rtol=0.0)
+
+
+def test_loads_torch_adamw_state(device):
+    """A checkpoint of torch.optim.AdamW (fp32 state) resumes in FusedAdamW with the state converted."""
+    params = [torch.nn.Parameter(p) for p in _tensors(SHAPES, torch.bfloat16, device, seed=1)]
+    torch_optimizer = torch.optim.AdamW(params, **HYPERPARAMETERS)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    torch_optimizer.step()
+    optimizer = FusedAdamW(params, **HYPERPARAMETERS, state_dtype=torch.float32)
+    optimizer.load_state_dict(torch_optimizer.state_dict())
+    state = optimizer.state[params[0]]
+    assert state["step"].item() == 1 and state["exp_avg"].dtype == torch.float32
+    optimizer.step()
+    assert state["step"].item() == 2
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of one rank in this process, with a one-device CPU mesh, for FSDP2 on CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_parameters_update_their_shards_and_checkpoint_like_adamw(one_process_group, device):
+    """FSDP2 (DTensor) parameters: the kernel updates the local shards, the state is DTensors, and the trainer's
+    full-state-dict save and load (torch.distributed.checkpoint.state_dict) round-trips it with the step."""
+    if device != "cpu":
+        pytest.skip(
+            "a one-rank gloo group on CPU tensors, which the kernel runs on only under the interpreter"
+        )
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+    fully_shard(model, mesh=one_process_group)
+    optimizer = FusedAdamW(model.parameters(), lr=1e-2, seed=1)
+    model(torch.randn(4, 5, dtype=torch.bfloat16)).float().sum().backward()
+    params = list(model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    expected = [p.to_local().detach().clone() for p in params]
+    grads = [p.grad.to_local().clone() for p in params]
+    exp_avgs, exp_avg_sqs = [torch.zeros_like(e) for e in expected], [torch.zeros_like(e) for e in expected]
+    optimizer.step()
+    adamw_step_reference(expected, grads, exp_avgs, exp_avg_sqs, step=1, lr=1e-2, weight_decay=1e-2, seed=1)
+    for param, value, exp_avg in zip(params, expected, exp_avgs, strict=True):
+        torch.testing.assert_close(param.to_local(), value, atol=0.0, rtol=0.0)
+        assert isinstance(optimizer.state[param]["exp_avg"], DTensor)
+        torch.testing.assert_close(optimizer.state[param]["exp_avg"].to_local(), exp_avg, atol=0.0, rtol=0.0)
+    optimizer.zero_grad(set_to_none=True)
+
+    full = StateDictOptions(full_state_dict=True)
+    saved = get_optimizer_state_dict(model, optimizer, options=full)
+    assert {value["step"].item() for value in saved["state"].values()} == {1.0}
+    resumed = FusedAdamW(model.parameters(), lr=1e-2, seed=1)
+    set_optimizer_state_dict(model, resumed, saved, options=full)
+    for param in params:
+        assert resumed.state[param]["step"].item() == 1
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                resumed.state[param][name].to_local(),
+                optimizer.state[param][name].to_local(),
+                atol=0.0,
+                rtol=0.0,
+            )
+
+
+def test_state_bytes_per_parameter():
+    assert adamw_state_bytes_per_parameter(torch.bfloat16) == 4
+    assert adamw_state_bytes_per_parameter(torch.bfloat16, torch.float32) == 8
+    assert adamw_state_bytes_per_parameter(torch.float32) == 8
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        adamw_state_bytes_per_parameter(torch.float16)
+
+
+def test_bad_arguments_are_refused_with_the_field(device):
+    with pytest.raises(TypeError, match="bfloat16 or float32, got torch.float16"):
+        FusedAdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.float16))])
+    with pytest.raises(ValueError, match="state_dtype"):
+        FusedAdamW([torch.nn.Parameter(torch.ones(3))], state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="seed"):
+        FusedAdamW([torch.nn.Parameter(torch.ones(3))], seed=-1)
+    param = torch.nn.Parameter(torch.ones(3, device=device))
+    param.grad = torch.ones_like(param)
+    with pytest.raises(ValueError, match="grad_scale must be one element"):
+        FusedAdamW([param]).step(grad_scale=torch.ones(2, device=device))
+    optimizer = FusedAdamW([param], lr=torch.tensor(0.1))
+    with pytest.raises(TypeError, match="lr must be a Python float"):
+        optimizer.step()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Mutation tests: a deliberately broken kernel must fail the tests above
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _mutant_kernel(tmp_path, name, kernel_edit=None, rounding_edit=None):
+    """Copies of the kernel and its rounding helper with one source edit, in a file of their own."""
+    helper_source = inspect.getsource(adamw_module._round_stochastic.fn)
+    kernel_source = inspect.getsource(adamw_module._adamw_kernel.fn)
+    for source_edit, source in ((kernel_edit, kernel_source), (rounding_edit, helper_source)):
+        if source_edit is not None:
+            assert source.count(source_edit[0]) == 1, f"mutation anchor not found once: {source_edit[0]!r}"
+    if kernel_edit:
+        kernel_source = kernel_source.replace(*kernel_edit)
+    if rounding_edit:
+        helper_source = helper_source.replace(*rounding_edit)
+    path = tmp_path / f"{name}.py"
+    path.write_text(helper_source + "\n\n" + kernel_source)
+    namespace = dict(adamw_module._adamw_kernel.fn.__globals__)
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    return namespace["_adamw_kernel"]
+
+
+def test_round_to_nearest_mutant_fails_the_unbiasedness_test(tmp_path, monkeypatch, device):
+    test_stochastic_rounding_is_unbiased(0.3, device)  # the real kernel passes
+    mutant = _mutant_kernel(
+        tmp_path, "nearest", rounding_edit=("bits + random16", "bits + 0x7FFF + ((bits >> 16) & 1)")
+    )
+    monkeypatch.setattr(adamw_module, "_adamw_kernel", mutant)
+    with pytest.raises(AssertionError):
+        test_stochastic_rounding_is_unbiased(0.3, device)
+    with pytest.raises(AssertionError):
+        test_stochastic_rounding_is_unbiased(0.85, device)
+
+
+MUTATIONS = [
+    pytest.param(("grad = grad * grad_scale", "grad = grad * 1.0"), "grad-scale"),
+    pytest.param(("numel = tl.where(grad_scale == grad_scale, numel, 0)", "numel = numel"), "no-skip-guard"),
+    pytest.param(("mask = offsets < numel", "mask = offsets < numel - 1"), "off-by-one"),
+    pytest.param(("* inv_sqrt_bias_correction2", "* 1.0"), "no-bias-correction"),
+    pytest.param(("param * weight_decay_factor", "param"), "no-weight-decay"),
+    pytest.param(("first = _mix32_kernel(index.to(tl.uint32) ^ high_key)", "first = high_key"), "one-bits-per-tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("edit", "what"), MUTATIONS, ids=[m.values[1] for m in MUTATIONS])
+def test_mutated_kernel_fails_the_exact_comparison(edit, what, tmp_path, monkeypatch, device):
+    mutant = _mutant_kernel(tmp_path, what.replace("-", "_"), kernel_edit=edit)
+    monkeypatch.setattr(adamw_module, "_adamw_kernel", mutant)
+    with pytest.raises(AssertionError):
+        if what == "no-skip-guard":
+            test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device)
+        else:
+            test_kernel_matches_reference_exactly([torch.bfloat16] * 4, torch.bfloat16, 0.37, device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: real sizes
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_kernel_matches_reference_exactly_at_real_sizes(state_dtype, device):
+    shapes = [(2048, 8192), (8192, 2048), (2048,), (4095, 17), (1,)]
+    params = [torch.nn.Parameter(p) for p in _tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)]
+    reference = [p.detach().clone() for p in params]
+    exp_avgs = [torch.zeros_like(p, dtype=state_dtype) for p in reference]
+    exp_avg_sqs = [torch.zeros_like(p, dtype=state_dtype) for p in reference]
+    optimizer = FusedAdamW(params, lr=1e-5, weight_decay=0.01, seed=3, state_dtype=state_dtype)
+    scale = torch.tensor(0.5, device=device)
+    for step in range(1, 4):
+        grads = _tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        optimizer.step(grad_scale=scale)
+        adamw_step_reference(
+            reference, grads, exp_avgs, exp_avg_sqs, step=step, lr=1e-5, weight_decay=0.01, seed=3, grad_scale=scale
+        )  # fmt: skip
+    for param, ref, exp_avg, exp_avg_sq in zip(params, reference, exp_avgs, exp_avg_sqs, strict=True):
+        torch.testing.assert_close(param.detach(), ref, atol=0.0, rtol=0.0)
+        torch.testing.assert_close(optimizer.state[param]["exp_avg"], exp_avg, atol=0.0, rtol=0.0)
+        torch.testing.assert_close(optimizer.state[param]["exp_avg_sq"], exp_avg_sq, atol=0.0, rtol=0.0)

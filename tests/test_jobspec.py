@@ -1,0 +1,140 @@
+"""The job specification: one set of defaults from the API request to the trainer's configuration, names taken
+from the method and precision tables, and nothing of torch imported on the way."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from fusetune.api.app import create_app
+from fusetune.config import Settings
+from fusetune.db import queries
+from fusetune.db.migrate import upgrade
+from fusetune.jobspec import JobHyperparameters, JobSpec
+from fusetune.worker.tasks import JobRunner
+from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.methods import METHODS
+from fusetune.worker.train.precision import PRECISIONS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+AUTH = {"Authorization": f"Bearer {Settings().dev_api_key}"}
+LINE = json.dumps(
+    {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}
+)
+# What a run's configuration holds besides its training choices: where it lives, and its seed (random).
+RUN_FIELDS = {
+    "job_id", "database_url", "model_path", "training_file", "validation_file", "output_dir",
+    "checkpoint_paths_relative_to", "seed",
+}  # fmt: skip
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    settings = Settings(data_dir=tmp_path / "data")
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    (settings.models_dir / "tiny").mkdir()
+    (settings.models_dir / "tiny" / "config.json").write_text("{}")
+    return settings
+
+
+@pytest.fixture
+def client(settings):
+    with TestClient(create_app(settings), headers=AUTH) as client:
+        yield client
+
+
+def _documented_default_config() -> dict:
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("A job that sets none") :]
+    block = re.search(r"```json\n(.*?)```", section, re.DOTALL)
+    assert block, "README.md lost the block of the default trainer configuration"
+    return json.loads(block.group(1))
+
+
+def _job_config(client, settings, tmp_path, body: dict) -> TrainConfig:
+    """The trainer configuration the worker writes for a job created through the API with `body`."""
+    uploaded = client.post(
+        "/v1/files",
+        files={"file": ("t.jsonl", ("\n".join([LINE] * 10)).encode())},
+        data={"purpose": "fine-tune"},
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    response = client.post(
+        "/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": uploaded.json()["id"], **body}
+    )
+    assert response.status_code == 200, response.text
+    runner = JobRunner(settings, requeue=lambda job_id: None)
+    with runner.session_factory() as session:
+        job = queries.get_job(session, response.json()["id"])
+    return TrainConfig.read(runner._write_config(job, tmp_path / "run", str(settings.models_dir / "tiny")))
+
+
+def test_a_job_without_hyperparameters_runs_the_documented_trainer_configuration(client, settings, tmp_path):
+    config = _job_config(client, settings, tmp_path, {})
+    assert config.model_dump(mode="json", exclude=RUN_FIELDS) == _documented_default_config()
+
+
+def test_every_hyperparameter_reaches_the_trainer_as_given(client, settings, tmp_path):
+    chosen = {
+        "n_epochs": 2, "batch_size": 4, "learning_rate": 0.02, "lr_scheduler": "linear", "warmup_ratio": 0.1,
+        "max_seq_length": 64, "packing": True, "precision": "fp32", "kernels": False,
+        "gradient_checkpointing": True, "lora": {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj"]},
+        "merge_lora_on_save": True, "distributed": "fsdp",
+    }  # fmt: skip
+    assert set(chosen) == set(JobHyperparameters.model_fields) - {"learning_rate_multiplier", "n_gpus"}
+    body = {"method": {"type": "supervised", "supervised": {"hyperparameters": {**chosen, "n_gpus": 2}}}}
+    config = _job_config(client, settings, tmp_path, body)
+    assert config.model_dump(mode="json", include=set(chosen)) == chosen
+    assert config.method.type == "supervised"
+
+
+def test_the_job_reports_its_method_and_precision(client):
+    uploaded = client.post(
+        "/v1/files", files={"file": ("t.jsonl", LINE.encode())}, data={"purpose": "fine-tune"}
+    )
+    body = {"model": "tiny", "training_file": uploaded.json()["id"], "hyperparameters": {"precision": "bf16"}}
+    job = client.post("/v1/fine_tuning/jobs", json=body).json()
+    assert job["hyperparameters"]["precision"] == "bf16" and "method" not in job["hyperparameters"]
+    assert (
+        job["method"]["type"] == "supervised"
+        and job["method"]["supervised"]["hyperparameters"]["n_epochs"] == 3
+    )
+    for bad, param in (
+        ({"hyperparameters": {"precision": "fp8"}}, "hyperparameters.precision"),
+        ({"method": {"type": "reinforce"}}, "method.type"),
+    ):
+        error = client.post("/v1/fine_tuning/jobs", json={**body, **bad}).json()["error"]
+        assert error["param"] == param, error
+
+
+def test_names_come_from_the_method_and_precision_tables():
+    for name in ("auto", *PRECISIONS):
+        assert JobHyperparameters(precision=name).precision == name
+    with pytest.raises(ValidationError, match="precision"):
+        JobHyperparameters(precision="fp8")
+    assert set(METHODS) == {"supervised", "dpo"}
+    # A row stored before methods and precision were part of the job: supervised, precision auto.
+    old_row = {
+        "n_epochs": 2,
+        "batch_size": 4,
+        "learning_rate": 0.1,
+        "learning_rate_multiplier": 1.0,
+        "n_gpus": 1,
+    }
+    spec = JobSpec.from_row(old_row)
+    assert spec.method.type == "supervised" and spec.hyperparameters.precision == "auto"
+    assert JobSpec.from_row(spec.to_row()) == spec
+
+
+def test_the_api_side_imports_no_torch():
+    code = (
+        "import sys, fusetune.api.app, fusetune.jobspec, fusetune.estimate, fusetune.worker.tasks; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
