@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load
+from sqlalchemy import create_engine, text
 
 from fusetune.config import Settings
 from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
+from fusetune.worker.train import checkpoint as ckpt
 from tests.services import (
     moto_s3_server,
     postgres_database,
@@ -32,7 +34,9 @@ from tests.worker.test_crash_recovery import _training_pids, _wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
-STEPS = 2 * 64 // 16  # 2 epochs of 64 examples, 16 per step
+TRAIN_LINES = 32
+BATCH_SIZE = 8
+STEPS = 2 * TRAIN_LINES // BATCH_SIZE  # 2 epochs
 PREFIX = "cluster"
 
 
@@ -65,15 +69,27 @@ def _final_weights(service, job_id: str) -> dict[str, torch.Tensor]:
         return load(tar.extractfile(member).read())
 
 
+def _saved_locally(workers: dict, job_id: str) -> bool:
+    """A whole checkpoint of the job is in its folder on either worker (it may be uploading still)."""
+    return any(ckpt.list_checkpoints(settings.runs_dir / job_id) for settings, _ in workers.values())
+
+
+def _recorded_steps(database, job_id: str) -> list[int]:
+    with database.connect() as connection:
+        rows = connection.execute(text("SELECT step FROM checkpoints WHERE job_id = :job"), {"job": job_id})
+        return [step for (step,) in rows]
+
+
 def test_two_workers_share_only_the_store_and_a_killed_job_resumes_on_the_other(tmp_path):
     tiny_model = build_tiny_model(tmp_path / "built" / MODEL)
     train = tmp_path / "train.jsonl"
-    train.write_text("".join(TRAIN_FILE.read_text().splitlines(keepends=True)[:64]))
+    train.write_text("".join(TRAIN_FILE.read_text().splitlines(keepends=True)[:TRAIN_LINES]))
     with (
         moto_s3_server(tmp_path) as s3,
         redis_server(tmp_path) as broker_url,
         postgres_database() as database_url,
     ):
+        database = create_engine(database_url)
         common = {
             "database_url": database_url,
             "broker_url": broker_url,
@@ -97,33 +113,40 @@ def test_two_workers_share_only_the_store_and_a_killed_job_resumes_on_the_other(
                 for _ in range(2):
                     response = service.client.post("/v1/fine_tuning/jobs", json={
                         "model": MODEL, "training_file": file_id, "seed": 0,
-                        "hyperparameters": {"n_epochs": 2, "batch_size": 16, "learning_rate": 3e-3, "n_gpus": 1}})  # fmt: skip
+                        "hyperparameters": {"n_epochs": 2, "batch_size": BATCH_SIZE, "learning_rate": 3e-3, "n_gpus": 1}})  # fmt: skip
                     assert response.status_code == 200, response.text
                     job_ids.append(response.json()["id"])
                 reference, victim = job_ids
 
-                # The victim's first checkpoint is recorded (so it is whole in the store); freeze its trainer,
-                # then kill its worker: the job cannot finish before the kill, however fast the machine.
-                def checkpointed() -> bool:
-                    data = service.client.get(f"/v1/fine_tuning/jobs/{victim}/checkpoints").json()["data"]
-                    return bool(data)
-
-                _wait_until(checkpointed, 240, "the job never recorded a checkpoint")
+                # Freeze the victim's trainer within milliseconds of its first recorded checkpoint (so it is
+                # whole in the store), with six steps and three checkpoints still to go, then kill its worker:
+                # frozen, the trainer cannot reach the end of the run before the kill, however fast the machine.
+                # Its processes are found while they load (the job id is in their command line on any host). The
+                # checkpoint row, read from PostgreSQL (the one place that records it), is polled closely only
+                # once the checkpoint's folder is in place on the worker, so the polling does not slow the start.
+                pids = _wait_until(lambda: (found if len(found := _training_pids(f"/{victim}/")) >= 2 else None),
+                                   300, "the victim's training processes never started", interval_s=0.05)  # fmt: skip
+                _wait_until(lambda: _saved_locally(workers, victim), 300, "no checkpoint was saved",
+                            interval_s=0.01)  # fmt: skip
+                _wait_until(lambda: _recorded_steps(database, victim), 60, "no checkpoint was recorded",
+                            interval_s=0.005)  # fmt: skip
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                saved_step = max(_recorded_steps(database, victim))
+                assert saved_step < STEPS
                 victim_pid = _worker_pid(service, victim)
                 victim_worker = next(name for name, (_, p) in workers.items() if p.pid == victim_pid)
-                marker = str(workers[victim_worker][0].runs_dir / victim)
-                for pid in _training_pids(marker):
-                    os.kill(pid, signal.SIGSTOP)
                 os.kill(victim_pid, signal.SIGKILL)
                 workers[victim_worker][1].wait()
                 _wait_until(
-                    lambda: not _training_pids(marker), 20, "training processes outlived their worker"
+                    lambda: not _training_pids(f"/{victim}/"), 20, "training processes outlived their worker"
                 )
 
                 jobs = {job_id: service.wait_for_job(job_id, timeout_s=300) for job_id in job_ids}
             finally:
                 for _, process in workers.values():
                     stop_process(process)
+                database.dispose()
             assert all(job["status"] == "succeeded" for job in jobs.values()), jobs
             first_workers = {
                 re.search(r"on worker (\S+) \(attempt 1\)", m).group(1)
@@ -134,13 +157,10 @@ def test_two_workers_share_only_the_store_and_a_killed_job_resumes_on_the_other(
             assert len(first_workers) == 2, first_workers  # the two jobs started on the two workers
             victim_events = _events(service, victim)
             assert any("stopped renewing its lease" in m for m in victim_events)
-            assert any(m.startswith("Resumed from the checkpoint of step") for m in victim_events), (
-                victim_events
-            )
+            assert f"Resumed from the checkpoint of step {saved_step}" in victim_events, victim_events
+            resumed_weights = _final_weights(service, victim)
             for name, tensor in _final_weights(service, reference).items():
-                torch.testing.assert_close(
-                    _final_weights(service, victim)[name], tensor, rtol=0, atol=1e-7, msg=name
-                )
+                torch.testing.assert_close(resumed_weights[name], tensor, rtol=0, atol=1e-7, msg=name)
 
             # Every recorded checkpoint downloads through the API, and the store holds exactly those.
             recorded = set()
@@ -169,5 +189,5 @@ def test_two_workers_share_only_the_store_and_a_killed_job_resumes_on_the_other(
         assert not any((tmp_path / "api" / "files").iterdir()) and not any(
             (tmp_path / "api" / "runs").iterdir()
         )
-        for name in ("worker-a", "worker-b"):
-            assert not list((tmp_path / name / "runs").glob("*/checkpoints/*"))
+        (survivor,) = set(workers) - {victim_worker}
+        assert not list((tmp_path / survivor / "runs").glob("*/checkpoints/*"))
