@@ -24,6 +24,17 @@ def _settings(data_dir: Path | None) -> Settings:
     return settings
 
 
+def _check_storage(settings: Settings) -> None:
+    """Bad storage settings stop the process at start with the setting named, not the first job later."""
+    from fusetune.storage import StorageConfigError, open_storage
+
+    try:
+        open_storage(settings).check()
+    except StorageConfigError as error:
+        typer.echo(f"fusetune: storage is not usable: {error}", err=True)
+        raise typer.Exit(2) from error
+
+
 DataDirOption = Annotated[
     Path | None, typer.Option(help="Data directory (default: $FUSETUNE_DATA_DIR or .fusetune)")
 ]
@@ -45,7 +56,9 @@ def worker(data_dir: DataDirOption = None, loglevel: str = "INFO") -> None:
     from fusetune.worker.celery_app import run_worker
 
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_worker(_settings(data_dir), loglevel=loglevel)
+    settings = _settings(data_dir)
+    _check_storage(settings)
+    run_worker(settings, loglevel=loglevel)
 
 
 @app.command()
@@ -69,6 +82,7 @@ def serve(
         settings.port = port
     if embedded_worker is not None:
         settings.embedded_worker = embedded_worker
+    _check_storage(settings)
     if migrate_db:
         upgrade(settings.database_url)
     worker_process = None

@@ -64,6 +64,21 @@ class Settings(BaseSettings):
     reaper_interval_s: float = Field(default=10.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
 
+    # Object storage (fusetune/storage.py). Empty: files and checkpoints stay under data_dir (one host).
+    # s3://bucket/prefix: any S3-compatible store, shared by the API and workers on any number of hosts.
+    storage_url: str = ""
+    storage_endpoint: str = Field(default="", description="e.g. http://minio:9000; empty: AWS S3")
+    storage_region: str = "us-east-1"
+    # Empty: the client's usual sources (AWS_* variables, a web identity token, instance metadata).
+    storage_access_key_id: str = ""
+    storage_secret_access_key: str = Field(default="", repr=False)
+    storage_part_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=5 * 1024 * 1024, description="multipart part"
+    )
+    storage_max_retries: int = Field(default=5, ge=0)
+    storage_retry_timeout_s: float = Field(default=120.0, gt=0)
+    storage_connect_timeout_s: float = Field(default=10.0, gt=0)
+
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:
         self.data_dir = self.data_dir.expanduser().resolve()
@@ -105,4 +120,13 @@ class Settings(BaseSettings):
             "FUSETUNE_LEASE_S": str(self.lease_s),
             "FUSETUNE_REAPER_INTERVAL_S": str(self.reaper_interval_s),
             "FUSETUNE_MAX_ATTEMPTS": str(self.max_attempts),
+            "FUSETUNE_STORAGE_URL": self.storage_url,
+            "FUSETUNE_STORAGE_ENDPOINT": self.storage_endpoint,
+            "FUSETUNE_STORAGE_REGION": self.storage_region,
+            "FUSETUNE_STORAGE_ACCESS_KEY_ID": self.storage_access_key_id,
+            "FUSETUNE_STORAGE_SECRET_ACCESS_KEY": self.storage_secret_access_key,
+            "FUSETUNE_STORAGE_PART_BYTES": str(self.storage_part_bytes),
+            "FUSETUNE_STORAGE_MAX_RETRIES": str(self.storage_max_retries),
+            "FUSETUNE_STORAGE_RETRY_TIMEOUT_S": str(self.storage_retry_timeout_s),
+            "FUSETUNE_STORAGE_CONNECT_TIMEOUT_S": str(self.storage_connect_timeout_s),
         }

@@ -16,7 +16,7 @@ COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 def test_compose_services_and_commands():
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert {"postgres", "redis", "migrate", "api", "worker"} <= set(services)
+    assert {"postgres", "redis", "minio", "minio-bucket", "migrate", "api", "worker"} <= set(services)
     env = services["api"]["environment"]
     assert env["FUSETUNE_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert env["FUSETUNE_BROKER_URL"].startswith("redis://")
@@ -25,8 +25,19 @@ def test_compose_services_and_commands():
     assert env == {**services["worker"]["environment"], "FUSETUNE_API_PROCESSES": "2"}
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia"
-    # api and worker share the data volume (uploads, runs, checkpoints).
-    assert "data:/data" in services["api"]["volumes"] and "data:/data" in services["worker"]["volumes"]
+    # Files and checkpoints go to the object store; no volume is mounted by more than one service.
+    assert (
+        env["FUSETUNE_STORAGE_URL"].startswith("s3://")
+        and env["FUSETUNE_STORAGE_ENDPOINT"] == "http://minio:9000"
+    )
+    mounted = [volume.split(":")[0] for service in services.values() for volume in service.get("volumes", [])]
+    assert len(mounted) == len(set(mounted)), mounted
+    # The bucket the settings name is the one the setup service creates, with MinIO's credentials.
+    bucket = env["FUSETUNE_STORAGE_URL"].removeprefix("s3://").split("/")[0]
+    assert f"store/{bucket}" in services["minio-bucket"]["entrypoint"][-1]
+    minio = services["minio"]["environment"]
+    assert (minio["MINIO_ROOT_USER"], minio["MINIO_ROOT_PASSWORD"]) == (
+        env["FUSETUNE_STORAGE_ACCESS_KEY_ID"], env["FUSETUNE_STORAGE_SECRET_ACCESS_KEY"])  # fmt: skip
     for name in ("migrate", "api", "worker"):
         command = services[name]["command"]
         assert command[0] == "fusetune"

@@ -16,6 +16,7 @@ from fusetune.api.routes.ui import install_dashboard
 from fusetune.config import Settings
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.queue import JobQueue, make_celery_app
+from fusetune.storage import open_storage
 
 
 def create_app(settings: Settings | None = None, queue: JobQueue | None = None) -> FastAPI:
@@ -30,6 +31,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     app.state.session_factory = make_session_factory(engine)
     app.state.reads = Reads.for_engine(engine)
     app.state.queue = queue or JobQueue(make_celery_app(settings))
+    app.state.storage = open_storage(settings)
     # A registry per app, so several apps in one process (tests) don't share counters. With several API
     # processes (PROMETHEUS_MULTIPROC_DIR set, see `fusetune serve`), each writes its request metrics to files
     # there and a scrape answered by any of them reads them all.

@@ -1,6 +1,7 @@
 """Checkpoint downloads: a tar of a checkpoint folder, streamed straight from its files, with HTTP Range.
 
-The archive is never written to disk (a copy would double the checkpoint's footprint and hold back the first
+The files come from the storage layer (a local folder or an object store's checkpoint, read by byte range), so
+the archive is the same bytes whichever holds the checkpoint. The archive is never written to disk (a copy would double the checkpoint's footprint and hold back the first
 byte until all of it was written). Its bytes are a function of the folder's file names, sizes, permission bits
 and modification times alone: members in sorted order, no directory entries, blank owners. So a Range
 request that resumes a download gets exactly the bytes the first request would have sent, and two requests
@@ -15,17 +16,26 @@ from __future__ import annotations
 
 import hashlib
 import re
-import stat
 import tarfile
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fusetune.api.errors import error_body
+from fusetune.storage import LocalStorage, StoredFile
 
-__all__ = ["CheckpointArchive", "archive_response", "iter_archive_bytes", "plan_archive"]
+__all__ = [
+    "CheckpointArchive",
+    "archive_response",
+    "iter_archive_bytes",
+    "plan_archive",
+    "plan_stored_archive",
+]
+
+# Bytes [first, last) of one file of the checkpoint, given its path relative to the checkpoint folder.
+RangeReader = Callable[[str, int, int], Iterator[bytes]]
 
 _READ_CHUNK_BYTES = 1 << 20
 _TAR_FORMAT = tarfile.PAX_FORMAT
@@ -36,8 +46,9 @@ _SINGLE_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 @dataclass(frozen=True)
 class _FileContent:
-    path: Path
+    relative: str
     size: int
+    read: RangeReader
 
 
 @dataclass(frozen=True)
@@ -50,39 +61,34 @@ class CheckpointArchive:
     member_names: tuple[str, ...]
 
 
-def _member_paths(folder: Path, excluded_top_level: Collection[str]) -> list[Path]:
-    paths = []
-    for path in folder.rglob("*"):
-        relative = path.relative_to(folder)
-        if relative.parts[0] in excluded_top_level:
-            continue
-        # Links are left out: they could point outside the checkpoint.
-        if path.is_file() and not path.is_symlink():
-            paths.append(path)
-    return sorted(paths, key=lambda p: p.relative_to(folder).parts)
-
-
 def plan_archive(folder: Path, *, excluded_top_level: Collection[str] = ()) -> CheckpointArchive:
-    """The archive of `folder` (members named `<folder name>/<relative path>`), leaving out the top-level
-    entries named in `excluded_top_level`."""
+    """The archive of a local `folder` (members named `<folder name>/<relative path>`), leaving out the
+    top-level entries named in `excluded_top_level`."""
+    files = LocalStorage.folder_files(folder, excluded_top_level)
+    return plan_stored_archive(
+        folder.name, files, lambda relative, first, last: _read_file(folder / relative, first, last)
+    )
+
+
+def plan_stored_archive(name: str, files: Sequence[StoredFile], read: RangeReader) -> CheckpointArchive:
+    """The archive of a checkpoint's `files` (sorted by path), members named `<name>/<path>`."""
     pieces: list[bytes | _FileContent] = []
     names: list[str] = []
     fingerprint = hashlib.sha256()
     offset = 0
-    for path in _member_paths(folder, excluded_top_level):
-        status = path.stat()
-        info = tarfile.TarInfo(f"{folder.name}/{path.relative_to(folder).as_posix()}")
-        info.size = status.st_size
-        info.mtime = int(status.st_mtime)
-        info.mode = stat.S_IMODE(status.st_mode)
+    for entry in files:
+        info = tarfile.TarInfo(f"{name}/{entry.path}")
+        info.size = entry.size
+        info.mtime = entry.mtime_ns // 1_000_000_000
+        info.mode = entry.mode
         info.uid = info.gid = 0
         info.uname = info.gname = ""
         header = info.tobuf(_TAR_FORMAT, _TAR_ENCODING, _TAR_ERRORS)
         padding = -info.size % tarfile.BLOCKSIZE
-        pieces += [header, _FileContent(path, info.size), b"\0" * padding]
+        pieces += [header, _FileContent(entry.path, info.size, read), b"\0" * padding]
         offset += len(header) + info.size + padding
         names.append(info.name)
-        fingerprint.update(f"{info.name}\0{info.size}\0{status.st_mtime_ns}\0{info.mode}\n".encode())
+        fingerprint.update(f"{info.name}\0{info.size}\0{entry.mtime_ns}\0{info.mode}\n".encode())
     # The end-of-archive marker (two zero blocks), then zeros up to a whole record, as tarfile closes a file.
     trailer = 2 * tarfile.BLOCKSIZE
     trailer += -(offset + trailer) % tarfile.RECORDSIZE
@@ -106,10 +112,20 @@ def iter_archive_bytes(archive: CheckpointArchive, start: int, end: int) -> Iter
             if isinstance(piece, bytes):
                 yield piece[first:last]
             else:
-                yield from _read_file(piece.path, first, last)
+                yield from _checked_length(piece, piece.read(piece.relative, first, last), last - first)
         if piece_end >= end:
             return
         piece_start = piece_end
+
+
+def _checked_length(piece: _FileContent, chunks: Iterator[bytes], expected: int) -> Iterator[bytes]:
+    sent = 0
+    for chunk in chunks:
+        sent += len(chunk)
+        yield chunk
+    if sent != expected:
+        # Sending anything else would hand the client a corrupt archive that looks whole.
+        raise RuntimeError(f"{piece.relative} became shorter while it was being sent")
 
 
 def _read_file(path: Path, first: int, last: int) -> Iterator[bytes]:

@@ -21,6 +21,7 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import DEFAULT_TENANT
 from fusetune.queue import JobQueue
+from fusetune.storage import Storage
 
 T = TypeVar("T")
 
@@ -114,8 +115,13 @@ async def get_queue(request: Request) -> JobQueue:
     return request.app.state.queue
 
 
+async def get_storage(request: Request) -> Storage:
+    return request.app.state.storage
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 ReadsDep = Annotated[Reads, Depends(get_reads)]
 TenantDep = Annotated[str, Depends(get_tenant)]
 QueueDep = Annotated[JobQueue, Depends(get_queue)]
+StorageDep = Annotated[Storage, Depends(get_storage)]

@@ -25,12 +25,15 @@ from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.jobspec import JobSpec
+from fusetune.storage import StorageError, open_storage
+from fusetune.worker import run_storage
 from fusetune.worker.process import prepare_training_process
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.outcome import (
     ERROR_FILENAME,
     RESULT_FILENAME,
     STOPPED_FILENAME,
+    ErrorCode,
     read_error,
     read_result,
     read_stopped,
@@ -69,6 +72,7 @@ class JobRunner:
         self.requeue = requeue
         self.session_factory = make_session_factory(make_engine(settings.database_url))
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
+        self.storage = open_storage(settings)
 
     # ---- public --------------------------------------------------------------------------------------------
 
@@ -91,6 +95,14 @@ class JobRunner:
             session.commit()
         try:
             outcome = self._train(job)
+        except StorageError as exc:
+            log.exception("job %s: the store failed", job_id)
+            outcome = Outcome(
+                JobStatus.FAILED,
+                {"error": {"code": ErrorCode.STORAGE_ERROR.value, "message": str(exc)}},
+                f"Job failed: the store failed: {exc}",
+                "error",
+            )
         except Exception as exc:  # the worker must survive anything one job does
             log.exception("job %s failed in the worker", job_id)
             outcome = Outcome(
@@ -132,7 +144,9 @@ class JobRunner:
             if source is not None:
                 checkpoints = queries.list_checkpoints(session, source.id)
                 if checkpoints:
-                    return str((self.settings.runs_dir / checkpoints[0].storage_path).resolve())
+                    return str(run_storage.restore_model(
+                        self.storage, job.tenant, checkpoints[0].storage_path, self.settings.runs_dir
+                    ).resolve())  # fmt: skip
         return None
 
     def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:
@@ -150,8 +164,14 @@ class JobRunner:
             job_id=job.id,
             database_url=self.settings.database_url,
             model_path=model_location,
-            training_file=str(self.settings.files_dir / training.storage_name),
-            validation_file=str(self.settings.files_dir / validation.storage_name) if validation else None,
+            training_file=str(
+                run_storage.stage_input(self.storage, job.tenant, training.storage_name, run_dir)
+            ),
+            validation_file=(
+                str(run_storage.stage_input(self.storage, job.tenant, validation.storage_name, run_dir))
+                if validation
+                else None
+            ),
             output_dir=str(run_dir),
             seed=job.seed,
             checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
@@ -187,8 +207,11 @@ class JobRunner:
                 "error",
             )
         config_path = self._write_config(job, run_dir, model_location)
+        # A retry on this host or any other resumes from the newest checkpoint SQL records.
+        run_storage.restore_checkpoints(self.storage, self.session_factory, job, self.settings.runs_dir)
         nproc = JobSpec.from_row(job.hyperparameters).hyperparameters.n_gpus
         env = {**os.environ, **self.settings.subprocess_env(), "PYTHONUNBUFFERED": "1"}
+        env[run_storage.TENANT_ENV] = job.tenant
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         log_path = run_dir / TRAIN_LOG_FILE
         with open(log_path, "ab") as log_file:
@@ -199,6 +222,8 @@ class JobRunner:
                 preexec_fn=functools.partial(prepare_training_process, self.settings.training_niceness),
             )  # fmt: skip
             stopped_for = self._watch(job.id, process)
+        run_storage.remove_unrecorded_checkpoints(self.storage, self.session_factory, job, self.worker_name)
+        run_storage.clear_scratch(self.storage, run_dir)
         if stopped_for is not None:
             # The job already left `running` (cancelled or paused by the user); finish_job will leave it so.
             return Outcome(stopped_for, {}, f"Training processes stopped: the job was {stopped_for}")

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
+from collections.abc import Iterator
 from pathlib import PurePath
-from typing import Annotated
+from typing import Annotated, BinaryIO
+from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Header, UploadFile
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
 from fusetune.api import idempotency
-from fusetune.api.deps import SessionDep, SettingsDep, TenantDep
+from fusetune.api.deps import SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.file_validation import validate_chat_jsonl
 from fusetune.api.schemas import FileDeleted, FileList, FileObject
 from fusetune.db import queries
 from fusetune.db.models import File, Job, new_id
+from fusetune.storage import FileWriter, StorageError
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -39,11 +40,51 @@ def to_schema(row: File) -> FileObject:
     )
 
 
+class _UploadLines:
+    """The upload, line by line, for the validator; every chunk read on the way is counted against the size
+    limit (413 as soon as it is crossed), hashed for Idempotency-Key and passed on to the store, so the file is
+    checked and stored in one pass without being held in memory."""
+
+    def __init__(self, source: BinaryIO, writer: FileWriter, limit: int, digest):
+        self.source = source
+        self.writer = writer
+        self.limit = limit
+        self.digest = digest
+        self.size = 0
+
+    def _chunks(self) -> Iterator[bytes]:
+        while chunk := self.source.read(_COPY_CHUNK_BYTES):
+            self.size += len(chunk)
+            if self.size > self.limit:
+                raise ApiError(413, f"File is larger than the limit of {self.limit} bytes.", param="file")
+            self.digest.update(chunk)
+            self.writer.write(chunk)
+            yield chunk
+
+    def __iter__(self) -> Iterator[bytes]:
+        partial: list[bytes] = []
+        for chunk in self._chunks():
+            start = 0
+            while (end := chunk.find(b"\n", start)) != -1:
+                yield b"".join([*partial, chunk[start : end + 1]])
+                partial.clear()
+                start = end + 1
+            if start < len(chunk):
+                partial.append(chunk[start:])
+        if partial:
+            yield b"".join(partial)
+
+
+def _storage_failed(error: StorageError) -> ApiError:
+    return ApiError(503, f"The file store failed: {error}", code="storage_error")
+
+
 @router.post("", response_model=FileObject)
 def create_file(
     file: UploadFile,
     purpose: Annotated[str, Form()],
     session: SessionDep,
+    storage: StorageDep,
     settings: SettingsDep,
     tenant: TenantDep,
     idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
@@ -57,68 +98,55 @@ def create_file(
         raise ApiError(
             400, f"Training files must be JSON Lines with a .jsonl name (got '{filename}').", param="file"
         )
-    settings.ensure_dirs()
+    key = idempotency.check_key(idempotency_key)
     file_id = new_id("file-")
     storage_name = f"{file_id}.jsonl"
-    # Write beside the final place and rename only once valid, so a rejected upload leaves nothing behind.
-    handle, temp_path = tempfile.mkstemp(dir=settings.files_dir, prefix=".upload-", suffix=".part")
+    digest = hashlib.sha256(f"{purpose}\0{filename}\0".encode())
     try:
-        size = 0
-        digest = hashlib.sha256(f"{purpose}\0{filename}\0".encode())
-        with os.fdopen(handle, "wb") as out:
-            while chunk := file.file.read(_COPY_CHUNK_BYTES):
-                size += len(chunk)
-                digest.update(chunk)
-                if size > settings.max_upload_bytes:
-                    raise ApiError(
-                        413,
-                        f"File is larger than the limit of {settings.max_upload_bytes} bytes.",
-                        param="file",
-                    )
-                out.write(chunk)
-        key = idempotency.check_key(idempotency_key)
-        earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
-        if earlier is not None:
-            return to_schema(_get(session, earlier, tenant))
-        with open(temp_path, "rb") as stream:
-            report = validate_chat_jsonl(stream)
-        if report.errors:
-            raise ApiError(
-                400,
-                f"Invalid training file '{filename}': {report.summary()}",
-                param="file",
-                code="invalid_file",
-            )
-        row = File(
-            id=file_id,
-            tenant=tenant,
-            filename=filename,
-            purpose=purpose,
-            bytes=size,
-            storage_name=storage_name,
-            example_count=report.example_count,
-            token_estimate=report.token_estimate,
-            method=report.method,
-        )
-        session.add(row)
-        idempotency.remember(session, tenant, "files", key, digest.hexdigest(), file_id)
-        os.replace(temp_path, settings.files_dir / storage_name)
-        try:
-            session.commit()
-        except IntegrityError:
-            # A concurrent request with the same Idempotency-Key won: answer with its file.
-            session.rollback()
-            (settings.files_dir / storage_name).unlink(missing_ok=True)
+        # The writer publishes the file only on commit(); leaving the block without it discards what was
+        # written (a temporary file beside the final one, or an aborted multipart upload).
+        with storage.file_writer(tenant, storage_name) as writer:
+            upload = _UploadLines(file.file, writer, settings.max_upload_bytes, digest)
+            report = validate_chat_jsonl(upload)
             earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
-            if earlier is None:
-                raise
-            return to_schema(_get(session, earlier, tenant))
-        except Exception:
-            (settings.files_dir / storage_name).unlink(missing_ok=True)
+            if earlier is not None:
+                return to_schema(_get(session, earlier, tenant))
+            if report.errors:
+                raise ApiError(
+                    400,
+                    f"Invalid training file '{filename}': {report.summary()}",
+                    param="file",
+                    code="invalid_file",
+                )
+            row = File(
+                id=file_id,
+                tenant=tenant,
+                filename=filename,
+                purpose=purpose,
+                bytes=upload.size,
+                storage_name=storage_name,
+                example_count=report.example_count,
+                token_estimate=report.token_estimate,
+                method=report.method,
+            )
+            session.add(row)
+            idempotency.remember(session, tenant, "files", key, digest.hexdigest(), file_id)
+            writer.commit()
+    except StorageError as error:
+        raise _storage_failed(error) from error
+    try:
+        session.commit()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won: answer with its file.
+        session.rollback()
+        storage.delete_file(tenant, storage_name)
+        earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
+        if earlier is None:
             raise
-    finally:
-        if os.path.exists(temp_path):
-            os.unlink(temp_path)
+        return to_schema(_get(session, earlier, tenant))
+    except Exception:
+        storage.delete_file(tenant, storage_name)
+        raise
     return to_schema(row)
 
 
@@ -140,7 +168,7 @@ def retrieve_file(file_id: str, session: SessionDep, tenant: TenantDep) -> FileO
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
-def delete_file(file_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FileDeleted:
+def delete_file(file_id: str, session: SessionDep, storage: StorageDep, tenant: TenantDep) -> FileDeleted:
     row = _get(session, file_id, tenant)
     in_use = session.query(Job.id).filter(
         (Job.training_file_id == file_id) | (Job.validation_file_id == file_id)
@@ -151,13 +179,24 @@ def delete_file(file_id: str, session: SessionDep, settings: SettingsDep, tenant
         )
     session.delete(row)
     session.commit()
-    (settings.files_dir / row.storage_name).unlink(missing_ok=True)
+    # After the commit: a failed delete leaves an object no row names (harmless), never a row without its file.
+    try:
+        storage.delete_file(tenant, row.storage_name)
+    except StorageError as error:
+        raise _storage_failed(error) from error
     return FileDeleted(id=file_id)
 
 
-@router.get("/{file_id}/content")
-def file_content(file_id: str, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> FileResponse:
+@router.get("/{file_id}/content", response_class=StreamingResponse)
+def file_content(
+    file_id: str, session: SessionDep, storage: StorageDep, tenant: TenantDep
+) -> StreamingResponse:
     row = _get(session, file_id, tenant)
-    return FileResponse(
-        settings.files_dir / row.storage_name, media_type="application/jsonl", filename=row.filename
+    return StreamingResponse(
+        storage.iter_file(tenant, row.storage_name),
+        media_type="application/jsonl",
+        headers={
+            "Content-Length": str(row.bytes),
+            "Content-Disposition": f"attachment; filename*=utf-8''{quote(row.filename)}",
+        },
     )

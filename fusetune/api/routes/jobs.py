@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
 import orjson
@@ -14,8 +14,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fusetune.api import idempotency
-from fusetune.api.checkpoint_archive import archive_response, plan_archive
-from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, TenantDep
+from fusetune.api.checkpoint_archive import archive_response, plan_stored_archive
+from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.schemas import (
     CheckpointList,
@@ -34,6 +34,7 @@ from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
 from fusetune.estimate import ModelShape, estimate_job, fit_micro_batch, too_large_message
 from fusetune.jobspec import JobSpec, SpecError
+from fusetune.storage import StorageError
 from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -465,15 +466,6 @@ def list_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> Che
     )
 
 
-def checkpoint_dir(settings: Settings, checkpoint: Checkpoint) -> Path:
-    """The checkpoint's folder, refusing any stored path that would lead outside the runs directory."""
-    runs = settings.runs_dir.resolve()
-    path = (runs / checkpoint.storage_path).resolve()
-    if not path.is_relative_to(runs) or not path.is_dir():
-        raise not_found("checkpoint", checkpoint.id, param="checkpoint_id")
-    return path
-
-
 # The checkpoint folder's optimizer, scheduler and RNG state (the worker's
 # fusetune.worker.train.checkpoint.TRAINING_STATE_DIRNAME; the API does not import the worker). Only a run
 # resuming inside the service needs it, and it is about twice the size of the weights.
@@ -493,7 +485,7 @@ def download_checkpoint(
     job_id: str,
     checkpoint_id: str,
     session: SessionDep,
-    settings: SettingsDep,
+    storage: StorageDep,
     tenant: TenantDep,
     include_training_state: Annotated[
         bool,
@@ -512,7 +504,20 @@ def download_checkpoint(
     if checkpoint is None or checkpoint.job_id != job.id:
         raise not_found("checkpoint", checkpoint_id, param="checkpoint_id")
     excluded = () if include_training_state else (TRAINING_STATE_DIRNAME,)
-    archive = plan_archive(checkpoint_dir(settings, checkpoint), excluded_top_level=excluded)
+    storage_path = checkpoint.storage_path
+    try:
+        files = storage.checkpoint_files(tenant, storage_path, excluded)
+    except StorageError as error:
+        raise ApiError(503, f"The checkpoint store failed: {error}", code="storage_error") from error
+    if files is None:
+        raise not_found("checkpoint", checkpoint.id, param="checkpoint_id")
+    archive = plan_stored_archive(
+        PurePosixPath(storage_path).name,
+        files,
+        lambda relative, first, last: storage.read_checkpoint_file(
+            tenant, storage_path, relative, first, last
+        ),
+    )
     variant = "-with-training-state" if include_training_state else ""
     filename = f"{job.id}-step-{checkpoint.step}{variant}.tar"
     return archive_response(archive, filename, range_header, if_range)

@@ -33,6 +33,8 @@ class ErrorCode(StrEnum):
     OUT_OF_MEMORY = "out_of_memory"
     NON_FINITE_LOSS = "non_finite_loss"
     TRAINER_ERROR = "trainer_error"
+    # The object store failed after the client's retries (an upload, or staging the job's inputs).
+    STORAGE_ERROR = "storage_error"
 
 
 OUT_OF_MEMORY_HINT = "Try a smaller micro_batch_size or max_seq_length, turn on gradient_checkpointing, or train LoRA adapters."

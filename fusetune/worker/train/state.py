@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora
+from fusetune.worker.train.checkpoint_store import publish_checkpoint
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import DistInfo, all_gather_object, barrier, broadcast_object
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
@@ -218,6 +219,7 @@ class Checkpointer:
                 ckpt.write_trainer_state(staging, step, epoch, metrics)
                 ckpt.write_training_state(staging, optimizer_state, training_state(rng_states))
             reported_path = self.reported_path(path)
+            publish_checkpoint(path, reported_path)  # to the object store, if any, before SQL records it
             self.reporter.checkpoint(step, reported_path, metrics)
             self.reporter.event(
                 f"Saved checkpoint at step {step}",

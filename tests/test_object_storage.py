@@ -1,0 +1,224 @@
+"""The storage layer against a real S3 HTTP server (moto's standalone server): uploads streamed and validated
+on the way, nothing left behind by a refused one, checkpoints published with checksums and downloaded as the
+same archive as from a local folder, tenants apart by prefix, bad settings refused at start by name."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import subprocess
+import sys
+import tarfile
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fusetune.api.app import create_app
+from fusetune.api.checkpoint_archive import iter_archive_bytes, plan_archive, plan_stored_archive
+from fusetune.config import Settings
+from fusetune.db.migrate import upgrade
+from fusetune.storage import (
+    ObjectStorage,
+    StorageConfigError,
+    StorageError,
+    file_key,
+    open_storage,
+    run_key,
+)
+from tests.services import moto_s3_server, service_env
+
+pytestmark = pytest.mark.slow
+
+AUTH = {"Authorization": f"Bearer {Settings().dev_api_key}"}
+GOOD_LINE = b'{"messages": [{"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]}\n'
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with moto_s3_server(tmp_path_factory.mktemp("moto")) as server:
+        yield server
+
+
+def _settings(tmp_path, s3, prefix: str, **overrides) -> Settings:
+    env = s3.storage_env(prefix)
+    values = {
+        "storage_url": env["FUSETUNE_STORAGE_URL"],
+        "storage_endpoint": env["FUSETUNE_STORAGE_ENDPOINT"],
+        "storage_access_key_id": env["FUSETUNE_STORAGE_ACCESS_KEY_ID"],
+        "storage_secret_access_key": env["FUSETUNE_STORAGE_SECRET_ACCESS_KEY"],
+    }
+    return Settings(data_dir=tmp_path / "data", **{**values, **overrides})
+
+
+@pytest.fixture
+def client(tmp_path, s3, request):
+    settings = _settings(tmp_path, s3, request.node.name.replace("[", "-").rstrip("]"), max_upload_bytes=4096)
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    with TestClient(create_app(settings), headers=AUTH) as client:
+        client.prefix = settings.storage_url.split("/", 3)[3]
+        yield client
+
+
+def _upload(client, content: bytes, name: str = "train.jsonl"):
+    return client.post(
+        "/v1/files", files={"file": (name, io.BytesIO(content))}, data={"purpose": "fine-tune"}
+    )
+
+
+def test_upload_streams_to_the_store_and_delete_removes_the_object(client, s3):
+    content = GOOD_LINE * 20
+    response = _upload(client, content)
+    assert response.status_code == 200, response.text
+    file_id = response.json()["id"]
+    assert response.json()["example_count"] == 20 and response.json()["bytes"] == len(content)
+    assert s3.keys(client.prefix) == [f"{client.prefix}/tenants/default/files/{file_id}.jsonl"]
+    # Nothing lands on the API's disk.
+    assert not any(client.app.state.settings.files_dir.iterdir())
+    assert client.get(f"/v1/files/{file_id}/content").content == content
+    assert client.delete(f"/v1/files/{file_id}").status_code == 200
+    assert s3.keys(client.prefix) == []
+
+
+@pytest.mark.parametrize(
+    "content, status, code",
+    [
+        (GOOD_LINE * 10 + b'{"messages": []}\n', 400, "invalid_file"),  # validated while it streams
+        (GOOD_LINE * 200, 413, None),  # over the 4096-byte limit: refused as it crosses it
+    ],
+)
+def test_a_refused_upload_leaves_no_object_and_no_open_multipart_upload(client, s3, content, status, code):
+    response = _upload(client, content)
+    assert response.status_code == status, response.text
+    if code:
+        assert response.json()["error"]["code"] == code
+        assert "line 11" in response.json()["error"]["message"]
+    assert s3.keys(client.prefix) == []
+    assert not s3.client().list_multipart_uploads(Bucket=s3.bucket).get("Uploads")
+
+
+def test_idempotent_upload_replays_without_a_second_object(client, s3):
+    headers = {"Idempotency-Key": "upload-1"}
+    first = client.post("/v1/files", files={"file": ("t.jsonl", GOOD_LINE)}, data={"purpose": "fine-tune"},
+                        headers=headers)  # fmt: skip
+    again = client.post("/v1/files", files={"file": ("t.jsonl", GOOD_LINE)}, data={"purpose": "fine-tune"},
+                        headers=headers)  # fmt: skip
+    assert first.json()["id"] == again.json()["id"]
+    assert len(s3.keys(client.prefix)) == 1
+
+
+def _checkpoint_folder(root):
+    folder = root / "ftjob-abc" / "checkpoints" / "step-4"
+    (folder / "training_state").mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    # Over one 5 MiB part: a multipart upload with per-part checksums.
+    (folder / "model.safetensors").write_bytes(hashlib.sha256(b"w").digest() * (7 * 1024 * 1024 // 32))
+    (folder / "training_state" / "optimizer.pt").write_bytes(b"o" * 3000)
+    return folder
+
+
+def test_a_published_checkpoint_downloads_as_the_same_archive_as_its_folder(tmp_path, s3):
+    storage = open_storage(_settings(tmp_path, s3, "archive", storage_part_bytes=5 * 1024 * 1024))
+    folder = _checkpoint_folder(tmp_path / "runs")
+    storage.publish_checkpoint("acme", "ftjob-abc/checkpoints/step-4", folder)
+    for excluded in ((), ("training_state",)):
+        files = storage.checkpoint_files("acme", "ftjob-abc/checkpoints/step-4", excluded)
+
+        def read(relative, first, last):
+            return storage.read_checkpoint_file("acme", "ftjob-abc/checkpoints/step-4", relative, first, last)
+
+        remote = plan_stored_archive("step-4", files, read)
+        local = plan_archive(folder, excluded_top_level=excluded)
+        assert remote.etag == local.etag and remote.size == local.size
+        whole = b"".join(iter_archive_bytes(remote, 0, remote.size))
+        assert whole == b"".join(iter_archive_bytes(local, 0, local.size))
+        start = remote.size // 3
+        assert (
+            b"".join(iter_archive_bytes(remote, start, start + 5_000_000)) == whole[start : start + 5_000_000]
+        )
+        names = tarfile.open(fileobj=io.BytesIO(whole)).getnames()
+        assert ("step-4/training_state/optimizer.pt" in names) == (excluded == ())
+    # Another tenant's prefix holds nothing of it.
+    assert storage.checkpoint_files("other", "ftjob-abc/checkpoints/step-4") is None
+
+
+def test_restore_checks_every_file_against_the_manifest(tmp_path, s3):
+    storage = open_storage(_settings(tmp_path, s3, "restore"))
+    folder = _checkpoint_folder(tmp_path / "runs")
+    storage.publish_checkpoint("acme", "ftjob-abc/checkpoints/step-4", folder)
+    restored = storage.restore_checkpoint(
+        "acme", "ftjob-abc/checkpoints/step-4", tmp_path / "scratch" / "step-4"
+    )
+    for path in folder.rglob("*"):
+        if path.is_file():
+            copy = restored / path.relative_to(folder)
+            assert (
+                copy.read_bytes() == path.read_bytes() and copy.stat().st_mtime_ns == path.stat().st_mtime_ns
+            )
+    key = f"restore/{run_key('acme', 'ftjob-abc/checkpoints/step-4')}/config.json"
+    s3.client().put_object(Bucket=s3.bucket, Key=key, Body=b'{"model_type": "gpt2"}')
+    with pytest.raises(StorageError, match="SHA-256"):
+        storage.restore_checkpoint("acme", "ftjob-abc/checkpoints/step-4", tmp_path / "again" / "step-4")
+    assert not (tmp_path / "again" / "step-4").exists()
+
+
+def test_keys_escape_tenants_and_refuse_paths_that_are_not_plain_names():
+    assert file_key("a/../b", "file-1.jsonl") == "tenants/a%2F..%2Fb/files/file-1.jsonl"
+    for bad in ("../other/runs/x", "ftjob-1/../../x", "/abs", "a//b", ""):
+        with pytest.raises(StorageError):
+            run_key("acme", bad)
+
+
+def test_a_tenants_objects_go_with_it_and_no_one_elses(tmp_path, s3):
+    storage = open_storage(_settings(tmp_path, s3, "tenants"))
+    for tenant in ("acme", "acme2"):
+        with storage.file_writer(tenant, "file-1.jsonl") as writer:
+            writer.write(GOOD_LINE)
+            writer.commit()
+    storage.delete_tenant("acme")
+    assert s3.keys("tenants/") == ["tenants/tenants/acme2/files/file-1.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def s3_with_auth(tmp_path_factory):
+    # moto checks signatures against its IAM users once no unauthenticated calls are allowed.
+    with moto_s3_server(
+        tmp_path_factory.mktemp("moto-auth"), bucket=None, INITIAL_NO_AUTH_ACTION_COUNT="0"
+    ) as server:
+        yield server
+
+
+@pytest.mark.parametrize(
+    "what, overrides, message",
+    [
+        (
+            "bucket",
+            {"storage_url": "s3://no-such-bucket/x"},
+            "bucket 'no-such-bucket' of FUSETUNE_STORAGE_URL",
+        ),
+        (
+            "endpoint",
+            {"storage_endpoint": "http://127.0.0.1:9", "storage_max_retries": 0},
+            "FUSETUNE_STORAGE_ENDPOINT",
+        ),
+        ("credentials", {"storage_url": "s3://fusetune-test/x"}, "FUSETUNE_STORAGE_ACCESS_KEY_ID"),
+        ("url", {"storage_url": "https://bucket/x"}, "FUSETUNE_STORAGE_URL must be"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_setting(tmp_path, s3, s3_with_auth, what, overrides, message):
+    server = s3_with_auth if what == "credentials" else s3
+    with pytest.raises(StorageConfigError, match=message.replace("(", r"\(")):
+        open_storage(_settings(tmp_path, server, "x", **overrides)).check()
+
+
+def test_the_worker_refuses_to_start_on_a_missing_bucket(tmp_path, s3):
+    settings = _settings(tmp_path, s3, "x", storage_url="s3://no-such-bucket/x")
+    result = subprocess.run([sys.executable, "-m", "fusetune.cli", "worker"], env=service_env(settings),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 2
+    assert "bucket 'no-such-bucket' of FUSETUNE_STORAGE_URL" in result.stderr
+
+
+def test_object_storage_is_chosen_only_by_the_url(tmp_path, s3):
+    assert not open_storage(Settings(data_dir=tmp_path)).remote
+    assert isinstance(open_storage(_settings(tmp_path, s3, "x")), ObjectStorage)
