@@ -303,11 +303,19 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    # --packed-length N: each row holds documents of N tokens, as packed training rows do; position_ids restart
+    # at every document, from which the model builds attention that stays inside each document.
+    extra: dict[str, Any] = {}
+    if spec.get("packed_length"):
+        positions = torch.arange(spec["seq"], device=device) % spec["packed_length"]
+        extra["position_ids"] = positions.expand(spec["batch"], -1)
+        row["packed_length"] = spec["packed_length"]
+
     step_seconds, losses = [], []
     for input_ids in batches:
         synchronize()
         started = time.perf_counter()
-        loss = step_model(input_ids=input_ids, labels=input_ids).loss
+        loss = step_model(input_ids=input_ids, labels=input_ids, **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -681,6 +689,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute each decoder layer in the backward"
     )
+    parser.add_argument(
+        "--packed-length",
+        type=int,
+        default=None,
+        help="rows packed with documents of this many tokens (position_ids restart per document)",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument(
@@ -782,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup_steps": args.warmup_steps,
                 "attn": args.attn,
                 "gradient_checkpointing": args.gradient_checkpointing,
+                "packed_length": args.packed_length,
                 "peak_tflops": peak_tflops,
                 "profile": args.profile,
             }
