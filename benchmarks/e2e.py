@@ -311,11 +311,22 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         extra["position_ids"] = positions.expand(spec["batch"], -1)
         row["packed_length"] = spec["packed_length"]
 
+    # --untrained-fraction f: the first f of every document has no label (a chat prompt), as in SFT data.
+    untrained = None
+    if spec.get("untrained_fraction"):
+        document = spec.get("packed_length") or spec["seq"]
+        positions = torch.arange(spec["seq"], device=device) % document
+        untrained = positions < int(spec["untrained_fraction"] * document)
+        row["untrained_fraction"] = spec["untrained_fraction"]
+
+    def labels_of(input_ids: Any) -> Any:
+        return input_ids if untrained is None else input_ids.masked_fill(untrained, -100)
+
     step_seconds, losses = [], []
     for input_ids in batches:
         synchronize()
         started = time.perf_counter()
-        loss = step_model(input_ids=input_ids, labels=input_ids, **extra).loss
+        loss = step_model(input_ids=input_ids, labels=labels_of(input_ids), **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -571,6 +582,8 @@ def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | Non
             row.get("batch"),
             row.get("seq"),
             row.get("gradient_checkpointing", False),
+            row.get("packed_length"),
+            row.get("untrained_fraction"),
         )
 
     run_keys = {key(row) for row in rows}
@@ -690,6 +703,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gradient-checkpointing", action="store_true", help="recompute each decoder layer in the backward"
     )
     parser.add_argument(
+        "--untrained-fraction",
+        type=float,
+        default=None,
+        help="the first this fraction of every document has no label (a prompt), as in chat data",
+    )
+    parser.add_argument(
         "--packed-length",
         type=int,
         default=None,
@@ -797,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
                 "attn": args.attn,
                 "gradient_checkpointing": args.gradient_checkpointing,
                 "packed_length": args.packed_length,
+                "untrained_fraction": args.untrained_fraction,
                 "peak_tflops": peak_tflops,
                 "profile": args.profile,
             }
