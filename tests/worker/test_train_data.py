@@ -432,3 +432,19 @@ def test_a_byte_order_mark_at_the_start_is_not_part_of_line_one(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join([json.dumps({"messages": MESSAGES})] * 2).encode())
     assert len(read_training_jsonl(path)) == 2
+
+
+def test_a_carriage_return_inside_a_line_does_not_end_it(tmp_path):
+    # "\r" is JSON whitespace; the upload check splits lines at "\n" only, and so must the trainer.
+    line = json.dumps({"messages": MESSAGES}).replace(", ", ",\r ", 1)
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes(("\n".join([line] * 3) + "\n").encode())
+    assert len(read_training_jsonl(path)) == 3
+
+
+def test_a_huge_bad_value_is_quoted_short():
+    from fusetune.worker.train.methods.sft import QUOTED_VALUE_CHARS, parse_example
+
+    with pytest.raises(ValueError) as refused:
+        parse_example({"messages": [{"role": "x" * 100_000, "content": "hi"}]})
+    assert len(str(refused.value)) < 2 * QUOTED_VALUE_CHARS + 200 and "100,002 characters" in str(refused.value)

@@ -65,7 +65,9 @@ def read_training_jsonl(path: str | Path, parse: Callable[[Any], Any] = parse_ex
     if not path.is_file():
         raise TrainingDataError(f"training data file not found: {path}")
     examples: list[Any] = []
-    with path.open(encoding="utf-8-sig") as f:  # a byte order mark at the start is not part of line 1
+    # A byte order mark at the start is not part of line 1. Lines end at "\n" only, as the upload check splits
+    # them: a "\r" is JSON whitespace inside a line, not a line end.
+    with path.open(encoding="utf-8-sig", newline="\n") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -50,6 +50,19 @@ class TextExample:
 Example = ChatExample | PromptCompletionExample | TextExample
 
 
+# A bad value is quoted back in the error, cut to this many characters (a 100 KB value would make a 100 KB error).
+QUOTED_VALUE_CHARS = 60
+
+
+def _quoted(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return (
+        text
+        if len(text) <= QUOTED_VALUE_CHARS
+        else f"{text[:QUOTED_VALUE_CHARS]}... ({len(text):,} characters)"
+    )
+
+
 def check_messages(messages: Any, needs_assistant: bool = True) -> str | None:
     """What is wrong with a chat's `messages`, or None."""
     if not isinstance(messages, list) or not messages:
@@ -59,7 +72,7 @@ def check_messages(messages: Any, needs_assistant: bool = True) -> str | None:
             return f"messages[{index}] must be an object"
         role = message.get("role")
         if role not in CHAT_ROLES:
-            return f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)} (got {json.dumps(role)})"
+            return f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)} (got {_quoted(role)})"
         content = message.get("content")
         # An assistant turn that only calls tools has no content (OpenAI sends null).
         calls_tools = (
@@ -68,7 +81,7 @@ def check_messages(messages: Any, needs_assistant: bool = True) -> str | None:
         if not isinstance(content, str) and not (calls_tools and content is None):
             return f"messages[{index}].content must be a string"
         if message.get("weight", 1) not in (0, 1):
-            return f"messages[{index}].weight must be 0 or 1 (got {json.dumps(message['weight'])})"
+            return f"messages[{index}].weight must be 0 or 1 (got {_quoted(message['weight'])})"
     if needs_assistant and not any(message["role"] == "assistant" for message in messages):
         return "needs at least one assistant message to learn from"
     return None
