@@ -49,6 +49,20 @@ class StorageError(Exception):
     """The store failed (after the client's retries) or holds something other than what SQL says."""
 
 
+def read_file_range(path: Path, first: int, last: int, name: str) -> Iterator[bytes]:
+    """Bytes [first, last) of a local file in chunks; `name` says which file in the error if it shrank."""
+    with path.open("rb") as handle:
+        handle.seek(first)
+        remaining = last - first
+        while remaining:
+            chunk = handle.read(min(remaining, _READ_CHUNK_BYTES))
+            if not chunk:
+                # Sending anything else would hand the client a corrupt archive that looks whole.
+                raise StorageError(f"{name} became shorter while it was being sent")
+            remaining -= len(chunk)
+            yield chunk
+
+
 class StorageConfigError(StorageError):
     """The storage settings do not work; the message names the setting to fix."""
 
@@ -261,16 +275,9 @@ class LocalStorage(Storage):
         folder = self._checkpoint_dir(storage_path)
         if folder is None:
             raise StorageError(f"checkpoint {storage_path} is gone")
-        with (folder / _checked_relative(relative)).open("rb") as handle:
-            handle.seek(first)
-            remaining = last - first
-            while remaining:
-                chunk = handle.read(min(remaining, _READ_CHUNK_BYTES))
-                if not chunk:
-                    # Sending anything else would hand the client a corrupt archive that looks whole.
-                    raise StorageError(f"{storage_path}/{relative} became shorter while it was being sent")
-                remaining -= len(chunk)
-                yield chunk
+        yield from read_file_range(
+            folder / _checked_relative(relative), first, last, f"{storage_path}/{relative}"
+        )
 
     def restore_checkpoint(
         self, tenant: str, storage_path: str, target: Path, excluded_top_level: Iterable[str] = ()

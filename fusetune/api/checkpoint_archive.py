@@ -24,7 +24,7 @@ from pathlib import Path
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fusetune.api.errors import error_body
-from fusetune.storage import LocalStorage, StoredFile
+from fusetune.storage import LocalStorage, StoredFile, read_file_range
 
 __all__ = [
     "CheckpointArchive",
@@ -37,7 +37,6 @@ __all__ = [
 # Bytes [first, last) of one file of the checkpoint, given its path relative to the checkpoint folder.
 RangeReader = Callable[[str, int, int], Iterator[bytes]]
 
-_READ_CHUNK_BYTES = 1 << 20
 _TAR_FORMAT = tarfile.PAX_FORMAT
 _TAR_ENCODING = "utf-8"
 _TAR_ERRORS = "surrogateescape"
@@ -66,7 +65,11 @@ def plan_archive(folder: Path, *, excluded_top_level: Collection[str] = ()) -> C
     top-level entries named in `excluded_top_level`."""
     files = LocalStorage.folder_files(folder, excluded_top_level)
     return plan_stored_archive(
-        folder.name, files, lambda relative, first, last: _read_file(folder / relative, first, last)
+        folder.name,
+        files,
+        lambda relative, first, last: read_file_range(
+            folder / relative, first, last, f"{folder.name}/{relative}"
+        ),
     )
 
 
@@ -126,19 +129,6 @@ def _checked_length(piece: _FileContent, chunks: Iterator[bytes], expected: int)
     if sent != expected:
         # Sending anything else would hand the client a corrupt archive that looks whole.
         raise RuntimeError(f"{piece.relative} became shorter while it was being sent")
-
-
-def _read_file(path: Path, first: int, last: int) -> Iterator[bytes]:
-    with path.open("rb") as handle:
-        handle.seek(first)
-        remaining = last - first
-        while remaining:
-            chunk = handle.read(min(remaining, _READ_CHUNK_BYTES))
-            if not chunk:
-                # Sending anything else would hand the client a corrupt archive that looks whole.
-                raise RuntimeError(f"{path} became shorter while it was being sent")
-            remaining -= len(chunk)
-            yield chunk
 
 
 def _requested_range(range_header: str | None, size: int) -> tuple[int, int] | None:
