@@ -88,8 +88,9 @@ def chat_examples(n_examples: int, mean_tokens: int, seed: int, tokenizer) -> tu
     return examples, lengths
 
 
-def build_model(models_dir: Path, model_name: str) -> Path:
-    """The model shape of benchmarks/e2e.py with random weights and the demo tokenizer, saved in bf16."""
+def build_model(models_dir: Path, model_name: str, tiny: bool = False) -> Path:
+    """The model shape of benchmarks/e2e.py (its tiny version with `tiny`) with random weights and the demo
+    tokenizer, saved in bf16."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +99,7 @@ def build_model(models_dir: Path, model_name: str) -> Path:
 
     out = models_dir / model_name
     tokenizer = build_tokenizer()
-    config = build_config(model_name, tiny=False)
+    config = build_config(model_name, tiny=tiny)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
     torch.manual_seed(0)

@@ -285,32 +285,41 @@ class Trainer:
             mean_padded_length=sum(mb["input_ids"].shape[1] for mb in micro_batches) / len(micro_batches),
         )
 
+    def epoch_batches(self, epoch: int, first_batch: int = 0):
+        """(batch index, this rank's micro-batches on the device) for each step of `epoch` from `first_batch`,
+        in the epoch's order (deterministic by seed and epoch)."""
+        config = self.config
+        order = epoch_order(
+            len(self.train_data.sequences),
+            self.steps_per_epoch,
+            config.batch_size,
+            config.seed,
+            epoch,
+            lengths=self.row_lengths,
+        )
+        rows = self.train_data.sequences
+        for batch_index in range(first_batch, self.steps_per_epoch):
+            global_batch = order[batch_index * config.batch_size : (batch_index + 1) * config.batch_size]
+            yield (
+                batch_index,
+                [
+                    self._batch([rows[i] for i in chunk], packed=config.packing)
+                    for chunk in self.method.micro_batches(
+                        global_batch, self.micro_batch_size, self.dist.rank, self.dist.world_size
+                    )
+                ],
+            )
+
     def train(self) -> TrainResult:
         config = self.config
         self._report_start()
         self.method.before_training(self)
         start_epoch, start_batch = self.progress.epoch_index, self.progress.batch_index
         for epoch in range(start_epoch, config.n_epochs):
-            order = epoch_order(
-                len(self.train_data.sequences),
-                self.steps_per_epoch,
-                config.batch_size,
-                config.seed,
-                epoch,
-                lengths=self.row_lengths,
-            )
             first_batch = start_batch if epoch == start_epoch else 0
-            for batch_index in range(first_batch, self.steps_per_epoch):
+            for batch_index, micro_batches in self.epoch_batches(epoch, first_batch):
                 if self.step >= self.total_steps:
                     break
-                global_batch = order[batch_index * config.batch_size : (batch_index + 1) * config.batch_size]
-                rows = self.train_data.sequences
-                micro_batches = [
-                    self._batch([rows[i] for i in chunk], packed=config.packing)
-                    for chunk in self.method.micro_batches(
-                        global_batch, self.micro_batch_size, self.dist.rank, self.dist.world_size
-                    )
-                ]
                 started = time.perf_counter()
                 stats = self.train_step(micro_batches)
                 synchronize(self.device)  # the step time covers the optimizer step the GPU may still run
