@@ -305,10 +305,20 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
 
     # --packed-length N: each row holds documents of N tokens, as packed training rows do; position_ids restart
     # at every document, from which the model builds attention that stays inside each document.
-    extra: dict[str, Any] = {}
+    # The sequence boundaries go to every implementation the way transformers' flash-attention path takes
+    # them (cu_seq_lens_q...); sdpa ignores them and keeps documents apart with a mask, fusetune's varlen
+    # attention skips what lies across documents. use_cache=False, as training does: with a cache transformers
+    # builds no packed mask, and documents would attend to each other.
+    extra: dict[str, Any] = {"use_cache": False}
     if spec.get("packed_length"):
-        positions = torch.arange(spec["seq"], device=device) % spec["packed_length"]
-        extra["position_ids"] = positions.expand(spec["batch"], -1)
+        from fusetune.models.attention import packed_sequence_kwargs
+
+        positions = (torch.arange(spec["seq"]) % spec["packed_length"]).expand(spec["batch"], -1)
+        extra["position_ids"] = positions.to(device)
+        boundaries = packed_sequence_kwargs(positions)
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            boundaries[key] = boundaries[key].to(device)
+        extra.update(boundaries)
         row["packed_length"] = spec["packed_length"]
 
     # --untrained-fraction f: the first f of every document has no label (a chat prompt), as in SFT data.
@@ -358,7 +368,7 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         row["error"] = f"non-finite loss {losses}"
     if spec.get("profile") and device == "cuda":
         # After the row's peak is read: the profile resets the peak counter per phase.
-        row["profile"] = profile_step(step_model, optimizer, batches[-1])
+        row["profile"] = profile_step(step_model, optimizer, batches[-1], labels_of(batches[-1]), extra)
     return row
 
 
@@ -388,7 +398,9 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def profile_step(step_model: Any, optimizer: Any, input_ids: Any, top: int = 15) -> dict[str, Any]:
+def profile_step(
+    step_model: Any, optimizer: Any, input_ids: Any, labels: Any, extra: dict[str, Any], top: int = 15
+) -> dict[str, Any]:
     """One more training step, measured twice: first the memory of each phase (peak allocated during the
     forward, held after it, peak during the backward and the optimizer step), then a torch.profiler trace of
     the same step for the GPU time by kernel and the idle gaps of the GPU (host-bound stretches)."""
@@ -398,7 +410,7 @@ def profile_step(step_model: Any, optimizer: Any, input_ids: Any, top: int = 15)
         peaks: dict[str, float] = {}
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        loss = step_model(input_ids=input_ids, labels=input_ids).loss
+        loss = step_model(input_ids=input_ids, labels=labels, **extra).loss
         torch.cuda.synchronize()
         peaks["forward_peak_gb"] = torch.cuda.max_memory_allocated() / GIB
         peaks["held_after_forward_gb"] = torch.cuda.memory_allocated() / GIB
@@ -417,7 +429,7 @@ def profile_step(step_model: Any, optimizer: Any, input_ids: Any, top: int = 15)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         torch.cuda.synchronize()
-        loss = step_model(input_ids=input_ids, labels=input_ids).loss
+        loss = step_model(input_ids=input_ids, labels=labels, **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

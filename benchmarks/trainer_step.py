@@ -147,15 +147,21 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     )
     n_batches = spec["warmup_steps"] + spec["steps"] + 2
     if variant == "random-tokens":
+        from fusetune.models.attention import packed_sequence_kwargs
+
         generator = torch.Generator(device=device).manual_seed(1)
-        positions = (torch.arange(spec["seq"], device=device) % spec["packed_length"]).expand(
-            spec["batch"], -1
-        )
+        positions = (torch.arange(spec["seq"]) % spec["packed_length"]).expand(spec["batch"], -1)
+        boundaries = {
+            key: value.to(device) if isinstance(value, torch.Tensor) else value
+            for key, value in packed_sequence_kwargs(positions).items()
+        }
         vocab = trainer.model.config.vocab_size
         batches = []
         for _ in range(n_batches):
             ids = torch.randint(0, vocab, (spec["batch"], spec["seq"]), device=device, generator=generator)
-            batches.append([{"input_ids": ids, "position_ids": positions, "labels": ids}])
+            batches.append(
+                [{"input_ids": ids, "position_ids": positions.to(device), "labels": ids, **boundaries}]
+            )
     else:
         batches = job_batches(trainer, n_batches)
 
@@ -166,9 +172,8 @@ def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
 
     def forward(batch: dict[str, Any], normaliser) -> Any:
         if variant == "random-tokens":
-            return model(
-                input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]
-            ).loss
+            inputs = {key: value for key, value in batch.items() if key != "labels"}
+            return model(**inputs, labels=batch["labels"], use_cache=False).loss
         with trainer._autocast():
             return trainer.method.loss(model, batch, normaliser)[0]
 

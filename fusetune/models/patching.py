@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from fusetune.models import fused
+from fusetune.models import attention, fused
 from fusetune.models.families import FamilySpec, family_for
 
 
@@ -36,6 +36,9 @@ class PatchOptions:
     # The middle residual add of each decoder layer fused into the following RMSNorm; needs rms_norm.
     add_rms_norm: bool = True
     fused_linear_cross_entropy: bool = True
+    # A built model on sdpa attention switches to "fusetune_varlen" (models/attention.py): packed and padded
+    # rows whose sequence boundaries are passed attend within each sequence without a mask.
+    varlen_attention: bool = True
 
     @classmethod
     def names(cls) -> frozenset[str]:
@@ -122,6 +125,7 @@ def apply_fusetune(
     geglu: bool = True,
     add_rms_norm: bool = True,
     fused_linear_cross_entropy: bool = True,
+    varlen_attention: bool = True,
     strict: bool = True,
 ) -> FusetuneHandle:
     """Switch a model, or a whole model family, to fusetune's kernels; returns the handle that reverts it.
@@ -138,6 +142,7 @@ def apply_fusetune(
         geglu=geglu,
         add_rms_norm=add_rms_norm,
         fused_linear_cross_entropy=fused_linear_cross_entropy,
+        varlen_attention=varlen_attention,
     )
     if isinstance(model_or_model_type, str):
         model_type, model = model_or_model_type, None
@@ -223,6 +228,10 @@ def _patch_classes(spec: FamilySpec, options: PatchOptions, handle: FusetuneHand
         # wraps each GradientCheckpointingLayer's forward for checkpointing in __init_subclass__).
         wrapped = _fused_subclass(layer_class, "decoder_layer", spec, options).__dict__["forward"]
         patch(layer_class, "forward", lambda _original: wrapped)
+    if options.varlen_attention:
+        # Classes keep the attention implementation a model is loaded with; this makes
+        # attn_implementation="fusetune_varlen" one to load with.
+        attention.register_varlen_attention()
     if options.fused_linear_cross_entropy:
         patch(
             spec.resolve(spec.causal_lm_class),
@@ -273,6 +282,12 @@ def _patch_instance(
             _shared.acquire(spec.module(), spec.rope_function, fused.make_apply_rotary_pos_emb)
         )
         handle._record(f"{spec.modeling_module}.{spec.rope_function}")
+
+    if options.varlen_attention:
+        previous = attention.switch_to_varlen_attention(model)
+        if previous is not None:
+            handle._undo.append(lambda: model.set_attn_implementation(previous))
+            handle._record(f"attention: {attention.VARLEN_ATTENTION}")
 
 
 def _switch_class(module: nn.Module, fused_class: type, handle: FusetuneHandle) -> None:

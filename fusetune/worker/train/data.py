@@ -342,13 +342,14 @@ def rank_micro_batches(
     return chunks[rank::world_size]
 
 
-def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) -> dict[str, torch.Tensor]:
+def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) -> dict[str, Any]:
     """Right-pad rows to the longest one. The token counts (`n_input_tokens` without padding, `n_trained_tokens`
     with a label, `n_row_tokens` with padding) are 0-d tensors.
 
     Unpacked rows get an `attention_mask`; packed rows get `position_ids` instead (and no mask), from which the
     model builds attention that stays within each example. Padding of a packed row is given positions of its own
-    so it forms a separate, untrained segment.
+    so it forms a separate, untrained segment. Both also get the sequence boundaries that variable-length
+    attention takes (`cu_seq_lens_q`... of `fusetune.models.attention.packed_sequence_kwargs`).
     """
     length = max(len(row.input_ids) for row in rows)
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
@@ -359,7 +360,8 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
         n = len(row.input_ids)
         input_ids[i, :n] = torch.tensor(row.input_ids)
         shifted_labels[i, :n] = torch.tensor(row.shifted_labels)
-        position_ids[i, :n] = torch.tensor(row.position_ids)
+        # Under an attention mask (unpacked) a row's tokens are one sequence, whatever positions they carry.
+        position_ids[i, :n] = torch.tensor(row.position_ids) if packed else torch.arange(n)
         position_ids[i, n:] = torch.arange(length - n)
         attention_mask[i, :n] = 1
     batch = {
@@ -373,4 +375,20 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
         batch["position_ids"] = position_ids
     else:
         batch["attention_mask"] = attention_mask
+    # The sequence boundaries (each example, each stretch of padding), computed here on the host, so that
+    # attention that takes them (fusetune_varlen) never builds a mask nor waits for the GPU to find them.
+    from fusetune.models.attention import packed_sequence_kwargs
+
+    batch.update(packed_sequence_kwargs(position_ids))
     return batch
+
+
+# What a model's forward takes from a collated batch (the rest is labels and counts for the loss).
+MODEL_INPUT_KEYS = (
+    "input_ids", "attention_mask", "position_ids",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+)  # fmt: skip
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    return {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}

@@ -219,9 +219,11 @@ class Trainer:
 
     def _batch(self, rows: list[Any], packed: bool) -> dict[str, torch.Tensor]:
         batch = self.method.collate(rows, packed=packed)
-        # The token counts stay on the CPU so that reading them never waits for the GPU.
+        # The token counts and sequence lengths stay on the CPU so that reading them never waits for the GPU.
         return {
-            key: value if value.ndim == 0 else value.to(self.device, non_blocking=True)
+            key: value.to(self.device, non_blocking=True)
+            if isinstance(value, torch.Tensor) and value.ndim
+            else value
             for key, value in batch.items()
         }
 

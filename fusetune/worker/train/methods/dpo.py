@@ -204,7 +204,9 @@ class DirectPreferenceOptimization(TrainingMethod):
         from fusetune.kernels.sequence_log_probs import sequence_log_probs_from_logits
 
         labels = batch["shifted_labels"]
-        inputs = {key: batch[key] for key in ("input_ids", "attention_mask") if key in batch}
+        from fusetune.worker.train.data import model_inputs
+
+        inputs = model_inputs(batch)
         if self.fused_forward:
             output = model(
                 **inputs, labels=labels, shift_labels=labels, sequence_log_probs=True, use_cache=False

@@ -177,5 +177,7 @@ class SupervisedFineTuning(TrainingMethod):
         return {"valid_loss": loss / tokens, "valid_token_accuracy": correct / tokens}
 
 
-def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids") if key in batch}
+def _model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    from fusetune.worker.train.data import model_inputs
+
+    return model_inputs(batch)
