@@ -157,7 +157,8 @@ MFU_FORMULA = (
     "mfu = tokens_per_s * flops_per_token / peak, flops_per_token = 6*N + 12*L*(n_heads*head_dim)*S "
     "(forward + backward; N = parameters that take part in matmuls: all parameters, minus the input "
     "embedding table unless it is tied to the lm_head; attention term as in the PaLM paper, not halved for "
-    "the causal mask), peak = the bf16 matmul rate measured at the start of the run (8192^3)"
+    "the causal mask; S = the row length, or the document length when rows are packed), peak = the bf16 "
+    "matmul rate measured at the start of the run (8192^3)"
 )
 METHOD = (
     "bf16 weights, random init (seed 0), random token ids, labels = input ids, torch.optim.AdamW(fused=True, "
@@ -232,7 +233,7 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     config = build_config(model_name, spec["tiny"])
     attn = attention_implementation(spec["attn"], family, device)
-    row["attn_implementation"] = attn
+    row["attn_implementation"] = attn  # replaced below by what the built model runs
 
     build_kwargs = {"dtype": torch.bfloat16, "attn_implementation": attn}
     if impl == "liger":
@@ -283,11 +284,13 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
             return {**row, "error": "the Liger patch replaced no module of this model"}
     model.to(device=device, dtype=torch.bfloat16)
     model.train()
+    row["attn_implementation"] = model.config._attn_implementation  # what ran (a patch may switch it)
     if spec.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         row["gradient_checkpointing"] = True
     row["params"] = sum(p.numel() for p in model.parameters())
-    row["flops_per_token"] = flops_per_token(model, config, spec["seq"])
+    # A token of a packed row attends within its document: the attention term counts the document's length.
+    row["flops_per_token"] = flops_per_token(model, config, spec.get("packed_length") or spec["seq"])
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     step_model = torch.compile(model) if impl in ("compile", "fusetune+compile") else model
@@ -588,15 +591,7 @@ def _run_subprocess(arguments: list[str], timeout_s: float) -> tuple[dict | None
 
 def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | None, models: list[str]) -> dict:
     def key(row: dict) -> tuple:
-        return (
-            row.get("model"),
-            row.get("impl"),
-            row.get("batch"),
-            row.get("seq"),
-            row.get("gradient_checkpointing", False),
-            row.get("packed_length"),
-            row.get("untrained_fraction"),
-        )
+        return (row.get("impl"), *setup_key(row))
 
     run_keys = {key(row) for row in rows}
     kept = [row for row in (previous or {}).get("rows", []) if key(row) not in run_keys]
@@ -610,6 +605,28 @@ def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | Non
         "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
         "rows": kept + rows,
     }
+
+
+def setup_key(row: dict[str, Any]) -> tuple:
+    return (
+        row.get("model"),
+        row.get("batch"),
+        row.get("seq"),
+        row.get("gradient_checkpointing", False),
+        row.get("packed_length"),
+        row.get("untrained_fraction"),
+    )
+
+
+def setup_title(row: dict[str, Any]) -> str:
+    title = f"{row['model']}, batch {row['batch']} x {row['seq']} tokens"
+    if row.get("packed_length"):
+        title += f", rows packed with documents of {row['packed_length']} tokens"
+    if row.get("untrained_fraction"):
+        title += f", the first {row['untrained_fraction']:.0%} of each document untrained"
+    if row.get("gradient_checkpointing"):
+        title += ", gradient checkpointing"
+    return title
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
@@ -630,15 +647,15 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "`÷ liger` columns: tokens/s and peak memory divided by Liger's in the same run.",
         "",
     ]
-    models: list[str] = []
+    # One table per setup: rows of the same model with other batch, packing or checkpointing stay apart.
+    setups: dict[tuple, list[dict[str, Any]]] = {}
     for row in payload["rows"]:
-        if row["model"] not in models:
-            models.append(row["model"])
-    for model in models:
-        group = {row["impl"]: row for row in payload["rows"] if row["model"] == model}
+        setups.setdefault(setup_key(row), []).append(row)
+    for rows in setups.values():
+        group = {row["impl"]: row for row in rows}
         liger = group.get("liger", {})
-        sample = next(iter(group.values()))
-        lines += [f"## {model}, batch {sample['batch']} x {sample['seq']} tokens", ""]
+        sample = rows[0]
+        lines += [f"## {setup_title(sample)}", ""]
         table_rows, notes = [], []
         for impl in IMPLS:
             row = group.get(impl)
