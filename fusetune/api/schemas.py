@@ -220,8 +220,9 @@ METRIC_VALUES_DESCRIPTION = """The step's metrics by name. Counts are over all o
   longest row); the model computes on padding too, so all tokens per second are
   `tokens_per_second / (1 - padding_fraction)`.
 - `mfu` (GPUs of known peak only): `tokens_per_second_per_device` times the model's training FLOPs per token
-  (6 per matmul weight, plus attention at the step's padded row length) over the peak FLOP/s that the job's
-  `started` event names (`mfu_peak_flops`: the dense bf16 peak of its `device`'s spec sheet).
+  (6 per matmul weight, plus attention over the length of the example each token belongs to, averaged over
+  the step's tokens) over the peak FLOP/s that the job's `started` event names (`mfu_peak_flops`: the dense
+  bf16 peak of its `device`'s spec sheet).
 - `peak_memory_allocated_bytes`, `peak_memory_reserved_bytes`: the CUDA allocator's peaks during the step,
   the largest over processes (on CPU: the peak resident set size).
 - `step_time_s`: wall time of the step; `epoch`: epochs done, fractional; `eta_s`: time left at the mean step

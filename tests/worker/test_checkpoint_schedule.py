@@ -123,3 +123,23 @@ def test_the_trainer_saves_at_epoch_ends_and_by_time_keeping_the_last_two(model_
     assert [step for step, _ in reporter.checkpoints] == [3, 4, 7, 8]
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path / "out")] == [7, 8]
     assert all(ckpt.has_training_state(path) for _, path in ckpt.list_checkpoints(tmp_path / "out"))
+
+
+def test_a_tied_lm_head_is_saved_once():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fusetune.worker.train.state import without_tied_copies
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    # What an offloaded full state dict holds: a separate copy under each name.
+    state = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    assert "lm_head.weight" in state and "model.embed_tokens.weight" in state
+    kept = without_tied_copies(model, state)
+    assert "lm_head.weight" not in kept and "model.embed_tokens.weight" in kept
+    assert set(state) - set(kept) == {"lm_head.weight"}
+
+    untied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": False}))
+    untied_state = {name: p for name, p in untied.named_parameters(remove_duplicate=False)}
+    assert without_tied_copies(untied, untied_state).keys() == untied_state.keys()

@@ -344,7 +344,8 @@ def rank_micro_batches(
 
 def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) -> dict[str, Any]:
     """Right-pad rows to the longest one. The token counts (`n_input_tokens` without padding, `n_trained_tokens`
-    with a label, `n_row_tokens` with padding) are 0-d tensors.
+    with a label, `n_row_tokens` with padding) are 0-d tensors; `attended_length` (a float) is the mean over input
+    tokens of the length of the example each belongs to.
 
     Unpacked rows get an `attention_mask`; packed rows get `position_ids` instead (and no mask), from which the
     model builds attention that stays within each example. Padding of a packed row is given positions of its own
@@ -356,8 +357,10 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
     shifted_labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    sequence_lengths: list[int] = []  # of the examples, padding left out
     for i, row in enumerate(rows):
         n = len(row.input_ids)
+        sequence_lengths += _sequence_lengths(row.position_ids) if packed else [n]
         input_ids[i, :n] = torch.tensor(row.input_ids)
         shifted_labels[i, :n] = torch.tensor(row.shifted_labels)
         # Under an attention mask (unpacked) a row's tokens are one sequence, whatever positions they carry.
@@ -370,6 +373,9 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
         "n_input_tokens": attention_mask.sum(),
         "n_trained_tokens": (shifted_labels != IGNORE_INDEX).sum(),
         "n_row_tokens": torch.tensor(input_ids.numel()),  # padding included
+        # The mean, over input tokens, of the length of the sequence a token attends within: what MFU's
+        # attention term counts.
+        "attended_length": sum(n * n for n in sequence_lengths) / max(1, sum(sequence_lengths)),
     }
     if packed:
         batch["position_ids"] = position_ids
@@ -381,6 +387,12 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
 
     batch.update(packed_sequence_kwargs(position_ids))
     return batch
+
+
+def _sequence_lengths(position_ids: Sequence[int]) -> list[int]:
+    """Lengths of the examples of a packed row: a new one starts wherever the position restarts."""
+    starts = [i for i, p in enumerate(position_ids) if i == 0 or p != position_ids[i - 1] + 1]
+    return [end - start for start, end in zip(starts, [*starts[1:], len(position_ids)], strict=True)]
 
 
 # What a model's forward takes from a collated batch (the rest is labels and counts for the loss).

@@ -27,7 +27,8 @@ class StepStats:
     # tokens of the step's rows (padding included).
     counts: torch.Tensor
     learning_rate: float
-    mean_padded_length: float
+    # The mean over input tokens of the length of the example a token attends within (MFU's attention term).
+    attended_length: float
 
     def read(self) -> dict[str, float]:
         """The host values (one device read): train_loss, grad_norm, the token counts and the method's metrics."""
@@ -104,7 +105,7 @@ class StepMeter:
             "eta_s": mean_step_time * (self.total_steps - step),
         }
         if self.peak_flops:
-            flops_per_token = training_flops_per_token(self.model, stats.mean_padded_length)
+            flops_per_token = training_flops_per_token(self.model, stats.attended_length)
             values["mfu"] = per_device * flops_per_token / self.peak_flops
         return values
 
@@ -140,7 +141,8 @@ def training_flops_per_token(model: torch.nn.Module, seq_len: float) -> float:
 
     The input embedding is a lookup, not a matmul, so it is left out unless it is tied to the output layer.
     The attention term (12 · layers · heads · head_dim · seq_len) counts the full square, as is customary,
-    although causal attention computes about half of it.
+    although causal attention computes about half of it; `seq_len` is the length of the sequence a token
+    attends within (its example's, in a packed row).
     """
     n_params = sum(p.numel() for p in model.parameters())
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

@@ -231,7 +231,7 @@ class Checkpointer:
 
     def _write_weights(self, model: torch.nn.Module, directory: Path, model_state: dict[str, Any]) -> None:
         if self.config.lora is None:
-            model.save_pretrained(directory, state_dict=model_state)
+            model.save_pretrained(directory, state_dict=without_tied_copies(model, model_state))
         elif self.config.merge_lora_on_save:
             lora.save_merged(model, model_state, directory)
             lora.save_adapter(model, model_state, directory / ckpt.ADAPTER_DIRNAME)
@@ -253,3 +253,17 @@ class Checkpointer:
         set_optimizer_state_dict(
             model, optimizer, ckpt.read_optimizer_state(checkpoint), options=FULL_STATE_ON_EVERY_RANK
         )
+
+
+def without_tied_copies(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` without the second name of a tied parameter (a tied lm_head's weight).
+
+    A full state dict offloaded to the CPU holds a separate copy under each name of a shared parameter, and not
+    every transformers version drops the tied one on save; kept, it adds the whole embedding table (0.5 GB at
+    the Llama-3.2-1B shape) to every checkpoint. Loading re-ties it from the config, as for any checkpoint.
+    """
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    copies = {alias for aliases in names.values() for alias in aliases[1:]}
+    return {key: value for key, value in state.items() if key not in copies}

@@ -284,7 +284,8 @@ class Trainer:
             grad_norm=grad_norm,
             counts=counts,
             learning_rate=learning_rate,
-            mean_padded_length=sum(mb["input_ids"].shape[1] for mb in micro_batches) / len(micro_batches),
+            attended_length=sum(mb["attended_length"] * int(mb["n_input_tokens"]) for mb in micro_batches)
+            / max(1, sum(int(mb["n_input_tokens"]) for mb in micro_batches)),
         )
 
     def epoch_batches(self, epoch: int, first_batch: int = 0):
