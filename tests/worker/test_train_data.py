@@ -447,4 +447,6 @@ def test_a_huge_bad_value_is_quoted_short():
 
     with pytest.raises(ValueError) as refused:
         parse_example({"messages": [{"role": "x" * 100_000, "content": "hi"}]})
-    assert len(str(refused.value)) < 2 * QUOTED_VALUE_CHARS + 200 and "100,002 characters" in str(refused.value)
+    assert len(str(refused.value)) < 2 * QUOTED_VALUE_CHARS + 200 and "100,002 characters" in str(
+        refused.value
+    )

@@ -151,3 +151,43 @@ def test_the_fused_forward_gives_the_logits_paths_log_probs_and_gradients(model_
     assert results[0][0].shape == (6,) and (results[0][0] < 0).all()
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "sft_weight"), [("sigmoid", 0.0), ("ipo", 0.0), ("sigmoid", 0.5), ("ipo", 2.0)]
+)
+def test_each_loss_is_its_formula(model_dir, pairs_file, tmp_path, monkeypatch, loss_type, sft_weight):
+    """The per-pair loss and rewards from known log-probabilities, against the formulas written out here."""
+    import math
+
+    method_spec = {"type": "dpo", "dpo": {"beta": 0.2, "loss_type": loss_type, "sft_weight": sft_weight}}
+    config = make_config(model_dir, pairs_file, tmp_path, method=method_spec)
+    method = DirectPreferenceOptimization(config, load_tokenizer(str(model_dir)), 0)
+    # Two pairs: policy log-probabilities of (chosen 1, chosen 2, rejected 1, rejected 2), their references,
+    # and output token counts 3, 5 (chosen) and 4, 2 (rejected).
+    policy = torch.tensor([-4.0, -9.0, -7.5, -3.0])
+    monkeypatch.setattr(method, "sequence_log_probs", lambda model, batch: policy)
+    counts = [3, 5, 4, 2]
+    labels = torch.full((4, 6), -100)
+    for row, n in enumerate(counts):
+        labels[row, :n] = 1
+    batch = {
+        "n_pairs": torch.tensor(2),
+        "shifted_labels": labels,
+        "reference_log_probs": torch.tensor([[-5.0, -7.0], [-8.0, -2.5]]),  # (chosen, rejected) per pair
+    }
+    losses, chosen_reward, rejected_reward, _ = method._pair_terms(None, batch)
+
+    beta = 0.2
+    for pair in range(2):
+        chosen_ratio = policy[pair].item() - batch["reference_log_probs"][pair, 0].item()
+        rejected_ratio = policy[2 + pair].item() - batch["reference_log_probs"][pair, 1].item()
+        if loss_type == "ipo":
+            h = chosen_ratio / counts[pair] - rejected_ratio / counts[2 + pair]
+            expected = (h - 1 / (2 * beta)) ** 2
+        else:
+            expected = math.log1p(math.exp(-beta * (chosen_ratio - rejected_ratio)))
+        expected += sft_weight * -policy[pair].item() / counts[pair]  # the preferred output's mean token NLL
+        assert losses[pair].item() == pytest.approx(expected, rel=1e-6)
+        assert chosen_reward[pair].item() == pytest.approx(beta * chosen_ratio, rel=1e-6)
+        assert rejected_reward[pair].item() == pytest.approx(beta * rejected_ratio, rel=1e-6)

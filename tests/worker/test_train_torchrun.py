@@ -257,3 +257,23 @@ def test_two_processes_report_a_bad_model_path(tmp_path):
     assert error["code"] == ErrorCode.MODEL_NOT_FOUND
     assert str(missing) in error["message"]
     assert read_result(tmp_path / "out") is None
+
+
+def test_dpo_under_ddp_and_fsdp_matches_one_process(model_dir, tmp_path):
+    """The reference pass split over ranks and the pair losses normalised over all ranks' pairs: DDP and FSDP2
+    on two processes follow one process's curve (loss, rewards) step for step."""
+    pairs = assets.write_preference_dataset(tmp_path / "pairs.jsonl", n_examples=32, seed=5)
+    base = demo_config(
+        model_dir, tmp_path / "one", training_file=str(pairs), validation_file=None, batch_size=8,
+        micro_batch_size=2, max_steps=4, method={"type": "dpo", "dpo": {"beta": 0.1}},
+    )  # fmt: skip
+    runs = {}
+    for name, nproc, distributed in (("one", 1, "ddp"), ("ddp", 2, "ddp"), ("fsdp", 2, "fsdp")):
+        config = base.model_copy(update={"output_dir": str(tmp_path / name), "distributed": distributed})
+        completed = torchrun(config, nproc=nproc)
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+        runs[name] = step_metrics(completed)
+    keys = ("train_loss", "grad_norm", "chosen_reward", "rejected_reward", "reward_margin")
+    assert len(runs["one"]) == 4
+    assert_same_curves(runs["ddp"], runs["one"], rtol=1e-5, keys=keys)
+    assert_same_curves(runs["fsdp"], runs["one"], rtol=1e-5, keys=keys)
