@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import statistics
@@ -741,9 +740,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {json.dumps(row)}", flush=True)
         return row
 
+    device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    versions = collect_versions()
+    versions.update(trl=package_version("trl"), datasets=package_version("datasets"))
+    slug = gpu_slug(device_name) if device == "cuda" else "cpu"
     exact = run_subprocess("exact")
     exact_first = exact.get("first_pairs")
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def write_results() -> str:
+        # After every implementation, so that a run cut short keeps the rows it finished.
+        payload = {
+            "benchmark": "dpo", "gpu": device_name, "date": utc_date(), "versions": versions,
+            "command": "python3 benchmarks/dpo.py " + " ".join(sys.argv[1:]),
+            "model": args.model, "pairs": args.pairs, "seq": args.seq, "beta": args.beta,
+            "perturbation": args.perturbation, "warmup_steps": args.warmup_steps, "steps": args.steps,
+            "data": inputs["data"], "exact_first_pairs": exact_first, "exact_error": exact.get("error"),
+            "tolerances": {"reward_atol": args.reward_atol, "logp_rtol": args.logp_rtol},
+            "rows": rows, "goals": goals(rows),
+        }  # fmt: skip
+        write_json(args.out / f"{slug}-dpo.json", payload)
+        markdown = render_markdown(payload)
+        write_text(args.out / f"{slug}-dpo.md", markdown)
+        return markdown
+
+    args.out.mkdir(parents=True, exist_ok=True)
     for impl in args.impl_list:
         row = {
             "model": args.model,
@@ -754,26 +775,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         row["comparison"] = compare_first_pairs(row, exact_first, args.reward_atol, args.logp_rtol)
         rows.append(row)
-
-    device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    versions = collect_versions()
-    versions.update(trl=package_version("trl"), datasets=package_version("datasets"))
-    payload = {
-        "benchmark": "dpo", "gpu": device_name, "date": utc_date(), "versions": versions,
-        "command": "python3 benchmarks/dpo.py " + " ".join(sys.argv[1:]),
-        "model": args.model, "pairs": args.pairs, "seq": args.seq, "beta": args.beta,
-        "perturbation": args.perturbation, "warmup_steps": args.warmup_steps, "steps": args.steps,
-        "data": inputs["data"], "exact_first_pairs": exact_first, "exact_error": exact.get("error"),
-        "tolerances": {"reward_atol": args.reward_atol, "logp_rtol": args.logp_rtol},
-        "rows": rows, "goals": goals(rows),
-    }  # fmt: skip
-    slug = gpu_slug(device_name) if device == "cuda" else "cpu"
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / f"{slug}-dpo.json", payload)
-    markdown = render_markdown(payload)
-    write_text(args.out / f"{slug}-dpo.md", markdown)
+        markdown = write_results()
     print(markdown)
-    return 0 if all(math.isfinite(r.get("step_ms") or 0.0) for r in rows) else 1
+    return 0 if not exact.get("error") and all(not r.get("error") or r.get("skipped") for r in rows) else 1
 
 
 if __name__ == "__main__":
