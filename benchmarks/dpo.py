@@ -88,10 +88,10 @@ FIRST_PAIR_METRICS = (
     "chosen_logp",
     "rejected_logp",
 )
-# What "equal within tolerance" means here: a bf16 run computes each token's log-probability with an error of
-# order 1e-2 and the rewards sum ~1000 of them, so the rewards and loss may differ from the float64 values by
-# this much in absolute terms (beta = 0.1 scales a summed error of ~1 nat to 0.1), and the mean summed
-# log-probabilities by this fraction of their size.
+# What "equal within tolerance" means here: rewards and loss within this much of the float64 values, the mean
+# summed log-probabilities within this fraction of their size. Rewards are beta times differences of sums over
+# ~1000 tokens, so a small per-token bias of a bf16 forward adds up in each side's reward; it cancels in the
+# margin (`reward_margin` in the differences), which is what the loss sees.
 DEFAULT_REWARD_ATOL = 0.1
 DEFAULT_LOGP_RTOL = 2e-3
 
@@ -572,6 +572,13 @@ def compare_first_pairs(row: dict[str, Any], exact: dict[str, Any], reward_atol:
         name: None if mine.get(name) is None else round(mine[name] - exact[name], 6)
         for name in FIRST_PAIR_METRICS
     }
+    if mine.get("chosen_reward") is not None and mine.get("rejected_reward") is not None:
+        # The loss sees only the margin: a bias common to both sides' rewards (bf16's, say) cancels in it.
+        differences["reward_margin"] = round(
+            (mine["chosen_reward"] - mine["rejected_reward"])
+            - (exact["chosen_reward"] - exact["rejected_reward"]),
+            6,
+        )
     margins = [c - r for c, r in zip(*exact["per_pair_rewards"].values(), strict=True)]
     accuracy_tolerance = sum(abs(m) <= reward_atol for m in margins) / max(len(margins), 1)
     within = {
