@@ -173,3 +173,28 @@ def test_e2e_profile_summary_counts_busy_time_once_and_finds_the_idle_gaps():
     assert summary["by_category_ms"] == {"attention": 5.0, "gemm": 1.0, "rms-norm": 1.0}
     rows = [{"model": "m", "impl": "fusetune", "profile": {**summary, "memory": {"forward_peak_gb": 1.0}}}]
     assert "## Profile of one step: m" in "\n".join(e2e.render_profiles(rows))
+
+
+def test_dpo_benchmark_help_runs_without_a_gpu():
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "dpo.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "--impls" in completed.stdout and "--tiny" in completed.stdout and "--pairs" in completed.stdout
+
+
+def test_dpo_benchmark_arguments_are_checked():
+    from benchmarks import dpo
+
+    args = dpo.parse_args(["--impls", "fusetune, trl+liger"])
+    assert args.impl_list == ["fusetune", "trl+liger"] and (args.pairs, args.seq) == (4, 2048)
+    assert dpo.parse_args(["--tiny"]).seq == 64
+    assert dpo.parse_args(["--tiny", "--seq", "128"]).seq == 128
+    for bad in (["--impls", "fusetune,hf"], ["--impls", ","], ["--pairs", "0"], ["--seq", "16"],
+                ["--perturbation", "0"], ["--beta", "-1"], ["--warmup-steps", "-1"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            dpo.parse_args(bad)
