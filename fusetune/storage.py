@@ -178,6 +178,10 @@ class Storage:
         """Bytes [first, last) of one file of a checkpoint."""
         raise NotImplementedError
 
+    def read_checkpoint_bytes(self, tenant: str, storage_path: str, relative: str) -> bytes | None:
+        """The whole content of one small file of a checkpoint (its config.json), or None if it has none."""
+        raise NotImplementedError
+
     def restore_checkpoint(
         self, tenant: str, storage_path: str, target: Path, excluded_top_level: Iterable[str] = ()
     ) -> Path:
@@ -278,6 +282,11 @@ class LocalStorage(Storage):
         yield from read_file_range(
             folder / _checked_relative(relative), first, last, f"{storage_path}/{relative}"
         )
+
+    def read_checkpoint_bytes(self, tenant: str, storage_path: str, relative: str) -> bytes | None:
+        folder = self._checkpoint_dir(storage_path)
+        path = None if folder is None else folder / _checked_relative(relative)
+        return path.read_bytes() if path is not None and path.is_file() else None
 
     def restore_checkpoint(
         self, tenant: str, storage_path: str, target: Path, excluded_top_level: Iterable[str] = ()
@@ -580,6 +589,22 @@ class ObjectStorage(Storage):
         self, tenant: str, storage_path: str, relative: str, first: int, last: int
     ) -> Iterator[bytes]:
         return self._read(f"{run_key(tenant, storage_path)}/{_checked_relative(relative)}", first, last)
+
+    def read_checkpoint_bytes(self, tenant: str, storage_path: str, relative: str) -> bytes | None:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        # Only what the manifest lists: an object of a checkpoint still uploading is not part of it yet.
+        files = self.checkpoint_files(tenant, storage_path)
+        if files is None or relative not in {entry.path for entry in files}:
+            return None
+        key = f"{run_key(tenant, storage_path)}/{_checked_relative(relative)}"
+        try:
+            return bytes(obstore.get(self.store, key).bytes())
+        except (NotFoundError, FileNotFoundError):
+            return None
+        except Exception as error:
+            raise self._failure(error) from error
 
     def restore_checkpoint(
         self, tenant: str, storage_path: str, target: Path, excluded_top_level: Iterable[str] = ()

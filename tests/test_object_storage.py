@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import subprocess
 import sys
 import tarfile
@@ -16,7 +17,10 @@ from fastapi.testclient import TestClient
 from fusetune.api.app import create_app
 from fusetune.api.checkpoint_archive import iter_archive_bytes, plan_archive, plan_stored_archive
 from fusetune.config import Settings
+from fusetune.db import queries
 from fusetune.db.migrate import upgrade
+from fusetune.db.models import Job, JobStatus
+from fusetune.db.session import make_engine, make_session_factory
 from fusetune.storage import (
     ObjectStorage,
     StorageConfigError,
@@ -222,3 +226,62 @@ def test_the_worker_refuses_to_start_on_a_missing_bucket(tmp_path, s3):
 def test_object_storage_is_chosen_only_by_the_url(tmp_path, s3):
     assert not open_storage(Settings(data_dir=tmp_path)).remote
     assert isinstance(open_storage(_settings(tmp_path, s3, "x")), ObjectStorage)
+
+
+LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True}  # fmt: skip
+PREFERENCE_LINE = (
+    b'{"input": {"messages": [{"role": "user", "content": "2+2"}]}, "preferred_output": [{"role": "assistant", '
+    b'"content": "4"}], "non_preferred_output": [{"role": "assistant", "content": "5"}]}\n'
+)
+
+
+def test_dry_run_of_a_fine_tuned_model_reads_its_config_from_the_store(client, tmp_path):
+    """The API host holds no checkpoint: the fine-tuned model's shape comes from the config.json in the store,
+    and gives the same estimate as a base model of that shape."""
+    settings, storage = client.app.state.settings, client.app.state.storage
+    (settings.models_dir / "llama-1b").mkdir()
+    (settings.models_dir / "llama-1b" / "config.json").write_text(json.dumps(LLAMA_1B))
+    sft_file = _upload(client, GOOD_LINE * 8).json()["id"]
+    dpo_file = _upload(client, PREFERENCE_LINE * 8).json()["id"]
+    fine_tuned = "llama-1b:ft-default-abc"
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        job = Job(id="ftjob-abc", tenant="default", model="llama-1b", training_file_id=sft_file,
+                  status=JobStatus.SUCCEEDED, fine_tuned_model=fine_tuned)  # fmt: skip
+        session.add(job)
+        session.flush()
+        queries.add_checkpoint(session, job.id, 4, "ftjob-abc/checkpoints/step-4", {})
+        session.commit()
+
+    def dry_run(model, training_file, method):
+        body = {"model": model, "training_file": training_file, "dry_run": True,
+                "method": {"type": method}, "hyperparameters": {"n_epochs": 1, "batch_size": 4}}  # fmt: skip
+        return client.post("/v1/fine_tuning/jobs", json=body)
+
+    # Recorded in SQL but not (yet) in the store: no config to read, and a clear refusal.
+    missing = dry_run(fine_tuned, sft_file, "supervised")
+    assert missing.status_code == 400 and "no config.json" in missing.json()["error"]["message"]
+    folder = tmp_path / "worker" / "ftjob-abc" / "checkpoints" / "step-4"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({**LLAMA_1B, "num_hidden_layers": 8}))
+    storage.publish_checkpoint("default", "ftjob-abc/checkpoints/step-4", folder)
+    assert not (settings.runs_dir / "ftjob-abc").exists()
+
+    estimates = {}
+    for method, training_file in (("supervised", sft_file), ("dpo", dpo_file)):
+        response = dry_run(fine_tuned, training_file, method)
+        assert response.status_code == 200, response.text
+        estimates[method] = response.json()
+        # Half the layers of the base model: the checkpoint's config was read, not the base model's.
+        (settings.models_dir / "llama-1b" / "config.json").write_text(
+            json.dumps({**LLAMA_1B, "num_hidden_layers": 8})
+        )
+        base = dry_run("llama-1b", training_file, method).json()
+        (settings.models_dir / "llama-1b" / "config.json").write_text(json.dumps(LLAMA_1B))
+        assert {**estimates[method], "model": None} == {**base, "model": None}
+        assert (
+            estimates[method]["parameters"] < dry_run("llama-1b", training_file, method).json()["parameters"]
+        )
+    assert (
+        estimates["dpo"]["peak_memory_bytes_per_gpu"] != estimates["supervised"]["peak_memory_bytes_per_gpu"]
+    )
