@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -285,3 +286,84 @@ def test_dry_run_of_a_fine_tuned_model_reads_its_config_from_the_store(client, t
     assert (
         estimates["dpo"]["peak_memory_bytes_per_gpu"] != estimates["supervised"]["peak_memory_bytes_per_gpu"]
     )
+
+
+def _presigned_client(tmp_path, s3, prefix: str, **overrides) -> TestClient:
+    settings = _settings(tmp_path, s3, prefix, storage_presigned_downloads=True, storage_presigned_expiry_s=120,
+                         **overrides)  # fmt: skip
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    return TestClient(create_app(settings), headers=AUTH, follow_redirects=False)
+
+
+def _recorded_checkpoint(settings: Settings, file_id: str, tenant: str = "default") -> str:
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        session.add(Job(id="ftjob-abc", tenant=tenant, model="tiny", training_file_id=file_id,
+                        status=JobStatus.SUCCEEDED))  # fmt: skip
+        session.flush()
+        checkpoint = queries.add_checkpoint(session, "ftjob-abc", 4, "ftjob-abc/checkpoints/step-4", {})
+        session.commit()
+        return checkpoint.id
+
+
+def test_presigned_downloads_redirect_to_the_store_after_the_api_checks(tmp_path, s3):
+    client = _presigned_client(tmp_path, s3, "presigned")
+    settings, storage = client.app.state.settings, client.app.state.storage
+    content = GOOD_LINE * 20
+    file_id = _upload(client, content, name="my data.jsonl").json()["id"]
+    response = client.get(f"/v1/files/{file_id}/content")
+    assert response.status_code == 307 and response.headers["cache-control"] == "no-store"
+    url = response.headers["location"]
+    assert url.startswith(f"{s3.endpoint}/{s3.bucket}/presigned/tenants/default/files/{file_id}.jsonl?")
+    assert "X-Amz-Expires=120" in url and "X-Amz-Signature=" in url
+    direct = httpx.get(url)  # no API key: the URL alone grants this one object
+    assert direct.content == content
+    assert direct.headers["content-disposition"] == "attachment; filename*=utf-8''my%20data.jsonl"
+    ranged = httpx.get(url, headers={"Range": "bytes=10-99"})
+    assert ranged.status_code == 206 and ranged.content == content[10:100]
+
+    # Authentication and the tenant's ownership are checked before anything is signed.
+    assert client.get(f"/v1/files/{file_id}/content", headers={"Authorization": ""}).status_code == 401
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        _, other_key = queries.create_api_key(session, "other")
+        session.commit()
+    other = client.get(f"/v1/files/{file_id}/content", headers={"Authorization": f"Bearer {other_key}"})
+    assert other.status_code == 404 and "location" not in other.headers
+
+    checkpoint_id = _recorded_checkpoint(settings, file_id)
+    folder = _checkpoint_folder(tmp_path / "runs")
+    storage.publish_checkpoint("default", "ftjob-abc/checkpoints/step-4", folder)
+    route = f"/v1/fine_tuning/jobs/ftjob-abc/checkpoints/{checkpoint_id}/content"
+    other = client.get(route, headers={"Authorization": f"Bearer {other_key}"})
+    assert other.status_code == 404 and "location" not in other.headers
+    for query, excluded in (("", ("training_state",)), ("?include_training_state=true", ())):
+        local = plan_archive(folder, excluded_top_level=excluded)
+        expected = b"".join(iter_archive_bytes(local, 0, local.size))
+        first = client.get(route + query)
+        assert first.status_code == 307, first.text
+        # The first request wrote the archive to the store; the next one finds it and only signs.
+        archives = [key for key in s3.keys("presigned/") if "fusetune-archive-" in key]
+        assert client.get(route + query).status_code == 307
+        assert [key for key in s3.keys("presigned/") if "fusetune-archive-" in key] == archives
+        downloaded = httpx.get(first.headers["location"])
+        assert downloaded.content == expected, "the presigned archive differs from the streamed one"
+        assert downloaded.headers["content-disposition"].endswith(
+            f"ftjob-abc-step-4{query and '-with-training-state'}.tar"
+        )
+        start = len(expected) // 3
+        ranged = httpx.get(first.headers["location"], headers={"Range": f"bytes={start}-{start + 99_999}"})
+        assert ranged.status_code == 206 and ranged.content == expected[start : start + 100_000]
+    assert len(archives) == 2
+    # The archives go with the checkpoint.
+    storage.delete_checkpoints("default", ["ftjob-abc/checkpoints/step-4"])
+    assert not [key for key in s3.keys("presigned/") if "/runs/" in key]
+
+
+def test_the_local_store_ignores_presigned_downloads(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data", storage_presigned_downloads=True)
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    client = TestClient(create_app(settings), headers=AUTH, follow_redirects=False)
+    file_id = _upload(client, GOOD_LINE).json()["id"]
+    response = client.get(f"/v1/files/{file_id}/content")
+    assert response.status_code == 200 and response.content == GOOD_LINE

@@ -15,9 +15,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fusetune.api import idempotency
-from fusetune.api.checkpoint_archive import archive_response, plan_stored_archive
+from fusetune.api.checkpoint_archive import archive_response, iter_archive_bytes, plan_stored_archive
 from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
+from fusetune.api.routes.files import presigned_redirect
 from fusetune.api.schemas import (
     CheckpointList,
     CheckpointObject,
@@ -507,6 +508,7 @@ TRAINING_STATE_DIRNAME = "training_state"
     responses={
         200: {"content": {"application/x-tar": {}}, "description": "The checkpoint folder as a tar."},
         206: {"content": {"application/x-tar": {}}, "description": "One byte range of that tar."},
+        307: {"description": "A presigned URL of that tar in the object store (when configured)."},
         416: {"description": "The Range lies outside the archive."},
     },
 )
@@ -549,4 +551,13 @@ def download_checkpoint(
     )
     variant = "-with-training-state" if include_training_state else ""
     filename = f"{job.id}-step-{checkpoint.step}{variant}.tar"
+    try:
+        url = storage.checkpoint_archive_url(
+            tenant, storage_path, archive.etag, archive.size,
+            lambda: iter_archive_bytes(archive, 0, archive.size), filename,
+        )  # fmt: skip
+    except StorageError as error:
+        raise ApiError(503, f"The checkpoint store failed: {error}", code="storage_error") from error
+    if url is not None:
+        return presigned_redirect(url)
     return archive_response(archive, filename, range_header, if_range)
