@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -14,9 +15,12 @@ import tarfile
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text, update
+from typer.testing import CliRunner
 
 from fusetune.api.app import create_app
 from fusetune.api.checkpoint_archive import iter_archive_bytes, plan_archive, plan_stored_archive
+from fusetune.cli import app as cli_app
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.migrate import upgrade
@@ -367,3 +371,88 @@ def test_the_local_store_ignores_presigned_downloads(tmp_path):
     file_id = _upload(client, GOOD_LINE).json()["id"]
     response = client.get(f"/v1/files/{file_id}/content")
     assert response.status_code == 200 and response.content == GOOD_LINE
+
+
+def _tenant_rows(settings: Settings, tenant: str) -> dict[str, int]:
+    engine = make_engine(settings.database_url)
+    with engine.connect() as connection:
+        jobs = f"(SELECT id FROM jobs WHERE tenant = '{tenant}')"
+        counts = {
+            table: connection.execute(text(f"SELECT COUNT(*) FROM {table} WHERE {where}")).scalar_one()
+            for table, where in (
+                ("files", f"tenant = '{tenant}'"), ("jobs", f"tenant = '{tenant}'"),
+                ("api_keys", f"tenant = '{tenant}'"), ("idempotent_requests", f"tenant = '{tenant}'"),
+                ("checkpoints", f"job_id IN {jobs}"), ("job_events", f"job_id IN {jobs}"),
+                ("job_metrics", f"job_id IN {jobs}"),
+            )
+        }  # fmt: skip
+    engine.dispose()
+    return counts
+
+
+def _stored(settings: Settings, s3, prefix: str) -> list[str]:
+    if s3 is not None:
+        return s3.keys(prefix)
+    return sorted(str(path.relative_to(settings.data_dir)) for path in settings.data_dir.glob("[fr]*s/**/*"))
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_deleting_a_tenant_removes_its_rows_and_objects_and_no_one_elses(tmp_path, request, store):
+    s3 = request.getfixturevalue("s3") if store == "s3" else None
+    settings = _settings(tmp_path, s3, "tenant-delete") if s3 else Settings(data_dir=tmp_path / "data")
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    (settings.models_dir / "tiny").mkdir()
+    (settings.models_dir / "tiny" / "config.json").write_text("{}")
+    sessions = make_session_factory(make_engine(settings.database_url))
+    app = create_app(settings)
+    jobs, files = {}, {}
+    for tenant in ("acme", "other"):
+        with sessions() as session:
+            _, key = queries.create_api_key(session, tenant)
+            session.commit()
+        client = TestClient(app, headers={"Authorization": f"Bearer {key}"})
+        file_id = client.post("/v1/files", files={"file": ("t.jsonl", GOOD_LINE * 4)}, data={"purpose": "fine-tune"},
+                              headers={"Idempotency-Key": "k"}).json()["id"]  # fmt: skip
+        job_id = client.post("/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": file_id}).json()[
+            "id"
+        ]
+        with sessions() as session:
+            queries.add_metric(session, job_id, 4, {"train_loss": 1.0})
+            queries.add_checkpoint(session, job_id, 4, f"{job_id}/checkpoints/step-4", {})
+            session.commit()
+        folder = settings.runs_dir / job_id / "checkpoints" / "step-4"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        app.state.storage.publish_checkpoint(tenant, f"{job_id}/checkpoints/step-4", folder)
+        if s3 is not None:
+            shutil.rmtree(settings.runs_dir / job_id)  # the store holds it; the API host keeps no copy
+        jobs[tenant], files[tenant] = job_id, file_id
+    prefix = "tenant-delete/tenants/"
+    others_before, acme_before = _tenant_rows(settings, "other"), _tenant_rows(settings, "acme")
+    acme_names = ("/acme/", jobs["acme"], files["acme"])
+    others_stored = [name for name in _stored(settings, s3, prefix) if not any(n in name for n in acme_names)]
+    assert all(acme_before.values()) and len(others_stored) >= 2
+    assert len(_stored(settings, s3, prefix)) > len(others_stored)
+
+    def delete(*args):
+        return CliRunner().invoke(cli_app, ["tenants", "delete", "acme", "--data-dir", str(settings.data_dir), *args],
+                                  env={k: v for k, v in settings.subprocess_env().items() if "STORAGE" in k})  # fmt: skip
+
+    with sessions() as session:
+        session.execute(update(Job).where(Job.id == jobs["acme"]).values(status=JobStatus.RUNNING))
+        session.commit()
+    refused = delete("--yes")
+    assert refused.exit_code == 1 and f"1 running job(s): {jobs['acme']}" in refused.output
+    assert _tenant_rows(settings, "acme") == acme_before
+    assert delete().exit_code == 1  # not confirmed
+    with sessions() as session:
+        session.execute(update(Job).where(Job.id == jobs["acme"]).values(status=JobStatus.QUEUED))
+        session.commit()
+
+    deleted = delete("--yes")
+    assert deleted.exit_code == 0, deleted.output
+    assert "1 files, 1 jobs, 1 checkpoints, 1 API keys" in deleted.output
+    assert not any(_tenant_rows(settings, "acme").values())
+    assert _tenant_rows(settings, "other") == others_before
+    assert _stored(settings, s3, prefix) == others_stored
