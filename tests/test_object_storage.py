@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import httpx
 import pytest
@@ -26,7 +27,9 @@ from fusetune.db import queries
 from fusetune.db.migrate import upgrade
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
+from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
 from fusetune.storage import (
+    MANIFEST_FILENAME,
     ObjectStorage,
     StorageConfigError,
     StorageError,
@@ -34,7 +37,7 @@ from fusetune.storage import (
     open_storage,
     run_key,
 )
-from tests.services import moto_s3_server, service_env
+from tests.services import TERMINAL, StoreOutage, moto_s3_server, service_env, start_worker, stop_process
 
 pytestmark = pytest.mark.slow
 
@@ -326,6 +329,13 @@ def test_presigned_downloads_redirect_to_the_store_after_the_api_checks(tmp_path
     ranged = httpx.get(url, headers={"Range": "bytes=10-99"})
     assert ranged.status_code == 206 and ranged.content == content[10:100]
 
+    # Signed for the address clients use, where it differs from the one the service uses.
+    public = s3.endpoint.replace("127.0.0.1", "localhost")
+    signer = open_storage(_settings(tmp_path, s3, "presigned", storage_presigned_downloads=True,
+                                    storage_public_endpoint=public))  # fmt: skip
+    public_url = signer.file_download_url("default", f"{file_id}.jsonl")
+    assert public_url.startswith(f"{public}/") and httpx.get(public_url).content == content
+
     # Authentication and the tenant's ownership are checked before anything is signed.
     assert client.get(f"/v1/files/{file_id}/content", headers={"Authorization": ""}).status_code == 401
     with make_session_factory(make_engine(settings.database_url))() as session:
@@ -456,3 +466,41 @@ def test_deleting_a_tenant_removes_its_rows_and_objects_and_no_one_elses(tmp_pat
     assert not any(_tenant_rows(settings, "acme").values())
     assert _tenant_rows(settings, "other") == others_before
     assert _stored(settings, s3, prefix) == others_stored
+
+
+def test_a_store_lost_mid_job_fails_it_with_storage_error_and_keeps_the_recorded_checkpoint(tmp_path, s3):
+    """The worker and its trainer reach the store through a proxy that becomes unreachable once the first
+    checkpoint's manifest is stored (so that checkpoint is whole); the next checkpoint's upload fails after the
+    client's retries, the job fails with `storage_error`, and the recorded checkpoint still downloads."""
+    settings = _settings(tmp_path, s3, "outage", checkpoint_every_steps=1, checkpoint_every_epoch=False)
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    build_tiny_model(settings.models_dir / "tiny-llama")
+    outage = StoreOutage(s3.endpoint, lambda method, path: method == "PUT" and MANIFEST_FILENAME in path)
+    worker_env = {"FUSETUNE_STORAGE_ENDPOINT": outage.endpoint, "FUSETUNE_STORAGE_MAX_RETRIES": "2",
+                  "FUSETUNE_STORAGE_RETRY_TIMEOUT_S": "10", "FUSETUNE_STORAGE_CONNECT_TIMEOUT_S": "2"}  # fmt: skip
+    worker = start_worker(settings, tmp_path / "worker.log", worker_env)
+    try:
+        with TestClient(create_app(settings), headers=AUTH) as client:
+            lines = TRAIN_FILE.read_bytes().splitlines(keepends=True)[:8]
+            file_id = _upload(client, b"".join(lines)).json()["id"]
+            body = {"model": "tiny-llama", "training_file": file_id, "seed": 0,
+                    "hyperparameters": {"n_epochs": 2, "batch_size": 8, "n_gpus": 1}}  # fmt: skip
+            job_id = client.post("/v1/fine_tuning/jobs", json=body).json()["id"]
+            deadline = time.monotonic() + 300
+            while (job := client.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"] not in TERMINAL:
+                assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
+                time.sleep(0.5)
+            assert outage.down.is_set()
+            assert job["status"] == "failed" and job["error"]["code"] == "storage_error", job
+            assert "uploading the checkpoint" in job["error"]["message"]
+            assert f"{job_id}/checkpoints/step-2" in job["error"]["message"]
+            checkpoints = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+            assert [c["step_number"] for c in checkpoints] == [1]
+            archive = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoints[0]['id']}/content")
+            with tarfile.open(fileobj=io.BytesIO(archive.content)) as tar:
+                names = tar.getnames()
+            assert {"step-1/config.json", "step-1/model.safetensors"} <= set(names), names
+    finally:
+        stop_process(worker)
+        outage.close()
