@@ -705,8 +705,9 @@ class ObjectStorage(Storage):
             return None
         name = _checked_relative(ARCHIVE_OBJECT_PREFIX + archive_etag.strip('"') + ".tar")
         key = f"{run_key(tenant, storage_path)}/{name}"
-        # The archive's bytes are a function of its ETag, so one already there (whole: its size) is this one.
-        # Two first requests at once both write the same bytes; either upload is the object.
+        # Named by its ETag (the members' names, sizes, modes and times; a recorded checkpoint never changes), so
+        # an archive already there at the full size is this one. Two first requests at once write the same
+        # bytes; either upload is the object.
         if self._size(key) != size:
             attributes = {
                 "Content-Type": "application/x-tar",
