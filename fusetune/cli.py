@@ -1,4 +1,4 @@
-"""Command line: ``fusetune serve | worker | migrate | demo``."""
+"""Command line: ``fusetune serve | worker | migrate | keys | tenants | demo``."""
 
 from __future__ import annotations
 
@@ -145,6 +145,46 @@ def keys_revoke(key_id: str, data_dir: DataDirOption = None) -> None:
             raise typer.Exit(1)
         session.commit()
         typer.echo(f"revoked {key_id}")
+
+
+tenants_app = typer.Typer(
+    help="Operate on a tenant's data (the API has no route for this: it is an operator's act)."
+)
+app.add_typer(tenants_app, name="tenants")
+
+
+@tenants_app.command("delete")
+def tenants_delete(
+    tenant: Annotated[str, typer.Argument(help="The tenant whose data goes")],
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation")] = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """Delete a tenant's files, jobs, checkpoints and API keys, in SQL and in the store. Refused while one of
+    its jobs is running."""
+    from fusetune.db.session import make_engine, make_session_factory
+    from fusetune.storage import StorageError, open_storage
+    from fusetune.tenants import TenantBusy, delete_tenant_data
+
+    settings = _settings(data_dir)
+    _check_storage(settings)
+    if not yes:
+        typer.confirm(f"Delete every file, job, checkpoint and API key of tenant '{tenant}'?", abort=True)
+    engine = make_engine(settings.database_url)
+    try:
+        deleted = delete_tenant_data(make_session_factory(engine), open_storage(settings), tenant)
+    except TenantBusy as error:
+        typer.echo(f"fusetune: {error}", err=True)
+        raise typer.Exit(1) from error
+    except StorageError as error:
+        typer.echo(f"fusetune: the tenant's rows are deleted, but the store failed: {error}. Run the command "
+                   "again to delete the objects left under its prefix.", err=True)  # fmt: skip
+        raise typer.Exit(1) from error
+    finally:
+        engine.dispose()
+    typer.echo(
+        f"deleted tenant '{tenant}': {deleted.files} files, {deleted.jobs} jobs, {deleted.checkpoints} "
+        f"checkpoints, {deleted.api_keys} API keys"
+    )
 
 
 @app.command()

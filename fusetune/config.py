@@ -78,6 +78,11 @@ class Settings(BaseSettings):
     storage_max_retries: int = Field(default=5, ge=0)
     storage_retry_timeout_s: float = Field(default=120.0, gt=0)
     storage_connect_timeout_s: float = Field(default=10.0, gt=0)
+    # Downloads answered with a 307 to a presigned URL of the store, so their bytes bypass the API (the local
+    # store ignores this). The URL names storage_public_endpoint (empty: storage_endpoint): clients must reach it.
+    storage_presigned_downloads: bool = False
+    storage_presigned_expiry_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)  # SigV4's longest: 7 days
+    storage_public_endpoint: str = ""
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:
@@ -129,4 +134,7 @@ class Settings(BaseSettings):
             "FUSETUNE_STORAGE_MAX_RETRIES": str(self.storage_max_retries),
             "FUSETUNE_STORAGE_RETRY_TIMEOUT_S": str(self.storage_retry_timeout_s),
             "FUSETUNE_STORAGE_CONNECT_TIMEOUT_S": str(self.storage_connect_timeout_s),
+            "FUSETUNE_STORAGE_PRESIGNED_DOWNLOADS": str(self.storage_presigned_downloads).lower(),
+            "FUSETUNE_STORAGE_PRESIGNED_EXPIRY_S": str(self.storage_presigned_expiry_s),
+            "FUSETUNE_STORAGE_PUBLIC_ENDPOINT": self.storage_public_endpoint,
         }

@@ -232,3 +232,72 @@ def start_worker(
 
 def stop_process(process: subprocess.Popen) -> None:
     _stop(process)
+
+
+class StoreOutage:
+    """An HTTP proxy in front of an S3 server that forwards every request until the first one `fails_after`
+    accepts has been answered, and from then on is unreachable: it drops open connections and stops listening,
+    so the client sees refused connections, as when the store's host goes away. The outage is set off by a
+    request the client makes, not by a clock, so the test controls what reached the store before it."""
+
+    def __init__(self, upstream: str, fails_after):
+        import http.server
+        import threading
+
+        self.upstream = upstream
+        self.fails_after = fails_after
+        self.down = threading.Event()
+        self.forwarded: list[tuple[str, str]] = []
+        self._http = httpx.Client(base_url=upstream, timeout=60)
+        outage = self
+
+        class Forward(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self) -> None:
+                if outage.down.is_set():
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                hop_by_hop = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop_by_hop}
+                answer = outage._http.request(self.command, self.path, headers=headers, content=body)
+                self.send_response(answer.status_code)
+                for name, value in answer.headers.items():
+                    if name.lower() not in hop_by_hop:
+                        self.send_header(name, value)
+                self.send_header("Content-Length", answer.headers.get("content-length", "0")
+                                 if self.command == "HEAD" else str(len(answer.content)))  # fmt: skip
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(answer.content)
+                self.wfile.flush()
+                outage.forwarded.append((self.command, self.path))
+                if outage.fails_after(self.command, self.path):
+                    outage.down.set()
+                    self.close_connection = True
+                    # shutdown() waits for the serving loop, which runs in another thread than this handler.
+                    threading.Thread(target=outage._stop_listening).start()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _stop_listening(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def close(self) -> None:
+        if not self.down.is_set():
+            self.down.set()
+            self._stop_listening()
+        self._http.close()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Row, Text, bindparam, cast, select, update
+from sqlalchemy import Connection, Row, Text, bindparam, cast, delete, select, update
 from sqlalchemy.orm import Session
 
 from fusetune.db.models import (
@@ -252,6 +253,48 @@ def delete_checkpoints(session: Session, job_id: str, storage_paths: list[str]) 
         session.delete(row)
         count += 1
     return count
+
+
+def stop_unstarted_jobs(session: Session, tenant: str) -> int:
+    """Cancels the tenant's jobs that no worker holds (queued, validating), so none starts from here on: a
+    worker claims only a queued job, in one statement (claim_job)."""
+    result = session.execute(
+        update(Job)
+        .where(Job.tenant == tenant, Job.status.in_((JobStatus.QUEUED, JobStatus.VALIDATING_FILES)))
+        .values(status=JobStatus.CANCELLED, finished_at=now_s())
+    )
+    return result.rowcount
+
+
+def running_job_ids(session: Session, tenant: str) -> list[str]:
+    return list(session.scalars(select(Job.id).where(Job.tenant == tenant, Job.status == JobStatus.RUNNING)))
+
+
+@dataclass(frozen=True)
+class TenantRows:
+    """What delete_tenant_rows removed, with what the caller needs to delete the stored files afterwards."""
+
+    file_storage_names: list[str]
+    job_ids: list[str]
+    checkpoint_storage_paths: list[str]
+    api_keys: int
+
+
+def delete_tenant_rows(session: Session, tenant: str) -> TenantRows:
+    """Every row of the tenant: files, jobs with their events, metrics and checkpoints, idempotency records and
+    API keys."""
+    job_ids = list(session.scalars(select(Job.id).where(Job.tenant == tenant)))
+    checkpoint_paths = list(
+        session.scalars(select(Checkpoint.storage_path).where(Checkpoint.job_id.in_(job_ids)))
+    )
+    file_names = list(session.scalars(select(File.storage_name).where(File.tenant == tenant)))
+    for model in (JobMetric, JobEvent, Checkpoint):
+        session.execute(delete(model).where(model.job_id.in_(job_ids)))
+    session.execute(delete(Job).where(Job.tenant == tenant))
+    session.execute(delete(File).where(File.tenant == tenant))
+    session.execute(delete(IdempotentRequest).where(IdempotentRequest.tenant == tenant))
+    keys = session.execute(delete(ApiKey).where(ApiKey.tenant == tenant)).rowcount
+    return TenantRows(file_names, job_ids, checkpoint_paths, keys)
 
 
 # ---- Reads the polled routes make on every request -------------------------------------------------------------

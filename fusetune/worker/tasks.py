@@ -222,7 +222,16 @@ class JobRunner:
                 preexec_fn=functools.partial(prepare_training_process, self.settings.training_niceness),
             )  # fmt: skip
             stopped_for = self._watch(job.id, process)
-        run_storage.remove_unrecorded_checkpoints(self.storage, self.session_factory, job, self.worker_name)
+        try:
+            run_storage.remove_unrecorded_checkpoints(
+                self.storage, self.session_factory, job, self.worker_name
+            )
+        except StorageError:
+            # Tidying only: the objects stay until a later run of the job or the tenant's deletion removes them,
+            # and the trainer's own outcome (a store that failed mid-run is its storage_error) is what counts.
+            log.warning(
+                "job %s: could not remove unrecorded checkpoints from the store", job.id, exc_info=True
+            )
         run_storage.clear_scratch(self.storage, run_dir)
         if stopped_for is not None:
             # The job already left `running` (cancelled or paused by the user); finish_job will leave it so.

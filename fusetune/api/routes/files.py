@@ -9,7 +9,7 @@ from typing import Annotated, BinaryIO
 from urllib.parse import quote
 
 from fastapi import APIRouter, Form, Header, UploadFile
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
 from fusetune.api import idempotency
@@ -105,7 +105,7 @@ def create_file(
     try:
         # The writer publishes the file only on commit(); leaving the block without it discards what was
         # written (a temporary file beside the final one, or an aborted multipart upload).
-        with storage.file_writer(tenant, storage_name) as writer:
+        with storage.file_writer(tenant, storage_name, download_name=filename) as writer:
             upload = _UploadLines(file.file, writer, settings.max_upload_bytes, digest)
             report = validate_chat_jsonl(upload)
             earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
@@ -187,11 +187,25 @@ def delete_file(file_id: str, session: SessionDep, storage: StorageDep, tenant: 
     return FileDeleted(id=file_id)
 
 
-@router.get("/{file_id}/content", response_class=StreamingResponse)
-def file_content(
-    file_id: str, session: SessionDep, storage: StorageDep, tenant: TenantDep
-) -> StreamingResponse:
-    row = _get(session, file_id, tenant)
+def presigned_redirect(url: str) -> RedirectResponse:
+    """307: the client repeats the same GET (with its Range header) at the store; the URL expires, so the answer
+    is not to be cached."""
+    return RedirectResponse(url, status_code=307, headers={"Cache-Control": "no-store"})
+
+
+@router.get(
+    "/{file_id}/content",
+    response_class=StreamingResponse,
+    responses={307: {"description": "A presigned URL of the file in the object store (when configured)."}},
+)
+def file_content(file_id: str, session: SessionDep, storage: StorageDep, tenant: TenantDep) -> Response:
+    row = _get(session, file_id, tenant)  # the tenant's file, checked before any URL is signed
+    try:
+        url = storage.file_download_url(tenant, row.storage_name)
+    except StorageError as error:
+        raise _storage_failed(error) from error
+    if url is not None:
+        return presigned_redirect(url)
     return StreamingResponse(
         storage.iter_file(tenant, row.storage_name),
         media_type="application/jsonl",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
@@ -14,9 +15,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fusetune.api import idempotency
-from fusetune.api.checkpoint_archive import archive_response, plan_stored_archive
+from fusetune.api.checkpoint_archive import archive_response, iter_archive_bytes, plan_stored_archive
 from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
+from fusetune.api.routes.files import presigned_redirect
 from fusetune.api.schemas import (
     CheckpointList,
     CheckpointObject,
@@ -34,7 +36,7 @@ from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
 from fusetune.estimate import ModelShape, estimate_job, fit_micro_batch, too_large_message
 from fusetune.jobspec import JobSpec, SpecError
-from fusetune.storage import StorageError
+from fusetune.storage import Storage, StorageError
 from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -97,26 +99,51 @@ def _check_model(session: Session, settings: Settings, tenant: str, model: str) 
     )
 
 
-def _model_config_path(session: Session, settings: Settings, tenant: str, model: str) -> Path | None:
+def _model_config(
+    session: Session, settings: Settings, storage: Storage, tenant: str, model: str
+) -> dict | None:
+    """The model's config.json: a base model's from its folder, a fine-tuned model's from its newest checkpoint
+    in the store (the API host holds no checkpoint when the store is remote)."""
     location = base_model_location(settings, model)
-    if location is None:
+    if location is not None:
+        path = Path(location) / "config.json"
+        raw = path.read_bytes() if path.is_file() else None
+    else:
         source = session.scalar(select(Job).where(Job.fine_tuned_model == model, Job.tenant == tenant))
         checkpoints = queries.list_checkpoints(session, source.id) if source is not None else []
-        location = str(settings.runs_dir / checkpoints[0].storage_path) if checkpoints else None
-    path = Path(location) / "config.json" if location else None
-    return path if path is not None and path.is_file() else None
+        try:
+            raw = (
+                storage.read_checkpoint_bytes(tenant, checkpoints[0].storage_path, "config.json")
+                if checkpoints
+                else None
+            )
+        except StorageError as error:
+            raise ApiError(503, f"The checkpoint store failed: {error}", code="storage_error") from error
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _estimate(
-    session: Session, settings: Settings, tenant: str, model: str, training: File, spec: JobSpec
+    session: Session,
+    settings: Settings,
+    storage: Storage,
+    tenant: str,
+    model: str,
+    training: File,
+    spec: JobSpec,
 ) -> EstimateObject | None:
     hyper = spec.hyperparameters
     method = METHODS[spec.method.type]
-    config_path = _model_config_path(session, settings, tenant, model)
-    if config_path is None:
+    config = _model_config(session, settings, storage, tenant, model)
+    if config is None:
         return None
     try:
-        shape = ModelShape.from_config_file(config_path)
+        shape = ModelShape.from_config_dict(config)
     except (KeyError, ValueError, TypeError):
         return None
     job = dict(
@@ -257,6 +284,7 @@ def create_job(
     body: JobCreate,
     session: SessionDep,
     settings: SettingsDep,
+    storage: StorageDep,
     tenant: TenantDep,
     queue: QueueDep,
     idempotency_key: Annotated[str | None, Header(alias=idempotency.HEADER)] = None,
@@ -268,11 +296,13 @@ def create_job(
         return to_schema(_get_job(session, earlier, tenant))
     training = _check_inputs(session, settings, tenant, body)
     spec = _resolve_spec(body, training, settings)
-    estimate = _estimate(session, settings, tenant, body.model, training, spec)
+    estimate = _estimate(session, settings, storage, tenant, body.model, training, spec)
     if body.dry_run:
         if estimate is None:
             raise ApiError(
-                400, f"No estimate for model '{body.model}': it has no local config.json.", param="model"
+                400,
+                f"No estimate for model '{body.model}': no config.json with its shape was found.",
+                param="model",
             )
         return estimate
     _refuse_if_too_large(estimate)
@@ -478,6 +508,7 @@ TRAINING_STATE_DIRNAME = "training_state"
     responses={
         200: {"content": {"application/x-tar": {}}, "description": "The checkpoint folder as a tar."},
         206: {"content": {"application/x-tar": {}}, "description": "One byte range of that tar."},
+        307: {"description": "A presigned URL of that tar in the object store (when configured)."},
         416: {"description": "The Range lies outside the archive."},
     },
 )
@@ -520,4 +551,13 @@ def download_checkpoint(
     )
     variant = "-with-training-state" if include_training_state else ""
     filename = f"{job.id}-step-{checkpoint.step}{variant}.tar"
+    try:
+        url = storage.checkpoint_archive_url(
+            tenant, storage_path, archive.etag, archive.size,
+            lambda: iter_archive_bytes(archive, 0, archive.size), filename,
+        )  # fmt: skip
+    except StorageError as error:
+        raise ApiError(503, f"The checkpoint store failed: {error}", code="storage_error") from error
+    if url is not None:
+        return presigned_redirect(url)
     return archive_response(archive, filename, range_header, if_range)
