@@ -10,8 +10,11 @@ transformer of one of benchmarks/e2e.py's shapes, random init:
 2. Pre-train on task A with fp32 weights and AdamW state (bf16 autocast, as `bf16-mixed`; fp32 matmuls would
    take minutes at the 1B shape), constant learning rate after a warm-up, until a plateau: the task-A eval loss
    improved by less than `--plateau-threshold` (relative) over the last `--plateau-window` evals, checked every
-   `--eval-every` steps. The loss then, its gap to the floor and the last window's improvement are reported; a
-   run that reaches `--pretrain-max-steps` first fails the protocol.
+   `--eval-every` steps, and lies within `--plateau-max-gap` (relative) of the floor. The gap condition is
+   there because a transformer first stalls at the loss of the uniform distribution over the task's tokens
+   (ln K) before it learns the bigrams: at the 1B shape that stall lasted over 100 steps at lr 3e-4, flat enough
+   to pass the improvement test alone. The loss, its gap to the floor and the last window's improvement are
+   reported; a run that reaches `--pretrain-max-steps` first fails the protocol.
 3. From those weights, fine-tune on task B for `--finetune-steps` steps at each of `--lrs` (constant), with
        fp32-master  fp32 weights and torch AdamW state, bf16 autocast forward      (precision "bf16-mixed")
        bf16-plain   bf16 weights and torch AdamW state, rounded to nearest        (precision "bf16")
@@ -82,7 +85,9 @@ DEFAULTS = {
     "eval_every": (25, 25),
     "plateau_window": (4, 4),
     "pretrain_min_steps": (100, 100),
-    "pretrain_max_steps": (500, 600),
+    # 1000 steps of 133 ms (measured on an H100 at the 1B shape) plus 18 fine-tuning runs of 100 steps at
+    # 70-100 ms: about 5.5 minutes if no plateau comes sooner.
+    "pretrain_max_steps": (1000, 600),
     "finetune_steps": (100, 60),
 }
 
@@ -244,7 +249,8 @@ def pretrain(model, task, eval_set, floor, args, device) -> dict[str, Any]:
         if len(history) > args.plateau_window:
             earlier = history[-1 - args.plateau_window]["eval_loss"]
             improvement = (earlier - loss) / loss
-            if step >= args.pretrain_min_steps and improvement < args.plateau_threshold:
+            near_floor = (loss - floor) / floor < args.plateau_max_gap
+            if step >= args.pretrain_min_steps and improvement < args.plateau_threshold and near_floor:
                 plateau = True
                 break
     synchronize(device)
@@ -377,7 +383,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"{pre['floor']}, {100 * pre['gap_to_floor']:.2f}% above it); improvement over the last "
         f"{setup['plateau_window']} evals ({setup['plateau_window'] * setup['eval_every']} steps): "
         f"{format_cell(None if pre['improvement_over_window'] is None else 100 * pre['improvement_over_window'])}"
-        f"% (plateau threshold {100 * setup['plateau_threshold']}%): "
+        f"% (plateau: under {100 * setup['plateau_threshold']}% and within "
+        f"{100 * setup['plateau_max_gap']:g}% of the floor): "
         f"{'plateau reached' if pre['plateau_reached'] else 'NO plateau'}.",
         "",
         f"Fine-tuning on task B: {setup['finetune_steps']} steps per run, constant lr, weight decay "
@@ -441,6 +448,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=None)
     parser.add_argument("--plateau-window", type=int, default=None, help="evals")
     parser.add_argument("--plateau-threshold", type=float, default=0.01, help="relative improvement")
+    parser.add_argument("--plateau-max-gap", type=float, default=0.1,
+                        help="relative distance to the teacher's floor a plateau must lie within")  # fmt: skip
     parser.add_argument("--pretrain-min-steps", type=int, default=None)
     parser.add_argument("--pretrain-max-steps", type=int, default=None)
     parser.add_argument("--finetune-steps", type=int, default=None)
@@ -529,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             "eval_every": args.eval_every,
             "plateau_window": args.plateau_window,
             "plateau_threshold": args.plateau_threshold,
+            "plateau_max_gap": args.plateau_max_gap,
             "finetune_steps": args.finetune_steps,
             "lrs": args.lrs,
             "seeds": args.seeds,
