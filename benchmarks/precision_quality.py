@@ -1,0 +1,602 @@
+"""Quality of the precision modes at a real model shape: does bf16-sr fine-tune as well as fp32 master weights?
+
+The protocol of tests/kernels/test_adamw_quality.py (which runs it on CPU with a small MLP), here with a
+transformer of one of benchmarks/e2e.py's shapes, random init:
+
+1. Two tasks, each a random bigram teacher over the same `--task-tokens` token ids (a fixed random subset of the
+   vocabulary): the first token of a sequence is uniform, each next one is drawn from the teacher's row of the
+   token before it (logits N(0, `--sharpness`^2), softmaxed). A transformer learns this quickly, and the
+   teacher's own cross-entropy on an eval set is the lowest loss any model can reach there (the floor).
+2. Pre-train on task A with fp32 weights and AdamW state (bf16 autocast, as `bf16-mixed`; fp32 matmuls would
+   take minutes at the 1B shape), constant learning rate after a warm-up, until a plateau: the task-A eval loss
+   improved by less than `--plateau-threshold` (relative) over the last `--plateau-window` evals, checked every
+   `--eval-every` steps, and lies within `--plateau-max-gap` (relative) of the floor. The gap condition is
+   there because a transformer first stalls at the loss of the uniform distribution over the task's tokens
+   (ln K) before it learns the bigrams: at the 1B shape that stall lasted over 100 steps at lr 3e-4, flat enough
+   to pass the improvement test alone. The loss, its gap to the floor and the last window's improvement are
+   reported; a run that reaches `--pretrain-max-steps` first fails the protocol.
+3. From those weights, fine-tune on task B for `--finetune-steps` steps at each of `--lrs` (constant), with
+       fp32-master  fp32 weights and torch AdamW state, bf16 autocast forward      (precision "bf16-mixed")
+       bf16-plain   bf16 weights and torch AdamW state, rounded to nearest        (precision "bf16")
+       bf16-sr      bf16 weights and state, fusetune.kernels.FusedAdamW,
+                    stochastic rounding                                           (precision "bf16-sr")
+   built as the trainer builds them (precision.PRECISIONS, optim.build_optimizer, optim.clip_and_step with
+   gradient clipping at 1.0; no weight decay on 1-D parameters), `--seeds` seeds each: the seed picks the
+   fine-tuning batches from a fixed task-B pool, and bf16-sr's rounding bits.
+
+The criterion (issue 12), per learning rate, on the final task-B eval losses: margin = max(1% of fp32-master's
+mean, the spread (max - min) of fp32-master's seeds); bf16-sr's mean lies within the margin of fp32-master's;
+bf16-plain's best seed is worse than both other modes' worst seed by more than the margin (the comparison can
+fail); and fine-tuning moved fp32-master by more than twice the margin from the pretrained model's task-B loss
+(the fine-tuning did something). The script exits 1 when any of these, or the plateau, fails, and says which.
+
+Results go to `benchmarks/results/<gpu-slug>-precision-quality.json` (rows per impl and learning rate) and a
+markdown twin.
+
+    PYTHONPATH=. python3 benchmarks/precision_quality.py                 # Llama-3.2-1B shape, one GPU
+    PYTHONPATH=. python3 benchmarks/precision_quality.py --tiny          # CPU smoke run, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    DEFAULT_RESULTS_DIR,
+    GIB,
+    collect_versions,
+    format_cell,
+    gpu_slug,
+    markdown_table,
+    utc_date,
+    write_json,
+    write_text,
+)
+from benchmarks.e2e import MODEL_SHAPES, build_config  # noqa: E402
+
+# impl (the row's name) -> the trainer's precision mode
+IMPLS = {"fp32-master": "bf16-mixed", "bf16-plain": "bf16", "bf16-sr": "bf16-sr"}
+PRETRAIN_PRECISION = "bf16-mixed"
+MAX_GRAD_NORM = 1.0
+CLIP_NOTE = "gradient clipping at 1.0 (the trainer's default)"
+
+# (GPU default, --tiny): chosen so that the 1B-shape run fits about 6 minutes on one H100 and the tiny one a few
+# minutes on a 2-core CPU.
+DEFAULTS = {
+    "model": ("llama-3.2-1b-shape", "llama-3.2-1b-shape"),
+    "task_tokens": (256, 32),
+    "sharpness": (2.0, 2.0),
+    "seq": (256, 64),
+    "batch": (16, 16),
+    "eval_sequences": (64, 64),
+    "finetune_pool": (4096, 1024),
+    "pretrain_lr": (3e-4, 3e-3),
+    "warmup_steps": (20, 20),
+    "eval_every": (25, 25),
+    "plateau_window": (4, 4),
+    "pretrain_min_steps": (100, 100),
+    # 1000 steps of 133 ms (measured on an H100 at the 1B shape) plus 18 fine-tuning runs of 100 steps at
+    # 70-100 ms: about 5.5 minutes if no plateau comes sooner.
+    "pretrain_max_steps": (1000, 600),
+    "finetune_steps": (100, 60),
+}
+
+
+@dataclass(frozen=True)
+class Task:
+    """A bigram teacher over `token_ids`: row i of `log_probs` is the next-token distribution after token i."""
+
+    token_ids: Any  # (K,) vocabulary ids
+    log_probs: Any  # (K, K)
+
+    def sample(self, count: int, length: int, seed: int) -> Any:
+        """`count` sequences of `length` vocabulary ids (deterministic given the seed)."""
+        import torch
+
+        device = self.log_probs.device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        cdf = self.log_probs.exp().cumsum(-1)
+        cdf[:, -1] = 1.0
+        states = torch.empty(count, length, dtype=torch.long, device=device)
+        states[:, 0] = torch.randint(0, cdf.shape[0], (count,), device=device, generator=generator)
+        uniforms = torch.rand(count, length, device=device, generator=generator)
+        for position in range(1, length):
+            rows = cdf[states[:, position - 1]]
+            next_state = torch.searchsorted(rows, uniforms[:, position : position + 1].contiguous()).squeeze(
+                1
+            )
+            states[:, position] = next_state.clamp_(max=cdf.shape[0] - 1)
+        return self.token_ids[states]
+
+    def floor(self, sequences: Any) -> float:
+        """The teacher's own mean cross-entropy on `sequences`: what a perfect model would score there."""
+        import torch
+
+        lookup = torch.full((int(self.token_ids.max()) + 1,), -1, dtype=torch.long, device=sequences.device)
+        lookup[self.token_ids] = torch.arange(len(self.token_ids), device=sequences.device)
+        states = lookup[sequences]
+        return float(-self.log_probs[states[:, :-1], states[:, 1:]].mean())
+
+
+def make_task(token_ids: Any, sharpness: float, seed: int) -> Task:
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(token_ids), len(token_ids), generator=generator) * sharpness
+    return Task(token_ids, logits.log_softmax(-1).to(token_ids.device))
+
+
+def build_model(name: str, tiny: bool, device: Any, kernels: bool) -> Any:
+    """The model with fp32 weights (random init, seed 0), fusetune's kernels applied when `kernels`."""
+    import torch
+    import transformers
+
+    config = build_config(name, tiny)
+    torch.manual_seed(0)
+    kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    with torch.device(device):
+        if kernels:
+            from fusetune.models import AutoFusedModelForCausalLM
+
+            model = AutoFusedModelForCausalLM.from_config(config, strict=True, **kwargs)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    model.config.use_cache = False
+    return model.train()
+
+
+def policy(precision: str, device: Any) -> Any:
+    """The trainer's policy for `precision`, without refusing GPU-only modes on a CPU (for --tiny)."""
+    from fusetune.worker.train.precision import PRECISIONS, PrecisionPolicy
+
+    return PrecisionPolicy(PRECISIONS[precision], device, fsdp=False)
+
+
+def eval_loss(model: Any, sequences: Any, autocast: Any, batch: int) -> float:
+    """Mean next-token cross-entropy over every predicted token of `sequences` (equal-sized batches)."""
+    import torch
+
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=sequences.device)
+    with torch.no_grad():
+        for start in range(0, len(sequences), batch):
+            chunk = sequences[start : start + batch]
+            with autocast():
+                total += model(input_ids=chunk, labels=chunk, use_cache=False).loss.double() * len(chunk)
+    model.train()
+    return float(total) / len(sequences)
+
+
+def train_steps(model, optimizer, optimizer_name, autocast, batches, max_norm) -> Any:
+    """One optimizer step per batch through the trainer's clip-and-step; returns the losses (on the device)."""
+    import torch
+
+    from fusetune.worker.train import optim
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses = []
+    for input_ids in batches:
+        with autocast():
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        loss.backward()
+        optim.clip_and_step(
+            optimizer,
+            optimizer_name,
+            params,
+            max_norm,
+            loss.detach(),
+            lambda norm: FloatingPointError(f"non-finite gradient norm {float(norm)}"),
+        )
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().float())
+    return torch.stack(losses)
+
+
+def synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def pretrain(model, task, eval_set, floor, args, device) -> dict[str, Any]:
+    """Train on task A to a plateau (see the module docstring); returns what happened."""
+    import torch
+
+    from fusetune.worker.train import optim
+
+    precision = policy(PRETRAIN_PRECISION, device)
+    optimizer = optim.build_optimizer(
+        precision.mode.optimizer,
+        list(model.parameters()),
+        learning_rate=args.pretrain_lr,
+        weight_decay=0.0,
+        device=device,
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps)
+    )
+    history = [{"step": 0, "eval_loss": eval_loss(model, eval_set, precision.autocast, args.batch)}]
+    started = time.perf_counter()
+    step, plateau, improvement = 0, False, None
+    while step < args.pretrain_max_steps:
+        count = min(args.eval_every, args.pretrain_max_steps - step)
+        data = task.sample(count * args.batch, args.seq, seed=10_000 + step)
+        for index in range(count):
+            batch = data[index * args.batch : (index + 1) * args.batch]
+            losses = train_steps(
+                model, optimizer, precision.mode.optimizer, precision.autocast, [batch], MAX_GRAD_NORM
+            )
+            schedule.step()
+        step += count
+        loss = eval_loss(model, eval_set, precision.autocast, args.batch)
+        history.append({"step": step, "eval_loss": loss, "train_loss": float(losses[-1])})
+        print(
+            f"  pretrain step {step}: task-A eval {loss:.4f} (floor {floor:.4f}), "
+            f"{time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
+        if len(history) > args.plateau_window:
+            earlier = history[-1 - args.plateau_window]["eval_loss"]
+            improvement = (earlier - loss) / loss
+            near_floor = (loss - floor) / floor < args.plateau_max_gap
+            if step >= args.pretrain_min_steps and improvement < args.plateau_threshold and near_floor:
+                plateau = True
+                break
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    del optimizer, schedule
+    final = history[-1]["eval_loss"]
+    return {
+        "steps": step,
+        "seconds": round(seconds, 1),
+        "step_ms": round(seconds / max(step, 1) * 1e3, 1),
+        "eval_loss": round(final, 5),
+        "floor": round(floor, 5),
+        "gap_to_floor": round((final - floor) / floor, 5),
+        "start_eval_loss": round(history[0]["eval_loss"], 5),
+        "improvement_over_window": None if improvement is None else round(improvement, 5),
+        "plateau_reached": plateau,
+        "history": [{key: round(value, 5) for key, value in point.items()} for point in history],
+    }
+
+
+def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -> dict[str, Any]:
+    """Fine-tune the pretrained weights on task B in `impl`; the final task-B (and task-A) eval losses."""
+    import torch
+
+    from fusetune.worker.train import optim
+
+    precision = policy(IMPLS[impl], device)
+    model.to(precision.weight_dtype)
+    model.load_state_dict(pretrained)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = optim.build_optimizer(
+        precision.mode.optimizer,
+        params,
+        learning_rate=lr,
+        weight_decay=args.weight_decay,
+        device=device,
+        seed=seed,
+    )
+    generator = torch.Generator(device=pool.device).manual_seed(1000 + seed)
+    picks = torch.randint(
+        0, len(pool), (args.finetune_steps, args.batch), device=pool.device, generator=generator
+    )
+    synchronize(device)
+    started = time.perf_counter()
+    losses = train_steps(
+        model, optimizer, precision.mode.optimizer, precision.autocast, pool[picks], MAX_GRAD_NORM
+    )
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    del optimizer
+    result = {
+        "impl": impl,
+        "precision": precision.name,
+        "lr": lr,
+        "seed": seed,
+        "eval_loss": eval_loss(model, eval_sets["b"], precision.autocast, args.batch),
+        "eval_loss_a": eval_loss(model, eval_sets["a"], precision.autocast, args.batch),
+        "first_train_loss": float(losses[0]),
+        "last_train_loss": float(losses[-1]),
+        "seconds": round(seconds, 2),
+        "step_ms": round(seconds / args.finetune_steps * 1e3, 1),
+    }
+    if not all(map(lambda value: value == value and abs(value) != float("inf"), losses.tolist())):
+        result["error"] = "non-finite training loss"
+    return result
+
+
+def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
+    """The criterion for one learning rate (module docstring) on the final task-B eval losses per impl."""
+    fp32, plain, stochastic = losses["fp32-master"], losses["bf16-plain"], losses["bf16-sr"]
+    fp32_mean = statistics.fmean(fp32)
+    margin = max(0.01 * fp32_mean, max(fp32) - min(fp32))
+    checks = {
+        "finetuning_moved": max(fp32) < start - 2 * margin,
+        "bf16_sr_matches_fp32_master": abs(statistics.fmean(stochastic) - fp32_mean) <= margin,
+        "bf16_plain_worse_than_fp32_master": min(plain) > max(fp32) + margin,
+        "bf16_plain_worse_than_bf16_sr": min(plain) > max(stochastic) + margin,
+    }
+    return {
+        "start_eval_loss": round(start, 5),
+        "margin": round(margin, 5),
+        "margin_rule": "max(0.01 * mean(fp32-master), max - min of fp32-master's seeds)",
+        "bf16_sr_minus_fp32_master": round(statistics.fmean(stochastic) - fp32_mean, 5),
+        "bf16_sr_relative_to_fp32_master": round(statistics.fmean(stochastic) / fp32_mean - 1, 5),
+        "bf16_plain_relative_to_fp32_master": round(statistics.fmean(plain) / fp32_mean - 1, 5),
+        **checks,
+        "passed": all(checks.values()),
+    }
+
+
+def summary_rows(runs: list[dict[str, Any]], args) -> list[dict[str, Any]]:
+    rows = []
+    for lr in args.lrs:
+        for impl in IMPLS:
+            mine = [run for run in runs if run["lr"] == lr and run["impl"] == impl]
+            if not mine:
+                continue
+            losses = [run["eval_loss"] for run in mine]
+            rows.append(
+                {
+                    "model": args.model,
+                    "impl": impl,
+                    "precision": IMPLS[impl],
+                    "lr": lr,
+                    "seeds": [run["seed"] for run in mine],
+                    "eval_losses": [round(value, 5) for value in losses],
+                    "eval_loss_mean": round(statistics.fmean(losses), 5),
+                    "eval_loss_spread": round(max(losses) - min(losses), 5),
+                    "eval_loss_a_mean": round(statistics.fmean(run["eval_loss_a"] for run in mine), 5),
+                    "step_ms": round(statistics.median(run["step_ms"] for run in mine), 1),
+                    "errors": [run["error"] for run in mine if run.get("error")] or None,
+                }
+            )
+    return rows
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    setup, pre = payload["setup"], payload["pretrain"]
+    lines = [
+        f"# Precision quality: {payload['gpu']}, {payload['date']}",
+        "",
+        f"Versions: {payload['versions']}",
+        "",
+        f"Model {setup['model']} ({setup['params']:,} parameters, random init); tasks: bigram teachers over "
+        f"{setup['task_tokens']} token ids, sequences of {setup['seq']}, batches of {setup['batch']}; "
+        f"`{payload['command']}`. Protocol and criterion: benchmarks/precision_quality.py's docstring.",
+        "",
+        f"Pre-training on task A ({PRETRAIN_PRECISION}, lr {setup['pretrain_lr']}): {pre['steps']} steps in "
+        f"{pre['seconds']} s; task-A eval loss {pre['start_eval_loss']} -> {pre['eval_loss']} (teacher floor "
+        f"{pre['floor']}, {100 * pre['gap_to_floor']:.2f}% above it); improvement over the last "
+        f"{setup['plateau_window']} evals ({setup['plateau_window'] * setup['eval_every']} steps): "
+        f"{format_cell(None if pre['improvement_over_window'] is None else 100 * pre['improvement_over_window'])}"
+        f"% (plateau: under {100 * setup['plateau_threshold']}% and within "
+        f"{100 * setup['plateau_max_gap']:g}% of the floor): "
+        f"{'plateau reached' if pre['plateau_reached'] else 'NO plateau'}.",
+        "",
+        f"Fine-tuning on task B: {setup['finetune_steps']} steps per run, constant lr, weight decay "
+        f"{setup['weight_decay']}, {CLIP_NOTE}; final task-B eval loss per seed (task-B teacher floor "
+        f"{setup['floor_b']}).",
+        "",
+    ]
+    table = [
+        [
+            row["lr"],
+            row["impl"],
+            ", ".join(f"{value:.4f}" for value in row["eval_losses"]),
+            row["eval_loss_mean"],
+            row["eval_loss_spread"],
+            row["eval_loss_a_mean"],
+            row["step_ms"],
+        ]
+        for row in payload["rows"]
+    ]
+    lines.append(
+        markdown_table(
+            ["lr", "impl", "task-B eval loss per seed", "mean", "spread", "task-A eval (mean)", "step ms"],
+            table,
+        )
+    )
+    lines += ["", "| lr | start | margin | bf16-sr vs fp32-master | bf16-plain vs fp32-master | verdict |"]
+    lines.append("|---|---|---|---|---|---|")
+    for lr, check in payload["verdicts"].items():
+        failed = [name for name, value in check.items() if value is False and name != "passed"]
+        lines.append(
+            f"| {lr} | {check['start_eval_loss']:.4f} | {check['margin']:.4f} | "
+            f"{100 * check['bf16_sr_relative_to_fp32_master']:+.3f}% | "
+            f"{100 * check['bf16_plain_relative_to_fp32_master']:+.3f}% | "
+            f"{'pass' if check['passed'] else 'FAIL: ' + ', '.join(failed)} |"
+        )
+    lines += [
+        "",
+        f"Verdict: **{'pass' if payload['passed'] else 'FAIL'}** ({payload['verdict_reason']}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="a few-thousand-parameter model: CPU smoke run")
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default=None)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                        help="fusetune's kernels in the model (default: on a GPU only)")  # fmt: skip
+    parser.add_argument("--task-tokens", type=int, default=None)
+    parser.add_argument("--sharpness", type=float, default=None, help="std of the teachers' logits")
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--eval-sequences", type=int, default=None)
+    parser.add_argument("--finetune-pool", type=int, default=None, help="task-B training sequences")
+    parser.add_argument("--pretrain-lr", type=float, default=None)
+    parser.add_argument("--warmup-steps", type=int, default=None)
+    parser.add_argument("--eval-every", type=int, default=None)
+    parser.add_argument("--plateau-window", type=int, default=None, help="evals")
+    parser.add_argument("--plateau-threshold", type=float, default=0.01, help="relative improvement")
+    parser.add_argument("--plateau-max-gap", type=float, default=0.1,
+                        help="relative distance to the teacher's floor a plateau must lie within")  # fmt: skip
+    parser.add_argument("--pretrain-min-steps", type=int, default=None)
+    parser.add_argument("--pretrain-max-steps", type=int, default=None)
+    parser.add_argument("--finetune-steps", type=int, default=None)
+    parser.add_argument("--lrs", default="1e-5,1e-4")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
+    args = parser.parse_args(argv)
+    which = 1 if args.tiny else 0
+    for name, values in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values[which])
+    args.lrs = [float(value) for value in args.lrs.split(",")]
+    args.seeds = [int(value) for value in args.seeds.split(",")]
+    if len(args.seeds) < 2:
+        parser.error("--seeds: at least 2, the criterion uses fp32-master's spread")
+    if args.eval_sequences % args.batch:
+        parser.error(f"--eval-sequences ({args.eval_sequences}) must be a multiple of --batch ({args.batch})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu" and not os.environ.get("TRITON_INTERPRET"):
+        # FusedAdamW runs on CPU tensors only in Triton's interpreter, which must be on before triton compiles
+        # anything: set it now, before fusetune.kernels is imported.
+        os.environ["TRITON_INTERPRET"] = "1"
+    kernels = device.type == "cuda" if args.kernels is None else args.kernels
+    command = "python3 benchmarks/precision_quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    started = time.perf_counter()
+
+    model = build_model(args.model, args.tiny, device, kernels)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if args.task_tokens > vocab:
+        raise SystemExit(f"--task-tokens {args.task_tokens} exceeds the model's vocabulary of {vocab}")
+    token_ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: args.task_tokens]
+    token_ids = token_ids.to(device)
+    task_a = make_task(token_ids, args.sharpness, seed=1)
+    task_b = make_task(token_ids, args.sharpness, seed=2)
+    eval_sets = {
+        "a": task_a.sample(args.eval_sequences, args.seq, seed=100),
+        "b": task_b.sample(args.eval_sequences, args.seq, seed=101),
+    }
+    pool = task_b.sample(args.finetune_pool, args.seq, seed=11)
+    floor_a, floor_b = task_a.floor(eval_sets["a"]), task_b.floor(eval_sets["b"])
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"{args.model}{' (tiny)' if args.tiny else ''}: {params:,} parameters on {device}, kernels "
+        f"{'on' if kernels else 'off'}; floors: task A {floor_a:.4f}, task B {floor_b:.4f}",
+        flush=True,
+    )
+
+    pre = pretrain(model, task_a, eval_sets["a"], floor_a, args, device)
+    print(
+        f"pretrain: {pre['steps']} steps, {pre['step_ms']} ms/step, eval {pre['eval_loss']} "
+        f"({100 * pre['gap_to_floor']:.2f}% above the floor), plateau "
+        f"{'reached' if pre['plateau_reached'] else 'NOT reached'}",
+        flush=True,
+    )
+    pretrained = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    start_b = eval_loss(model, eval_sets["b"], policy(PRETRAIN_PRECISION, device).autocast, args.batch)
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    json_path = args.out / f"{gpu_slug(gpu) if device.type == 'cuda' else 'cpu'}-precision-quality.json"
+    payload: dict[str, Any] = {
+        "gpu": gpu,
+        "date": utc_date(),
+        "versions": collect_versions(),
+        "command": command,
+        "setup": {
+            "model": args.model,
+            "tiny": args.tiny,
+            "params": params,
+            "kernels": kernels,
+            "task_tokens": args.task_tokens,
+            "sharpness": args.sharpness,
+            "seq": args.seq,
+            "batch": args.batch,
+            "eval_sequences": args.eval_sequences,
+            "finetune_pool": args.finetune_pool,
+            "pretrain_lr": args.pretrain_lr,
+            "warmup_steps": args.warmup_steps,
+            "eval_every": args.eval_every,
+            "plateau_window": args.plateau_window,
+            "plateau_threshold": args.plateau_threshold,
+            "plateau_max_gap": args.plateau_max_gap,
+            "finetune_steps": args.finetune_steps,
+            "lrs": args.lrs,
+            "seeds": args.seeds,
+            "weight_decay": args.weight_decay,
+            "max_grad_norm": MAX_GRAD_NORM,
+            "floor_a": round(floor_a, 5),
+            "floor_b": round(floor_b, 5),
+            "pretrained_eval_loss_b": round(start_b, 5),
+        },
+        "pretrain": pre,
+    }
+    runs = []
+    for lr in args.lrs:
+        for impl in IMPLS:
+            for seed in args.seeds:
+                run = finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device)
+                runs.append(run)
+                print(
+                    f"  lr {lr:g} {impl:12s} seed {seed}: task-B eval {run['eval_loss']:.4f} "
+                    f"(task A {run['eval_loss_a']:.4f}), {run['step_ms']} ms/step",
+                    flush=True,
+                )
+        losses = {
+            impl: [r["eval_loss"] for r in runs if r["lr"] == lr and r["impl"] == impl] for impl in IMPLS
+        }
+        payload.setdefault("verdicts", {})[str(lr)] = verdict(losses, start_b)
+        print(f"lr {lr:g}: {payload['verdicts'][str(lr)]}", flush=True)
+        # What is done so far, in case the run is cut short; replaced by the full file at the end.
+        write_json(json_path, {**payload, "rows": summary_rows(runs, args), "runs": runs, "partial": True})
+
+    errors = [run for run in runs if run.get("error")]
+    failed_lrs = [lr for lr, check in payload["verdicts"].items() if not check["passed"]]
+    reasons = []
+    if not pre["plateau_reached"]:
+        reasons.append(f"pre-training reached no plateau in {pre['steps']} steps")
+    if failed_lrs:
+        reasons.append("the criterion failed at lr " + ", ".join(failed_lrs))
+    if errors:
+        reasons.append(f"{len(errors)} runs had non-finite losses")
+    payload.update(
+        rows=summary_rows(runs, args),
+        runs=runs,
+        passed=not reasons,
+        verdict_reason="; ".join(reasons) or "plateau reached; criterion met at every learning rate",
+        seconds=round(time.perf_counter() - started, 1),
+    )
+    if device.type == "cuda":
+        payload["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+    write_json(json_path, payload)
+    markdown = render_markdown(payload)
+    write_text(json_path.with_suffix(".md"), markdown)
+    print("\n" + markdown)
+    print(f"wrote {json_path} and its .md twin in {payload['seconds']:.0f} s")
+    if reasons:
+        print(f"FAIL: {payload['verdict_reason']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
