@@ -148,18 +148,28 @@ def test_errors_have_the_openai_shape(client):
         bad_key.files.list()
 
 
-def test_a_dpo_job_learns_the_bundled_preferences(client):
-    """DPO end to end through the SDK, unchanged: the bundled preference file (correct arithmetic answers
-    preferred over wrong ones), 2 processes, and the reward accuracy the job reports rises."""
+def test_a_dpo_job_learns_the_bundled_preferences(client, training_path):
+    """SFT, then DPO from its fine-tuned model, end to end through the SDK, unchanged: the bundled preference
+    file (correct arithmetic answers preferred over wrong ones), 2 processes, and the reward accuracy the job
+    reports rises."""
+    chats = "".join(training_path.read_text().splitlines(keepends=True)[:8])
+    sft = client.fine_tuning.jobs.create(
+        model=MODEL, seed=3,
+        training_file=client.files.create(file=("chats.jsonl", chats.encode()), purpose="fine-tune").id,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 8}}},
+    )  # fmt: skip
+    sft = _wait(client, sft.id, {"succeeded", "failed", "cancelled"})
+    assert sft.status == "succeeded", sft.error
     pairs = "".join(PREFERENCE_FILE.read_text().splitlines(keepends=True)[:32])
     training = client.files.create(file=("pairs.jsonl", pairs.encode()), purpose="fine-tune")
     assert training.method == "dpo" and training.example_count == 32
     job = client.fine_tuning.jobs.create(
-        model=MODEL, training_file=training.id, seed=3,
+        model=sft.fine_tuned_model, training_file=training.id, seed=3,
         method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 3, "batch_size": 8,
                                                            "learning_rate_multiplier": 30}}},
     )  # fmt: skip
     assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.1
+    assert job.model == sft.fine_tuned_model
     done = _wait(client, job.id, {"succeeded", "failed", "cancelled"})
     assert done.status == "succeeded", done.error
     events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
