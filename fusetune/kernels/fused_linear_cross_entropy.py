@@ -228,6 +228,11 @@ def _gather_rows_product_kernel(
     )
 
 
+# (entries per step, columns per program, warps) of the gather kernel on a GPU: a [16, 512] tile of gathered
+# rows is 64 float32 registers a thread at 4 warps. Not yet tuned: benchmarks/loss_skip.py times alternatives.
+GATHER_LAUNCH = (16, 512, 4)
+
+
 def _live_gradient_entries(grad: Tensor, scale: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
     """Row-sorted coordinates (rows, cols; int64) of the entries of ``grad [R, V]`` above
     ``threshold * |scale|`` (scale: one value or one per row). Synchronises with the device once."""
@@ -253,7 +258,8 @@ def _gather_rows_product(
     if interpreted() or out.device.type != "cuda":
         block_e, block_n, warps = 8, min(64, triton.next_power_of_2(n_cols)), 1
     else:
-        block_e, block_n, warps = 16, min(1024, triton.next_power_of_2(n_cols)), 4
+        block_e, block_n, warps = GATHER_LAUNCH
+        block_n = min(block_n, triton.next_power_of_2(n_cols))
     _gather_rows_product_kernel[(n_rows, triton.cdiv(n_cols, block_n))](
         row_starts, entry_index, entry_value, dense, dense.stride(0), out, out.stride(0), n_cols,
         BLOCK_E=block_e, BLOCK_N=block_n, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=warps,
