@@ -85,9 +85,9 @@ def kept_per_token(hidden, weight, labels, softcap, options) -> float:
     original = flce_module._live_gradient_entries
 
     def recording(grad, scale, threshold):
-        rows, cols = original(grad, scale, threshold)
-        kept.append((rows.numel(), grad.shape[0]))
-        return rows, cols
+        row_starts, cols, values = original(grad, scale, threshold)
+        kept.append((cols.numel(), grad.shape[0]))
+        return row_starts, cols, values
 
     flce_module._live_gradient_entries = recording
     try:
@@ -96,6 +96,25 @@ def kept_per_token(hidden, weight, labels, softcap, options) -> float:
     finally:
         flce_module._live_gradient_entries = original
     return sum(k for k, _ in kept) / max(1, sum(r for _, r in kept))
+
+
+def gather_calls(fn) -> list[tuple[str, float]]:
+    """(kernel, ms) of every call of the skipping path's own kernels in one fwd+bwd, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    calls = []
+    for event in prof.events():
+        if getattr(event.device_type, "name", "") == "CUDA" and event.name.startswith(
+            ("_gather", "_count", "_collect")
+        ):
+            micros = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+            calls.append((event.name, round(micros / 1e3, 3)))
+    return calls
 
 
 def errors_against_float64(tokens: int, hidden_size: int, vocab: int) -> list[dict]:
@@ -167,6 +186,8 @@ def bench_shape(shape, reps, emit, profile: bool) -> None:
         for name in ("skip-2^-12", "exact"):
             kernels = profile_kernels(lambda name=name: fwd_bwd(VARIANTS[name]), top=12)
             emit({"op": "flce-profile", "shape": shape, "variant": name, "kernels": kernels})
+        calls = gather_calls(lambda: fwd_bwd(VARIANTS["skip-2^-12"]))
+        emit({"op": "flce-skip-calls", "shape": shape, "calls": calls})
 
 
 def main() -> int:

@@ -164,23 +164,60 @@ def _addmm_float32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 @triton.jit
-def _live_mask_kernel(
+def _is_live(g, limit):
+    """The one place an entry of dlogits is judged: kept when |g| > threshold * |token scale|."""
+    return tl.abs(g) > limit
+
+
+@triton.jit
+def _count_live_kernel(
     grad_ptr,
     grad_row_stride,
     scale_ptr,
     scale_row_stride,
-    mask_ptr,
+    counts_ptr,
     n_cols,
     threshold,
     BLOCK: tl.constexpr,
 ):
-    """mask[r, j] = |grad[r, j]| > threshold * |scale[r]|, one program per (row, column block)."""
+    """counts[r] = number of kept entries of grad row r; one program per row."""
     row = tl.cast(tl.program_id(0), tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_row = cols < n_cols
     limit = threshold * tl.abs(tl.load(scale_ptr + row * scale_row_stride).to(tl.float32))
-    g = tl.load(grad_ptr + row * grad_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(mask_ptr + row * n_cols + cols, (tl.abs(g) > limit).to(tl.int8), mask=in_row)
+    lanes = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for first in range(0, n_cols, BLOCK):
+        cols = first + lanes
+        g = tl.load(grad_ptr + row * grad_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        total += (_is_live(g, limit) & (cols < n_cols)).to(tl.int32)
+    tl.store(counts_ptr + row, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _collect_live_kernel(
+    grad_ptr,
+    grad_row_stride,
+    scale_ptr,
+    scale_row_stride,
+    row_starts_ptr,
+    cols_out_ptr,
+    values_out_ptr,
+    n_cols,
+    threshold,
+    BLOCK: tl.constexpr,
+):
+    """Writes row r's kept entries (column, value), in column order, from row_starts[r] on."""
+    row = tl.cast(tl.program_id(0), tl.int64)
+    limit = threshold * tl.abs(tl.load(scale_ptr + row * scale_row_stride).to(tl.float32))
+    lanes = tl.arange(0, BLOCK)
+    position = tl.load(row_starts_ptr + row)
+    for first in range(0, n_cols, BLOCK):
+        cols = first + lanes
+        raw = tl.load(grad_ptr + row * grad_row_stride + cols, mask=cols < n_cols, other=0.0)
+        live = _is_live(raw.to(tl.float32), limit) & (cols < n_cols)
+        slots = position + tl.cumsum(live.to(tl.int32), axis=0) - 1
+        tl.store(cols_out_ptr + slots, cols, mask=live)
+        tl.store(values_out_ptr + slots, raw, mask=live)
+        position += tl.sum(live.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -233,19 +270,32 @@ def _gather_rows_product_kernel(
 GATHER_LAUNCH = (16, 512, 4)
 
 
-def _live_gradient_entries(grad: Tensor, scale: Tensor, threshold: float) -> tuple[Tensor, Tensor]:
-    """Row-sorted coordinates (rows, cols; int64) of the entries of ``grad [R, V]`` above
-    ``threshold * |scale|`` (scale: one value or one per row). Synchronises with the device once."""
+def _live_gradient_entries(grad: Tensor, scale: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The entries of ``grad [R, V]`` above ``threshold * |scale|`` (scale: one value or one per row) in
+    row-compressed form: (row_starts [R + 1] int64, columns int32, values in grad's dtype), each row's
+    entries in column order. Synchronises with the device once (for the number of entries)."""
     n_rows, n_cols = grad.shape
-    mask = torch.empty((n_rows, n_cols), dtype=torch.int8, device=grad.device)
-    block = 1024 if interpreted() or grad.device.type != "cuda" else 4096
     scale = scale.reshape(-1)
-    _live_mask_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        grad, grad.stride(0), scale, 0 if scale.numel() == 1 else scale.stride(0), mask, n_cols,
-        float(threshold), BLOCK=block, num_warps=4,
+    scale_row_stride = 0 if scale.numel() == 1 else scale.stride(0)
+    if interpreted() or grad.device.type != "cuda":
+        block, warps = 256, 1
+    else:
+        block, warps = 4096, 8
+    counts = torch.empty(n_rows, dtype=torch.int32, device=grad.device)
+    _count_live_kernel[(n_rows,)](
+        grad, grad.stride(0), scale, scale_row_stride, counts, n_cols, float(threshold), BLOCK=block,
+        num_warps=warps,
     )  # fmt: skip
-    coordinates = torch.nonzero(mask)
-    return coordinates[:, 0], coordinates[:, 1]
+    row_starts = torch.zeros(n_rows + 1, dtype=torch.int64, device=grad.device)
+    torch.cumsum(counts, 0, out=row_starts[1:])
+    n_entries = int(row_starts[-1].item())
+    cols = torch.empty(n_entries, dtype=torch.int32, device=grad.device)
+    values = torch.empty(n_entries, dtype=grad.dtype, device=grad.device)
+    _collect_live_kernel[(n_rows,)](
+        grad, grad.stride(0), scale, scale_row_stride, row_starts, cols, values, n_cols, float(threshold),
+        BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    return row_starts, cols, values
 
 
 def _gather_rows_product(
@@ -270,7 +320,7 @@ def _row_starts(sorted_rows: Tensor, n_rows: int) -> Tensor:
     """CSR offsets [n_rows + 1] of row indices sorted ascending."""
     starts = torch.zeros(n_rows + 1, dtype=torch.int64, device=sorted_rows.device)
     if sorted_rows.numel() > 0:
-        torch.cumsum(torch.bincount(sorted_rows, minlength=n_rows), 0, out=starts[1:])
+        torch.cumsum(torch.bincount(sorted_rows.to(torch.int64), minlength=n_rows), 0, out=starts[1:])
     return starts
 
 
@@ -387,21 +437,25 @@ def _chunked_linear_cross_entropy(
                 continue
             grad_logits_c = logits_c
             if skipping:
-                entry_rows, entry_vocab = _live_gradient_entries(grad_logits_c, scale_c, skip_threshold)
-                entry_values = grad_logits_c[entry_rows, entry_vocab]
+                row_starts, entry_vocab, entry_values = _live_gradient_entries(
+                    grad_logits_c, scale_c, skip_threshold
+                )
                 if grad_hidden_needed:
                     target = grad_hidden[start:end]
                     direct = rows_c is None and target.stride(1) == 1
                     if not direct:
                         target = torch.empty((end - start, hidden_size), dtype=hidden.dtype, device=device)
-                    _gather_rows_product(
-                        _row_starts(entry_rows, end - start), entry_vocab, entry_values, weight, target
-                    )
+                    _gather_rows_product(row_starts, entry_vocab, entry_values, weight, target)
                     if rows_c is not None:
                         grad_hidden.index_copy_(0, rows_c, target)
                     elif not direct:
                         grad_hidden[start:end] = target
                 if grad_weight_needed:
+                    entry_rows = torch.repeat_interleave(
+                        torch.arange(end - start, device=device),
+                        row_starts.diff(),
+                        output_size=entry_vocab.numel(),
+                    )
                     tokens = entry_rows + start if rows_c is None else rows_c[entry_rows]
                     kept_tokens.append(tokens.to(torch.int32))
                     kept_vocab.append(entry_vocab)
@@ -428,12 +482,12 @@ def _chunked_linear_cross_entropy(
         if kept_vocab:
             vocab_ids, tokens, values = torch.cat(kept_vocab), torch.cat(kept_tokens), torch.cat(kept_values)
         else:
-            vocab_ids = torch.empty(0, dtype=torch.int64, device=device)
+            vocab_ids = torch.empty(0, dtype=torch.int32, device=device)
             tokens = torch.empty(0, dtype=torch.int32, device=device)
             values = torch.empty(0, dtype=hidden.dtype, device=device)
-        order = torch.argsort(vocab_ids, stable=True)
+        sorted_vocab, order = torch.sort(vocab_ids, stable=True)
         _gather_rows_product(
-            _row_starts(vocab_ids[order], vocab_size), tokens[order], values[order], hidden, grad_weight
+            _row_starts(sorted_vocab, vocab_size), tokens[order], values[order], hidden, grad_weight
         )
 
     if reduction == "none":
