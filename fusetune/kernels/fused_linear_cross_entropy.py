@@ -17,6 +17,21 @@ the sum over tokens in dW, so the forward computes only the losses and the backw
 logits chunk by chunk with the per-token weights folded into the cross-entropy kernel (one extra
 [T, H] x [H, V] matmul: 79 ms instead of 63 ms on H100 at T=8192, H=4096, V=128256).
 
+With ``skip_small_gradients`` the two backward matmuls run only over the entries of dlogits that matter:
+an entry is skipped when ``|dlogits_tj| <= skip_threshold * |c_t|`` (``c_t`` the token's gradient scale,
+so for a non-label entry without softcap or z-loss, when the softmax probability p_tj <= skip_threshold).
+The kept entries (row-sorted coordinates, per chunk) feed two gather kernels instead of dense matmuls:
+
+    dh_t  = sum over kept j of dlogits_tj * W_j            (per token: its few kept vocabulary rows)
+    dW_j  = sum over kept t of dlogits_tj * h_t            (per vocabulary row, over all chunks at once)
+
+On peaked logits (a trained model's) a token keeps tens of entries out of the vocabulary, scattered
+over it, so whole [token-block x vocab-block] tiles are rarely all below the threshold (at a mean entropy
+of 2 nats and 2**-12, 128x128 tiles are all live) while the entries are >99.9% skippable: hence entries,
+not tiles. The logits matmul and the cross-entropy pass stay dense (the log-sum-exp needs every logit).
+dW is summed once in float32 over all chunks and rounded once, so ``accumulate_dw_in_fp32`` changes
+nothing there. Label smoothing puts gradient on every vocabulary entry and is refused in this mode.
+
 Memory: beyond the gradients themselves (grad_hidden [T, H], grad_weight [V, H], plus a float32 copy
 of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
 :func:`fused_linear_cross_entropy_chunk_rows`.
@@ -38,6 +53,7 @@ from fusetune.kernels.cross_entropy import (
 )
 
 __all__ = [
+    "DEFAULT_SKIP_THRESHOLD",
     "FusedLinearCrossEntropyLoss",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_chunk_rows",
@@ -51,6 +67,10 @@ DEFAULT_EXTRA_CHUNK_BYTES = 252 * 2**20
 # Chunks are balanced (the last is not a sliver), and their rows a multiple of this when the budget allows,
 # so the [C, H] x [H, V] matmul has no partial 64-row tile.
 _CHUNK_ROW_ALIGNMENT = 64
+# Default of ``skip_threshold``: 16 times below bfloat16's resolution at 1 (2**-8), because the skipped
+# entries add up over the vocabulary: at a mean entropy of 2 nats the skipped probability mass per token
+# is 7% at 2**-8 and 1.6% at 2**-12 (random peaked logits, V=128256), while a token keeps 16 and 71 entries.
+DEFAULT_SKIP_THRESHOLD = 2.0**-12
 
 
 def fused_linear_cross_entropy_chunk_rows(
@@ -138,6 +158,172 @@ def _addmm_float32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
     accumulator.addmm_(a.to(torch.float32), b.to(torch.float32))
 
 
+# --------------------------------------------------------------------------------------------------
+# Skipping small gradient entries (skip_small_gradients)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _is_live(g, limit):
+    """The one place an entry of dlogits is judged: kept when |g| > threshold * |token scale|."""
+    return tl.abs(g) > limit
+
+
+@triton.jit
+def _count_live_kernel(
+    grad_ptr,
+    grad_row_stride,
+    scale_ptr,
+    scale_row_stride,
+    counts_ptr,
+    n_cols,
+    threshold,
+    BLOCK: tl.constexpr,
+):
+    """counts[r] = number of kept entries of grad row r; one program per row."""
+    row = tl.cast(tl.program_id(0), tl.int64)
+    limit = threshold * tl.abs(tl.load(scale_ptr + row * scale_row_stride).to(tl.float32))
+    lanes = tl.arange(0, BLOCK)
+    total = tl.zeros([BLOCK], dtype=tl.int32)
+    for first in range(0, n_cols, BLOCK):
+        cols = first + lanes
+        g = tl.load(grad_ptr + row * grad_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        total += (_is_live(g, limit) & (cols < n_cols)).to(tl.int32)
+    tl.store(counts_ptr + row, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _collect_live_kernel(
+    grad_ptr,
+    grad_row_stride,
+    scale_ptr,
+    scale_row_stride,
+    row_starts_ptr,
+    cols_out_ptr,
+    values_out_ptr,
+    n_cols,
+    threshold,
+    BLOCK: tl.constexpr,
+):
+    """Writes row r's kept entries (column, value), in column order, from row_starts[r] on."""
+    row = tl.cast(tl.program_id(0), tl.int64)
+    limit = threshold * tl.abs(tl.load(scale_ptr + row * scale_row_stride).to(tl.float32))
+    lanes = tl.arange(0, BLOCK)
+    position = tl.load(row_starts_ptr + row)
+    for first in range(0, n_cols, BLOCK):
+        cols = first + lanes
+        raw = tl.load(grad_ptr + row * grad_row_stride + cols, mask=cols < n_cols, other=0.0)
+        live = _is_live(raw.to(tl.float32), limit) & (cols < n_cols)
+        slots = position + tl.cumsum(live.to(tl.int32), axis=0) - 1
+        tl.store(cols_out_ptr + slots, cols, mask=live)
+        tl.store(values_out_ptr + slots, raw, mask=live)
+        position += tl.sum(live.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _gather_rows_product_kernel(
+    row_starts_ptr,
+    entry_index_ptr,
+    entry_value_ptr,
+    dense_ptr,
+    dense_row_stride,
+    out_ptr,
+    out_row_stride,
+    n_cols,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """out[r, :] = sum over e in [row_starts[r], row_starts[r + 1]) of value[e] * dense[index[e], :].
+
+    The sparse-times-dense product of both backward matmuls: with r a token and index a vocabulary row
+    it is dh = dlogits @ W, with r a vocabulary row and index a token it is dW = dlogits^T @ h. Sums in
+    float32 in entry order (deterministic), one rounding to out's dtype; a row without entries gets 0.
+    """
+    row = tl.cast(tl.program_id(0), tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    start = tl.load(row_starts_ptr + row)
+    end = tl.load(row_starts_ptr + row + 1)
+    entry_lanes = tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for first in range(start, end, BLOCK_E):
+        entries = first + entry_lanes
+        live = entries < end
+        index = tl.load(entry_index_ptr + entries, mask=live, other=0).to(tl.int64)
+        value = tl.load(entry_value_ptr + entries, mask=live, other=0.0).to(tl.float32)
+        dense = tl.load(
+            dense_ptr + index[:, None] * dense_row_stride + cols[None, :],
+            mask=live[:, None] & in_row[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(value[:, None] * dense, axis=0)
+    tl.store(
+        out_ptr + row * out_row_stride + cols,
+        round_to_dtype(acc, out_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+        mask=in_row,
+    )
+
+
+# (entries per step, columns per program, warps) of the gather kernel on a GPU: a [16, 512] tile of gathered
+# rows is 64 float32 registers a thread at 4 warps. Not yet tuned: benchmarks/loss_skip.py times alternatives.
+GATHER_LAUNCH = (16, 512, 4)
+
+
+def _live_gradient_entries(grad: Tensor, scale: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The entries of ``grad [R, V]`` above ``threshold * |scale|`` (scale: one value or one per row) in
+    row-compressed form: (row_starts [R + 1] int64, columns int32, values in grad's dtype), each row's
+    entries in column order. Synchronises with the device once (for the number of entries)."""
+    n_rows, n_cols = grad.shape
+    scale = scale.reshape(-1)
+    scale_row_stride = 0 if scale.numel() == 1 else scale.stride(0)
+    if interpreted() or grad.device.type != "cuda":
+        block, warps = 256, 1
+    else:
+        block, warps = 4096, 8
+    counts = torch.empty(n_rows, dtype=torch.int32, device=grad.device)
+    _count_live_kernel[(n_rows,)](
+        grad, grad.stride(0), scale, scale_row_stride, counts, n_cols, float(threshold), BLOCK=block,
+        num_warps=warps,
+    )  # fmt: skip
+    row_starts = torch.zeros(n_rows + 1, dtype=torch.int64, device=grad.device)
+    torch.cumsum(counts, 0, out=row_starts[1:])
+    n_entries = int(row_starts[-1].item())
+    cols = torch.empty(n_entries, dtype=torch.int32, device=grad.device)
+    values = torch.empty(n_entries, dtype=grad.dtype, device=grad.device)
+    _collect_live_kernel[(n_rows,)](
+        grad, grad.stride(0), scale, scale_row_stride, row_starts, cols, values, n_cols, float(threshold),
+        BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    return row_starts, cols, values
+
+
+def _gather_rows_product(
+    row_starts: Tensor, entry_index: Tensor, entry_value: Tensor, dense: Tensor, out: Tensor
+) -> None:
+    """out [R, N] = the sparse [R, *] matrix given by (row_starts, entry_index, entry_value) @ dense [*, N]."""
+    n_rows, n_cols = out.shape
+    if n_rows == 0 or n_cols == 0:
+        return
+    if interpreted() or out.device.type != "cuda":
+        block_e, block_n, warps = 8, min(64, triton.next_power_of_2(n_cols)), 1
+    else:
+        block_e, block_n, warps = GATHER_LAUNCH
+        block_n = min(block_n, triton.next_power_of_2(n_cols))
+    _gather_rows_product_kernel[(n_rows, triton.cdiv(n_cols, block_n))](
+        row_starts, entry_index, entry_value, dense, dense.stride(0), out, out.stride(0), n_cols,
+        BLOCK_E=block_e, BLOCK_N=block_n, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=warps,
+    )  # fmt: skip
+
+
+def _row_starts(sorted_rows: Tensor, n_rows: int) -> Tensor:
+    """CSR offsets [n_rows + 1] of row indices sorted ascending."""
+    starts = torch.zeros(n_rows + 1, dtype=torch.int64, device=sorted_rows.device)
+    if sorted_rows.numel() > 0:
+        torch.cumsum(torch.bincount(sorted_rows.to(torch.int64), minlength=n_rows), 0, out=starts[1:])
+    return starts
+
+
 def _chunked_linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -157,16 +343,23 @@ def _chunked_linear_cross_entropy(
     grad_bias_needed: bool,
     token_upstream: Tensor | None,
     logits_chunk_bytes: int | None,
+    skip_threshold: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The chunk loop; returns (loss, accuracy, grad_hidden, grad_weight, grad_bias), empty when not asked.
 
     With ``token_upstream`` ([T] float32) the gradients are those of sum_t upstream_t * loss_t (the
-    backward of reduction "none"); otherwise of the reduced loss.
+    backward of reduction "none"); otherwise of the reduced loss. ``skip_threshold`` > 0 computes dh and
+    dW from the gradient entries above it only (see the module docstring).
     """
     n_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     device = hidden.device
     compute_grads = grad_hidden_needed or grad_weight_needed or grad_bias_needed
+    skipping = skip_threshold > 0.0 and (grad_hidden_needed or grad_weight_needed)
+    if skipping:
+        # The gather kernels address rows of W and h with unit column stride.
+        weight = weight if weight.stride(1) == 1 else weight.contiguous()
+        hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
 
     valid_rows = _valid_token_rows(labels, ignore_index)
     n_valid = valid_rows.numel()
@@ -188,7 +381,12 @@ def _chunked_linear_cross_entropy(
     if grad_hidden_needed:
         grad_hidden = torch.empty_like(hidden) if all_valid and n_valid > 0 else torch.zeros_like(hidden)
     grad_weight = hidden.new_empty(0)
-    if grad_weight_needed:
+    if grad_weight_needed and skipping:
+        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)  # every row written
+        kept_tokens: list[Tensor] = []
+        kept_vocab: list[Tensor] = []
+        kept_values: list[Tensor] = []
+    elif grad_weight_needed:
         dw_dtype = torch.float32 if accumulate_dw_in_fp32 else weight.dtype
         # The first chunk writes dW with a plain matmul, so it needs no zero fill unless nothing is valid.
         first_chunk_overwrites = dw_dtype == weight.dtype and n_valid > 0
@@ -238,12 +436,36 @@ def _chunked_linear_cross_entropy(
             if not compute_grads:
                 continue
             grad_logits_c = logits_c
-            if grad_hidden_needed:
+            if skipping:
+                row_starts, entry_vocab, entry_values = _live_gradient_entries(
+                    grad_logits_c, scale_c, skip_threshold
+                )
+                if grad_hidden_needed:
+                    target = grad_hidden[start:end]
+                    direct = rows_c is None and target.stride(1) == 1
+                    if not direct:
+                        target = torch.empty((end - start, hidden_size), dtype=hidden.dtype, device=device)
+                    _gather_rows_product(row_starts, entry_vocab, entry_values, weight, target)
+                    if rows_c is not None:
+                        grad_hidden.index_copy_(0, rows_c, target)
+                    elif not direct:
+                        grad_hidden[start:end] = target
+                if grad_weight_needed:
+                    entry_rows = torch.repeat_interleave(
+                        torch.arange(end - start, device=device),
+                        row_starts.diff(),
+                        output_size=entry_vocab.numel(),
+                    )
+                    tokens = entry_rows + start if rows_c is None else rows_c[entry_rows]
+                    kept_tokens.append(tokens.to(torch.int32))
+                    kept_vocab.append(entry_vocab)
+                    kept_values.append(entry_values)
+            elif grad_hidden_needed:
                 if rows_c is None:
                     torch.mm(grad_logits_c, weight, out=grad_hidden[start:end])
                 else:
                     grad_hidden.index_copy_(0, rows_c, grad_logits_c @ weight)
-            if grad_weight_needed:
+            if grad_weight_needed and not skipping:
                 if grad_weight.dtype == grad_logits_c.dtype:
                     if start == 0 and first_chunk_overwrites:
                         torch.mm(grad_logits_c.t(), hidden_c, out=grad_weight)
@@ -254,6 +476,19 @@ def _chunked_linear_cross_entropy(
             if grad_bias_acc is not None:
                 grad_bias_acc += grad_logits_c.sum(dim=0, dtype=torch.float32)
         del logits_buffer
+    if grad_weight_needed and skipping:
+        # All chunks' kept entries at once, sorted by vocabulary row (stable: in token order), so each dW
+        # row is summed in float32 and written once.
+        if kept_vocab:
+            vocab_ids, tokens, values = torch.cat(kept_vocab), torch.cat(kept_tokens), torch.cat(kept_values)
+        else:
+            vocab_ids = torch.empty(0, dtype=torch.int32, device=device)
+            tokens = torch.empty(0, dtype=torch.int32, device=device)
+            values = torch.empty(0, dtype=hidden.dtype, device=device)
+        sorted_vocab, order = torch.sort(vocab_ids, stable=True)
+        _gather_rows_product(
+            _row_starts(sorted_vocab, vocab_size), tokens[order], values[order], hidden, grad_weight
+        )
 
     if reduction == "none":
         loss = torch.zeros(n_tokens, dtype=torch.float32, device=device)
@@ -312,6 +547,7 @@ def _forward_op(
     grad_weight_needed: bool,
     grad_bias_needed: bool,
     logits_chunk_bytes: int,
+    skip_threshold: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _chunked_linear_cross_entropy(
         hidden,
@@ -331,6 +567,7 @@ def _forward_op(
         grad_bias_needed=grad_bias_needed,
         token_upstream=None,
         logits_chunk_bytes=_chunk_bytes(logits_chunk_bytes),
+        skip_threshold=skip_threshold,
     )
 
 
@@ -338,7 +575,7 @@ def _forward_op(
 def _(
     hidden, weight, labels, bias, num_items_tensor, num_items_value, ignore_index, reduction, softcap,
     label_smoothing, z_loss_scale, accumulate_dw_in_fp32, compute_accuracy, grad_hidden_needed,
-    grad_weight_needed, grad_bias_needed, logits_chunk_bytes,
+    grad_weight_needed, grad_bias_needed, logits_chunk_bytes, skip_threshold,
 ):  # fmt: skip
     per_token = (hidden.shape[0],) if reduction == "none" else ()
     loss = hidden.new_empty(per_token, dtype=torch.float32)
@@ -365,6 +602,7 @@ def _backward_op(
     grad_weight_needed: bool,
     grad_bias_needed: bool,
     logits_chunk_bytes: int,
+    skip_threshold: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of sum_t token_upstream[t] * loss[t] (the backward of reduction "none"), recomputed."""
     _, _, grad_hidden, grad_weight, grad_bias = _chunked_linear_cross_entropy(
@@ -385,6 +623,7 @@ def _backward_op(
         grad_bias_needed=grad_bias_needed,
         token_upstream=token_upstream,
         logits_chunk_bytes=_chunk_bytes(logits_chunk_bytes),
+        skip_threshold=skip_threshold,
     )
     return grad_hidden, grad_weight, grad_bias
 
@@ -393,6 +632,7 @@ def _backward_op(
 def _(
     token_upstream, hidden, weight, labels, bias, ignore_index, softcap, label_smoothing, z_loss_scale,
     accumulate_dw_in_fp32, grad_hidden_needed, grad_weight_needed, grad_bias_needed, logits_chunk_bytes,
+    skip_threshold,
 ):  # fmt: skip
     grad_hidden = torch.empty_like(hidden) if grad_hidden_needed else hidden.new_empty(0)
     grad_weight = torch.empty_like(weight) if grad_weight_needed else hidden.new_empty(0)
@@ -463,6 +703,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
         accumulate_dw_in_fp32: bool,
         compute_accuracy: bool,
         logits_chunk_bytes: int,
+        skip_threshold: float,
         grad_hidden_needed: bool,
         grad_weight_needed: bool,
         grad_bias_needed: bool,
@@ -472,13 +713,13 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             hidden, weight, labels, bias, num_items_tensor, num_items_value, ignore_index, reduction, softcap,
             label_smoothing, z_loss_scale, accumulate_dw_in_fp32, compute_accuracy,
             grad_hidden_needed and not per_token, grad_weight_needed and not per_token,
-            grad_bias_needed and not per_token, logits_chunk_bytes,
+            grad_bias_needed and not per_token, logits_chunk_bytes, skip_threshold,
         )  # fmt: skip
         ctx.per_token = per_token
         ctx.needed = (grad_hidden_needed, grad_weight_needed, grad_bias_needed)
         if per_token:
             ctx.options = (ignore_index, softcap, label_smoothing, z_loss_scale, accumulate_dw_in_fp32,
-                           logits_chunk_bytes)  # fmt: skip
+                           logits_chunk_bytes, skip_threshold)  # fmt: skip
             ctx.save_for_backward(hidden, weight, labels, bias)
         else:
             ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -492,7 +733,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             hidden, weight, labels, bias = ctx.saved_tensors
             grads = torch.ops.fusetune.fused_linear_cross_entropy_backward(
                 grad_loss.to(torch.float32).contiguous(), hidden, weight, labels, bias, *ctx.options[:5],
-                grad_hidden_needed, grad_weight_needed, grad_bias_needed, ctx.options[5],
+                grad_hidden_needed, grad_weight_needed, grad_bias_needed, *ctx.options[5:],
             )  # fmt: skip
         else:
             grads = ctx.saved_tensors
@@ -509,7 +750,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_weight if grad_weight_needed else None,
             None,
             grad_bias if grad_bias_needed else None,
-            *([None] * 13),
+            *([None] * 14),
         )
 
 
@@ -540,6 +781,18 @@ def _validate(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | Non
         raise TypeError(f"labels must be int64 or int32, got {labels.dtype}")
 
 
+def _validate_skipping(skip_small_gradients: bool, skip_threshold: float, label_smoothing: float) -> None:
+    if not skip_small_gradients:
+        return
+    if not 0.0 < skip_threshold < 1.0:
+        raise ValueError(f"skip_threshold must be in (0, 1), got {skip_threshold}")
+    if label_smoothing > 0.0:
+        raise ValueError(
+            "skip_small_gradients cannot be used with label_smoothing > 0: smoothing puts gradient "
+            f"on every vocabulary entry (label_smoothing={label_smoothing})"
+        )
+
+
 def fused_linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -555,6 +808,8 @@ def fused_linear_cross_entropy(
     accumulate_dw_in_fp32: bool = False,
     return_accuracy: bool = False,
     logits_chunk_bytes: int | None = None,
+    skip_small_gradients: bool = False,
+    skip_threshold: float = DEFAULT_SKIP_THRESHOLD,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``hidden [..., H] @ weight[V, H]^T (+ bias)`` against ``labels [...]``.
 
@@ -575,8 +830,13 @@ def fused_linear_cross_entropy(
         :func:`fused_linear_cross_entropy_chunk_rows` (Liger-Kernel's chunk + 252 MiB). A larger budget
         trades memory for speed; its docstring has the measured trade-off.
     return_accuracy: also return argmax == label over valid tokens (a fraction; per token for "none").
+    skip_small_gradients: compute grad_hidden and grad_weight only from the entries of dlogits above
+        ``skip_threshold`` times the token's gradient scale (for a plain loss: softmax probabilities
+        above it), see the module docstring. Off by default (exact). Not with label smoothing, whose
+        gradient is spread over every vocabulary entry.
     """
     _validate(hidden, weight, labels, bias, reduction)
+    _validate_skipping(skip_small_gradients, skip_threshold, label_smoothing)
     hidden_size = hidden.shape[-1]
     leading_shape = labels.shape
     hidden2d = hidden.reshape(-1, hidden_size)
@@ -603,6 +863,7 @@ def fused_linear_cross_entropy(
         accumulate_dw_in_fp32,
         return_accuracy,
         int(logits_chunk_bytes) if logits_chunk_bytes is not None else 0,
+        float(skip_threshold) if skip_small_gradients else 0.0,
         grad_enabled and hidden.requires_grad,
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
@@ -629,11 +890,15 @@ def fused_linear_cross_entropy_reference(
     accumulate_dw_in_fp32: bool = False,
     return_accuracy: bool = False,
     logits_chunk_bytes: int | None = None,
+    skip_small_gradients: bool = False,
+    skip_threshold: float = DEFAULT_SKIP_THRESHOLD,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Pure-PyTorch definition of :func:`fused_linear_cross_entropy`: full logits in float32 (float64
-    when given float64). ``accumulate_dw_in_fp32`` and ``logits_chunk_bytes`` are accepted and ignored."""
+    when given float64). ``accumulate_dw_in_fp32`` and ``logits_chunk_bytes`` are accepted and ignored;
+    so is ``skip_small_gradients`` (the reference is always exact), after the same argument checks."""
     del accumulate_dw_in_fp32, logits_chunk_bytes
     _validate(hidden, weight, labels, bias, reduction)
+    _validate_skipping(skip_small_gradients, skip_threshold, label_smoothing)
     compute_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
     if bias is not None:
@@ -667,9 +932,12 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         accumulate_dw_in_fp32: bool = False,
         return_accuracy: bool = False,
         logits_chunk_bytes: int | None = None,
+        skip_small_gradients: bool = False,
+        skip_threshold: float = DEFAULT_SKIP_THRESHOLD,
     ) -> None:
         super().__init__()
         _check_reduction(reduction)
+        _validate_skipping(skip_small_gradients, skip_threshold, label_smoothing)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.softcap = softcap
@@ -678,6 +946,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self.accumulate_dw_in_fp32 = accumulate_dw_in_fp32
         self.return_accuracy = return_accuracy
         self.logits_chunk_bytes = logits_chunk_bytes
+        self.skip_small_gradients = skip_small_gradients
+        self.skip_threshold = skip_threshold
 
     def forward(
         self,
@@ -701,6 +971,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
             accumulate_dw_in_fp32=self.accumulate_dw_in_fp32,
             return_accuracy=self.return_accuracy,
             logits_chunk_bytes=self.logits_chunk_bytes,
+            skip_small_gradients=self.skip_small_gradients,
+            skip_threshold=self.skip_threshold,
         )
 
     def extra_repr(self) -> str:

@@ -1,0 +1,220 @@
+"""skip_small_gradients against the exact fused linear cross-entropy, on peaked logits like a trained model's.
+
+Near-uniform logits (random weights at the usual init) make every probability tiny, so skipping would look
+free there and measure nothing; here the weights are scaled until the mean per-token entropy is about
+2 nats, and labels are drawn from the model's own softmax (so the loss is near the entropy, as after
+training). Times and peak extra memory as in benchmarks/kernels.py (do_bench median of fwd+bwd through
+torch.autograd.grad; peak includes the returned gradients); exact and skipping in the same run.
+
+    PYTHONPATH=. python3 benchmarks/loss_skip.py [--out DIR] [--budget-s S]
+
+Besides the timings it writes, per shape, the mean entropy reached and the entries a token keeps, a kernel
+profile of one skipping fwd+bwd at the main shape, and the error of exact and skipping against a float64
+reference at a smaller shape (max |error| / max |reference| per tensor, and the largest ratio of error to
+the bfloat16 tolerance of tests/kernels: 4e-3 * max |reference| + 2e-2 * |reference|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from benchmarks.kernels import free_device_memory
+from benchmarks.loss_launch_settings import MAIN, SWEEP, measure, profile_kernels
+from fusetune.kernels import fused_linear_cross_entropy as flce_module
+from fusetune.kernels.fused_linear_cross_entropy import (
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+
+# (T, H, V, softcap); the first is the main shape.
+SHAPES = (
+    (8192, 4096, 128256, None),
+    (8192, 2048, 128256, None),
+    (16384, 2048, 151936, None),
+    (8192, 4096, 256000, 30.0),
+)
+VARIANTS = {"exact": {}, "skip-2^-12": {"skip_small_gradients": True, "skip_threshold": 2.0**-12},
+            "skip-2^-14": {"skip_small_gradients": True, "skip_threshold": 2.0**-14}}  # fmt: skip
+TARGET_ENTROPY = 2.0
+# Launch settings of the gather kernel tried at the main shape, beside the default.
+GATHER_LAUNCHES = ((8, 1024, 8), (32, 256, 4), (16, 256, 2), (32, 512, 8))
+
+
+def entropy_of(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def peaked_problem(tokens: int, hidden_size: int, vocab: int, softcap: float | None, seed: int = 0):
+    """bf16 hidden [T, H] ~ N(0, 1), weight [V, H] scaled to a mean entropy of TARGET_ENTROPY (bisection on
+    256 tokens), labels sampled from the softmax; returns them with the mean entropy over 1024 tokens."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=generator).to(torch.bfloat16)
+    base = torch.randn(vocab, hidden_size, device="cuda", generator=generator) / hidden_size**0.5
+    # Up to 16: beyond, a softcap saturates many logits at once and the entropy rises again.
+    low, high = 0.1, 16.0
+    for _ in range(30):
+        scale = (low + high) / 2
+        mean = entropy_of(hidden[:256], (base * scale).to(torch.bfloat16), softcap).mean().item()
+        low, high = (scale, high) if mean > TARGET_ENTROPY else (low, scale)
+    weight = (base * scale).to(torch.bfloat16)
+    del base
+    labels = torch.empty(tokens, dtype=torch.int64, device="cuda")
+    for start in range(0, tokens, 1024):
+        logits = (hidden[start : start + 1024] @ weight.t()).float()
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        labels[start : start + 1024] = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[
+            :, 0
+        ]
+        del logits
+    entropy = entropy_of(hidden[:1024], weight, softcap).mean().item()
+    return hidden, weight, labels, entropy, scale
+
+
+def kept_per_token(hidden, weight, labels, softcap, options) -> float:
+    kept = []
+    original = flce_module._live_gradient_entries
+
+    def recording(grad, scale, threshold):
+        row_starts, cols, values = original(grad, scale, threshold)
+        kept.append((cols.numel(), grad.shape[0]))
+        return row_starts, cols, values
+
+    flce_module._live_gradient_entries = recording
+    try:
+        h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+        torch.autograd.grad([fused_linear_cross_entropy(h, w, labels, softcap=softcap, **options)], [h, w])
+    finally:
+        flce_module._live_gradient_entries = original
+    return sum(k for k, _ in kept) / max(1, sum(r for _, r in kept))
+
+
+def gather_calls(fn) -> list[tuple[str, float]]:
+    """(kernel, ms) of every call of the skipping path's own kernels in one fwd+bwd, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    calls = []
+    for event in prof.events():
+        if getattr(event.device_type, "name", "") == "CUDA" and event.name.startswith(
+            ("_gather", "_count", "_collect")
+        ):
+            micros = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+            calls.append((event.name, round(micros / 1e3, 3)))
+    return calls
+
+
+def errors_against_float64(tokens: int, hidden_size: int, vocab: int) -> list[dict]:
+    hidden, weight, labels, entropy, _ = peaked_problem(tokens, hidden_size, vocab, None, seed=1)
+    ref_h, ref_w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    ref_loss = fused_linear_cross_entropy_reference(ref_h, ref_w, labels)
+    ref_loss.backward()
+    rows = []
+    for name, options in VARIANTS.items():
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        loss = fused_linear_cross_entropy(h, w, labels, **options)
+        loss.backward()
+        row = {"op": "flce-error", "shape": [tokens, hidden_size, vocab], "variant": name,
+               "entropy": round(entropy, 3), "loss_abs_error": abs(loss.item() - ref_loss.item())}  # fmt: skip
+        for label, got, ref in (("grad_hidden", h.grad, ref_h.grad), ("grad_weight", w.grad, ref_w.grad)):
+            err = (got.double() - ref).abs()
+            ref_max = ref.abs().max()
+            row[label + "_max_rel"] = float(err.max() / ref_max)
+            row[label + "_tol_ratio"] = float((err / (4e-3 * ref_max + 2e-2 * ref.abs())).max())
+        rows.append(row)
+    return rows
+
+
+def bench_shape(shape, reps, emit, profile: bool) -> None:
+    tokens, hidden_size, vocab, softcap = shape
+    hidden, weight, labels, entropy, scale = peaked_problem(tokens, hidden_size, vocab, softcap)
+    emit({"op": "peaked", "shape": shape, "entropy": round(entropy, 3), "weight_scale": round(scale, 3)})
+    hidden.requires_grad_()
+    weight.requires_grad_()
+
+    def fwd_bwd(options):
+        loss = fused_linear_cross_entropy(hidden, weight, labels, softcap=softcap, **options)
+        return torch.autograd.grad([loss], [hidden, weight])
+
+    exact_ms = None
+    for name, options in VARIANTS.items():
+        ms, peak = measure(lambda options=options: fused_linear_cross_entropy(
+            hidden, weight, labels, softcap=softcap, **options), [hidden, weight], reps)  # fmt: skip
+        exact_ms = ms if exact_ms is None else exact_ms
+        row = {
+            "op": "flce",
+            "shape": shape,
+            "variant": name,
+            "ms": round(ms, 3),
+            "peak_extra_mb": round(peak, 1),
+        }
+        if options:
+            row["kept_per_token"] = round(kept_per_token(hidden, weight, labels, softcap, options), 1)
+            row["speedup_vs_exact"] = round(exact_ms / ms, 3)
+        emit(row)
+    if profile:
+        default_launch = flce_module.GATHER_LAUNCH
+        for launch in GATHER_LAUNCHES:
+            flce_module.GATHER_LAUNCH = launch
+            try:
+                ms, _ = measure(lambda: fused_linear_cross_entropy(
+                    hidden, weight, labels, softcap=softcap, **VARIANTS["skip-2^-12"]), [hidden, weight], reps)  # fmt: skip
+            finally:
+                flce_module.GATHER_LAUNCH = default_launch
+            emit(
+                {
+                    "op": "flce",
+                    "shape": shape,
+                    "variant": "skip-2^-12",
+                    "gather_launch": launch,
+                    "ms": round(ms, 3),
+                }
+            )
+        for name in ("skip-2^-12", "exact"):
+            kernels = profile_kernels(lambda name=name: fwd_bwd(VARIANTS[name]), top=12)
+            emit({"op": "flce-profile", "shape": shape, "variant": name, "kernels": kernels})
+        calls = gather_calls(lambda: fwd_bwd(VARIANTS["skip-2^-12"]))
+        emit({"op": "flce-skip-calls", "shape": shape, "calls": calls})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--budget-s", type=float, default=200.0)
+    args = parser.parse_args()
+    deadline = time.time() + args.budget_s
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for index, shape in enumerate(SHAPES):
+        if time.time() > deadline:
+            emit({"op": "flce", "shape": shape, "error": "time budget used up"})
+            continue
+        free_device_memory()
+        bench_shape(shape, MAIN if index == 0 else SWEEP, emit, profile=index == 0)
+    free_device_memory()
+    for row in errors_against_float64(1024, 2048, 128256):
+        emit(row)
+    with open(os.path.join(args.out, "loss-skip.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
