@@ -51,7 +51,7 @@ from benchmarks._common import (  # noqa: E402
     write_text,
 )
 
-IMPLS = ("hf", "compile", "liger", "fusetune", "fusetune+compile")
+IMPLS = ("hf", "compile", "liger", "cce", "fusetune", "fusetune+compile")
 MODES = ("fwd", "bwd", "fwd+bwd")
 BF16_BYTES = 2
 
@@ -121,11 +121,18 @@ OPS = (
 )
 
 # add_then_rms_norm is the unfused baseline for our own fused add+RMSNorm: only our kernels run there.
-OP_IMPLS = {op: IMPLS for op in OPS} | {"add_then_rms_norm": ("fusetune",)}
+# Cut Cross-Entropy (exact: filter_eps=None) is a fused linear cross-entropy only.
+OP_IMPLS = {op: tuple(impl for impl in IMPLS if impl != "cce") for op in OPS} | {
+    "add_then_rms_norm": ("fusetune",),
+    "fused_linear_cross_entropy": IMPLS,
+}
 
-SWEEP_IMPLS = ("hf", "compile", "liger", "fusetune")
+SWEEP_IMPLS = ("hf", "compile", "liger", "cce", "fusetune")
 LOSS_SWEEP_VOCABS = (32000, 128256, 151936, 256000)
 LOSS_SWEEP_TOKENS = (1024, 4096, 8192, 16384, 65536)
+LINEAR_LOSS_SWEEP_HIDDEN = (1536, 2048, 4096)
+# Gemma-style vocabularies come with a final-logit softcap: the sweep's V=256000 rows use one.
+LINEAR_LOSS_SOFTCAP = {256000: 30}
 NORM_SWEEP_HIDDEN = (1024, 2048, 4096, 8192, 16384, 32768)
 NORM_SWEEP_TOKENS = (1024, 4096, 16384, 65536)
 
@@ -168,24 +175,46 @@ def sweep_shapes(op: str, tiny: bool) -> list[dict[str, int]]:
     if op == "fused_linear_cross_entropy":
         if tiny:
             return [{"T": t, "H": 64, "V": v} for v in (500, 1000) for t in (8, 24)]
-        return [{"T": t, "H": 4096, "V": v} for v in LOSS_SWEEP_VOCABS for t in LOSS_SWEEP_TOKENS]
+        return [
+            {
+                "T": t,
+                "H": h,
+                "V": v,
+                **({"softcap": LINEAR_LOSS_SOFTCAP[v]} if v in LINEAR_LOSS_SOFTCAP else {}),
+            }
+            for h in LINEAR_LOSS_SWEEP_HIDDEN
+            for v in LOSS_SWEEP_VOCABS
+            for t in LOSS_SWEEP_TOKENS
+        ]
     return []
 
 
 def enumerate_cases(
-    ops: list[str], impls: list[str], sweeps: str, tiny: bool, sweep_impls: list[str] | None = None
+    ops: list[str],
+    impls: list[str],
+    sweeps: str,
+    tiny: bool,
+    sweep_impls: list[str] | None = None,
+    sweep_hidden: list[int] | None = None,
 ) -> list[Case]:
+    """The cases to run; ``sweep_hidden`` keeps only the sweep shapes of those H (a sweep split over calls)."""
     sweep_impls = [impl for impl in (sweep_impls or SWEEP_IMPLS) if impl in impls]
     cases: list[Case] = []
     for op in ops:
         main = main_shapes(op, tiny) if sweeps != "only" else []
         sweep = sweep_shapes(op, tiny) if sweeps != "none" else []
+        if sweep_hidden:
+            sweep = [shape for shape in sweep if shape.get("H") in sweep_hidden]
         for shape in main:
             cases += [Case(op, shape, impl, "main") for impl in OP_IMPLS[op] if impl in impls]
         for shape in sweep:
             if shape in main_shapes(op, tiny) and sweeps != "only":
                 continue  # the main set already has this shape's fwd+bwd
-            cases += [Case(op, shape, impl, "sweep") for impl in SWEEP_IMPLS if impl in sweep_impls]
+            cases += [
+                Case(op, shape, impl, "sweep")
+                for impl in SWEEP_IMPLS
+                if impl in sweep_impls and impl in OP_IMPLS[op]
+            ]
     return cases
 
 
@@ -534,25 +563,40 @@ def _build_fused_linear_cross_entropy(case: Case, env: Env) -> Workload:
     import torch.nn.functional as F
 
     tokens, hidden_size, vocab = case.shape["T"], case.shape["H"], case.shape["V"]
+    softcap = case.shape.get("softcap")
     hidden = torch.randn(tokens, hidden_size, device=env.device, dtype=env.dtype, requires_grad=True)
     weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device=env.device, dtype=env.dtype))
     labels = torch.randint(0, vocab, (tokens,), device=env.device)
     impl = case.impl
+    options: dict[str, Any] = {}
     if impl in ("hf", "compile"):
-        # lm_head Linear, then transformers' loss on upcast logits.
-        loss_fn = lambda hidden, weight, labels: F.cross_entropy(F.linear(hidden, weight).float(), labels)
+        # lm_head Linear, then transformers' loss on upcast logits (softcapped as Gemma's forward does).
+        def loss_fn(hidden, weight, labels):
+            logits = F.linear(hidden, weight).float()
+            if softcap:
+                logits = softcap * torch.tanh(logits / softcap)
+            return F.cross_entropy(logits, labels)
+
     elif impl == "liger":
         liger_loss = liger_attr(
             "liger_kernel.transformers.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss"
-        )()
+        )(softcap=softcap)
         loss_fn = lambda hidden, weight, labels: liger_loss(weight, hidden, labels)
+    elif impl == "cce":
+        cce_loss = import_attr("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy not installed")
+        # filter_eps=None: exact, no gradient skipping (the skipping mode is benchmarks/loss_skip.py's).
+        options["filter_eps"] = None
+        loss_fn = lambda hidden, weight, labels: cce_loss(
+            hidden, weight, labels, softcap=softcap, filter_eps=None
+        )
     else:
-        loss_fn = fusetune_attr("fused_linear_cross_entropy", "fused_linear_cross_entropy")
+        fused = fusetune_attr("fused_linear_cross_entropy", "fused_linear_cross_entropy")
+        loss_fn = lambda hidden, weight, labels: fused(hidden, weight, labels, softcap=softcap)
     if impl == "compile":
         loss_fn = compiled(loss_fn)
     elif impl == "fusetune+compile":
         loss_fn = compiled(loss_fn, fullgraph=True)
-    return Workload(lambda: loss_fn(hidden, weight, labels), [hidden, weight], None)
+    return Workload(lambda: loss_fn(hidden, weight, labels), [hidden, weight], None, options)
 
 
 def estimated_bytes(case: Case) -> int:
@@ -858,11 +902,23 @@ def _log_rows(rows: list[dict]) -> None:
 # Results files.
 
 
+def _shape_key(shape: dict[str, Any]) -> str:
+    return json.dumps(shape, sort_keys=True)
+
+
 def results_payload(
-    meta: dict[str, Any], rows: list[dict], previous: dict[str, Any] | None, ops: list[str]
+    meta: dict[str, Any],
+    rows: list[dict],
+    previous: dict[str, Any] | None,
+    ops: list[str],
+    current_shapes: dict[str, set[str]] | None = None,
 ) -> dict[str, Any]:
-    # A run replaces the earlier rows of the (op, set) pairs it measured: a sweep keeps the main-shape rows.
+    """The results file's content; ``current_shapes`` (op -> shape keys the code defines now), when given,
+    drops earlier rows of shapes no longer defined (a sweep whose shape list changed)."""
+    # A run replaces the earlier rows of the (op, set, shape) it measured: a sweep keeps the main-shape rows,
+    # and a sweep split over several calls (--sweep-hidden) keeps the shapes of the other calls.
     measured = sorted({(row["op"], row.get("set", "main")) for row in rows} or {(op, "main") for op in ops})
+    measured_shapes = {(row["op"], row.get("set", "main"), _shape_key(row["shape"])) for row in rows}
     run = {
         "date": meta["date"],
         "ceilings": meta["ceilings"],
@@ -872,9 +928,15 @@ def results_payload(
     }
     kept_rows, runs = [], [run]
     if previous is not None:
-        replaced = set(measured)
         kept_rows = [
-            row for row in previous.get("rows", []) if (row.get("op"), row.get("set", "main")) not in replaced
+            row
+            for row in previous.get("rows", [])
+            if (row.get("op"), row.get("set", "main"), _shape_key(row.get("shape", {})))
+            not in measured_shapes
+            and (
+                current_shapes is None
+                or _shape_key(row.get("shape", {})) in current_shapes.get(row["op"], ())
+            )
         ]
         still_shown = {row.get("op") for row in kept_rows}
         runs = [
@@ -1016,14 +1078,17 @@ def render_markdown(payload: dict[str, Any]) -> str:
                 shapes.append(key)
         # The main shape's fwd+bwd belongs in the sweep table too.
         shapes += [key for (main_op, key) in main_groups if main_op == op and key not in shapes]
-        shape_keys = list(shape_by_key[shapes[0]].keys()) if shapes else []
-        shapes.sort(key=lambda key: tuple(shape_by_key[key][k] for k in reversed(shape_keys)))
+        shape_keys: list[str] = []  # in order of first appearance: only some shapes have a softcap
+        for key in shapes:
+            shape_keys += [k for k in shape_by_key[key] if k not in shape_keys]
+        shapes.sort(key=lambda key: tuple(shape_by_key[key].get(k, 0) for k in reversed(shape_keys)))
         impls = [impl for impl in SWEEP_IMPLS if any(row["impl"] == impl for row in group)]
+        ratio_baselines = [impl for impl in ("liger", "compile", "cce") if impl in impls]
         lines += [f"## {op} sweep: fwd+bwd ms / peak extra MB (bf16)", ""]
         table_rows, notes = [], []
         for key in shapes:
             shape = shape_by_key[key]
-            cells = [shape[k] for k in shape_keys]
+            cells = [shape.get(k) for k in shape_keys]
             for impl in impls:
                 row = lookup.get((op, key, impl))
                 if row is None:
@@ -1034,11 +1099,13 @@ def render_markdown(payload: dict[str, Any]) -> str:
                 else:
                     cells.append(f"{format_cell(row['ms'])} / {format_cell(row.get('peak_extra_mb'))}")
             fusetune = lookup.get((op, key, "fusetune"), {})
-            cells.append(_ratio(fusetune.get("ms"), lookup.get((op, key, "liger"), {}).get("ms")))
-            cells.append(_ratio(fusetune.get("ms"), lookup.get((op, key, "compile"), {}).get("ms")))
+            for baseline in ratio_baselines:
+                cells.append(_ratio(fusetune.get("ms"), lookup.get((op, key, baseline), {}).get("ms")))
             table_rows.append(cells)
         lines.append(
-            markdown_table([*shape_keys, *impls, "fusetune ÷ liger", "fusetune ÷ compile"], table_rows)
+            markdown_table(
+                [*shape_keys, *impls, *[f"fusetune ÷ {baseline}" for baseline in ratio_baselines]], table_rows
+            )
         )
         lines += ["", *notes, ""] if notes else [""]
     return "\n".join(lines)
@@ -1154,6 +1221,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(SWEEP_IMPLS),
         help="implementations run in the sweeps (compile costs a compilation per shape)",
     )
+    parser.add_argument(
+        "--sweep-hidden",
+        default="",
+        help="comma-separated H values: run only the sweep shapes of those (a long sweep split over calls, "
+        "with --merge)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
     parser.add_argument(
         "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
@@ -1191,6 +1264,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
     args.sweep_impls = [impl.strip() for impl in args.sweep_impls.split(",") if impl.strip()]
+    try:
+        args.sweep_hidden = [int(value) for value in args.sweep_hidden.split(",") if value.strip()]
+    except ValueError:
+        parser.error(f"--sweep-hidden: expected comma-separated integers, got {args.sweep_hidden!r}")
     for name, chosen, known in (
         ("--ops", args.ops, OPS),
         ("--impls", args.impls, IMPLS),
@@ -1209,7 +1286,7 @@ def main(argv: list[str] | None = None) -> int:
     if args._worker:
         return _worker_main(args._worker)
     tiny = args.device == "cpu"
-    cases = enumerate_cases(args.ops, args.impls, args.sweeps, tiny, args.sweep_impls)
+    cases = enumerate_cases(args.ops, args.impls, args.sweeps, tiny, args.sweep_impls, args.sweep_hidden)
     if args.list_cases:
         for case in cases:
             print(f"{case.op:<27} {case.set_name:<6} {case.impl:<17} {_shape_text(case.shape)}")
@@ -1246,9 +1323,12 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     rows: list[dict] = []
+    current_shapes = {
+        op: {_shape_key(shape) for shape in main_shapes(op, tiny) + sweep_shapes(op, tiny)} for op in OPS
+    }
 
     def save() -> dict[str, Any]:
-        payload = results_payload(meta, rows, previous, args.ops)
+        payload = results_payload(meta, rows, previous, args.ops, current_shapes)
         write_json(json_path, payload)
         write_text(markdown_path, render_markdown(payload))
         return payload

@@ -39,6 +39,20 @@ LINEAR_SHAPES = (
 )
 # Chunk rows tried at the main shape, beside the default.
 CHUNK_ROWS = (1024, 1536, 2048, 4096)
+# Part "gemms": the chunk loop's pieces timed alone at each (H, V) of the kernels.py sweep, for these rows.
+GEMM_HIDDEN = (1536, 2048, 4096)
+GEMM_VOCABS = (32000, 128256, 151936, 256000)
+GEMM_ROWS = (256, 384, 512, 640, 768, 832, 896, 1024, 1152, 1216, 1280, 1536, 2048, 3072, 4096)
+# Part "sweep-profile": kernel profiles of the default at sweep shapes where it trails torch.compile.
+PROFILE_SHAPES = (
+    (8192, 4096, 128256, None),
+    (4096, 4096, 151936, None),
+    (1024, 4096, 151936, None),
+    (1024, 4096, 32000, None),
+    (4096, 4096, 32000, None),
+    (4096, 4096, 256000, 30.0),
+    (1024, 1536, 128256, None),
+)
 # (block_v, num_warps, programs_per_processor)
 CE_SETTINGS = ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2), (4096, 16, 2), (4096, 8, 4))
 
@@ -153,6 +167,104 @@ def profile_kernels(fn: Callable[[], Any], top: int = 8) -> list[tuple[str, floa
     return [(name, round(ms, 3), calls) for name, (ms, calls) in ranked]
 
 
+def chunk_pieces(hidden_size: int, vocab: int, rows_list=GEMM_ROWS) -> list[dict]:
+    """ms of each piece of one chunk of ``rows`` tokens: the logits matmul, the cross-entropy kernel (gradient
+    in place), dh, dW written (first chunk) and accumulated (later chunks, beta=1), and dW accumulated
+    through its transpose (cuBLAS then sees the other layout). No L2 flush: every operand is larger than L2
+    but h's rows at small chunks."""
+    from triton.testing import do_bench
+
+    free_device_memory()
+    rows_max = max(rows_list)
+    torch.manual_seed(0)
+    hidden = torch.randn(rows_max, hidden_size, device="cuda", dtype=torch.bfloat16)
+    weight = 0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows_max,), device="cuda")
+    logits = torch.empty(rows_max, vocab, device="cuda", dtype=torch.bfloat16)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros_like(weight)
+    loss = torch.empty(rows_max, device="cuda", dtype=torch.float32)
+    scale = torch.full((1,), 1.0 / rows_max, device="cuda", dtype=torch.float32)
+    results = []
+    for rows in rows_list:
+        h, z, y, dh = hidden[:rows], logits[:rows], labels[:rows], grad_hidden[:rows]
+        torch.mm(h, weight.t(), out=z)
+        row = {"op": "chunk-pieces", "H": hidden_size, "V": vocab, "rows": rows}
+        for name, fn in _chunk_piece_calls(h, z, y, dh, weight, grad_weight, loss[:rows], scale).items():
+            row[name] = round(float(do_bench(fn, warmup=5, rep=15, return_mode="median")), 4)
+        flops = 2 * rows * hidden_size * vocab
+        row["tflops"] = {k: round(flops / (row[k] * 1e9), 1) for k in ("logits", "dh", "dw_first", "dw_acc")}
+        results.append(row)
+    return results
+
+
+def _chunk_piece_calls(h, z, y, dh, weight, grad_weight, loss, scale) -> dict[str, Callable[[], Any]]:
+    from fusetune.kernels.cross_entropy import launch_cross_entropy_forward
+
+    return {
+        "logits": lambda: torch.mm(h, weight.t(), out=z),
+        "ce": lambda: launch_cross_entropy_forward(
+            z, y, loss_out=loss, grad_out=z, grad_scale=scale, correct_out=None, ignore_index=-100,
+            label_smoothing=0.0, z_loss_scale=0.0, softcap=0.0,
+        ),
+        "dh": lambda: torch.mm(z, weight, out=dh),
+        "dw_first": lambda: torch.mm(z.t(), h, out=grad_weight),
+        "dw_acc": lambda: grad_weight.addmm_(z.t(), h),
+        "dw_acc_t": lambda: grad_weight.t().addmm_(h.t(), z),
+    }  # fmt: skip
+
+
+def device_timeline(fn: Callable[[], Any]) -> dict:
+    """One call's device timeline: span from the first kernel's start to the last one's end, busy time,
+    and the five longest idle gaps between kernels with the kernel that ended before each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (event.time_range.start, event.time_range.end, event.name[:60])
+        for event in prof.events()
+        if getattr(event.device_type, "name", "") == "CUDA"
+    )
+    if not spans:
+        return {}
+    gaps, busy, last_end, last_name = [], 0.0, spans[0][0], ""
+    for start, end, name in spans:
+        if start > last_end:
+            gaps.append((round((start - last_end) / 1e3, 3), last_name))
+        busy += max(0.0, end - max(start, last_end))
+        if end > last_end:
+            last_end, last_name = end, name
+    return {"span_ms": round((last_end - spans[0][0]) / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+            "gaps": sorted(gaps, reverse=True)[:5]}  # fmt: skip
+
+
+def profile_case(shape) -> dict:
+    """Kernel profile of the default at one shape, with its measured time and the chunk rows it chose."""
+    from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
+
+    tokens, hidden_size, vocab, softcap = shape
+    free_device_memory()
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    loss_fn = linear_loss("fusetune", softcap)
+    rows = fused_linear_cross_entropy_chunk_rows(tokens, hidden_size, vocab, torch.bfloat16, hidden.device)
+    ms, peak = measure(lambda: loss_fn(hidden, weight, labels), [hidden, weight], SWEEP)
+    kernels = profile_kernels(
+        lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight]), top=40
+    )
+    timeline = device_timeline(
+        lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
+    )
+    return {"op": "flce-profile", "shape": shape, "chunk_rows": rows, "ms": round(ms, 3),
+            "kernel_ms": round(sum(k[1] for k in kernels), 3), "timeline": timeline, "kernels": kernels[:10]}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impls", default="compile,liger,fusetune")
@@ -205,6 +317,17 @@ def main() -> int:
         emit({"op": "flce-profile", "shape": shape, "kernels": kernels})
         del hidden, weight, labels
         free_device_memory()
+    if "gemms" in parts:
+        for hidden_size in GEMM_HIDDEN:
+            for vocab in GEMM_VOCABS:
+                if time.time() > deadline:
+                    break
+                for row in chunk_pieces(hidden_size, vocab):
+                    emit(row)
+    if "sweep-profile" in parts:
+        for profile_shape in PROFILE_SHAPES:
+            if time.time() < deadline:
+                emit(profile_case(profile_shape))
     if "sweep" in parts:
         for shape in LINEAR_SHAPES[1:]:
             for impl in impls:

@@ -41,8 +41,26 @@ SHAPES = (
 VARIANTS = {"exact": {}, "skip-2^-12": {"skip_small_gradients": True, "skip_threshold": 2.0**-12},
             "skip-2^-14": {"skip_small_gradients": True, "skip_threshold": 2.0**-14}}  # fmt: skip
 TARGET_ENTROPY = 2.0
-# Launch settings of the gather kernel tried at the main shape, beside the default.
-GATHER_LAUNCHES = ((8, 1024, 8), (32, 256, 4), (16, 256, 2), (32, 512, 8))
+# Module settings tried at the main shape, one at a time beside the defaults: the dW kernel and its launch
+# (fused_linear_cross_entropy.DW_GATHER), the per-token gather of dh (GATHER_LAUNCH, also dW's with "rows")
+# and the collecting kernel (COLLECT_LAUNCH).
+SETTING_VARIANTS = (
+    ("DW_GATHER", ("rows",)),
+    ("DW_GATHER", ("dot", 16, 16, 256, 4)),
+    ("DW_GATHER", ("dot", 16, 32, 128, 4)),
+    ("DW_GATHER", ("dot", 32, 32, 128, 4)),
+    ("DW_GATHER", ("dot", 32, 32, 256, 8)),
+    ("DW_GATHER", ("dot", 64, 32, 128, 8)),
+    ("DW_GATHER", ("dot", 16, 16, 512, 8)),
+    ("GATHER_LAUNCH", (32, 512, 4)),
+    ("GATHER_LAUNCH", (64, 256, 4)),
+    ("GATHER_LAUNCH", (16, 1024, 8)),
+    ("GATHER_LAUNCH", (8, 512, 2)),
+    ("COLLECT_LAUNCH", (1024, 1)),
+    ("COLLECT_LAUNCH", (1024, 2)),
+    ("COLLECT_LAUNCH", (2048, 4)),
+    ("COLLECT_LAUNCH", (512, 1)),
+)
 
 
 def entropy_of(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -84,8 +102,8 @@ def kept_per_token(hidden, weight, labels, softcap, options) -> float:
     kept = []
     original = flce_module._live_gradient_entries
 
-    def recording(grad, scale, threshold):
-        row_starts, cols, values = original(grad, scale, threshold)
+    def recording(grad, scale, threshold, counts):
+        row_starts, cols, values = original(grad, scale, threshold, counts)
         kept.append((cols.numel(), grad.shape[0]))
         return row_starts, cols, values
 
@@ -110,7 +128,7 @@ def gather_calls(fn) -> list[tuple[str, float]]:
     calls = []
     for event in prof.events():
         if getattr(event.device_type, "name", "") == "CUDA" and event.name.startswith(
-            ("_gather", "_count", "_collect")
+            ("_gather", "_collect", "_cross_entropy")
         ):
             micros = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
             calls.append((event.name, round(micros / 1e3, 3)))
@@ -166,23 +184,16 @@ def bench_shape(shape, reps, emit, profile: bool) -> None:
             row["speedup_vs_exact"] = round(exact_ms / ms, 3)
         emit(row)
     if profile:
-        default_launch = flce_module.GATHER_LAUNCH
-        for launch in GATHER_LAUNCHES:
-            flce_module.GATHER_LAUNCH = launch
+        for setting, value in SETTING_VARIANTS:
+            default_value = getattr(flce_module, setting)
+            setattr(flce_module, setting, value)
             try:
                 ms, _ = measure(lambda: fused_linear_cross_entropy(
                     hidden, weight, labels, softcap=softcap, **VARIANTS["skip-2^-12"]), [hidden, weight], reps)  # fmt: skip
             finally:
-                flce_module.GATHER_LAUNCH = default_launch
-            emit(
-                {
-                    "op": "flce",
-                    "shape": shape,
-                    "variant": "skip-2^-12",
-                    "gather_launch": launch,
-                    "ms": round(ms, 3),
-                }
-            )
+                setattr(flce_module, setting, default_value)
+            emit({"op": "flce", "shape": shape, "variant": "skip-2^-12", "setting": setting, "value": value,
+                  "ms": round(ms, 3)})  # fmt: skip
         for name in ("skip-2^-12", "exact"):
             kernels = profile_kernels(lambda name=name: fwd_bwd(VARIANTS[name]), top=12)
             emit({"op": "flce-profile", "shape": shape, "variant": name, "kernels": kernels})

@@ -63,6 +63,13 @@ def _tanh(u):
 
 
 @triton.jit
+def is_live_gradient(g, limit):
+    """The one place an entry of a gradient is judged worth keeping (fused linear cross-entropy's
+    ``skip_small_gradients``): |g| > limit, with g the stored (rounded) value in float32."""
+    return tl.abs(g) > limit
+
+
+@triton.jit
 def _cross_entropy_forward_kernel(
     logits_ptr,
     logits_row_stride,
@@ -75,18 +82,21 @@ def _cross_entropy_forward_kernel(
     grad_scale_row_stride,
     loss_ptr,
     correct_ptr,
+    live_counts_ptr,
     n_rows,
     n_cols,
     ignore_index,
     label_smoothing,
     z_loss_scale,
     softcap,
+    live_threshold,
     HAS_CLASS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_ACCURACY: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    COUNT_LIVE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     FIRST_SWEEP_EVICTION: tl.constexpr,
     SOFTWARE_BF16_ROUNDING: tl.constexpr,
@@ -102,6 +112,9 @@ def _cross_entropy_forward_kernel(
 
     Ignored rows get loss 0 and gradient 0 and their logits are never read. ``grad_ptr`` may equal
     ``logits_ptr`` (in place): every element is read before it is written, by the same program.
+    With COUNT_LIVE (and WRITE_GRAD) ``live_counts_ptr[row]`` receives the number of stored gradient
+    entries that :func:`is_live_gradient` keeps against ``live_threshold * |scale|``, judged on the stored
+    value, so a later pass that collects them from the stored gradient finds exactly that many.
     ``stats_ptr`` holds [denominator, inverse denominator, sum of class weights].
     """
     program = tl.program_id(0)
@@ -117,6 +130,8 @@ def _cross_entropy_forward_kernel(
             tl.store(loss_ptr + row64, 0.0)
             if COMPUTE_ACCURACY:
                 tl.store(correct_ptr + row64, 0.0)
+            if COUNT_LIVE:
+                tl.store(live_counts_ptr + row64, 0)
             if WRITE_GRAD:
                 zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
                 for block in range(0, n_blocks):
@@ -214,6 +229,8 @@ def _cross_entropy_forward_kernel(
                 coef_p = coef_p * scale
                 coef_label = nll_coef * scale
                 coef_uniform = label_smoothing * inv_n_cols * scale
+                live_limit = live_threshold * tl.abs(scale)
+                live_total = tl.zeros([BLOCK_V], dtype=tl.int32)
                 # Sweep 2, last block first: those lines were read most recently.
                 last = (n_blocks - 1) * BLOCK_V
                 next_x = tl.load(
@@ -248,11 +265,14 @@ def _cross_entropy_forward_kernel(
                             g -= coef_uniform
                     if HAS_SOFTCAP:
                         g = g * (1.0 - t * t)
-                    tl.store(
-                        grad_row + cols,
-                        round_to_dtype(g, grad_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-                        mask=mask,
-                    )
+                    stored = round_to_dtype(g, grad_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING)
+                    tl.store(grad_row + cols, stored, mask=mask)
+                    if COUNT_LIVE:
+                        live_total += (is_live_gradient(stored.to(tl.float32), live_limit) & mask).to(
+                            tl.int32
+                        )
+                if COUNT_LIVE:
+                    tl.store(live_counts_ptr + row64, tl.sum(live_total, axis=0))
 
 
 @triton.jit
@@ -455,13 +475,19 @@ def launch_cross_entropy_forward(
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,
     softcap: float = 0.0,
+    live_counts_out: Tensor | None = None,
+    live_threshold: float = 0.0,
 ) -> None:
     """Runs the forward kernel over ``logits [N, V]`` (last dimension contiguous).
 
     loss_out: float32 [N] per-token losses. grad_out: [N, V] (may be ``logits`` itself) or None.
     grad_scale: float32 tensor; one value (stride 0) or one per row, multiplied into the gradient.
     stats: the [3] tensor from :func:`launch_cross_entropy_stats` (needed with class weights + smoothing).
+    live_counts_out: int32 [N], with grad_out: per row, the gradient entries above
+    ``live_threshold * |grad_scale|`` (see :func:`is_live_gradient`).
     """
+    if live_counts_out is not None and grad_out is None:
+        raise ValueError("live_counts_out counts gradient entries: it needs grad_out")
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -483,18 +509,21 @@ def launch_cross_entropy_forward(
         scale_row_stride,
         loss_out,
         correct_out if correct_out is not None else loss_out,
+        live_counts_out if live_counts_out is not None else loss_out,
         n_rows,
         n_cols,
         ignore_index,
         float(label_smoothing),
         float(z_loss_scale),
         float(softcap),
+        float(live_threshold),
         HAS_CLASS_WEIGHT=class_weight is not None,
         HAS_SMOOTHING=label_smoothing > 0.0,
         HAS_Z_LOSS=z_loss_scale != 0.0,
         HAS_SOFTCAP=softcap > 0.0,
         COMPUTE_ACCURACY=correct_out is not None,
         WRITE_GRAD=write_grad,
+        COUNT_LIVE=live_counts_out is not None,
         BLOCK_V=config.block_v,
         FIRST_SWEEP_EVICTION=config.first_sweep_eviction,
         SOFTWARE_BF16_ROUNDING=interpreted(),

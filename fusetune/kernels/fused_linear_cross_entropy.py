@@ -49,6 +49,7 @@ from fusetune.kernels.cross_entropy import (
     _check_reduction,
     _num_processors,
     cross_entropy_reference,
+    is_live_gradient,
     launch_cross_entropy_forward,
 )
 
@@ -164,35 +165,6 @@ def _addmm_float32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 @triton.jit
-def _is_live(g, limit):
-    """The one place an entry of dlogits is judged: kept when |g| > threshold * |token scale|."""
-    return tl.abs(g) > limit
-
-
-@triton.jit
-def _count_live_kernel(
-    grad_ptr,
-    grad_row_stride,
-    scale_ptr,
-    scale_row_stride,
-    counts_ptr,
-    n_cols,
-    threshold,
-    BLOCK: tl.constexpr,
-):
-    """counts[r] = number of kept entries of grad row r; one program per row."""
-    row = tl.cast(tl.program_id(0), tl.int64)
-    limit = threshold * tl.abs(tl.load(scale_ptr + row * scale_row_stride).to(tl.float32))
-    lanes = tl.arange(0, BLOCK)
-    total = tl.zeros([BLOCK], dtype=tl.int32)
-    for first in range(0, n_cols, BLOCK):
-        cols = first + lanes
-        g = tl.load(grad_ptr + row * grad_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        total += (_is_live(g, limit) & (cols < n_cols)).to(tl.int32)
-    tl.store(counts_ptr + row, tl.sum(total, axis=0))
-
-
-@triton.jit
 def _collect_live_kernel(
     grad_ptr,
     grad_row_stride,
@@ -205,19 +177,26 @@ def _collect_live_kernel(
     threshold,
     BLOCK: tl.constexpr,
 ):
-    """Writes row r's kept entries (column, value), in column order, from row_starts[r] on."""
+    """Writes row r's kept entries (column, value), in column order, from row_starts[r] on.
+
+    row_starts comes from the counts the cross-entropy kernel took with the same judge on the same stored
+    values; the stores are still bounded by row_starts[r + 1], so no row can write into the next one's."""
     row = tl.cast(tl.program_id(0), tl.int64)
     limit = threshold * tl.abs(tl.load(scale_ptr + row * scale_row_stride).to(tl.float32))
     lanes = tl.arange(0, BLOCK)
     position = tl.load(row_starts_ptr + row)
+    row_end = tl.load(row_starts_ptr + row + 1)
     for first in range(0, n_cols, BLOCK):
         cols = first + lanes
         raw = tl.load(grad_ptr + row * grad_row_stride + cols, mask=cols < n_cols, other=0.0)
-        live = _is_live(raw.to(tl.float32), limit) & (cols < n_cols)
-        slots = position + tl.cumsum(live.to(tl.int32), axis=0) - 1
-        tl.store(cols_out_ptr + slots, cols, mask=live)
-        tl.store(values_out_ptr + slots, raw, mask=live)
-        position += tl.sum(live.to(tl.int32), axis=0)
+        live = is_live_gradient(raw.to(tl.float32), limit) & (cols < n_cols)
+        n_live = tl.sum(live.to(tl.int32), axis=0)
+        if n_live > 0:
+            slots = position + tl.cumsum(live.to(tl.int32), axis=0) - 1
+            kept = live & (slots < row_end)
+            tl.store(cols_out_ptr + slots, cols, mask=kept)
+            tl.store(values_out_ptr + slots, raw, mask=kept)
+        position += n_live
 
 
 @triton.jit
@@ -265,27 +244,86 @@ def _gather_rows_product_kernel(
     )
 
 
+@triton.jit
+def _gather_row_groups_dot_kernel(
+    row_starts_ptr,
+    entry_row_ptr,
+    entry_index_ptr,
+    entry_value_ptr,
+    dense_ptr,
+    dense_row_stride,
+    out_ptr,
+    out_row_stride,
+    n_rows,
+    n_cols,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_IN_FLOAT32: tl.constexpr,
+):
+    """The product of _gather_rows_product_kernel for ROWS consecutive output rows at once, for sparse
+    rows with few entries each (dW: a vocabulary row keeps a few tokens' entries). Their entries are
+    contiguous (entry_row: each entry's output row, ascending), so one loop walks them all and a tensor-core
+    product [ROWS, BLOCK_E] x [BLOCK_E, BLOCK_N] routes each entry's dense row to its output row: the
+    [ROWS, BLOCK_E] operand holds an entry's value in its own row's line and zeros elsewhere. Products of
+    bfloat16 values are exact in the float32 accumulator, as in the row kernel; one rounding to out's dtype.
+    DOT_IN_FLOAT32 (the CPU interpreter, whose dot does not take bfloat16) multiplies float32 copies, exactly.
+    """
+    first_row = tl.program_id(0) * ROWS
+    rows = first_row + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_row = cols < n_cols
+    start = tl.load(row_starts_ptr + first_row)
+    end = tl.load(row_starts_ptr + tl.minimum(first_row + ROWS, n_rows))
+    entry_lanes = tl.arange(0, BLOCK_E)
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for first in range(start, end, BLOCK_E):
+        entries = first + entry_lanes
+        live = entries < end
+        owner = tl.load(entry_row_ptr + entries, mask=live, other=-1)
+        index = tl.load(entry_index_ptr + entries, mask=live, other=0).to(tl.int64)
+        value = tl.load(entry_value_ptr + entries, mask=live, other=0.0)
+        dense = tl.load(
+            dense_ptr + index[:, None] * dense_row_stride + cols[None, :],
+            mask=live[:, None] & in_row[None, :],
+            other=0.0,
+        )
+        routed = tl.where(owner[None, :] == rows[:, None], value[None, :], 0.0)
+        if DOT_IN_FLOAT32:
+            acc = tl.dot(routed.to(tl.float32), dense.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(routed.to(dense.dtype), dense, acc)
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * out_row_stride + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rows < n_rows)[:, None] & in_row[None, :],
+    )
+
+
 # (entries per step, columns per program, warps) of the gather kernel on a GPU: a [16, 512] tile of gathered
-# rows is 64 float32 registers a thread at 4 warps. Not yet tuned: benchmarks/loss_skip.py times alternatives.
+# rows is 64 float32 registers a thread at 4 warps. benchmarks/loss_skip.py times alternatives.
 GATHER_LAUNCH = (16, 512, 4)
+# (columns per step, warps) of the collecting kernel on a GPU.
+COLLECT_LAUNCH = (4096, 8)
+# dW from the kept entries: "rows" runs the gather kernel above per vocabulary row; ("dot", R, E, N, warps)
+# runs _gather_row_groups_dot_kernel over groups of R vocabulary rows, E entries and N columns per step.
+DW_GATHER = ("rows",)
 
 
-def _live_gradient_entries(grad: Tensor, scale: Tensor, threshold: float) -> tuple[Tensor, Tensor, Tensor]:
+def _live_gradient_entries(
+    grad: Tensor, scale: Tensor, threshold: float, counts: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """The entries of ``grad [R, V]`` above ``threshold * |scale|`` (scale: one value or one per row) in
     row-compressed form: (row_starts [R + 1] int64, columns int32, values in grad's dtype), each row's
-    entries in column order. Synchronises with the device once (for the number of entries)."""
+    entries in column order. ``counts`` [R] int32: the kept entries per row, as the cross-entropy kernel
+    counted them when it wrote ``grad``. Synchronises with the device once (for the number of entries)."""
     n_rows, n_cols = grad.shape
     scale = scale.reshape(-1)
     scale_row_stride = 0 if scale.numel() == 1 else scale.stride(0)
     if interpreted() or grad.device.type != "cuda":
         block, warps = 256, 1
     else:
-        block, warps = 4096, 8
-    counts = torch.empty(n_rows, dtype=torch.int32, device=grad.device)
-    _count_live_kernel[(n_rows,)](
-        grad, grad.stride(0), scale, scale_row_stride, counts, n_cols, float(threshold), BLOCK=block,
-        num_warps=warps,
-    )  # fmt: skip
+        block, warps = COLLECT_LAUNCH
     row_starts = torch.zeros(n_rows + 1, dtype=torch.int64, device=grad.device)
     torch.cumsum(counts, 0, out=row_starts[1:])
     n_entries = int(row_starts[-1].item())
@@ -313,6 +351,27 @@ def _gather_rows_product(
     _gather_rows_product_kernel[(n_rows, triton.cdiv(n_cols, block_n))](
         row_starts, entry_index, entry_value, dense, dense.stride(0), out, out.stride(0), n_cols,
         BLOCK_E=block_e, BLOCK_N=block_n, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=warps,
+    )  # fmt: skip
+
+
+def _gather_weight_gradient(
+    sorted_vocab: Tensor, tokens: Tensor, values: Tensor, hidden: Tensor, grad_weight: Tensor
+) -> None:
+    """grad_weight [V, H] = the kept entries (sorted by vocabulary row, in token order within a row)
+    times hidden's rows: every row of grad_weight is written, rows without entries with 0."""
+    vocab_size, hidden_size = grad_weight.shape
+    row_starts = _row_starts(sorted_vocab, vocab_size)
+    if DW_GATHER[0] == "rows":
+        _gather_rows_product(row_starts, tokens, values, hidden, grad_weight)
+        return
+    _, rows, block_e, block_n, warps = DW_GATHER
+    if interpreted() or grad_weight.device.type != "cuda":
+        rows, block_e, block_n, warps = 16, 16, 32, 1
+    block_n = min(block_n, max(16, triton.next_power_of_2(hidden_size)))
+    _gather_row_groups_dot_kernel[(triton.cdiv(vocab_size, rows), triton.cdiv(hidden_size, block_n))](
+        row_starts, sorted_vocab, tokens, values, hidden, hidden.stride(0), grad_weight, grad_weight.stride(0),
+        vocab_size, hidden_size, ROWS=rows, BLOCK_E=block_e, BLOCK_N=block_n, DOT_IN_FLOAT32=interpreted(),
+        num_warps=warps,
     )  # fmt: skip
 
 
@@ -400,6 +459,7 @@ def _chunked_linear_cross_entropy(
             n_tokens, hidden_size, vocab_size, hidden.dtype, device, logits_chunk_bytes, rows_to_chunk=n_valid
         )
         logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+        live_counts = torch.empty(chunk_rows, dtype=torch.int32, device=device) if skipping else None
         weight_t = weight.t()
         for start in range(0, n_valid, chunk_rows):
             end = min(start + chunk_rows, n_valid)
@@ -432,13 +492,15 @@ def _chunked_linear_cross_entropy(
                 label_smoothing=label_smoothing,
                 z_loss_scale=z_loss_scale,
                 softcap=softcap,
+                live_counts_out=live_counts[: end - start] if skipping else None,
+                live_threshold=skip_threshold,
             )
             if not compute_grads:
                 continue
             grad_logits_c = logits_c
             if skipping:
                 row_starts, entry_vocab, entry_values = _live_gradient_entries(
-                    grad_logits_c, scale_c, skip_threshold
+                    grad_logits_c, scale_c, skip_threshold, live_counts[: end - start]
                 )
                 if grad_hidden_needed:
                     target = grad_hidden[start:end]
@@ -486,9 +548,7 @@ def _chunked_linear_cross_entropy(
             tokens = torch.empty(0, dtype=torch.int32, device=device)
             values = torch.empty(0, dtype=hidden.dtype, device=device)
         sorted_vocab, order = torch.sort(vocab_ids, stable=True)
-        _gather_rows_product(
-            _row_starts(sorted_vocab, vocab_size), tokens[order], values[order], hidden, grad_weight
-        )
+        _gather_weight_gradient(sorted_vocab, tokens[order], values[order], hidden, grad_weight)
 
     if reduction == "none":
         loss = torch.zeros(n_tokens, dtype=torch.float32, device=device)

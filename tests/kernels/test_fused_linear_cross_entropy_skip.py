@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusetune.kernels import cross_entropy as ce_module
 from fusetune.kernels import fused_linear_cross_entropy as flce_module
 from fusetune.kernels.fused_linear_cross_entropy import (
     DEFAULT_SKIP_THRESHOLD,
@@ -83,8 +84,8 @@ def kept_fraction(monkeypatch):
     fractions: list[float] = []
     original = flce_module._live_gradient_entries
 
-    def recording(grad, scale, threshold):
-        row_starts, cols, values = original(grad, scale, threshold)
+    def recording(grad, scale, threshold, counts):
+        row_starts, cols, values = original(grad, scale, threshold, counts)
         fractions.append(cols.numel() / grad.numel())
         return row_starts, cols, values
 
@@ -188,14 +189,16 @@ def test_mutant_skipping_entries_above_the_threshold_fails(device, tmp_path, mon
     # A mask that also skips entries up to `factor` times above the threshold (2**-8 and 2**-10 instead
     # of 2**-12) must fail the same comparison that the real mask passes.
     mutant = mutated_kernel(
-        flce_module._is_live, "tl.abs(g) > limit", f"tl.abs(g) > {factor} * limit", tmp_path,
+        ce_module.is_live_gradient, "tl.abs(g) > limit", f"tl.abs(g) > {factor} * limit", tmp_path,
         f"skip_above_threshold_{int(factor)}",
     )  # fmt: skip
     hidden, weight, labels, _ = peaked_inputs(32, torch.bfloat16, device)
     options = {"reduction": "mean", "logits_chunk_bytes": chunk_bytes(8, torch.bfloat16)}
     assert DEFAULT_SKIP_THRESHOLD == 2.0**-12
     assert_skip_matches_reference(hidden, weight, labels, **options)  # the real mask passes
-    monkeypatch.setattr(flce_module, "_is_live", mutant)
+    # The judge is shared by the counting (cross-entropy kernel) and the collecting kernel.
+    monkeypatch.setattr(ce_module, "is_live_gradient", mutant)
+    monkeypatch.setattr(flce_module, "is_live_gradient", mutant)
     with pytest.raises(AssertionError, match="not close"):
         assert_skip_matches_reference(hidden, weight, labels, **options)
 
