@@ -41,6 +41,26 @@ SHAPES = (
 VARIANTS = {"exact": {}, "skip-2^-12": {"skip_small_gradients": True, "skip_threshold": 2.0**-12},
             "skip-2^-14": {"skip_small_gradients": True, "skip_threshold": 2.0**-14}}  # fmt: skip
 TARGET_ENTROPY = 2.0
+# Module settings of fused_linear_cross_entropy tried at the main shape, each combination beside the
+# defaults: the dW kernel and its launch (DW_GATHER: "rows" is the per-row gather kernel with GATHER_LAUNCH,
+# "dot" the tensor-core kernel over groups of rows), the per-row gather's launch (GATHER_LAUNCH: dh's, and
+# dW's with "rows") and the collecting kernel's (COLLECT_LAUNCH).
+SETTING_VARIANTS = (
+    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (16, 512, 4)},
+    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (8, 512, 2)},
+    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (4, 512, 2)},
+    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (8, 256, 1)},
+    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (4, 1024, 4)},
+    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (16, 512, 4)},
+    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (8, 512, 2)},
+    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (16, 256, 2)},
+    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (32, 256, 2)},
+    {"DW_GATHER": ("dot", 16, 16, 64, 2), "GATHER_LAUNCH": (8, 512, 2)},
+    {"DW_GATHER": ("dot", 16, 16, 128, 4), "GATHER_LAUNCH": (8, 512, 2)},
+    {"COLLECT_LAUNCH": (512, 1)},
+    {"COLLECT_LAUNCH": (256, 1)},
+)
+TARGET_ENTROPY = 2.0
 # Module settings tried at the main shape, one at a time beside the defaults: the dW kernel and its launch
 # (fused_linear_cross_entropy.DW_GATHER), the per-token gather of dh (GATHER_LAUNCH, also dW's with "rows")
 # and the collecting kernel (COLLECT_LAUNCH).
@@ -184,16 +204,25 @@ def bench_shape(shape, reps, emit, profile: bool) -> None:
             row["speedup_vs_exact"] = round(exact_ms / ms, 3)
         emit(row)
     if profile:
-        for setting, value in SETTING_VARIANTS:
-            default_value = getattr(flce_module, setting)
-            setattr(flce_module, setting, value)
+        for settings in SETTING_VARIANTS:
+            defaults = {name: getattr(flce_module, name) for name in settings}
+            for name, value in settings.items():
+                setattr(flce_module, name, value)
             try:
                 ms, _ = measure(lambda: fused_linear_cross_entropy(
                     hidden, weight, labels, softcap=softcap, **VARIANTS["skip-2^-12"]), [hidden, weight], reps)  # fmt: skip
             finally:
-                setattr(flce_module, setting, default_value)
-            emit({"op": "flce", "shape": shape, "variant": "skip-2^-12", "setting": setting, "value": value,
-                  "ms": round(ms, 3)})  # fmt: skip
+                for name, value in defaults.items():
+                    setattr(flce_module, name, value)
+            emit(
+                {
+                    "op": "flce",
+                    "shape": shape,
+                    "variant": "skip-2^-12",
+                    "settings": settings,
+                    "ms": round(ms, 3),
+                }
+            )
         for name in ("skip-2^-12", "exact"):
             kernels = profile_kernels(lambda name=name: fwd_bwd(VARIANTS[name]), top=12)
             emit({"op": "flce-profile", "shape": shape, "variant": name, "kernels": kernels})
