@@ -242,6 +242,32 @@ def device_timeline(fn: Callable[[], Any]) -> dict:
             "gaps": sorted(gaps, reverse=True)[:5]}  # fmt: skip
 
 
+def host_profile(shape, top: int = 12) -> dict:
+    """The host side of one call at a small shape (where host time shows): the operators with the most
+    self CPU time, to find what keeps the device idle between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens, hidden_size, vocab, softcap = shape
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    loss_fn = linear_loss("fusetune", softcap)
+
+    def call():
+        return torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+        torch.cuda.synchronize()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"op": "flce-host", "shape": shape,
+            "ops": [(e.key[:70], round(e.self_cpu_time_total / 1e3, 3), e.count) for e in ops]}  # fmt: skip
+
+
 def profile_case(shape) -> dict:
     """Kernel profile of the default at one shape, with its measured time and the chunk rows it chose."""
     from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
@@ -324,6 +350,8 @@ def main() -> int:
                     break
                 for row in chunk_pieces(hidden_size, vocab):
                     emit(row)
+    if "host" in parts:
+        emit(host_profile((1024, 4096, 32000, None)))
     if "sweep-profile" in parts:
         for profile_shape in PROFILE_SHAPES:
             if time.time() < deadline:
