@@ -242,6 +242,106 @@ def device_timeline(fn: Callable[[], Any]) -> dict:
             "gaps": sorted(gaps, reverse=True)[:5]}  # fmt: skip
 
 
+def idle_gaps(shape, min_gap_us: float = 20.0, top: int = 8) -> dict:
+    """Where the device waits for the host in one fwd+bwd: the call's span on the host, the time before its
+    first kernel starts and after its last one ends, and the longest idle gaps between kernels, each with
+    the host operators running during it (shortest first: the innermost explain the wait)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    tokens, hidden_size, vocab, softcap = shape
+    free_device_memory()
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    loss_fn = linear_loss("fusetune", softcap)
+
+    def call():
+        return torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("fwd_bwd_call"):
+            call()
+        torch.cuda.synchronize()
+    kernels, host = [], []
+    for event in prof.events():
+        span = (event.time_range.start, event.time_range.end, event.name[:70])
+        (kernels if getattr(event.device_type, "name", "") == "CUDA" else host).append(span)
+    kernels.sort()
+    call_span = next(s for s in host if s[2] == "fwd_bwd_call")
+    gaps, last_end = [], kernels[0][0]
+    for start, end, _ in kernels:
+        if start - last_end >= min_gap_us:
+            during = sorted(
+                (e - s, n) for s, e, n in host if s < start and e > last_end and n != "fwd_bwd_call"
+            )
+            names = list(dict.fromkeys(n for _, n in during))[:6]
+            gaps.append((round((start - last_end) / 1e3, 3), names))
+        last_end = max(last_end, end)
+    return {"op": "flce-gaps", "shape": shape, "host_call_ms": round((call_span[1] - call_span[0]) / 1e3, 3),
+            "before_first_kernel_ms": round((kernels[0][0] - call_span[0]) / 1e3, 3),
+            "device_span_ms": round((last_end - kernels[0][0]) / 1e3, 3),
+            "gaps": sorted(gaps, key=lambda g: -g[0])[:top]}  # fmt: skip
+
+
+def host_pieces(repeats: int = 50) -> dict:
+    """Host microseconds of each piece of a fused linear cross-entropy call, issued while a sleep kernel keeps
+    the device busy (so no launch waits for it); the pieces that synchronise run with the device idle."""
+    from fusetune.kernels import fused_linear_cross_entropy as flce
+    from fusetune.kernels.cross_entropy import launch_cross_entropy_forward
+
+    device = torch.device("cuda")
+    grad = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(32000, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 32000, (1024,), device=device)
+    factor = torch.ones((), device=device)
+    logits = torch.randn(64, 32000, device=device, dtype=torch.bfloat16)
+    loss, scale = torch.empty(64, device=device), torch.ones(1, device=device)
+    busy = {
+        "memory_allocated": lambda: torch.cuda.memory_allocated(device),
+        "memory_reserved": lambda: torch.cuda.memory_reserved(device),
+        "scale_ op": lambda: torch.ops.fusetune.scale_(grad, factor),
+        "scale kernel launch": lambda: flce._scale_kernel[(528,)](
+            grad, grad.numel(), factor, BLOCK=4096, SOFTWARE_BF16_ROUNDING=False, num_warps=8
+        ),
+        "cross-entropy launch": lambda: launch_cross_entropy_forward(
+            logits, labels[:64], loss_out=loss, grad_out=logits, grad_scale=scale
+        ),
+        "torch.mm": lambda: torch.mm(grad[:64], weight.detach()[:64].t()),
+        "torch.full": lambda: torch.full((1,), 0.5, device=device),
+        "empty 64 MB": lambda: torch.empty((1024, 32000), device=device, dtype=torch.bfloat16),
+    }
+    idle = {
+        "mem_get_info": lambda: torch.cuda.mem_get_info(device),
+        "nonzero": lambda: torch.nonzero(labels != -100),
+        "flce forward (T=1024, V=32000)": lambda: flce.fused_linear_cross_entropy(hidden, weight, labels),
+        "flce fwd+bwd": lambda: torch.autograd.grad(
+            [flce.fused_linear_cross_entropy(hidden, weight, labels)], [hidden, weight]
+        ),
+    }
+    result = {}
+    for name, fn in {**busy, **idle}.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        total = 0.0
+        for _ in range(repeats):
+            if name in busy:
+                torch.cuda._sleep(2_000_000)
+            else:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            total += time.perf_counter() - start
+        torch.cuda.synchronize()
+        result[name] = round(total / repeats * 1e6, 1)
+    return {"op": "flce-host-pieces", "us": result}
+
+
 def host_profile(shape, top: int = 12) -> dict:
     """The host side of one call at a small shape (where host time shows): the operators with the most
     self CPU time, to find what keeps the device idle between kernels."""
@@ -279,7 +379,7 @@ def profile_case(shape) -> dict:
     weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
     labels = torch.randint(0, vocab, (tokens,), device="cuda")
     loss_fn = linear_loss("fusetune", softcap)
-    rows = fused_linear_cross_entropy_chunk_rows(tokens, hidden_size, vocab, torch.bfloat16, hidden.device)
+    rows = fused_linear_cross_entropy_chunk_rows(tokens, hidden_size, vocab, torch.bfloat16)
     ms, peak = measure(lambda: loss_fn(hidden, weight, labels), [hidden, weight], SWEEP)
     kernels = profile_kernels(
         lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight]), top=40
@@ -352,6 +452,11 @@ def main() -> int:
                     emit(row)
     if "host" in parts:
         emit(host_profile((1024, 4096, 32000, None)))
+    if "host-pieces" in parts:
+        emit(host_pieces())
+    if "gaps" in parts:
+        for gap_shape in ((1024, 4096, 32000, None), (1024, 4096, 151936, None), LINEAR_SHAPES[0]):
+            emit(idle_gaps(gap_shape))
     if "sweep-profile" in parts:
         for profile_shape in PROFILE_SHAPES:
             if time.time() < deadline:

@@ -60,27 +60,6 @@ SETTING_VARIANTS = (
     {"COLLECT_LAUNCH": (512, 1)},
     {"COLLECT_LAUNCH": (256, 1)},
 )
-TARGET_ENTROPY = 2.0
-# Module settings tried at the main shape, one at a time beside the defaults: the dW kernel and its launch
-# (fused_linear_cross_entropy.DW_GATHER), the per-token gather of dh (GATHER_LAUNCH, also dW's with "rows")
-# and the collecting kernel (COLLECT_LAUNCH).
-SETTING_VARIANTS = (
-    ("DW_GATHER", ("rows",)),
-    ("DW_GATHER", ("dot", 16, 16, 256, 4)),
-    ("DW_GATHER", ("dot", 16, 32, 128, 4)),
-    ("DW_GATHER", ("dot", 32, 32, 128, 4)),
-    ("DW_GATHER", ("dot", 32, 32, 256, 8)),
-    ("DW_GATHER", ("dot", 64, 32, 128, 8)),
-    ("DW_GATHER", ("dot", 16, 16, 512, 8)),
-    ("GATHER_LAUNCH", (32, 512, 4)),
-    ("GATHER_LAUNCH", (64, 256, 4)),
-    ("GATHER_LAUNCH", (16, 1024, 8)),
-    ("GATHER_LAUNCH", (8, 512, 2)),
-    ("COLLECT_LAUNCH", (1024, 1)),
-    ("COLLECT_LAUNCH", (1024, 2)),
-    ("COLLECT_LAUNCH", (2048, 4)),
-    ("COLLECT_LAUNCH", (512, 1)),
-)
 
 
 def entropy_of(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None) -> torch.Tensor:

@@ -66,9 +66,7 @@ def test_fused_loss_chunk_follows_the_kernel_default():
                                   (8192, 1536, 151936), (65536, 4096, 32000), (4096, 2304, 256000)]:  # fmt: skip
         shape = ModelShape(hidden_size=hidden, intermediate_size=4 * hidden, num_layers=1, num_heads=8,
                            num_kv_heads=8, head_dim=hidden // 8, vocab_size=vocab, tied_embeddings=True)  # fmt: skip
-        chosen = fused_linear_cross_entropy_chunk_rows(
-            tokens, hidden, vocab, torch.bfloat16, torch.device("cpu")
-        )
+        chosen = fused_linear_cross_entropy_chunk_rows(tokens, hidden, vocab, torch.bfloat16)
         most = fused_loss_chunk_rows(tokens, shape)
         assert chosen <= most and (chosen > 0.8 * most or chosen == tokens), (tokens, hidden, vocab)
 

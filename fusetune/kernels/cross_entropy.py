@@ -599,8 +599,7 @@ def _forward_impl(
     return loss, accuracy
 
 
-@torch.library.custom_op("fusetune::cross_entropy_forward", mutates_args=())
-def _cross_entropy_forward_op(
+def _cross_entropy_forward_eager(
     logits: Tensor,
     labels: Tensor,
     class_weight: Tensor | None,
@@ -628,6 +627,13 @@ def _cross_entropy_forward_op(
     return loss, accuracy, grad
 
 
+# The ops are what torch.compile sees; eager calls skip their dispatch (about 50 us a call on H200's host,
+# benchmarks/loss_launch_settings.py --parts host-pieces) and run the same functions.
+_cross_entropy_forward_op = torch.library.custom_op("fusetune::cross_entropy_forward", mutates_args=())(
+    _cross_entropy_forward_eager
+)
+
+
 @_cross_entropy_forward_op.register_fake
 def _(
     logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
@@ -643,8 +649,7 @@ def _(
     return loss, accuracy, grad
 
 
-@torch.library.custom_op("fusetune::cross_entropy_forward_inplace", mutates_args=("logits",))
-def _cross_entropy_forward_inplace_op(
+def _cross_entropy_forward_inplace_eager(
     logits: Tensor,
     labels: Tensor,
     class_weight: Tensor | None,
@@ -670,6 +675,11 @@ def _cross_entropy_forward_inplace_op(
     )
 
 
+_cross_entropy_forward_inplace_op = torch.library.custom_op(
+    "fusetune::cross_entropy_forward_inplace", mutates_args=("logits",)
+)(_cross_entropy_forward_inplace_eager)
+
+
 @_cross_entropy_forward_inplace_op.register_fake
 def _(
     logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
@@ -679,17 +689,6 @@ def _(
     loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
     shape = ((n_rows,) if reduction == "none" else ()) if compute_accuracy else (0,)
     return loss, logits.new_empty(shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("fusetune::scale_rows_", mutates_args=("x",))
-def _scale_rows_op(x: Tensor, factor: Tensor) -> None:
-    """x [R, C] *= factor (one value, or one per row), in place; skipped on the device where factor == 1."""
-    launch_scale_rows_(x, factor.to(torch.float32))
-
-
-@_scale_rows_op.register_fake
-def _(x, factor):
-    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -712,14 +711,17 @@ class _CrossEntropyFunction(torch.autograd.Function):
         compute_accuracy: bool,
         inplace: bool,
     ) -> tuple[Tensor, Tensor]:
+        compiling = torch.compiler.is_compiling()
         if inplace:
-            loss, accuracy = torch.ops.fusetune.cross_entropy_forward_inplace(
+            forward = _cross_entropy_forward_inplace_op if compiling else _cross_entropy_forward_inplace_eager
+            loss, accuracy = forward(
                 logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale,
                 softcap, compute_accuracy,
             )  # fmt: skip
             grad = logits
         else:
-            loss, accuracy, grad = torch.ops.fusetune.cross_entropy_forward(
+            forward = _cross_entropy_forward_op if compiling else _cross_entropy_forward_eager
+            loss, accuracy, grad = forward(
                 logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale,
                 softcap, compute_accuracy, True,
             )  # fmt: skip
@@ -736,7 +738,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
             # Under torch.compile a plain multiply; Inductor fuses it into one pass.
             scaled = grad * (factor.unsqueeze(-1) if ctx.reduction == "none" else factor)
             return scaled.to(grad.dtype), None, None, None, None, None, None, None, None, None
-        torch.ops.fusetune.scale_rows_(grad, factor.contiguous())
+        launch_scale_rows_(grad, factor.contiguous())
         return grad, None, None, None, None, None, None, None, None, None
 
 

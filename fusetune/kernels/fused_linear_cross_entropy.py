@@ -81,19 +81,20 @@ def fused_linear_cross_entropy_chunk_rows(
     hidden_size: int,
     vocab_size: int,
     logits_dtype: torch.dtype,
-    device: torch.device,
     logits_chunk_bytes: int | None = None,
     *,
     rows_to_chunk: int | None = None,
+    free_bytes: int | None = None,
 ) -> int:
     """Rows per chunk of logits: the one place the chunking is chosen.
 
     The budget for the [C, V] chunk is ``logits_chunk_bytes``, or by default the bytes of Liger-Kernel's
     chunk at this shape plus :data:`DEFAULT_EXTRA_CHUNK_BYTES`, less the chunk's gathered [C, H] hidden
     rows and their dh when ``rows_to_chunk`` (the valid tokens; default ``n_tokens``) < ``n_tokens``;
-    never more than half of the free device memory (asked of the device only when the allocator's cache
-    cannot hold the chunk). The rows are then cut into the fewest chunks that fit, of balanced sizes
-    rounded up to 128 rows where that fits.
+    never more than half of ``free_bytes`` when given (the loop passes the device's free memory only after
+    an allocation of the chunk failed: asking the allocator for its cached bytes on every call cost
+    0.32 ms of host time on H200, a fifth of the whole call at T=1024, V=32000). The rows are then cut into
+    the fewest chunks that fit, of balanced sizes rounded up to 128 rows where that fits.
 
     Larger chunks are faster because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
     bytes, once per chunk, and each chunk re-reads W twice. Measured on H100, bf16, fwd+bwd through
@@ -118,7 +119,7 @@ def fused_linear_cross_entropy_chunk_rows(
         T=16384, H=1536, V=128256  35.3 ms, +252    (compile 32.2, Liger 54.0; earlier 53.7)
         T=65536, H=4096, V=128256  320.5 ms, +235   (Liger 317.1; earlier 329.4)
     """
-    itemsize = torch.empty((), dtype=logits_dtype).element_size()
+    itemsize = logits_dtype.itemsize
     row_bytes = max(1, vocab_size * itemsize)
     rows_to_chunk = n_tokens if rows_to_chunk is None else rows_to_chunk
     if logits_chunk_bytes is None:
@@ -128,15 +129,14 @@ def fused_linear_cross_entropy_chunk_rows(
         budget_rows = budget // (row_bytes + gathered_row_bytes)
     else:
         budget_rows = int(logits_chunk_bytes) // row_bytes
-    if device.type == "cuda":
-        # The device is asked only when the allocator's cache cannot already hold the chunk: on the H100
-        # cudaMemGetInfo took about 0.9 ms, the whole call at T=1024, V=32000, and a training loop's cache
-        # holds the previous step's chunk.
-        cached_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if budget_rows * row_bytes > cached_free:
-            free_bytes, _ = torch.cuda.mem_get_info(device)
-            budget_rows = min(budget_rows, (free_bytes + cached_free) // 2 // row_bytes)
-    max_rows = max(1, budget_rows)
+    if free_bytes is not None:
+        budget_rows = min(budget_rows, free_bytes // 2 // row_bytes)
+    return _balanced_chunk_rows(rows_to_chunk, max(1, budget_rows))
+
+
+def _balanced_chunk_rows(rows_to_chunk: int, max_rows: int) -> int:
+    """The fewest chunks of at most ``max_rows`` rows, of balanced sizes rounded up to
+    _CHUNK_ROW_ALIGNMENT where that still fits (so the last chunk is not a sliver)."""
     n_chunks = triton.cdiv(rows_to_chunk, max_rows)
     if n_chunks <= 1:
         return int(max(1, rows_to_chunk))
@@ -463,9 +463,18 @@ def _chunked_linear_cross_entropy(
 
     if n_valid > 0:
         chunk_rows = fused_linear_cross_entropy_chunk_rows(
-            n_tokens, hidden_size, vocab_size, hidden.dtype, device, logits_chunk_bytes, rows_to_chunk=n_valid
+            n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_valid
         )
-        logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+        try:
+            logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+        except torch.OutOfMemoryError:
+            # Only now is the device asked: a smaller chunk within half of what is free.
+            free_bytes, _ = torch.cuda.mem_get_info(device)
+            chunk_rows = fused_linear_cross_entropy_chunk_rows(
+                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_valid,
+                free_bytes=free_bytes,
+            )  # fmt: skip
+            logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
         live_counts = torch.empty(chunk_rows, dtype=torch.int32, device=device) if skipping else None
         weight_t = weight.t()
         for start in range(0, n_valid, chunk_rows):
@@ -595,8 +604,7 @@ def _chunk_bytes(logits_chunk_bytes: int) -> int | None:
     return logits_chunk_bytes if logits_chunk_bytes > 0 else None
 
 
-@torch.library.custom_op("fusetune::fused_linear_cross_entropy_forward", mutates_args=())
-def _forward_op(
+def _forward_eager(
     hidden: Tensor,
     weight: Tensor,
     labels: Tensor,
@@ -638,6 +646,13 @@ def _forward_op(
     )
 
 
+# The ops below are what torch.compile sees; eager calls skip their dispatch (about 50 us a call on H200's
+# host, measured with benchmarks/loss_launch_settings.py --parts host-pieces) and run the same functions.
+_forward_op = torch.library.custom_op("fusetune::fused_linear_cross_entropy_forward", mutates_args=())(
+    _forward_eager
+)
+
+
 @_forward_op.register_fake
 def _(
     hidden, weight, labels, bias, num_items_tensor, num_items_value, ignore_index, reduction, softcap,
@@ -653,8 +668,7 @@ def _(
     return loss, accuracy, grad_hidden, grad_weight, grad_bias
 
 
-@torch.library.custom_op("fusetune::fused_linear_cross_entropy_backward", mutates_args=())
-def _backward_op(
+def _backward_eager(
     token_upstream: Tensor,
     hidden: Tensor,
     weight: Tensor,
@@ -695,6 +709,11 @@ def _backward_op(
     return grad_hidden, grad_weight, grad_bias
 
 
+_backward_op = torch.library.custom_op("fusetune::fused_linear_cross_entropy_backward", mutates_args=())(
+    _backward_eager
+)
+
+
 @_backward_op.register_fake
 def _(
     token_upstream, hidden, weight, labels, bias, ignore_index, softcap, label_smoothing, z_loss_scale,
@@ -726,8 +745,7 @@ def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr, SOFTWARE_B
             )
 
 
-@torch.library.custom_op("fusetune::scale_", mutates_args=("x",))
-def _scale_op(x: Tensor, factor: Tensor) -> None:
+def _scale_(x: Tensor, factor: Tensor) -> None:
     """x (contiguous) *= factor (one element), in place; skipped on the device when factor == 1, so the
     usual ``loss.backward()`` costs one tiny launch and no host synchronisation."""
     n_elements = x.numel()
@@ -740,11 +758,6 @@ def _scale_op(x: Tensor, factor: Tensor) -> None:
         block, programs = 4096, 4 * _num_processors(x.device)
     grid = (max(1, min(programs, triton.cdiv(n_elements, block))),)
     _scale_kernel[grid](x, n_elements, factor, BLOCK=block, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=8)
-
-
-@_scale_op.register_fake
-def _(x, factor):
-    return None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -776,7 +789,8 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grad_bias_needed: bool,
     ) -> tuple[Tensor, Tensor]:
         per_token = reduction == "none"
-        loss, accuracy, grad_hidden, grad_weight, grad_bias = torch.ops.fusetune.fused_linear_cross_entropy_forward(
+        forward = _forward_op if torch.compiler.is_compiling() else _forward_eager
+        loss, accuracy, grad_hidden, grad_weight, grad_bias = forward(
             hidden, weight, labels, bias, num_items_tensor, num_items_value, ignore_index, reduction, softcap,
             label_smoothing, z_loss_scale, accumulate_dw_in_fp32, compute_accuracy,
             grad_hidden_needed and not per_token, grad_weight_needed and not per_token,
@@ -798,7 +812,8 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden_needed, grad_weight_needed, grad_bias_needed = ctx.needed
         if ctx.per_token:
             hidden, weight, labels, bias = ctx.saved_tensors
-            grads = torch.ops.fusetune.fused_linear_cross_entropy_backward(
+            backward = _backward_op if torch.compiler.is_compiling() else _backward_eager
+            grads = backward(
                 grad_loss.to(torch.float32).contiguous(), hidden, weight, labels, bias, *ctx.options[:5],
                 grad_hidden_needed, grad_weight_needed, grad_bias_needed, *ctx.options[5:],
             )  # fmt: skip
@@ -810,7 +825,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             else:
                 for g in grads:
                     if g is not None and g.numel() > 0:
-                        torch.ops.fusetune.scale_(g, factor)
+                        _scale_(g, factor)
         grad_hidden, grad_weight, grad_bias = grads
         return (
             grad_hidden if grad_hidden_needed else None,

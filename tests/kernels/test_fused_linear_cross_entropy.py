@@ -246,7 +246,7 @@ def test_leading_dims(device):
 
 
 def test_chunk_rows_choice():
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    bf16 = torch.bfloat16
     mib = 2**20
 
     def chunk_mib(rows, vocab):
@@ -254,27 +254,27 @@ def test_chunk_rows_choice():
 
     # Default: Liger-Kernel's chunk (256 rows, 62.6 MiB here) + 252 MiB allows 1286 rows: 7 balanced
     # chunks of 1171 rows, rounded up to 1280 (6 x 1280 + 512).
-    assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16, cpu) == 1280
+    assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16) == 1280
     assert chunk_mib(1280, 128256) <= chunk_mib(256, 128256) + 252
     # 997 rows fit at V=151936: 5 chunks of 820 rows, rounded up to 896 (not 832: 13 x 64-row tiles).
-    assert fused_linear_cross_entropy_chunk_rows(4096, 4096, 151936, bf16, cpu) == 896
+    assert fused_linear_cross_entropy_chunk_rows(4096, 4096, 151936, bf16) == 896
     # Liger's chunk is only 32 rows at T=1024, but the budget still holds the whole batch in one chunk.
-    assert fused_linear_cross_entropy_chunk_rows(1024, 4096, 128256, bf16, cpu) == 1024
+    assert fused_linear_cross_entropy_chunk_rows(1024, 4096, 128256, bf16) == 1024
     # 512 Liger rows + 252 MiB allow 1544 rows: 11 chunks of 1490, rounded up to 1536.
-    rows = fused_linear_cross_entropy_chunk_rows(16384, 2048, 128256, bf16, cpu)
+    rows = fused_linear_cross_entropy_chunk_rows(16384, 2048, 128256, bf16)
     assert rows == 1536 and chunk_mib(rows, 128256) <= chunk_mib(512, 128256) + 252
     # With ignored tokens the gathered hidden rows and their dh count against the same budget.
-    with_gather = fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16, cpu, rows_to_chunk=8000)
+    with_gather = fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16, rows_to_chunk=8000)
     assert with_gather * (128256 + 2 * 4096) * 2 <= chunk_mib(256, 128256) * mib + 252 * mib
-    assert fused_linear_cross_entropy_chunk_rows(40, 64, 1000, torch.float32, cpu) == 40
+    assert fused_linear_cross_entropy_chunk_rows(40, 64, 1000, torch.float32) == 40
     # One chunk is exactly the rows to process, never rounded up past them.
-    assert fused_linear_cross_entropy_chunk_rows(777, 896, 151936, bf16, cpu, rows_to_chunk=690) == 690
-    assert fused_linear_cross_entropy_chunk_rows(1, 4096, 128256, bf16, cpu) == 1
+    assert fused_linear_cross_entropy_chunk_rows(777, 896, 151936, bf16, rows_to_chunk=690) == 690
+    assert fused_linear_cross_entropy_chunk_rows(1, 4096, 128256, bf16) == 1
     # An explicit budget is honoured: 4186 rows fit in 1 GiB, so 2 chunks of 4096.
-    assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16, cpu, 2**30) == 4096
+    assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16, 2**30) == 4096
     # 8 rows fit: 13 chunks of 7.7 rows, 8 each; below 128 rows no rounding.
-    assert fused_linear_cross_entropy_chunk_rows(100, 64, 1000, torch.float32, cpu, 8 * 4000) == 8
-    assert fused_linear_cross_entropy_chunk_rows(90, 64, 1000, torch.float32, cpu, 60 * 4000) == 45
+    assert fused_linear_cross_entropy_chunk_rows(100, 64, 1000, torch.float32, 8 * 4000) == 8
+    assert fused_linear_cross_entropy_chunk_rows(90, 64, 1000, torch.float32, 60 * 4000) == 45
 
 
 def test_rejects_bad_arguments():
