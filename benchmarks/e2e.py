@@ -274,6 +274,12 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
             )
             handle = fusetune_handle(model)
             row["patched"] = dict(handle.patched) if handle is not None else {}
+            if spec.get("loss_chunk") == "liger":
+                # The loss as it chunked before its budget grew: Liger-Kernel's chunk rows, no extra bytes.
+                import fusetune.kernels.fused_linear_cross_entropy as flce_module
+
+                flce_module.DEFAULT_EXTRA_CHUNK_BYTES = 0
+                row["loss_chunk"] = "liger"
             if not row["patched"]:
                 return {**row, "error": "apply_fusetune replaced nothing in this model"}
         else:
@@ -615,6 +621,7 @@ def setup_key(row: dict[str, Any]) -> tuple:
         row.get("gradient_checkpointing", False),
         row.get("packed_length"),
         row.get("untrained_fraction"),
+        row.get("loss_chunk"),
     )
 
 
@@ -626,6 +633,8 @@ def setup_title(row: dict[str, Any]) -> str:
         title += f", the first {row['untrained_fraction']:.0%} of each document untrained"
     if row.get("gradient_checkpointing"):
         title += ", gradient checkpointing"
+    if row.get("loss_chunk") == "liger":
+        title += ", fusetune's fused linear cross-entropy with Liger-Kernel's chunk rows"
     return title
 
 
@@ -743,6 +752,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="rows packed with documents of this many tokens (position_ids restart per document)",
     )
+    parser.add_argument(
+        "--loss-chunk",
+        choices=("default", "liger"),
+        default="default",
+        help="chunk rows of fusetune's fused linear cross-entropy: its default budget, or Liger-Kernel's "
+        "chunk (the loss before its budget grew), to compare the two in one run",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument(
@@ -848,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
                 "untrained_fraction": args.untrained_fraction,
                 "peak_tflops": peak_tflops,
                 "profile": args.profile,
+                "loss_chunk": args.loss_chunk,
             }
             timeout = args.impl_timeout_s
             if args.time_budget_s is not None:

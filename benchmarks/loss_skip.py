@@ -46,19 +46,14 @@ TARGET_ENTROPY = 2.0
 # "dot" the tensor-core kernel over groups of rows), the per-row gather's launch (GATHER_LAUNCH: dh's, and
 # dW's with "rows") and the collecting kernel's (COLLECT_LAUNCH).
 SETTING_VARIANTS = (
-    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (16, 512, 4)},
-    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (8, 512, 2)},
-    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (4, 512, 2)},
-    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (8, 256, 1)},
-    {"DW_GATHER": ("rows",), "GATHER_LAUNCH": (4, 1024, 4)},
-    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (16, 512, 4)},
-    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (8, 512, 2)},
-    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (16, 256, 2)},
-    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (32, 256, 2)},
-    {"DW_GATHER": ("dot", 16, 16, 64, 2), "GATHER_LAUNCH": (8, 512, 2)},
     {"DW_GATHER": ("dot", 16, 16, 128, 4), "GATHER_LAUNCH": (8, 512, 2)},
-    {"COLLECT_LAUNCH": (512, 1)},
-    {"COLLECT_LAUNCH": (256, 1)},
+    {"DW_GATHER": ("dot", 32, 32, 128, 4), "GATHER_LAUNCH": (16, 512, 4)},
+    {"GATHER_LAUNCH": (4, 256, 1)},
+    {"GATHER_LAUNCH": (8, 512, 2)},
+    {"GATHER_LAUNCH": (4, 512, 2)},
+    {"COLLECT_LAUNCH": (2048, 4)},
+    {"COLLECT_LAUNCH": (8192, 8)},
+    {"COLLECT_LAUNCH": (1024, 2)},
 )
 
 

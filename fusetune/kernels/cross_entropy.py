@@ -112,9 +112,10 @@ def _cross_entropy_forward_kernel(
 
     Ignored rows get loss 0 and gradient 0 and their logits are never read. ``grad_ptr`` may equal
     ``logits_ptr`` (in place): every element is read before it is written, by the same program.
-    With COUNT_LIVE (and WRITE_GRAD) ``live_counts_ptr[row]`` receives the number of stored gradient
-    entries that :func:`is_live_gradient` keeps against ``live_threshold * |scale|``, judged on the stored
-    value, so a later pass that collects them from the stored gradient finds exactly that many.
+    With COUNT_LIVE (and WRITE_GRAD) ``live_counts_ptr[row, b]`` ([n_rows, cdiv(n_cols, BLOCK_V)], contiguous)
+    receives the number of stored gradient entries of columns [b * BLOCK_V, (b + 1) * BLOCK_V) that
+    :func:`is_live_gradient` keeps against ``live_threshold * |scale|``, judged on the stored value, so a
+    later pass that collects them from the stored gradient finds exactly that many, each block's apart.
     ``stats_ptr`` holds [denominator, inverse denominator, sum of class weights].
     """
     program = tl.program_id(0)
@@ -131,7 +132,8 @@ def _cross_entropy_forward_kernel(
             if COMPUTE_ACCURACY:
                 tl.store(correct_ptr + row64, 0.0)
             if COUNT_LIVE:
-                tl.store(live_counts_ptr + row64, 0)
+                for block in range(0, n_blocks):
+                    tl.store(live_counts_ptr + row64 * n_blocks + block, 0)
             if WRITE_GRAD:
                 zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
                 for block in range(0, n_blocks):
@@ -230,7 +232,6 @@ def _cross_entropy_forward_kernel(
                 coef_label = nll_coef * scale
                 coef_uniform = label_smoothing * inv_n_cols * scale
                 live_limit = live_threshold * tl.abs(scale)
-                live_total = tl.zeros([BLOCK_V], dtype=tl.int32)
                 # Sweep 2, last block first: those lines were read most recently.
                 last = (n_blocks - 1) * BLOCK_V
                 next_x = tl.load(
@@ -268,11 +269,11 @@ def _cross_entropy_forward_kernel(
                     stored = round_to_dtype(g, grad_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING)
                     tl.store(grad_row + cols, stored, mask=mask)
                     if COUNT_LIVE:
-                        live_total += (is_live_gradient(stored.to(tl.float32), live_limit) & mask).to(
-                            tl.int32
+                        live = is_live_gradient(stored.to(tl.float32), live_limit) & mask
+                        tl.store(
+                            live_counts_ptr + row64 * n_blocks + (n_blocks - 1 - block),
+                            tl.sum(live.to(tl.int32), axis=0),
                         )
-                if COUNT_LIVE:
-                    tl.store(live_counts_ptr + row64, tl.sum(live_total, axis=0))
 
 
 @triton.jit
@@ -461,6 +462,18 @@ def launch_cross_entropy_stats(
     return stats
 
 
+def _extra_lane_state(compute_accuracy: bool, label_smoothing: float) -> int:
+    return (2 if compute_accuracy else 0) + (1 if label_smoothing > 0.0 else 0)
+
+
+def live_count_columns(
+    n_cols: int, device: torch.device, *, compute_accuracy: bool = False, label_smoothing: float = 0.0
+) -> int:
+    """Columns per count of ``live_counts_out`` of :func:`launch_cross_entropy_forward` (its block)."""
+    extra = _extra_lane_state(compute_accuracy, label_smoothing)
+    return cross_entropy_launch_config(n_cols, device, extra_lane_state=extra).block_v
+
+
 def launch_cross_entropy_forward(
     logits: Tensor,
     labels: Tensor,
@@ -483,16 +496,23 @@ def launch_cross_entropy_forward(
     loss_out: float32 [N] per-token losses. grad_out: [N, V] (may be ``logits`` itself) or None.
     grad_scale: float32 tensor; one value (stride 0) or one per row, multiplied into the gradient.
     stats: the [3] tensor from :func:`launch_cross_entropy_stats` (needed with class weights + smoothing).
-    live_counts_out: int32 [N], with grad_out: per row, the gradient entries above
-    ``live_threshold * |grad_scale|`` (see :func:`is_live_gradient`).
+    live_counts_out: int32 [N, cdiv(V, :func:`live_count_columns`)], with grad_out: per row and block of
+    columns, the gradient entries above ``live_threshold * |grad_scale|`` (see :func:`is_live_gradient`).
     """
     if live_counts_out is not None and grad_out is None:
         raise ValueError("live_counts_out counts gradient entries: it needs grad_out")
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
-    extra_lane_state = (2 if correct_out is not None else 0) + (1 if label_smoothing > 0.0 else 0)
-    config = cross_entropy_launch_config(n_cols, logits.device, extra_lane_state=extra_lane_state)
+    config = cross_entropy_launch_config(
+        n_cols, logits.device, extra_lane_state=_extra_lane_state(correct_out is not None, label_smoothing)
+    )
+    if live_counts_out is not None:
+        expected = (n_rows, triton.cdiv(n_cols, config.block_v))
+        if tuple(live_counts_out.shape) != expected or not live_counts_out.is_contiguous():
+            raise ValueError(
+                f"live_counts_out must be a contiguous {expected}, got {tuple(live_counts_out.shape)}"
+            )
     programs = int(config.programs_per_processor * _num_processors(logits.device))
     grid = (max(1, min(n_rows, programs)),)
     write_grad = grad_out is not None

@@ -51,6 +51,7 @@ from fusetune.kernels.cross_entropy import (
     cross_entropy_reference,
     is_live_gradient,
     launch_cross_entropy_forward,
+    live_count_columns,
 )
 
 __all__ = [
@@ -177,30 +178,39 @@ def _collect_live_kernel(
     grad_row_stride,
     scale_ptr,
     scale_row_stride,
-    row_starts_ptr,
+    block_starts_ptr,
     cols_out_ptr,
     values_out_ptr,
     n_cols,
+    count_columns,
     threshold,
     BLOCK: tl.constexpr,
 ):
-    """Writes row r's kept entries (column, value), in column order, from row_starts[r] on.
+    """Program (r, b) writes the kept entries (column, value) of row r's columns [b * count_columns,
+    (b + 1) * count_columns), in column order, from block_starts[r * n_blocks + b] on.
 
-    row_starts comes from the counts the cross-entropy kernel took with the same judge on the same stored
-    values; the stores are still bounded by row_starts[r + 1], so no row can write into the next one's."""
+    block_starts comes from the counts the cross-entropy kernel took per (row, block of count_columns) with
+    the same judge on the same stored values, so every block of every row is collected in parallel and the
+    rows still come out in column order; the stores are bounded by the next block's start, so no block
+    can write into another's."""
     row = tl.cast(tl.program_id(0), tl.int64)
+    block = tl.program_id(1)
+    slot = row * tl.num_programs(1) + block
     limit = threshold * tl.abs(tl.load(scale_ptr + row * scale_row_stride).to(tl.float32))
     lanes = tl.arange(0, BLOCK)
-    position = tl.load(row_starts_ptr + row)
-    row_end = tl.load(row_starts_ptr + row + 1)
-    for first in range(0, n_cols, BLOCK):
+    position = tl.load(block_starts_ptr + slot)
+    block_end = tl.load(block_starts_ptr + slot + 1)
+    first_col = block * count_columns
+    last_col = tl.minimum(first_col + count_columns, n_cols)
+    for first in range(first_col, last_col, BLOCK):
         cols = first + lanes
-        raw = tl.load(grad_ptr + row * grad_row_stride + cols, mask=cols < n_cols, other=0.0)
-        live = is_live_gradient(raw.to(tl.float32), limit) & (cols < n_cols)
+        in_block = cols < last_col
+        raw = tl.load(grad_ptr + row * grad_row_stride + cols, mask=in_block, other=0.0)
+        live = is_live_gradient(raw.to(tl.float32), limit) & in_block
         n_live = tl.sum(live.to(tl.int32), axis=0)
         if n_live > 0:
             slots = position + tl.cumsum(live.to(tl.int32), axis=0) - 1
-            kept = live & (slots < row_end)
+            kept = live & (slots < block_end)
             tl.store(cols_out_ptr + slots, cols, mask=kept)
             tl.store(values_out_ptr + slots, raw, mask=kept)
         position += n_live
@@ -307,40 +317,46 @@ def _gather_row_groups_dot_kernel(
     )
 
 
-# (entries per step, columns per program, warps) of the gather kernel on a GPU: a [16, 512] tile of gathered
-# rows is 64 float32 registers a thread at 4 warps. benchmarks/loss_skip.py times alternatives.
-GATHER_LAUNCH = (16, 512, 4)
-# (columns per step, warps) of the collecting kernel on a GPU.
+# (entries per step, columns per program, warps) of the gather kernel on a GPU. Measured on H200 at T=8192,
+# H=4096, V=128256 on peaked logits, the whole skip-mode fwd+bwd (benchmarks/loss_skip.py, one run,
+# 2026-11-26): (8, 256, 1) with dW by rows 20.1 ms; (16, 512, 4) with dW by rows 26.3, with dW by
+# ("dot", 32, 32, 128, 4) 21.5; (8, 512, 2) with ("dot", 16, 16, 128, 4) 20.3. loss_skip times these again.
+GATHER_LAUNCH = (8, 256, 1)
+# (columns per step, warps) of the collecting kernel on a GPU: one program per row and block of the
+# cross-entropy kernel's columns (16384 at its default launch).
 COLLECT_LAUNCH = (4096, 8)
 # dW from the kept entries: "rows" runs the gather kernel above per vocabulary row; ("dot", R, E, N, warps)
 # runs _gather_row_groups_dot_kernel over groups of R vocabulary rows, E entries and N columns per step.
-DW_GATHER = ("dot", 32, 32, 128, 4)
+DW_GATHER = ("rows",)
 
 
 def _live_gradient_entries(
-    grad: Tensor, scale: Tensor, threshold: float, counts: Tensor
+    grad: Tensor, scale: Tensor, threshold: float, counts: Tensor, count_columns: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The entries of ``grad [R, V]`` above ``threshold * |scale|`` (scale: one value or one per row) in
     row-compressed form: (row_starts [R + 1] int64, columns int32, values in grad's dtype), each row's
-    entries in column order. ``counts`` [R] int32: the kept entries per row, as the cross-entropy kernel
-    counted them when it wrote ``grad``. Synchronises with the device once (for the number of entries)."""
+    entries in column order. ``counts`` [R, cdiv(V, count_columns)] int32: the kept entries per row and
+    block of columns, as the cross-entropy kernel counted them when it wrote ``grad``. Synchronises with
+    the device once (for the number of entries)."""
     n_rows, n_cols = grad.shape
+    n_blocks = counts.shape[1]
     scale = scale.reshape(-1)
     scale_row_stride = 0 if scale.numel() == 1 else scale.stride(0)
     if interpreted() or grad.device.type != "cuda":
         block, warps = 256, 1
     else:
         block, warps = COLLECT_LAUNCH
-    row_starts = torch.zeros(n_rows + 1, dtype=torch.int64, device=grad.device)
-    torch.cumsum(counts, 0, out=row_starts[1:])
-    n_entries = int(row_starts[-1].item())
+    block = min(block, triton.next_power_of_2(count_columns))
+    block_starts = torch.zeros(n_rows * n_blocks + 1, dtype=torch.int64, device=grad.device)
+    torch.cumsum(counts.reshape(-1), 0, out=block_starts[1:])
+    n_entries = int(block_starts[-1].item())
     cols = torch.empty(n_entries, dtype=torch.int32, device=grad.device)
     values = torch.empty(n_entries, dtype=grad.dtype, device=grad.device)
-    _collect_live_kernel[(n_rows,)](
-        grad, grad.stride(0), scale, scale_row_stride, row_starts, cols, values, n_cols, float(threshold),
-        BLOCK=block, num_warps=warps,
+    _collect_live_kernel[(n_rows, n_blocks)](
+        grad, grad.stride(0), scale, scale_row_stride, block_starts, cols, values, n_cols, count_columns,
+        float(threshold), BLOCK=block, num_warps=warps,
     )  # fmt: skip
-    return row_starts, cols, values
+    return block_starts[::n_blocks].contiguous(), cols, values
 
 
 def _gather_rows_product(
@@ -475,7 +491,11 @@ def _chunked_linear_cross_entropy(
                 free_bytes=free_bytes,
             )  # fmt: skip
             logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
-        live_counts = torch.empty(chunk_rows, dtype=torch.int32, device=device) if skipping else None
+        if skipping:
+            count_columns = live_count_columns(vocab_size, device, compute_accuracy=compute_accuracy)
+            live_counts = torch.empty(
+                (chunk_rows, triton.cdiv(vocab_size, count_columns)), dtype=torch.int32, device=device
+            )
         weight_t = weight.t()
         for start in range(0, n_valid, chunk_rows):
             end = min(start + chunk_rows, n_valid)
@@ -516,7 +536,7 @@ def _chunked_linear_cross_entropy(
             grad_logits_c = logits_c
             if skipping:
                 row_starts, entry_vocab, entry_values = _live_gradient_entries(
-                    grad_logits_c, scale_c, skip_threshold, live_counts[: end - start]
+                    grad_logits_c, scale_c, skip_threshold, live_counts[: end - start], count_columns
                 )
                 if grad_hidden_needed:
                     target = grad_hidden[start:end]

@@ -84,8 +84,8 @@ def kept_fraction(monkeypatch):
     fractions: list[float] = []
     original = flce_module._live_gradient_entries
 
-    def recording(grad, scale, threshold, counts):
-        row_starts, cols, values = original(grad, scale, threshold, counts)
+    def recording(grad, scale, threshold, counts, count_columns):
+        row_starts, cols, values = original(grad, scale, threshold, counts, count_columns)
         fractions.append(cols.numel() / grad.numel())
         return row_starts, cols, values
 
