@@ -304,7 +304,7 @@ def host_pieces(repeats: int = 50) -> dict:
     busy = {
         "memory_allocated": lambda: torch.cuda.memory_allocated(device),
         "memory_reserved": lambda: torch.cuda.memory_reserved(device),
-        "scale_ op": lambda: torch.ops.fusetune.scale_(grad, factor),
+        "scale (eager, no op dispatch)": lambda: flce._scale_(grad, factor),
         "scale kernel launch": lambda: flce._scale_kernel[(528,)](
             grad, grad.numel(), factor, BLOCK=4096, SOFTWARE_BF16_ROUNDING=False, num_warps=8
         ),

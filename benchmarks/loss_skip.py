@@ -96,8 +96,9 @@ def kept_per_token(hidden, weight, labels, softcap, options) -> float:
     kept = []
     original = flce_module._live_gradient_entries
 
-    def recording(grad, scale, threshold, counts):
-        row_starts, cols, values = original(grad, scale, threshold, counts)
+    def recording(*args):
+        row_starts, cols, values = original(*args)
+        grad = args[0]
         kept.append((cols.numel(), grad.shape[0]))
         return row_starts, cols, values
 
