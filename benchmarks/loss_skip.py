@@ -52,8 +52,8 @@ SETTING_VARIANTS = (
     {"GATHER_LAUNCH": (8, 512, 2)},
     {"GATHER_LAUNCH": (4, 512, 2)},
     {"COLLECT_LAUNCH": (2048, 4)},
-    {"COLLECT_LAUNCH": (8192, 8)},
-    {"COLLECT_LAUNCH": (1024, 2)},
+    {"COLLECT_LAUNCH": (4096, 8)},
+    {"COLLECT_LAUNCH": (512, 1)},
 )
 
 
