@@ -277,6 +277,35 @@ def test_chunk_rows_choice():
     assert fused_linear_cross_entropy_chunk_rows(90, 64, 1000, torch.float32, 60 * 4000) == 45
 
 
+def test_chunk_that_does_not_fit_is_cut_to_half_the_free_memory(device, monkeypatch):
+    """The chunk is sized without asking the device; when its allocation fails, the free memory is asked
+    once and the chunks shrink to half of it, with the same loss and gradients."""
+    import fusetune.kernels.fused_linear_cross_entropy as flce_module
+
+    hidden, weight, labels, _ = make_inputs(40, torch.float32, device, ignored_every=0)
+    row_bytes = VOCAB * 4
+    allocated_rows: list[int] = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        shape = args[0] if args and isinstance(args[0], tuple) else None
+        if shape is not None and len(shape) == 2 and shape[1] == VOCAB:
+            allocated_rows.append(shape[0])
+            if shape[0] > 16:
+                raise torch.OutOfMemoryError("the chunk does not fit")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(flce_module.torch, "empty", empty)
+    monkeypatch.setattr(flce_module.torch.cuda, "mem_get_info", lambda device=None: (33 * row_bytes, 0))
+    assert_matches_reference(hidden, weight, labels, reduction="mean")
+    # 40 rows refused; 16 rows (half of 33 rows' bytes) in three balanced chunks of 14.
+    assert allocated_rows == [40, 14]
+    assert (
+        fused_linear_cross_entropy_chunk_rows(40, HIDDEN, VOCAB, torch.float32, free_bytes=33 * row_bytes)
+        == 14
+    )
+
+
 def test_rejects_bad_arguments():
     hidden, weight, labels, _ = make_inputs(4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="dtype"):
