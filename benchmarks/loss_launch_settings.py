@@ -46,12 +46,12 @@ GEMM_ROWS = (256, 384, 512, 640, 768, 832, 896, 1024, 1152, 1216, 1280, 1536, 20
 # Part "sweep-profile": kernel profiles of the default at sweep shapes where it trails torch.compile.
 PROFILE_SHAPES = (
     (8192, 4096, 128256, None),
+    (8192, 2048, 151936, None),
     (4096, 4096, 151936, None),
-    (1024, 4096, 151936, None),
-    (1024, 4096, 32000, None),
-    (4096, 4096, 32000, None),
     (4096, 4096, 256000, 30.0),
-    (1024, 1536, 128256, None),
+    (8192, 1536, 256000, 30.0),
+    (1024, 1536, 32000, None),
+    (65536, 4096, 128256, None),
 )
 # (block_v, num_warps, programs_per_processor)
 CE_SETTINGS = ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2), (4096, 16, 2), (4096, 8, 4))

@@ -59,6 +59,7 @@ __all__ = [
     "FusedLinearCrossEntropyLoss",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_chunk_rows",
+    "fused_linear_cross_entropy_chunk_sizes",
     "fused_linear_cross_entropy_reference",
 ]
 
@@ -87,7 +88,26 @@ def fused_linear_cross_entropy_chunk_rows(
     rows_to_chunk: int | None = None,
     free_bytes: int | None = None,
 ) -> int:
-    """Rows per chunk of logits: the one place the chunking is chosen.
+    """Rows of the [C, V] logits buffer: the largest chunk of :func:`fused_linear_cross_entropy_chunk_sizes`."""
+    return max(
+        fused_linear_cross_entropy_chunk_sizes(
+            n_tokens, hidden_size, vocab_size, logits_dtype, logits_chunk_bytes,
+            rows_to_chunk=rows_to_chunk, free_bytes=free_bytes,
+        )
+    )  # fmt: skip
+
+
+def fused_linear_cross_entropy_chunk_sizes(
+    n_tokens: int,
+    hidden_size: int,
+    vocab_size: int,
+    logits_dtype: torch.dtype,
+    logits_chunk_bytes: int | None = None,
+    *,
+    rows_to_chunk: int | None = None,
+    free_bytes: int | None = None,
+) -> list[int]:
+    """Rows of each chunk of logits, in order: the one place the chunking is chosen.
 
     The budget for the [C, V] chunk is ``logits_chunk_bytes``, or by default the bytes of Liger-Kernel's
     chunk at this shape plus :data:`DEFAULT_EXTRA_CHUNK_BYTES`, less the chunk's gathered [C, H] hidden
@@ -95,7 +115,11 @@ def fused_linear_cross_entropy_chunk_rows(
     never more than half of ``free_bytes`` when given (the loop passes the device's free memory only after
     an allocation of the chunk failed: asking the allocator for its cached bytes on every call cost
     0.32 ms of host time on H200, a fifth of the whole call at T=1024, V=32000). The rows are then cut into
-    the fewest chunks that fit, of balanced sizes rounded up to 128 rows where that fits.
+    the fewest chunks that fit, of balanced sizes in whole 128-row units where the rows allow (cuBLAS's Hopper
+    tiles; the remainder spread a unit at a time, the last chunk taking what is under a unit), so that no
+    chunk is a sliver: a chunk under ~470 rows (2 x matmul rate / memory bandwidth on H100) makes the dW
+    GEMM, K = its rows, read and write all of dW at a memory-bound pace, and before this rule T=8192 at
+    V=151936 ran as 9 x 896 + 128 rows.
 
     Larger chunks are faster because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
     bytes, once per chunk, and each chunk re-reads W twice. Measured on H100, bf16, fwd+bwd through
@@ -132,22 +156,26 @@ def fused_linear_cross_entropy_chunk_rows(
         budget_rows = int(logits_chunk_bytes) // row_bytes
     if free_bytes is not None:
         budget_rows = min(budget_rows, free_bytes // 2 // row_bytes)
-    return _balanced_chunk_rows(rows_to_chunk, max(1, budget_rows))
+    return _balanced_chunk_sizes(rows_to_chunk, max(1, budget_rows))
 
 
-def _balanced_chunk_rows(rows_to_chunk: int, max_rows: int) -> int:
-    """The fewest chunks of at most ``max_rows`` rows, of balanced sizes rounded up to
-    _CHUNK_ROW_ALIGNMENT where that still fits (so the last chunk is not a sliver)."""
+def _balanced_chunk_sizes(rows_to_chunk: int, max_rows: int) -> list[int]:
+    """The fewest chunks of at most ``max_rows`` rows, each a whole number of _CHUNK_ROW_ALIGNMENT units but
+    the last (which also takes the remainder under a unit), their sizes differing by at most one unit."""
     n_chunks = triton.cdiv(rows_to_chunk, max_rows)
     if n_chunks <= 1:
-        return int(max(1, rows_to_chunk))
+        return [int(max(1, rows_to_chunk))]
+    unit = _CHUNK_ROW_ALIGNMENT
     while True:
-        rows = triton.cdiv(rows_to_chunk, n_chunks)
-        aligned = triton.cdiv(rows, _CHUNK_ROW_ALIGNMENT) * _CHUNK_ROW_ALIGNMENT
-        if aligned <= max_rows:
-            return int(aligned if aligned * (n_chunks - 1) < rows_to_chunk else rows)
-        if rows < _CHUNK_ROW_ALIGNMENT:
-            return int(rows)
+        base = rows_to_chunk // n_chunks // unit * unit
+        if base == 0:  # chunks under one unit: plain balanced sizes
+            size, larger = divmod(rows_to_chunk, n_chunks)
+            return [size + 1] * larger + [size] * (n_chunks - larger)
+        extra_units, remainder = divmod(rows_to_chunk - n_chunks * base, unit)
+        sizes = [base + unit] * extra_units + [base] * (n_chunks - extra_units)
+        sizes[-1] += remainder
+        if max(sizes) <= max_rows:
+            return sizes
         n_chunks += 1
 
 
@@ -479,18 +507,20 @@ def _chunked_linear_cross_entropy(
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
     if n_valid > 0:
-        chunk_rows = fused_linear_cross_entropy_chunk_rows(
+        chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
             n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_valid
         )
+        chunk_rows = max(chunk_sizes)
         try:
             logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
         except torch.OutOfMemoryError:
-            # Only now is the device asked: a smaller chunk within half of what is free.
+            # Only now is the device asked: smaller chunks within half of what is free.
             free_bytes, _ = torch.cuda.mem_get_info(device)
-            chunk_rows = fused_linear_cross_entropy_chunk_rows(
+            chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
                 n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_valid,
                 free_bytes=free_bytes,
             )  # fmt: skip
+            chunk_rows = max(chunk_sizes)
             logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
         if skipping:
             count_columns = live_count_columns(vocab_size, device, compute_accuracy=compute_accuracy)
@@ -498,8 +528,10 @@ def _chunked_linear_cross_entropy(
                 (chunk_rows, triton.cdiv(vocab_size, count_columns)), dtype=torch.int32, device=device
             )
         weight_t = weight.t()
-        for start in range(0, n_valid, chunk_rows):
-            end = min(start + chunk_rows, n_valid)
+        chunk_starts = [0]
+        for size in chunk_sizes:
+            chunk_starts.append(chunk_starts[-1] + size)
+        for start, end in zip(chunk_starts[:-1], chunk_starts[1:], strict=True):
             if all_valid:
                 hidden_c, labels_c = hidden[start:end], labels[start:end]
                 rows_c = None

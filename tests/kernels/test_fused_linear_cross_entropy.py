@@ -16,6 +16,7 @@ from fusetune.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_chunk_rows,
+    fused_linear_cross_entropy_chunk_sizes,
     fused_linear_cross_entropy_reference,
 )
 from tests.kernels.test_cross_entropy import mutated_kernel
@@ -253,10 +254,10 @@ def test_chunk_rows_choice():
         return rows * vocab * 2 / mib
 
     # Default: Liger-Kernel's chunk (256 rows, 62.6 MiB here) + 252 MiB allows 1286 rows: 7 balanced
-    # chunks of 1171 rows, rounded up to 1280 (6 x 1280 + 512).
+    # chunks of 1171 rows in 128-row units: the largest 1280 (1280 + 6 x 1152).
     assert fused_linear_cross_entropy_chunk_rows(8192, 4096, 128256, bf16) == 1280
     assert chunk_mib(1280, 128256) <= chunk_mib(256, 128256) + 252
-    # 997 rows fit at V=151936: 5 chunks of 820 rows, rounded up to 896 (not 832: 13 x 64-row tiles).
+    # 997 rows fit at V=151936: 5 chunks of 820 rows in 128-row units, 2 x 896 + 3 x 768.
     assert fused_linear_cross_entropy_chunk_rows(4096, 4096, 151936, bf16) == 896
     # Liger's chunk is only 32 rows at T=1024, but the budget still holds the whole batch in one chunk.
     assert fused_linear_cross_entropy_chunk_rows(1024, 4096, 128256, bf16) == 1024
@@ -275,6 +276,25 @@ def test_chunk_rows_choice():
     # 8 rows fit: 13 chunks of 7.7 rows, 8 each; below 128 rows no rounding.
     assert fused_linear_cross_entropy_chunk_rows(100, 64, 1000, torch.float32, 8 * 4000) == 8
     assert fused_linear_cross_entropy_chunk_rows(90, 64, 1000, torch.float32, 60 * 4000) == 45
+
+
+def test_chunk_sizes_are_whole_units_and_never_a_sliver():
+    bf16 = torch.bfloat16
+    # 1286 rows fit: 7 chunks of 1170 rows, in 128-row units: 1152 each and the remaining unit on the first.
+    assert fused_linear_cross_entropy_chunk_sizes(8192, 4096, 128256, bf16) == [1280] + [1152] * 6
+    # 997 rows fit at V=151936: 10 chunks, not 9 x 896 + 128.
+    assert fused_linear_cross_entropy_chunk_sizes(8192, 2048, 151936, bf16) == [896] * 4 + [768] * 6
+    # Below one 128-row unit a chunk: plain balanced sizes.
+    assert fused_linear_cross_entropy_chunk_sizes(100, 64, 1000, torch.float32, 8 * 4000) == [8] * 9 + [7] * 4
+    for tokens, hidden, vocab, rows_to_chunk in [(8192, 4096, 256000, 8192), (65536, 2048, 151936, 60001),
+                                                 (4097, 1536, 32000, 3000), (16384, 896, 151936, 16383)]:  # fmt: skip
+        sizes = fused_linear_cross_entropy_chunk_sizes(
+            tokens, hidden, vocab, bf16, rows_to_chunk=rows_to_chunk
+        )
+        most = fused_linear_cross_entropy_chunk_rows(tokens, hidden, vocab, bf16, rows_to_chunk=rows_to_chunk)
+        assert sum(sizes) == rows_to_chunk and max(sizes) == most
+        assert all(size % 128 == 0 for size in sizes[:-1])
+        assert max(sizes) - min(sizes) < 2 * 128
 
 
 def test_chunk_that_does_not_fit_is_cut_to_half_the_free_memory(device, monkeypatch):
