@@ -242,12 +242,8 @@ def device_timeline(fn: Callable[[], Any]) -> dict:
             "gaps": sorted(gaps, reverse=True)[:5]}  # fmt: skip
 
 
-def idle_gaps(shape, min_gap_us: float = 20.0, top: int = 8) -> dict:
-    """Where the device waits for the host in one fwd+bwd: the call's span on the host, the time before its
-    first kernel starts and after its last one ends, and the longest idle gaps between kernels, each with
-    the host operators running during it (shortest first: the innermost explain the wait)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
+def fusetune_call(shape) -> Callable[[], Any]:
+    """One fwd+bwd of fusetune's fused linear cross-entropy at ``shape`` (T, H, V, softcap) on fresh inputs."""
     tokens, hidden_size, vocab, softcap = shape
     free_device_memory()
     torch.manual_seed(0)
@@ -255,10 +251,16 @@ def idle_gaps(shape, min_gap_us: float = 20.0, top: int = 8) -> dict:
     weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
     labels = torch.randint(0, vocab, (tokens,), device="cuda")
     loss_fn = linear_loss("fusetune", softcap)
+    return lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
 
-    def call():
-        return torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
 
+def idle_gaps(shape, min_gap_us: float = 20.0, top: int = 8) -> dict:
+    """Where the device waits for the host in one fwd+bwd: the call's span on the host, the time before its
+    first kernel starts and after its last one ends, and the longest idle gaps between kernels, each with
+    the host operators running during it (shortest first: the innermost explain the wait)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    call = fusetune_call(shape)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -347,16 +349,7 @@ def host_profile(shape, top: int = 12) -> dict:
     self CPU time, to find what keeps the device idle between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    tokens, hidden_size, vocab, softcap = shape
-    torch.manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
-    labels = torch.randint(0, vocab, (tokens,), device="cuda")
-    loss_fn = linear_loss("fusetune", softcap)
-
-    def call():
-        return torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
-
+    call = fusetune_call(shape)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
