@@ -242,15 +242,21 @@ def device_timeline(fn: Callable[[], Any]) -> dict:
             "gaps": sorted(gaps, reverse=True)[:5]}  # fmt: skip
 
 
-def fusetune_call(shape) -> Callable[[], Any]:
-    """One fwd+bwd of fusetune's fused linear cross-entropy at ``shape`` (T, H, V, softcap) on fresh inputs."""
+def fusetune_inputs(shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable]:
+    """(hidden, weight, labels, loss function) of fusetune's fused linear cross-entropy at ``shape``
+    (T, H, V, softcap), drawn afresh after the device's cache is emptied."""
     tokens, hidden_size, vocab, softcap = shape
     free_device_memory()
     torch.manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
     labels = torch.randint(0, vocab, (tokens,), device="cuda")
-    loss_fn = linear_loss("fusetune", softcap)
+    return hidden, weight, labels, linear_loss("fusetune", softcap)
+
+
+def fusetune_call(shape) -> Callable[[], Any]:
+    """One fwd+bwd of fusetune's fused linear cross-entropy at ``shape``."""
+    hidden, weight, labels, loss_fn = fusetune_inputs(shape)
     return lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
 
 
@@ -365,13 +371,8 @@ def profile_case(shape) -> dict:
     """Kernel profile of the default at one shape, with its measured time and the chunk rows it chose."""
     from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
 
-    tokens, hidden_size, vocab, softcap = shape
-    free_device_memory()
-    torch.manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
-    labels = torch.randint(0, vocab, (tokens,), device="cuda")
-    loss_fn = linear_loss("fusetune", softcap)
+    tokens, hidden_size, vocab, _ = shape
+    hidden, weight, labels, loss_fn = fusetune_inputs(shape)
     rows = fused_linear_cross_entropy_chunk_rows(tokens, hidden_size, vocab, torch.bfloat16)
     ms, peak = measure(lambda: loss_fn(hidden, weight, labels), [hidden, weight], SWEEP)
     kernels = profile_kernels(
