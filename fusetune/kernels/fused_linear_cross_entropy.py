@@ -78,23 +78,10 @@ _CHUNK_ROW_ALIGNMENT = 128
 DEFAULT_SKIP_THRESHOLD = 2.0**-12
 
 
-def fused_linear_cross_entropy_chunk_rows(
-    n_tokens: int,
-    hidden_size: int,
-    vocab_size: int,
-    logits_dtype: torch.dtype,
-    logits_chunk_bytes: int | None = None,
-    *,
-    rows_to_chunk: int | None = None,
-    free_bytes: int | None = None,
-) -> int:
-    """Rows of the [C, V] logits buffer: the largest chunk of :func:`fused_linear_cross_entropy_chunk_sizes`."""
-    return max(
-        fused_linear_cross_entropy_chunk_sizes(
-            n_tokens, hidden_size, vocab_size, logits_dtype, logits_chunk_bytes,
-            rows_to_chunk=rows_to_chunk, free_bytes=free_bytes,
-        )
-    )  # fmt: skip
+def fused_linear_cross_entropy_chunk_rows(*args, **kwargs) -> int:
+    """Rows of the [C, V] logits buffer: the largest chunk of :func:`fused_linear_cross_entropy_chunk_sizes`,
+    which takes the same arguments."""
+    return max(fused_linear_cross_entropy_chunk_sizes(*args, **kwargs))
 
 
 def fused_linear_cross_entropy_chunk_sizes(
