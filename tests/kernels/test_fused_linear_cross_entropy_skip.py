@@ -129,6 +129,18 @@ def test_skip_matches_reference(device, kept_fraction, dtype, options, ignored_e
     assert all(0.0 < fraction < 0.2 for fraction in kept_fraction), kept_fraction
 
 
+@pytest.mark.parametrize("dw_gather", [("rows",), ("dot", 32, 32, 128, 4)], ids=["rows", "row-groups"])
+def test_skip_dw_by_either_gather_kernel(device, monkeypatch, dw_gather):
+    """dW from the kept entries through the per-row gather (the default) and the tensor-core kernel over
+    groups of vocabulary rows (selectable with DW_GATHER, timed by benchmarks/loss_skip.py)."""
+    monkeypatch.setattr(flce_module, "DW_GATHER", dw_gather)
+    hidden, weight, labels, _ = peaked_inputs(32, torch.bfloat16, device, ignored_every=4)
+    assert_skip_matches_reference(
+        hidden, weight, labels, None, torch.tensor(2.5).to(device), reduction="mean",
+        logits_chunk_bytes=chunk_bytes(8, torch.bfloat16),
+    )  # fmt: skip
+
+
 def test_skip_module_single_token_and_leading_dims(device):
     hidden, weight, labels, _ = peaked_inputs(12, torch.bfloat16, device, ignored_every=5)
     module = FusedLinearCrossEntropyLoss(skip_small_gradients=True)
