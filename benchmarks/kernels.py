@@ -196,8 +196,10 @@ def enumerate_cases(
     tiny: bool,
     sweep_impls: list[str] | None = None,
     sweep_hidden: list[int] | None = None,
+    sweep_vocab: list[int] | None = None,
 ) -> list[Case]:
-    """The cases to run; ``sweep_hidden`` keeps only the sweep shapes of those H (a sweep split over calls)."""
+    """The cases to run; ``sweep_hidden`` / ``sweep_vocab`` keep only the sweep shapes of those H / V (a
+    sweep split over calls, or rerun where a change applies)."""
     sweep_impls = [impl for impl in (sweep_impls or SWEEP_IMPLS) if impl in impls]
     cases: list[Case] = []
     for op in ops:
@@ -205,6 +207,8 @@ def enumerate_cases(
         sweep = sweep_shapes(op, tiny) if sweeps != "none" else []
         if sweep_hidden:
             sweep = [shape for shape in sweep if shape.get("H") in sweep_hidden]
+        if sweep_vocab:
+            sweep = [shape for shape in sweep if shape.get("V") in sweep_vocab]
         for shape in main:
             cases += [Case(op, shape, impl, "main") for impl in OP_IMPLS[op] if impl in impls]
         for shape in sweep:
@@ -1227,6 +1231,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated H values: run only the sweep shapes of those (a long sweep split over calls, "
         "with --merge)",
     )
+    parser.add_argument(
+        "--sweep-vocab",
+        default="",
+        help="comma-separated V values: run only the sweep shapes of those (with --merge)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
     parser.add_argument(
         "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
@@ -1264,10 +1273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
     args.sweep_impls = [impl.strip() for impl in args.sweep_impls.split(",") if impl.strip()]
-    try:
-        args.sweep_hidden = [int(value) for value in args.sweep_hidden.split(",") if value.strip()]
-    except ValueError:
-        parser.error(f"--sweep-hidden: expected comma-separated integers, got {args.sweep_hidden!r}")
+    for option in ("sweep_hidden", "sweep_vocab"):
+        try:
+            setattr(args, option, [int(value) for value in getattr(args, option).split(",") if value.strip()])
+        except ValueError:
+            flag = "--" + option.replace("_", "-")
+            parser.error(f"{flag}: expected comma-separated integers, got {getattr(args, option)!r}")
     for name, chosen, known in (
         ("--ops", args.ops, OPS),
         ("--impls", args.impls, IMPLS),
@@ -1286,7 +1297,9 @@ def main(argv: list[str] | None = None) -> int:
     if args._worker:
         return _worker_main(args._worker)
     tiny = args.device == "cpu"
-    cases = enumerate_cases(args.ops, args.impls, args.sweeps, tiny, args.sweep_impls, args.sweep_hidden)
+    cases = enumerate_cases(
+        args.ops, args.impls, args.sweeps, tiny, args.sweep_impls, args.sweep_hidden, args.sweep_vocab
+    )
     if args.list_cases:
         for case in cases:
             print(f"{case.op:<27} {case.set_name:<6} {case.impl:<17} {_shape_text(case.shape)}")

@@ -56,9 +56,11 @@ _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
 
 @triton.jit
 def _tanh(u):
-    # One exp2 and one division; exact to ~1e-7 absolute and saturating cleanly for large |u|.
+    # One exp2 and one fast division (div.full.f32, within 2 ulp): exact to ~2e-7 absolute and saturating
+    # cleanly for large |u|. The IEEE division it replaces made the softcapped kernel about 1.8x slower
+    # per element than the plain one (H200 profile at T=8192, H=1536, V=256000, softcap 30).
     e = tl.exp2(tl.abs(u) * (-2.0 * LOG2E))
-    t = (1.0 - e) / (1.0 + e)
+    t = tl.fdiv(1.0 - e, 1.0 + e, ieee_rounding=False)
     return tl.where(u < 0.0, -t, t)
 
 
@@ -123,6 +125,8 @@ def _cross_entropy_forward_kernel(
     lanes = tl.arange(0, BLOCK_V)
     n_blocks = tl.cdiv(n_cols, BLOCK_V)
     inv_n_cols = 1.0 / n_cols
+    # x / softcap as one multiplication: within an ulp of the division, at a fraction of its cost.
+    inv_softcap = 1.0 / softcap if HAS_SOFTCAP else 0.0
     for row in range(program, n_rows, n_programs):
         row64 = tl.cast(row, tl.int64)
         label = tl.load(labels_ptr + row64)
@@ -169,7 +173,7 @@ def _cross_entropy_forward_kernel(
                     eviction_policy=FIRST_SWEEP_EVICTION,
                 )
                 if HAS_SOFTCAP:
-                    s = tl.where(mask, softcap * _tanh(x / softcap), float("-inf"))
+                    s = tl.where(mask, softcap * _tanh(x * inv_softcap), float("-inf"))
                 else:
                     s = x
                 delta = s - running_max
@@ -195,7 +199,7 @@ def _cross_entropy_forward_kernel(
 
             x_label = tl.load(logits_row + label32).to(tl.float32)
             if HAS_SOFTCAP:
-                s_label = softcap * _tanh(x_label / softcap)
+                s_label = softcap * _tanh(x_label * inv_softcap)
             else:
                 s_label = x_label
             if HAS_CLASS_WEIGHT:
@@ -252,7 +256,7 @@ def _cross_entropy_forward_kernel(
                         eviction_policy="evict_first",
                     )
                     if HAS_SOFTCAP:
-                        t = _tanh(x / softcap)
+                        t = _tanh(x * inv_softcap)
                         s = softcap * t
                     else:
                         s = x
