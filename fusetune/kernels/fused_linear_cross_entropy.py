@@ -39,6 +39,8 @@ of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -515,10 +517,8 @@ def _chunked_linear_cross_entropy(
                 (chunk_rows, triton.cdiv(vocab_size, count_columns)), dtype=torch.int32, device=device
             )
         weight_t = weight.t()
-        chunk_starts = [0]
-        for size in chunk_sizes:
-            chunk_starts.append(chunk_starts[-1] + size)
-        for start, end in zip(chunk_starts[:-1], chunk_starts[1:], strict=True):
+        chunk_ends = list(itertools.accumulate(chunk_sizes))
+        for start, end in zip([0, *chunk_ends[:-1]], chunk_ends, strict=True):
             if all_valid:
                 hidden_c, labels_c = hidden[start:end], labels[start:end]
                 rows_c = None
