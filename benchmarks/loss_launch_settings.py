@@ -261,9 +261,10 @@ def fusetune_call(shape) -> Callable[[], Any]:
 
 
 def idle_gaps(shape, min_gap_us: float = 20.0, top: int = 8) -> dict:
-    """Where the device waits for the host in one fwd+bwd: the call's span on the host, the time before its
-    first kernel starts and after its last one ends, and the longest idle gaps between kernels, each with
-    the host operators running during it (shortest first: the innermost explain the wait)."""
+    """Where the device waits for the host in one fwd+bwd: the call's span on the host, the time from its
+    start to its first kernel, the device's span, and the longest idle gaps between kernels, each with the
+    host operators running during it (shortest first: the innermost explain the wait). Replaces a CPU-only
+    profile of self times, whose profiler overhead showed the 20-us scale launch as 1.7 ms."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     call = fusetune_call(shape)
@@ -350,23 +351,6 @@ def host_pieces(repeats: int = 50) -> dict:
     return {"op": "flce-host-pieces", "us": result}
 
 
-def host_profile(shape, top: int = 12) -> dict:
-    """The host side of one call at a small shape (where host time shows): the operators with the most
-    self CPU time, to find what keeps the device idle between kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    call = fusetune_call(shape)
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        call()
-        torch.cuda.synchronize()
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-    return {"op": "flce-host", "shape": shape,
-            "ops": [(e.key[:70], round(e.self_cpu_time_total / 1e3, 3), e.count) for e in ops]}  # fmt: skip
-
-
 def profile_case(shape) -> dict:
     """Kernel profile of the default at one shape, with its measured time and the chunk rows it chose."""
     from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
@@ -444,8 +428,6 @@ def main() -> int:
                     break
                 for row in chunk_pieces(hidden_size, vocab):
                     emit(row)
-    if "host" in parts:
-        emit(host_profile((1024, 4096, 32000, None)))
     if "host-pieces" in parts:
         emit(host_pieces())
     if "gaps" in parts:
