@@ -9,8 +9,9 @@ the tokens: for each chunk of C valid tokens
     dW       += dlogits_c^T @ h_c                       accumulated in weight's dtype, or in float32
     db       += column sums of dlogits_c
 
-Tokens labelled ``ignore_index`` are dropped before any matmul (their rows are gathered away first;
-their gradients are 0). Gradients are computed during the forward for reductions "mean" and "sum",
+Tokens labelled ``ignore_index`` get loss 0 and gradient 0. When the tokens take several chunks, they are
+dropped before any matmul (their rows are gathered away first, at one host synchronisation); a call of one
+chunk runs them, with nothing synchronised. Gradients are computed during the forward for reductions "mean" and "sum",
 so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
 For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
 the sum over tokens in dW, so the forward computes only the losses and the backward recomputes the
@@ -171,6 +172,35 @@ def _balanced_chunk_sizes(rows_to_chunk: int, max_rows: int) -> list[int]:
 def _valid_token_rows(labels: Tensor, ignore_index: int) -> Tensor:
     """Indices of the tokens whose label is not ``ignore_index`` (synchronises with the device once)."""
     return torch.nonzero(labels != ignore_index).squeeze(1)
+
+
+def _gradient_scale(
+    reduction: str, num_items: float | Tensor | None, valid_count: int | Tensor, device: torch.device
+) -> Tensor:
+    """1 / the loss's denominator as a float32 [1] device tensor (0 where the denominator is 0). A count known
+    only on the device (``valid_count`` or ``num_items`` as tensors) is divided by there, never read."""
+    if reduction != "none" and isinstance(num_items, Tensor):
+        count = num_items.to(device=device, dtype=torch.float32).reshape(1)
+        return torch.where(count != 0.0, count.reciprocal(), 0.0)
+    if reduction == "mean" and num_items is None and isinstance(valid_count, Tensor):
+        # With no valid token every row's gradient is 0 whatever the scale.
+        return valid_count.reshape(1).clamp(min=1.0).reciprocal_()
+    if reduction == "none" or (reduction == "sum" and num_items is None):
+        denominator = 1.0
+    elif num_items is not None:
+        denominator = float(num_items)
+    else:
+        denominator = float(valid_count)
+    scale = 1.0 / denominator if denominator != 0.0 else 0.0
+    return torch.full((1,), scale, dtype=torch.float32, device=device)
+
+
+def _per_token(rows: Tensor, valid_rows: Tensor | None, n_tokens: int) -> Tensor:
+    """Per-token values from the rows that ran: 0 at the tokens that were dropped."""
+    if valid_rows is None:
+        return rows
+    out = rows.new_zeros(n_tokens)
+    return out.index_copy_(0, valid_rows, rows)
 
 
 def _addmm_float32_(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
@@ -432,7 +462,7 @@ def _chunked_linear_cross_entropy(
     *,
     ignore_index: int,
     reduction: str,
-    num_items: float | None,
+    num_items: float | Tensor | None,
     softcap: float,
     label_smoothing: float,
     z_loss_scale: float,
@@ -461,25 +491,36 @@ def _chunked_linear_cross_entropy(
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
         hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
 
-    valid_rows = _valid_token_rows(labels, ignore_index)
-    n_valid = valid_rows.numel()
-    all_valid = n_valid == n_tokens
-
-    if reduction == "none":
-        denominator = 1.0
-    elif num_items is not None:
-        denominator = float(num_items)
+    # Chunks as if every token counted. One chunk runs over all tokens, ignored ones included (the
+    # cross-entropy kernel gives them loss 0 and gradient 0), with no host synchronisation: counting the
+    # valid tokens on the host stops it until the device has run everything queued before the loss, and the
+    # device then idles while the host issues the loop (on H100 at T=1024, H=2048, V=32000: XXX). Several
+    # chunks first drop the ignored tokens, which saves their matmuls at one synchronisation of a call that
+    # is long beside it.
+    chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
+        n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes
+    )
+    valid_rows = None  # the tokens that run, when they are not all
+    n_rows = n_tokens
+    if len(chunk_sizes) > 1:
+        indices = _valid_token_rows(labels, ignore_index)
+        valid_count: int | Tensor = indices.numel()
+        if valid_count < n_tokens:
+            valid_rows, n_rows = indices, valid_count
+            chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
+                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows
+            )
     else:
-        denominator = float(n_valid) if reduction == "mean" else 1.0
-    grad_scale_value = 1.0 / denominator if denominator != 0.0 else 0.0
-    grad_scale = torch.full((1,), grad_scale_value, dtype=torch.float32, device=device)
+        valid_count = (labels != ignore_index).sum(dtype=torch.float32)
+    grad_scale = _gradient_scale(reduction, num_items, valid_count, device)
 
-    loss_rows = torch.empty(n_valid, dtype=torch.float32, device=device)
-    correct_rows = torch.empty(n_valid, dtype=torch.float32, device=device) if compute_accuracy else None
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+    correct_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
     # Distinct empty tensors: a custom op's outputs may not alias one another.
     grad_hidden = hidden.new_empty(0)
     if grad_hidden_needed:
-        grad_hidden = torch.empty_like(hidden) if all_valid and n_valid > 0 else torch.zeros_like(hidden)
+        every_row_written = valid_rows is None and n_rows > 0
+        grad_hidden = torch.empty_like(hidden) if every_row_written else torch.zeros_like(hidden)
     grad_weight = hidden.new_empty(0)
     if grad_weight_needed and skipping:
         grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)  # every row written
@@ -488,17 +529,14 @@ def _chunked_linear_cross_entropy(
         kept_values: list[Tensor] = []
     elif grad_weight_needed:
         dw_dtype = torch.float32 if accumulate_dw_in_fp32 else weight.dtype
-        # The first chunk writes dW with a plain matmul, so it needs no zero fill unless nothing is valid.
-        first_chunk_overwrites = dw_dtype == weight.dtype and n_valid > 0
+        # The first chunk writes dW with a plain matmul, so it needs no zero fill unless no row runs.
+        first_chunk_overwrites = dw_dtype == weight.dtype and n_rows > 0
         grad_weight = (torch.empty if first_chunk_overwrites else torch.zeros)(
             weight.shape, dtype=dw_dtype, device=device
         )
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
-    if n_valid > 0:
-        chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
-            n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_valid
-        )
+    if n_rows > 0:
         chunk_rows = max(chunk_sizes)
         try:
             logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
@@ -506,7 +544,7 @@ def _chunked_linear_cross_entropy(
             # Only now is the device asked: smaller chunks within half of what is free.
             free_bytes, _ = torch.cuda.mem_get_info(device)
             chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
-                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_valid,
+                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows,
                 free_bytes=free_bytes,
             )  # fmt: skip
             chunk_rows = max(chunk_sizes)
@@ -519,7 +557,7 @@ def _chunked_linear_cross_entropy(
         weight_t = weight.t()
         chunk_ends = list(itertools.accumulate(chunk_sizes))
         for start, end in zip([0, *chunk_ends[:-1]], chunk_ends, strict=True):
-            if all_valid:
+            if valid_rows is None:
                 hidden_c, labels_c = hidden[start:end], labels[start:end]
                 rows_c = None
             else:
@@ -607,17 +645,16 @@ def _chunked_linear_cross_entropy(
         _gather_weight_gradient(sorted_vocab, tokens[order], values[order], hidden, grad_weight)
 
     if reduction == "none":
-        loss = torch.zeros(n_tokens, dtype=torch.float32, device=device)
-        loss.index_copy_(0, valid_rows, loss_rows)
+        loss = _per_token(loss_rows, valid_rows, n_tokens)
     else:
-        loss = loss_rows.sum() * grad_scale_value
+        loss = (loss_rows.sum() * grad_scale).squeeze(0)
     if correct_rows is None:
         accuracy = loss.new_empty(0)
     elif reduction == "none":
-        accuracy = torch.zeros(n_tokens, dtype=torch.float32, device=device)
-        accuracy.index_copy_(0, valid_rows, correct_rows)
-    else:
-        accuracy = correct_rows.sum() / max(n_valid, 1)
+        accuracy = _per_token(correct_rows, valid_rows, n_tokens)
+    else:  # ignored tokens that ran count as not correct: divide by the valid ones
+        n_valid = valid_count.clamp(min=1.0) if isinstance(valid_count, Tensor) else max(valid_count, 1)
+        accuracy = correct_rows.sum() / n_valid
     if grad_weight_needed and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     grad_bias = (
@@ -634,9 +671,9 @@ def _chunked_linear_cross_entropy(
 # --------------------------------------------------------------------------------------------------
 
 
-def _num_items(num_items_tensor: Tensor | None, num_items_value: float) -> float | None:
+def _num_items(num_items_tensor: Tensor | None, num_items_value: float) -> float | Tensor | None:
     if num_items_tensor is not None:
-        return float(num_items_tensor.item())
+        return num_items_tensor  # divided by on the device: reading it would synchronise
     return num_items_value if num_items_value > 0.0 else None
 
 

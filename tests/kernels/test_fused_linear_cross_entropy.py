@@ -122,6 +122,9 @@ CASES = [
 ]
 
 
+# Chunk rows: 8 makes four chunks, whose ignored tokens are dropped before the matmuls; None (the default
+# budget) one chunk, which runs the ignored tokens and counts the valid ones on the device.
+@pytest.mark.parametrize("chunk_rows", [8, None], ids=["chunks", "one-chunk"])
 @pytest.mark.parametrize(
     ("dtype", "options", "ignored_every", "bias"),
     CASES,
@@ -130,7 +133,7 @@ CASES = [
         for d, o, i, b in CASES
     ],
 )
-def test_matches_reference(device, dtype, options, ignored_every, bias):
+def test_matches_reference(device, dtype, options, ignored_every, bias, chunk_rows):
     hidden, weight, labels, bias_tensor = make_inputs(
         32, dtype, device, ignored_every=ignored_every, bias=bias
     )
@@ -138,9 +141,24 @@ def test_matches_reference(device, dtype, options, ignored_every, bias):
     if options.get("num_items_in_batch") == "tensor":
         options["num_items_in_batch"] = torch.tensor(41, device=device)
     upstream = (torch.randn(32) if options["reduction"] == "none" else torch.tensor(2.5)).to(device)
+    budget = chunk_bytes(chunk_rows, dtype) if chunk_rows is not None else None
     assert_matches_reference(
-        hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=chunk_bytes(8, dtype), **options
+        hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=budget, **options
     )
+
+
+def test_one_chunk_never_counts_tokens_on_the_host(device, monkeypatch):
+    # Counting the valid tokens on the host synchronises with the device; a call of one chunk must not.
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
+
+    def fail(labels, ignore_index):
+        raise AssertionError("the valid tokens were counted on the host")
+
+    monkeypatch.setattr(flce_module, "_valid_token_rows", fail)
+    for options in ({"reduction": "mean", "return_accuracy": True}, {"num_items_in_batch": torch.tensor(9)}):
+        assert_matches_reference(hidden, weight, labels, **options)
+    with pytest.raises(AssertionError, match="counted on the host"):
+        fused_linear_cross_entropy(hidden, weight, labels, logits_chunk_bytes=chunk_bytes(8, torch.float32))
 
 
 def test_single_token(device):
@@ -188,7 +206,7 @@ def test_huge_logits_do_not_overflow(device):
     )
 
 
-def test_ignored_tokens_never_reach_a_matmul(device):
+def test_ignored_tokens_of_several_chunks_never_reach_a_matmul(device):
     # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul.
     hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
     ignored = labels == -100
@@ -358,14 +376,15 @@ def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch):
 def test_mutant_keeping_ignored_tokens_fails(device, monkeypatch):
     # Ignored tokens kept in the chunks: the kernel zeroes their loss, but "mean" then divides by T.
     hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
-    assert_matches_reference(hidden, weight, labels, reduction="mean")
+    options = {"reduction": "mean", "logits_chunk_bytes": chunk_bytes(8, torch.float32)}
+    assert_matches_reference(hidden, weight, labels, **options)
     monkeypatch.setattr(
         flce_module,
         "_valid_token_rows",
         lambda labels, ignore_index: torch.arange(labels.numel(), device=device),
     )
     with pytest.raises(AssertionError, match="not close"):
-        assert_matches_reference(hidden, weight, labels, reduction="mean")
+        assert_matches_reference(hidden, weight, labels, **options)
 
 
 # --- compile ---------------------------------------------------------------------------------------
@@ -428,3 +447,29 @@ def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     upstream = torch.randn(n_tokens, device="cuda") if options["reduction"] == "none" else None
     # Default chunking: 2 and 3 chunks at the first two shapes (bf16 dW summed across them), 1 at the last.
     assert_matches_reference(hidden, weight, labels, None, upstream, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_items", [None, "tensor"])
+def test_one_chunk_runs_without_synchronising_on_gpu(num_items):
+    # torch raises on any host synchronisation in "error" mode (a nonzero, an .item(), a blocking copy).
+    hidden, weight, labels, _ = make_inputs(256, torch.bfloat16, "cuda")
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    count = torch.tensor(200.0, device="cuda") if num_items == "tensor" else None
+
+    def fwd_bwd():
+        loss, accuracy = fused_linear_cross_entropy(
+            hidden, weight, labels, num_items_in_batch=count, return_accuracy=True
+        )
+        torch.autograd.grad([loss], [hidden, weight])
+        return loss, accuracy
+
+    fwd_bwd()  # kernels compiled and loaded first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, accuracy = fwd_bwd()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss) and 0.0 <= float(accuracy) <= 1.0
