@@ -1,30 +1,35 @@
-"""The cross-entropy kernel of this checkout against an earlier version of its file, in one process, with and
-without a softcap (fwd+bwd through torch.autograd.grad, do_bench medians, each version timed twice).
+"""The cross-entropy kernel of this checkout against other versions of its file (an earlier commit's, or
+variants under trial), all in one process: fwd+bwd through torch.autograd.grad, do_bench medians, each
+version timed twice in turn so that drift shows.
 
     git show REV:fusetune/kernels/cross_entropy.py > /tmp/ce_before.py
-    PYTHONPATH=. python3 benchmarks/cross_entropy_ab.py --before /tmp/ce_before.py
+    PYTHONPATH=. python3 benchmarks/cross_entropy_ab.py /tmp/ce_before.py [/tmp/ce_variant.py ...] [--out DIR]
 
-The earlier file's custom ops are renamed on load so that both versions can be registered at once.
+Each other file's custom ops are renamed on load so that every version can be registered at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-SHAPES = ((8192, 256000), (8192, 128256))
+# (T, V, softcaps)
+SHAPES = ((8192, 128256, (None,)), (8192, 256000, (None, 30.0)), (8192, 32000, (None,)))
 
 
-def load_before(path: Path):
-    source = path.read_text().replace('"fusetune::', '"fusetune_before::')
-    renamed = Path(tempfile.mkdtemp()) / "cross_entropy_before.py"
+def load_version(path: Path, index: int):
+    name = f"cross_entropy_version{index}"
+    source = path.read_text().replace('"fusetune::', f'"fusetune_version{index}::')
+    renamed = Path(tempfile.mkdtemp()) / f"{name}.py"
     renamed.write_text(source)
-    spec = importlib.util.spec_from_file_location("cross_entropy_before", renamed)
+    spec = importlib.util.spec_from_file_location(name, renamed)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
@@ -34,36 +39,43 @@ def load_before(path: Path):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--before", type=Path, required=True, help="an earlier fusetune/kernels/cross_entropy.py"
+        "others", type=Path, nargs="+", help="other versions of fusetune/kernels/cross_entropy.py"
     )
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     from triton.testing import do_bench
 
-    import fusetune.kernels.cross_entropy as after
+    import fusetune.kernels.cross_entropy as this
 
-    before = load_before(args.before)
-    for tokens, vocab in SHAPES:
+    versions = {"this checkout": this}
+    versions.update({path.name: load_version(path, i) for i, path in enumerate(args.others)})
+    rows = []
+    for tokens, vocab, softcaps in SHAPES:
         torch.manual_seed(0)
         logits = (torch.randn(tokens, vocab, device="cuda") * 4).to(torch.bfloat16)
         labels = torch.randint(0, vocab, (tokens,), device="cuda")
-        for softcap in (30.0, None):
-            times = {}
-            for name, module in (
-                ("before", before),
-                ("after", after),
-                ("before again", before),
-                ("after again", after),
-            ):
-                x = logits.clone().requires_grad_()
+        floor_ms = 2 * logits.numel() * logits.element_size() / 3.0e9  # read once, written once, at 3 TB/s
+        for softcap in softcaps:
+            times: dict[str, list[float]] = {name: [] for name in versions}
+            for _ in range(2):
+                for name, module in versions.items():
+                    x = logits.clone().requires_grad_()
 
-                def fwd_bwd(module=module, x=x, labels=labels, softcap=softcap):
-                    return torch.autograd.grad([module.cross_entropy(x, labels, softcap=softcap)], [x])
+                    def fwd_bwd(module=module, x=x, labels=labels, softcap=softcap):
+                        return torch.autograd.grad([module.cross_entropy(x, labels, softcap=softcap)], [x])
 
-                times[name] = do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median")
-            print(
-                f"T={tokens} V={vocab} softcap={softcap}: "
-                + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items())
-            )
+                    try:
+                        times[name].append(do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median"))
+                    except Exception as error:  # a variant under trial that does not compile: say so, go on
+                        print(f"  {name}: {type(error).__name__}: {str(error)[:200]}")
+                        times[name].append(float("nan"))
+                    del x
+            print(f"T={tokens} V={vocab} softcap={softcap} (floor at 3 TB/s {floor_ms:.3f} ms):")
+            for name, measured in times.items():
+                print(f"  {name:40s} " + "  ".join(f"{ms:.3f}" for ms in measured) + " ms")
+                rows.append({"T": tokens, "V": vocab, "softcap": softcap, "version": name, "ms": measured})
+    with open(os.path.join(args.out, "cross-entropy-ab.json"), "w") as handle:
+        json.dump(rows, handle, indent=1)
     return 0
 
 

@@ -197,9 +197,10 @@ def enumerate_cases(
     sweep_impls: list[str] | None = None,
     sweep_hidden: list[int] | None = None,
     sweep_vocab: list[int] | None = None,
+    sweep_tokens: list[int] | None = None,
 ) -> list[Case]:
-    """The cases to run; ``sweep_hidden`` / ``sweep_vocab`` keep only the sweep shapes of those H / V (a
-    sweep split over calls, or rerun where a change applies)."""
+    """The cases to run; ``sweep_hidden`` / ``sweep_vocab`` / ``sweep_tokens`` keep only the sweep shapes of
+    those H / V / T (a sweep split over calls, or rerun where a change applies)."""
     sweep_impls = [impl for impl in (sweep_impls or SWEEP_IMPLS) if impl in impls]
     cases: list[Case] = []
     for op in ops:
@@ -209,6 +210,8 @@ def enumerate_cases(
             sweep = [shape for shape in sweep if shape.get("H") in sweep_hidden]
         if sweep_vocab:
             sweep = [shape for shape in sweep if shape.get("V") in sweep_vocab]
+        if sweep_tokens:
+            sweep = [shape for shape in sweep if shape.get("T") in sweep_tokens]
         for shape in main:
             cases += [Case(op, shape, impl, "main") for impl in OP_IMPLS[op] if impl in impls]
         for shape in sweep:
@@ -1236,6 +1239,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="comma-separated V values: run only the sweep shapes of those (with --merge)",
     )
+    parser.add_argument(
+        "--sweep-tokens",
+        default="",
+        help="comma-separated T values: run only the sweep shapes of those (with --merge)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
     parser.add_argument(
         "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
@@ -1273,7 +1281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
     args.sweep_impls = [impl.strip() for impl in args.sweep_impls.split(",") if impl.strip()]
-    for option in ("sweep_hidden", "sweep_vocab"):
+    for option in ("sweep_hidden", "sweep_vocab", "sweep_tokens"):
         try:
             setattr(args, option, [int(value) for value in getattr(args, option).split(",") if value.strip()])
         except ValueError:
@@ -1298,7 +1306,14 @@ def main(argv: list[str] | None = None) -> int:
         return _worker_main(args._worker)
     tiny = args.device == "cpu"
     cases = enumerate_cases(
-        args.ops, args.impls, args.sweeps, tiny, args.sweep_impls, args.sweep_hidden, args.sweep_vocab
+        args.ops,
+        args.impls,
+        args.sweeps,
+        tiny,
+        args.sweep_impls,
+        args.sweep_hidden,
+        args.sweep_vocab,
+        args.sweep_tokens,
     )
     if args.list_cases:
         for case in cases:
