@@ -43,18 +43,25 @@ CHUNK_ROWS = (1024, 1536, 2048, 4096)
 GEMM_HIDDEN = (1536, 2048, 4096)
 GEMM_VOCABS = (32000, 128256, 151936, 256000)
 GEMM_ROWS = (256, 384, 512, 640, 768, 832, 896, 1024, 1152, 1216, 1280, 1536, 2048, 3072, 4096)
-# Part "sweep-profile": kernel profiles of the default at sweep shapes where it trails torch.compile.
+# Part "sweep-profile": kernel profiles (fusetune's and torch.compile's) at sweep shapes where fusetune trails
+# torch.compile.
 PROFILE_SHAPES = (
-    (8192, 4096, 128256, None),
-    (8192, 2048, 151936, None),
-    (4096, 4096, 151936, None),
+    (1024, 1536, 151936, None),
+    (1024, 2048, 256000, 30.0),
+    (1024, 4096, 32000, None),
+    (4096, 2048, 151936, None),
     (4096, 4096, 256000, 30.0),
-    (8192, 1536, 256000, 30.0),
-    (1024, 1536, 32000, None),
-    (65536, 4096, 128256, None),
 )
 # (block_v, num_warps, programs_per_processor)
-CE_SETTINGS = ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2), (4096, 16, 2), (4096, 8, 4))
+CE_SETTINGS = (
+    (16384, 32, 1),
+    (8192, 32, 1),
+    (8192, 16, 2),
+    (4096, 16, 2),
+    (4096, 8, 4),
+    (2048, 4, 8),
+    (32768, 32, 1),
+)
 
 
 def measure(fn: Callable[[], Any], grad_inputs: list, reps: Repetitions) -> tuple[float, float]:
@@ -242,16 +249,18 @@ def device_timeline(fn: Callable[[], Any]) -> dict:
             "gaps": sorted(gaps, reverse=True)[:5]}  # fmt: skip
 
 
-def fusetune_inputs(shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable]:
-    """(hidden, weight, labels, loss function) of fusetune's fused linear cross-entropy at ``shape``
-    (T, H, V, softcap), drawn afresh after the device's cache is emptied."""
+def fusetune_inputs(
+    shape, impl: str = "fusetune"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable]:
+    """(hidden, weight, labels, loss function) of ``impl``'s fused linear cross-entropy (fusetune's by default)
+    at ``shape`` (T, H, V, softcap), drawn afresh after the device's cache is emptied."""
     tokens, hidden_size, vocab, softcap = shape
     free_device_memory()
     torch.manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
     labels = torch.randint(0, vocab, (tokens,), device="cuda")
-    return hidden, weight, labels, linear_loss("fusetune", softcap)
+    return hidden, weight, labels, linear_loss(impl, softcap)
 
 
 def fusetune_call(shape) -> Callable[[], Any]:
@@ -323,14 +332,34 @@ def host_pieces(repeats: int = 50) -> dict:
         "torch.mm": lambda: torch.mm(grad[:64], weight.detach()[:64].t()),
         "torch.full": lambda: torch.full((1,), 0.5, device=device),
         "empty 64 MB": lambda: torch.empty((1024, 32000), device=device, dtype=torch.bfloat16),
+        # A call of one chunk no longer synchronises, so its pieces are timed with the device busy too.
+        "flce chunk loop (T=1024, H=4096, V=32000)": lambda: flce._chunked_linear_cross_entropy(
+            hidden.detach(),
+            weight.detach(),
+            labels,
+            None,
+            ignore_index=-100,
+            reduction="mean",
+            num_items=None,
+            softcap=0.0,
+            label_smoothing=0.0,
+            z_loss_scale=0.0,
+            accumulate_dw_in_fp32=False,
+            compute_accuracy=False,
+            grad_hidden_needed=True,
+            grad_weight_needed=True,
+            grad_bias_needed=False,
+            token_upstream=None,
+            logits_chunk_bytes=None,
+        ),
+        "flce forward": lambda: flce.fused_linear_cross_entropy(hidden, weight, labels),
+        "flce fwd+bwd": lambda: torch.autograd.grad(
+            [flce.fused_linear_cross_entropy(hidden, weight, labels)], [hidden, weight]
+        ),
     }
     idle = {
         "mem_get_info": lambda: torch.cuda.mem_get_info(device),
         "nonzero": lambda: torch.nonzero(labels != -100),
-        "flce forward (T=1024, V=32000)": lambda: flce.fused_linear_cross_entropy(hidden, weight, labels),
-        "flce fwd+bwd": lambda: torch.autograd.grad(
-            [flce.fused_linear_cross_entropy(hidden, weight, labels)], [hidden, weight]
-        ),
     }
     result = {}
     for name, fn in {**busy, **idle}.items():
@@ -351,12 +380,12 @@ def host_pieces(repeats: int = 50) -> dict:
     return {"op": "flce-host-pieces", "us": result}
 
 
-def profile_case(shape) -> dict:
-    """Kernel profile of the default at one shape, with its measured time and the chunk rows it chose."""
+def profile_case(shape, impl: str = "fusetune") -> dict:
+    """Kernel profile of ``impl`` at one shape, with its measured time (and for fusetune the chunk rows)."""
     from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
 
     tokens, hidden_size, vocab, _ = shape
-    hidden, weight, labels, loss_fn = fusetune_inputs(shape)
+    hidden, weight, labels, loss_fn = fusetune_inputs(shape, impl)
     rows = fused_linear_cross_entropy_chunk_rows(tokens, hidden_size, vocab, torch.bfloat16)
     ms, peak = measure(lambda: loss_fn(hidden, weight, labels), [hidden, weight], SWEEP)
     kernels = profile_kernels(
@@ -365,8 +394,10 @@ def profile_case(shape) -> dict:
     timeline = device_timeline(
         lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
     )
-    return {"op": "flce-profile", "shape": shape, "chunk_rows": rows, "ms": round(ms, 3),
-            "kernel_ms": round(sum(k[1] for k in kernels), 3), "timeline": timeline, "kernels": kernels[:10]}  # fmt: skip
+    torch._dynamo.reset()
+    return {"op": "flce-profile", "impl": impl, "shape": shape, "chunk_rows": rows if impl == "fusetune" else None,
+            "ms": round(ms, 3), "kernel_ms": round(sum(k[1] for k in kernels), 3), "timeline": timeline,
+            "kernels": kernels[:10]}  # fmt: skip
 
 
 def main() -> int:
@@ -390,9 +421,10 @@ def main() -> int:
         for impl in impls:
             emit({"op": "cross_entropy", "T": 8192, "V": 128256, "impl": impl, **ce_case(8192, 128256, impl)})
         if "fusetune" in impls and args.tag == "new":
-            for setting in CE_SETTINGS:
-                emit({"op": "cross_entropy", "T": 8192, "V": 128256, "impl": "fusetune", "setting": setting,
-                      **ce_case(8192, 128256, "fusetune", setting)})  # fmt: skip
+            for vocab in (128256, 32000):
+                for setting in CE_SETTINGS:
+                    emit({"op": "cross_entropy", "T": 8192, "V": vocab, "impl": "fusetune", "setting": setting,
+                          **ce_case(8192, vocab, "fusetune", setting)})  # fmt: skip
             for vocab in (32000, 256000):
                 for impl in impls:
                     emit({"op": "cross_entropy", "T": 8192, "V": vocab, "impl": impl,
@@ -435,8 +467,9 @@ def main() -> int:
             emit(idle_gaps(gap_shape))
     if "sweep-profile" in parts:
         for profile_shape in PROFILE_SHAPES:
-            if time.time() < deadline:
-                emit(profile_case(profile_shape))
+            for impl in impls:
+                if impl != "liger" and time.time() < deadline:
+                    emit(profile_case(profile_shape, impl))
     if "sweep" in parts:
         for shape in LINEAR_SHAPES[1:]:
             for impl in impls:
