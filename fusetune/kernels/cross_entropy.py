@@ -412,6 +412,13 @@ def cross_entropy_launch_config(
     combines their partial max/sum through an atomic arrival count and writes the gradient, so fewer
     bytes lie between a line's two reads) was slower, 2.33 / 3.53 / 6.36 ms against 1.74 unsplit
     (benchmarks/loss_launch_settings.py, one run, 2026-11-25; Liger 2.86, torch.compile 2.88).
+    Tried on H100 against this kernel in one process (benchmarks/cross_entropy_ab.py, 2026-11-26; ms at
+    T=8192 for V=128256 / V=256000, this kernel 1.73 / 3.80), none kept: rows pipelined (the next row's
+    label and first block, and each row's label logit and scale, loaded ahead) 1.72 / 3.85; the first
+    sweep's loads two blocks ahead 1.76 / 3.87, or three ahead on 8192-column blocks 1.86 / 4.19;
+    Triton's software pipelining (tl.range with 3 or 4 stages) of the first sweep 1.89 / 4.05, of both
+    sweeps 1.97 / 4.15; the gradient stored with an evict-first hint or as streaming (.cs) 1.75 / 3.76.
+    At V=32000 (8192 / 16 warps / 2 per SM 0.469 against 0.491 here) the runs differed by up to 30%.
     Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.
