@@ -418,7 +418,7 @@ def cross_entropy_launch_config(
     sweep's loads two blocks ahead 1.76 / 3.87, or three ahead on 8192-column blocks 1.86 / 4.19;
     Triton's software pipelining (tl.range with 3 or 4 stages) of the first sweep 1.89 / 4.05, of both
     sweeps 1.97 / 4.15; the gradient stored with an evict-first hint or as streaming (.cs) 1.75 / 3.76.
-    At V=32000 (8192 / 16 warps / 2 per SM 0.469 against 0.491 here) the runs differed by up to 30%.
+    At V=32000 (4096 columns / 16 warps / 2 per SM 0.469 against 0.491 here) runs differed by up to 30%.
     Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.
