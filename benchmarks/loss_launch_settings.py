@@ -360,6 +360,7 @@ def host_pieces(repeats: int = 50) -> dict:
     idle = {
         "mem_get_info": lambda: torch.cuda.mem_get_info(device),
         "nonzero": lambda: torch.nonzero(labels != -100),
+        "count on host (pinned copy + event)": lambda: flce._count_on_host((labels != -100).sum()),
     }
     result = {}
     for name, fn in {**busy, **idle}.items():

@@ -169,30 +169,39 @@ def _balanced_chunk_sizes(rows_to_chunk: int, max_rows: int) -> list[int]:
         n_chunks += 1
 
 
-def _valid_token_rows(labels: Tensor, ignore_index: int) -> Tensor:
-    """Indices of the tokens whose label is not ``ignore_index`` (synchronises with the device once)."""
-    return torch.nonzero(labels != ignore_index).squeeze(1)
+def _count_on_host(count: Tensor) -> int:
+    """The value of a device scalar, waiting for the device only until it is computed: a copy to pinned
+    memory and an event, where torch.nonzero would synchronise with the whole stream between its two
+    kernels and leave the device idle through its own host work after that."""
+    if count.device.type != "cuda":
+        return int(count)
+    on_host = torch.empty((), dtype=count.dtype, pin_memory=True)
+    on_host.copy_(count, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    ready.synchronize()
+    return int(on_host)
 
 
-def _gradient_scale(
-    reduction: str, num_items: float | Tensor | None, valid_count: int | Tensor, device: torch.device
-) -> Tensor:
-    """1 / the loss's denominator as a float32 [1] device tensor (0 where the denominator is 0). A count known
-    only on the device (``valid_count`` or ``num_items`` as tensors) is divided by there, never read."""
-    if reduction != "none" and isinstance(num_items, Tensor):
+def _true_indices(mask: Tensor, n_true: int) -> Tensor:
+    """Indices of the ``n_true`` True entries of a 1-d mask, with no further synchronisation."""
+    if hasattr(torch, "nonzero_static"):
+        return torch.nonzero_static(mask, size=n_true).squeeze(1)
+    return torch.nonzero(mask).squeeze(1)
+
+
+def _gradient_scale(reduction: str, num_items: float | Tensor | None, valid_count: Tensor) -> Tensor:
+    """1 / the loss's denominator as a float32 [1] device tensor (0 for a zero ``num_items``), computed on the
+    device from the counts that live there (the valid tokens, ``num_items`` as a tensor), never read."""
+    device = valid_count.device
+    if reduction == "none" or (reduction == "sum" and num_items is None):
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if num_items is None:  # "mean": with no valid token every row's gradient is 0 whatever the scale
+        return valid_count.to(torch.float32).reshape(1).clamp_(min=1.0).reciprocal_()
+    if isinstance(num_items, Tensor):
         count = num_items.to(device=device, dtype=torch.float32).reshape(1)
         return torch.where(count != 0.0, count.reciprocal(), 0.0)
-    if reduction == "mean" and num_items is None and isinstance(valid_count, Tensor):
-        # With no valid token every row's gradient is 0 whatever the scale.
-        return valid_count.reshape(1).clamp(min=1.0).reciprocal_()
-    if reduction == "none" or (reduction == "sum" and num_items is None):
-        denominator = 1.0
-    elif num_items is not None:
-        denominator = float(num_items)
-    else:
-        denominator = float(valid_count)
-    scale = 1.0 / denominator if denominator != 0.0 else 0.0
-    return torch.full((1,), scale, dtype=torch.float32, device=device)
+    return torch.full((1,), 1.0 / float(num_items), dtype=torch.float32, device=device)
 
 
 def _per_token(rows: Tensor, valid_rows: Tensor | None, n_tokens: int) -> Tensor:
@@ -492,27 +501,26 @@ def _chunked_linear_cross_entropy(
         hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
 
     # Chunks as if every token counted. One chunk runs over all tokens, ignored ones included (the
-    # cross-entropy kernel gives them loss 0 and gradient 0), with no host synchronisation: counting the
-    # valid tokens on the host stops it until the device has run everything queued before the loss, and the
-    # device then idles while the host issues the loop (on H100 at T=1024, H=2048, V=32000: XXX). Several
-    # chunks first drop the ignored tokens, which saves their matmuls at one synchronisation of a call that
-    # is long beside it.
+    # cross-entropy kernel gives them loss 0 and gradient 0), with no host synchronisation: waiting for the
+    # count of valid tokens stops the host until the device has run everything queued before the loss, and
+    # the device then idles while the host issues the loop (on H100 at T=1024, H=2048, V=32000: XXX). Several
+    # chunks first drop the ignored tokens, which saves their matmuls at one wait in a call long beside it.
+    # The loss's denominator is counted on the device either way, so nothing waits for it.
     chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
         n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes
     )
+    valid = labels != ignore_index
+    valid_count = valid.sum()
+    grad_scale = _gradient_scale(reduction, num_items, valid_count)
     valid_rows = None  # the tokens that run, when they are not all
     n_rows = n_tokens
     if len(chunk_sizes) > 1:
-        indices = _valid_token_rows(labels, ignore_index)
-        valid_count: int | Tensor = indices.numel()
-        if valid_count < n_tokens:
-            valid_rows, n_rows = indices, valid_count
+        n_valid = _count_on_host(valid_count)
+        if n_valid < n_tokens:
+            valid_rows, n_rows = _true_indices(valid, n_valid), n_valid
             chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
                 n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows
             )
-    else:
-        valid_count = (labels != ignore_index).sum(dtype=torch.float32)
-    grad_scale = _gradient_scale(reduction, num_items, valid_count, device)
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     correct_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
@@ -653,8 +661,7 @@ def _chunked_linear_cross_entropy(
     elif reduction == "none":
         accuracy = _per_token(correct_rows, valid_rows, n_tokens)
     else:  # ignored tokens that ran count as not correct: divide by the valid ones
-        n_valid = valid_count.clamp(min=1.0) if isinstance(valid_count, Tensor) else max(valid_count, 1)
-        accuracy = correct_rows.sum() / n_valid
+        accuracy = correct_rows.sum() / valid_count.clamp(min=1)
     if grad_weight_needed and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     grad_bias = (
