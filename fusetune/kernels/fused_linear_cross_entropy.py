@@ -35,7 +35,12 @@ nothing there. Label smoothing puts gradient on every vocabulary entry and is re
 
 Memory: beyond the gradients themselves (grad_hidden [T, H], grad_weight [V, H], plus a float32 copy
 of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
-:func:`fused_linear_cross_entropy_chunk_rows`.
+:func:`fused_linear_cross_entropy_chunk_rows`. When the budget makes several chunks but the [T, V] logits
+are no larger than dW (T <= H: short calls, as T=1024 at H=4096), they are one chunk held in the last bytes
+of grad_weight, which nothing writes before the end: dW's rows clear of the logits are written first, the
+others from a copy of their columns of the logits (T * T/H * V elements, allowed only where no larger than
+the chunk buffer it replaces). One pass of the three matmuls, as with the whole logits, and no dW
+re-read per chunk, at no more memory than the chunks.
 """
 
 from __future__ import annotations
@@ -202,6 +207,34 @@ def _gradient_scale(reduction: str, num_items: float | Tensor | None, valid_coun
         count = num_items.to(device=device, dtype=torch.float32).reshape(1)
         return torch.where(count != 0.0, count.reciprocal(), 0.0)
     return torch.full((1,), 1.0 / float(num_items), dtype=torch.float32, device=device)
+
+
+def _weight_rows_clear_of_logits(
+    n_rows: int, hidden_size: int, vocab_size: int, chunk_rows: int
+) -> int | None:
+    """Whether the [n_rows, V] logits can be one chunk held in the last bytes of the [V, H] weight gradient
+    instead of several in a buffer of ``chunk_rows`` rows: then the number of vocabulary rows of dW whose
+    memory lies clear of those logits (the rest, written last, are computed from a copy of their columns
+    of the logits, which must be no larger than that buffer), else None. Only worth it when the plan has
+    several chunks (each later chunk's dW matmul reads and writes all of dW)."""
+    logits_elements = n_rows * vocab_size
+    weight_elements = vocab_size * hidden_size
+    if chunk_rows >= n_rows or logits_elements > weight_elements:
+        return None
+    clear_rows = (weight_elements - logits_elements) // hidden_size
+    if n_rows * (vocab_size - clear_rows) > chunk_rows * vocab_size:
+        return None
+    return clear_rows
+
+
+def _weight_gradient_over_its_logits(
+    grad_weight: Tensor, grad_logits: Tensor, hidden: Tensor, clear_rows: int
+) -> None:
+    """grad_weight = grad_logits^T @ hidden where grad_logits lies in grad_weight's last bytes: the rows of
+    grad_weight clear of it first, then the others (whose writes overwrite it) from a copy of their columns."""
+    overlapping_columns = grad_logits[:, clear_rows:].contiguous()
+    torch.mm(grad_logits[:, :clear_rows].t(), hidden, out=grad_weight[:clear_rows])
+    torch.mm(overlapping_columns.t(), hidden, out=grad_weight[clear_rows:])
 
 
 def _per_token(rows: Tensor, valid_rows: Tensor | None, n_tokens: int) -> Tensor:
@@ -544,19 +577,29 @@ def _chunked_linear_cross_entropy(
         )
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
+    rows_clear_of_logits = None
+    if grad_weight_needed and not skipping and n_rows > 0 and grad_weight.dtype == hidden.dtype:
+        rows_clear_of_logits = _weight_rows_clear_of_logits(n_rows, hidden_size, vocab_size, max(chunk_sizes))
     if n_rows > 0:
-        chunk_rows = max(chunk_sizes)
-        try:
-            logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
-        except torch.OutOfMemoryError:
-            # Only now is the device asked: smaller chunks within half of what is free.
-            free_bytes, _ = torch.cuda.mem_get_info(device)
-            chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
-                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows,
-                free_bytes=free_bytes,
-            )  # fmt: skip
+        if rows_clear_of_logits is not None:
+            # One chunk, its logits in the last bytes of dW, which is written only at the end (see
+            # _weight_rows_clear_of_logits): the memory of a chunk buffer, the matmuls of a single chunk.
+            chunk_sizes = [n_rows]
+            logits_buffer = grad_weight.view(-1)[grad_weight.numel() - n_rows * vocab_size :]
+            logits_buffer = logits_buffer.view(n_rows, vocab_size)
+        else:
             chunk_rows = max(chunk_sizes)
-            logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+            try:
+                logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+            except torch.OutOfMemoryError:
+                # Only now is the device asked: smaller chunks within half of what is free.
+                free_bytes, _ = torch.cuda.mem_get_info(device)
+                chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
+                    n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows,
+                    free_bytes=free_bytes,
+                )  # fmt: skip
+                chunk_rows = max(chunk_sizes)
+                logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
         if skipping:
             count_columns = live_count_columns(vocab_size, device, compute_accuracy=compute_accuracy)
             live_counts = torch.empty(
@@ -629,16 +672,20 @@ def _chunked_linear_cross_entropy(
                     torch.mm(grad_logits_c, weight, out=grad_hidden[start:end])
                 else:
                     grad_hidden.index_copy_(0, rows_c, grad_logits_c @ weight)
+            if grad_bias_acc is not None:
+                grad_bias_acc += grad_logits_c.sum(dim=0, dtype=torch.float32)
             if grad_weight_needed and not skipping:
-                if grad_weight.dtype == grad_logits_c.dtype:
+                if rows_clear_of_logits is not None:
+                    _weight_gradient_over_its_logits(
+                        grad_weight, grad_logits_c, hidden_c, rows_clear_of_logits
+                    )
+                elif grad_weight.dtype == grad_logits_c.dtype:
                     if start == 0 and first_chunk_overwrites:
                         torch.mm(grad_logits_c.t(), hidden_c, out=grad_weight)
                     else:
                         grad_weight.addmm_(grad_logits_c.t(), hidden_c)
                 else:
                     _addmm_float32_(grad_weight, grad_logits_c.t(), hidden_c)
-            if grad_bias_acc is not None:
-                grad_bias_acc += grad_logits_c.sum(dim=0, dtype=torch.float32)
         del logits_buffer
     if grad_weight_needed and skipping:
         # All chunks' kept entries at once, sorted by vocabulary row (stable: in token order), so each dW

@@ -161,6 +161,63 @@ def test_one_chunk_never_waits_for_the_device(device, monkeypatch):
         fused_linear_cross_entropy(hidden, weight, labels, logits_chunk_bytes=chunk_bytes(8, torch.float32))
 
 
+def test_weight_rows_clear_of_logits():
+    # 12 rows of V=777 logits fill the last 12/48 of a [777, 48] dW: its first 582 rows lie clear of them,
+    # and the other 195 columns of the logits (12 x 195) fit the 8-row buffer the chunks would have used.
+    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, chunk_rows=8) == 582
+    assert (582 + 1) * 48 > 777 * 48 - 12 * 777  # one more row would overlap the logits
+    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, chunk_rows=12) is None  # one chunk anyway
+    assert (
+        flce_module._weight_rows_clear_of_logits(49, 48, 777, chunk_rows=8) is None
+    )  # logits larger than dW
+    assert flce_module._weight_rows_clear_of_logits(40, 48, 777, chunk_rows=8) is None  # copy over the buffer
+
+
+ALIASED_CASES = [
+    (torch.float32, {"reduction": "mean", "softcap": 4.0, "return_accuracy": True}, 4, True),
+    (torch.bfloat16, {"reduction": "sum", "num_items_in_batch": "tensor", "z_loss_scale": 1e-3}, 4, False),
+    (torch.float32, {"reduction": "none", "label_smoothing": 0.1}, 5, True),
+    (torch.float32, {"reduction": "mean"}, 0, False),
+]
+
+
+@pytest.mark.parametrize(("dtype", "options", "ignored_every", "bias"), ALIASED_CASES)
+def test_logits_held_in_the_weight_gradient_match_reference(
+    device, monkeypatch, dtype, options, ignored_every, bias
+):
+    # 12 tokens against an 8-row budget: two chunks, or one held in dW's memory (taken here).
+    hidden, weight, labels, bias_tensor = make_inputs(
+        12, dtype, device, ignored_every=ignored_every, bias=bias
+    )
+    options = dict(options)
+    if options.get("num_items_in_batch") == "tensor":
+        options["num_items_in_batch"] = torch.tensor(11, device=device)
+    upstream = (torch.randn(12) if options["reduction"] == "none" else torch.tensor(1.5)).to(device)
+    calls = []
+    real = flce_module._weight_gradient_over_its_logits
+    monkeypatch.setattr(
+        flce_module, "_weight_gradient_over_its_logits", lambda *args: calls.append(1) or real(*args)
+    )
+    assert_matches_reference(
+        hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=chunk_bytes(8, dtype), **options
+    )
+    assert calls, "the logits were not held in the weight gradient"
+
+
+def test_mutant_writing_the_weight_gradient_over_its_logits_at_once_fails(device, monkeypatch):
+    # One matmul into dW would overwrite the logits it is still reading.
+    hidden, weight, labels, _ = make_inputs(12, torch.float32, device)
+    options = {"reduction": "sum", "logits_chunk_bytes": chunk_bytes(8, torch.float32)}
+    assert_matches_reference(hidden, weight, labels, **options)
+
+    def at_once(grad_weight, grad_logits, hidden, clear_rows):
+        torch.mm(grad_logits.t(), hidden, out=grad_weight)
+
+    monkeypatch.setattr(flce_module, "_weight_gradient_over_its_logits", at_once)
+    with pytest.raises((AssertionError, RuntimeError)):
+        assert_matches_reference(hidden, weight, labels, **options)
+
+
 def test_single_token(device):
     hidden, weight, labels, _ = make_inputs(1, torch.float32, device, ignored_every=0)
     assert_matches_reference(hidden, weight, labels, reduction="mean", return_accuracy=True)
@@ -419,8 +476,9 @@ def test_compiled_inductor_fullgraph_matches_eager(reduction):
         (2048, 2048, 128256, {"reduction": "mean"}),
         (1024, 1024, 262144, {"reduction": "sum", "softcap": 30.0, "num_items_in_batch": 700}),
         (777, 896, 151936, {"reduction": "none", "accumulate_dw_in_fp32": True}),
+        (1024, 4096, 151936, {"reduction": "mean", "return_accuracy": True}),
     ],
-    ids=["llama3", "gemma2-softcap", "qwen-none"],
+    ids=["llama3", "gemma2-softcap", "qwen-none", "qwen-logits-in-dw"],
 )
 def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     generator = torch.Generator().manual_seed(0)
@@ -431,7 +489,8 @@ def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     labels = torch.randint(0, vocab, (n_tokens,), generator=generator).to("cuda")
     labels[::9] = -100
     upstream = torch.randn(n_tokens, device="cuda") if options["reduction"] == "none" else None
-    # Default chunking: 2 and 3 chunks at the first two shapes (bf16 dW summed across them), 1 at the last.
+    # Default chunking: 2 and 3 chunks at the first two shapes (bf16 dW summed across them), 1 at the third,
+    # one held in dW's memory at the last (two chunks otherwise).
     assert_matches_reference(hidden, weight, labels, None, upstream, **options)
 
 
