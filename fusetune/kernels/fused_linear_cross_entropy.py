@@ -702,7 +702,7 @@ def _chunked_linear_cross_entropy(
     if reduction == "none":
         loss = _per_token(loss_rows, valid_rows, n_tokens)
     else:
-        loss = (loss_rows.sum() * grad_scale).squeeze(0)
+        loss = loss_rows.sum() * grad_scale[0]  # a new tensor, not a view: callers divide it in place
     if correct_rows is None:
         accuracy = loss.new_empty(0)
     elif reduction == "none":

@@ -218,6 +218,19 @@ def test_mutant_writing_the_weight_gradient_over_its_logits_at_once_fails(device
         assert_matches_reference(hidden, weight, labels, **options)
 
 
+def test_loss_can_be_divided_in_place(device):
+    # Trainers divide the loss in place (gradient accumulation); autograd forbids that on a view.
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
+    hidden.requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, weight, labels)
+    loss /= 4.0
+    (grad,) = torch.autograd.grad([loss], [hidden])
+    ref_hidden = hidden.detach().double().requires_grad_()
+    ref = fused_linear_cross_entropy_reference(ref_hidden, weight.double(), labels)
+    (ref_grad,) = torch.autograd.grad([ref / 4.0], [ref_hidden])
+    assert_close_scaled(grad, ref_grad, torch.float32)
+
+
 def test_single_token(device):
     hidden, weight, labels, _ = make_inputs(1, torch.float32, device, ignored_every=0)
     assert_matches_reference(hidden, weight, labels, reduction="mean", return_accuracy=True)
