@@ -38,8 +38,8 @@ of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
 :func:`fused_linear_cross_entropy_chunk_rows`. When the budget makes several chunks but the [T, V] logits
 are no larger than dW (T <= H: short calls, as T=1024 at H=4096), they are one chunk held in the last bytes
 of grad_weight, which nothing writes before the end: dW's rows clear of the logits are written first, the
-others from a copy of their columns of the logits (T * T/H * V elements, allowed only where no larger than
-the chunk buffer it replaces). One pass of the three matmuls, as with the whole logits, and no dW
+others from a copy of their columns of the logits (T * T/H * V elements, allowed only within the chunks'
+budget). One pass of the three matmuls, as with the whole logits, and no dW
 re-read per chunk, at no more memory than the chunks.
 """
 
@@ -143,8 +143,7 @@ def fused_linear_cross_entropy_chunk_sizes(
     row_bytes = max(1, vocab_size * itemsize)
     rows_to_chunk = n_tokens if rows_to_chunk is None else rows_to_chunk
     if logits_chunk_bytes is None:
-        liger_rows = triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab_size, hidden_size)))
-        budget = min(liger_rows, n_tokens) * row_bytes + DEFAULT_EXTRA_CHUNK_BYTES
+        budget = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
         gathered_row_bytes = 2 * hidden_size * itemsize if rows_to_chunk < n_tokens else 0
         budget_rows = budget // (row_bytes + gathered_row_bytes)
     else:
@@ -152,6 +151,12 @@ def fused_linear_cross_entropy_chunk_sizes(
     if free_bytes is not None:
         budget_rows = min(budget_rows, free_bytes // 2 // row_bytes)
     return _balanced_chunk_sizes(rows_to_chunk, max(1, budget_rows))
+
+
+def _default_chunk_budget_bytes(n_tokens: int, hidden_size: int, vocab_size: int, itemsize: int) -> int:
+    """Liger-Kernel's chunk at this shape plus :data:`DEFAULT_EXTRA_CHUNK_BYTES`."""
+    liger_rows = triton.next_power_of_2(triton.cdiv(n_tokens, triton.cdiv(vocab_size, hidden_size)))
+    return min(liger_rows, n_tokens) * vocab_size * itemsize + DEFAULT_EXTRA_CHUNK_BYTES
 
 
 def _balanced_chunk_sizes(rows_to_chunk: int, max_rows: int) -> list[int]:
@@ -210,19 +215,17 @@ def _gradient_scale(reduction: str, num_items: float | Tensor | None, valid_coun
 
 
 def _weight_rows_clear_of_logits(
-    n_rows: int, hidden_size: int, vocab_size: int, chunk_rows: int
+    n_rows: int, hidden_size: int, vocab_size: int, copy_limit: int
 ) -> int | None:
-    """Whether the [n_rows, V] logits can be one chunk held in the last bytes of the [V, H] weight gradient
-    instead of several in a buffer of ``chunk_rows`` rows: then the number of vocabulary rows of dW whose
-    memory lies clear of those logits (the rest, written last, are computed from a copy of their columns
-    of the logits, which must be no larger than that buffer), else None. Only worth it when the plan has
-    several chunks (each later chunk's dW matmul reads and writes all of dW)."""
+    """Whether the [n_rows, V] logits can be held in the last bytes of the [V, H] weight gradient: then the
+    number of vocabulary rows of dW whose memory lies clear of them (the rest, written last, are computed
+    from a copy of their columns of the logits, which may take at most ``copy_limit`` elements), else None."""
     logits_elements = n_rows * vocab_size
     weight_elements = vocab_size * hidden_size
-    if chunk_rows >= n_rows or logits_elements > weight_elements:
+    if logits_elements > weight_elements:
         return None
     clear_rows = (weight_elements - logits_elements) // hidden_size
-    if n_rows * (vocab_size - clear_rows) > chunk_rows * vocab_size:
+    if n_rows * (vocab_size - clear_rows) > copy_limit:
         return None
     return clear_rows
 
@@ -577,9 +580,20 @@ def _chunked_linear_cross_entropy(
         )
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
+    # Several chunks whose logits would fit in dW's memory become one held there (see the module docstring),
+    # its copy within the chunks' budget (less the gathered hidden rows and their dh, as for a chunk).
     rows_clear_of_logits = None
-    if grad_weight_needed and not skipping and n_rows > 0 and grad_weight.dtype == hidden.dtype:
-        rows_clear_of_logits = _weight_rows_clear_of_logits(n_rows, hidden_size, vocab_size, max(chunk_sizes))
+    if grad_weight_needed and not skipping and len(chunk_sizes) > 1 and grad_weight.dtype == hidden.dtype:
+        itemsize = hidden.element_size()
+        if logits_chunk_bytes is None:
+            copy_limit = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
+            if valid_rows is not None:
+                copy_limit -= 2 * n_rows * hidden_size * itemsize
+        else:
+            copy_limit = logits_chunk_bytes
+        rows_clear_of_logits = _weight_rows_clear_of_logits(
+            n_rows, hidden_size, vocab_size, copy_limit // itemsize
+        )
     if n_rows > 0:
         if rows_clear_of_logits is not None:
             # One chunk, its logits in the last bytes of dW, which is written only at the end (see

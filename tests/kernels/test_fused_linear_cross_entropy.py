@@ -163,14 +163,11 @@ def test_one_chunk_never_waits_for_the_device(device, monkeypatch):
 
 def test_weight_rows_clear_of_logits():
     # 12 rows of V=777 logits fill the last 12/48 of a [777, 48] dW: its first 582 rows lie clear of them,
-    # and the other 195 columns of the logits (12 x 195) fit the 8-row buffer the chunks would have used.
-    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, chunk_rows=8) == 582
+    # and the other 195 columns of the logits are copied (12 x 195 elements).
+    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 195) == 582
     assert (582 + 1) * 48 > 777 * 48 - 12 * 777  # one more row would overlap the logits
-    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, chunk_rows=12) is None  # one chunk anyway
-    assert (
-        flce_module._weight_rows_clear_of_logits(49, 48, 777, chunk_rows=8) is None
-    )  # logits larger than dW
-    assert flce_module._weight_rows_clear_of_logits(40, 48, 777, chunk_rows=8) is None  # copy over the buffer
+    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 195 - 1) is None
+    assert flce_module._weight_rows_clear_of_logits(49, 48, 777, copy_limit=10**6) is None  # larger than dW
 
 
 ALIASED_CASES = [
