@@ -225,7 +225,11 @@ def _weight_rows_clear_of_logits(
     if logits_elements > weight_elements:
         return None
     clear_rows = (weight_elements - logits_elements) // hidden_size
-    if n_rows * (vocab_size - clear_rows) > copy_limit:
+    # The copy's rows (V - clear_rows elements) a multiple of 8, so 16-byte aligned: with 101291 columns
+    # (T=1024, H=1536, V=151936) cuBLAS fell back to slow kernels and the call took 4.7 ms on H100, 2x
+    # torch.compile's.
+    clear_rows -= (clear_rows - vocab_size) % 8
+    if clear_rows < 0 or n_rows * (vocab_size - clear_rows) > copy_limit:
         return None
     return clear_rows
 

@@ -162,11 +162,11 @@ def test_one_chunk_never_waits_for_the_device(device, monkeypatch):
 
 
 def test_weight_rows_clear_of_logits():
-    # 12 rows of V=777 logits fill the last 12/48 of a [777, 48] dW: its first 582 rows lie clear of them,
-    # and the other 195 columns of the logits are copied (12 x 195 elements).
-    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 195) == 582
+    # 12 rows of V=777 logits fill the last 12/48 of a [777, 48] dW: its first 582 rows lie clear of them;
+    # 577 are taken, so that the other 200 columns of the logits, copied, make rows of whole 16 bytes.
     assert (582 + 1) * 48 > 777 * 48 - 12 * 777  # one more row would overlap the logits
-    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 195 - 1) is None
+    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 200) == 577
+    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 200 - 1) is None
     assert flce_module._weight_rows_clear_of_logits(49, 48, 777, copy_limit=10**6) is None  # larger than dW
 
 
