@@ -323,9 +323,6 @@ def host_pieces(repeats: int = 50) -> dict:
         "memory_allocated": lambda: torch.cuda.memory_allocated(device),
         "memory_reserved": lambda: torch.cuda.memory_reserved(device),
         "scale (eager, no op dispatch)": lambda: flce._scale_(grad, factor),
-        "scale kernel launch": lambda: flce._scale_kernel[(528,)](
-            grad, grad.numel(), factor, BLOCK=4096, SOFTWARE_BF16_ROUNDING=False, num_warps=8
-        ),
         "cross-entropy launch": lambda: launch_cross_entropy_forward(
             logits, labels[:64], loss_out=loss, grad_out=logits, grad_scale=scale
         ),

@@ -55,10 +55,10 @@ from torch import Tensor, nn
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
 from fusetune.kernels.cross_entropy import (
     _check_reduction,
-    _num_processors,
     cross_entropy_reference,
     is_live_gradient,
     launch_cross_entropy_forward,
+    launch_scale_rows_,
     live_count_columns,
 )
 
@@ -877,38 +877,17 @@ def _(
     return grad_hidden, grad_weight, grad_bias
 
 
-@triton.jit
-def _scale_kernel(x_ptr, n_elements, factor_ptr, BLOCK: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.constexpr):
-    """x *= factor over a flat contiguous tensor, grid-stride; nothing is touched when factor == 1."""
-    factor = tl.load(factor_ptr).to(tl.float32)
-    if factor != 1.0:
-        program = tl.program_id(0)
-        n_programs = tl.num_programs(0)
-        lanes = tl.arange(0, BLOCK)
-        for block in range(program, tl.cdiv(n_elements, BLOCK), n_programs):
-            offsets = tl.cast(block, tl.int64) * BLOCK + lanes
-            mask = offsets < n_elements
-            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            tl.store(
-                x_ptr + offsets,
-                round_to_dtype(x * factor, x_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-                mask=mask,
-            )
-
-
 def _scale_(x: Tensor, factor: Tensor) -> None:
-    """x (contiguous) *= factor (one element), in place; skipped on the device when factor == 1, so the
-    usual ``loss.backward()`` costs one tiny launch and no host synchronisation."""
-    n_elements = x.numel()
-    if n_elements == 0:
+    """x *= factor (one element), in place, through the cross-entropy's row-scaling kernel, which skips the
+    work on the device when the factor is 1: the usual ``loss.backward()`` costs one tiny launch and no host
+    synchronisation."""
+    if x.numel() == 0:
         return
     factor = factor.to(torch.float32).reshape(1)
-    if interpreted() or x.device.type != "cuda":
-        block, programs = 4096, 2
-    else:
-        block, programs = 4096, 4 * _num_processors(x.device)
-    grid = (max(1, min(programs, triton.cdiv(n_elements, block))),)
-    _scale_kernel[grid](x, n_elements, factor, BLOCK=block, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=8)
+    if x.is_contiguous():
+        launch_scale_rows_(x.view(-1, x.shape[-1]), factor)
+    else:  # laid out like a transposed hidden: not rows with contiguous columns
+        x.mul_(factor)
 
 
 # --------------------------------------------------------------------------------------------------

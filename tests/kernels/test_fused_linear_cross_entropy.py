@@ -228,6 +228,14 @@ def test_loss_can_be_divided_in_place(device):
     assert_close_scaled(grad, ref_grad, torch.float32)
 
 
+def test_column_major_hidden_gets_its_gradient_scaled(device):
+    # Its gradient is laid out like it, not as rows with contiguous columns: scaled by a plain multiply.
+    hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
+    column_major = hidden.t().contiguous().t()
+    assert not column_major.is_contiguous()
+    assert_matches_reference(column_major, weight, labels, None, torch.tensor(2.5, device=device))
+
+
 def test_single_token(device):
     hidden, weight, labels, _ = make_inputs(1, torch.float32, device, ignored_every=0)
     assert_matches_reference(hidden, weight, labels, reduction="mean", return_accuracy=True)
