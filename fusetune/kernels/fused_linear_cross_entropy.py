@@ -10,9 +10,9 @@ the tokens: for each chunk of C valid tokens
     db       += column sums of dlogits_c
 
 Tokens labelled ``ignore_index`` get loss 0 and gradient 0. When the tokens take several chunks, they are
-dropped before any matmul (their rows are gathered away first, at one host synchronisation); a call of one
-chunk runs them, with nothing synchronised. Gradients are computed during the forward for reductions "mean" and "sum",
-so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
+dropped before any matmul (their rows are gathered away first, after one wait for the device); a call of
+one chunk runs them and never waits. Gradients are computed during the forward for reductions "mean" and
+"sum", so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
 For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
 the sum over tokens in dW, so the forward computes only the losses and the backward recomputes the
 logits chunk by chunk with the per-token weights folded into the cross-entropy kernel (one extra
@@ -39,8 +39,8 @@ of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
 are no larger than dW (T <= H: short calls, as T=1024 at H=4096), they are one chunk held in the last bytes
 of grad_weight, which nothing writes before the end: dW's rows clear of the logits are written first, the
 others from a copy of their columns of the logits (T * T/H * V elements, allowed only within the chunks'
-budget). One pass of the three matmuls, as with the whole logits, and no dW
-re-read per chunk, at no more memory than the chunks.
+budget). One pass of the three matmuls, as with the whole logits, and no dW re-read per chunk, within the
+chunks' memory.
 """
 
 from __future__ import annotations
@@ -180,9 +180,10 @@ def _balanced_chunk_sizes(rows_to_chunk: int, max_rows: int) -> list[int]:
 
 
 def _count_on_host(count: Tensor) -> int:
-    """The value of a device scalar, waiting for the device only until it is computed: a copy to pinned
-    memory and an event, where torch.nonzero would synchronise with the whole stream between its two
-    kernels and leave the device idle through its own host work after that."""
+    """The value of a device scalar, through a copy to pinned memory and an event. The host waits as long as
+    in torch.nonzero (for everything queued before), but then has only the indices' kernel to launch
+    (_true_indices), where torch.nonzero's own host work after its wait left the device idle (0.14 ms of
+    gaps in a profile on H100)."""
     if count.device.type != "cuda":
         return int(count)
     on_host = torch.empty((), dtype=count.dtype, pin_memory=True)
@@ -541,13 +542,13 @@ def _chunked_linear_cross_entropy(
         hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
 
     # Chunks as if every token counted. One chunk runs over all tokens, ignored ones included (the
-    # cross-entropy kernel gives them loss 0 and gradient 0), with no host synchronisation: waiting for the
+    # cross-entropy kernel gives them loss 0 and gradient 0), and never waits for the device: waiting for the
     # count of valid tokens stops the host until the device has run everything queued before the loss, and
     # the device then idles while the host issues the loop (on H100 at T=1024, H=2048, V=32000, fwd+bwd
     # 1.16 ms with the wait, 0.77 without, benchmarks/kernels.py on one machine, 2026-11-26; on another whose
-    # host ran the call's Python half as fast, both 1.11 ms, bound by the host). Several
-    # chunks first drop the ignored tokens, which saves their matmuls at one wait in a call long beside it.
-    # The loss's denominator is counted on the device either way, so nothing waits for it.
+    # host ran the call's Python half as fast, both 1.11 ms, bound by the host). Several chunks first drop
+    # the ignored tokens, which saves their matmuls at one wait in a call long beside it. The loss's
+    # denominator is counted on the device either way, so nothing waits for it.
     chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
         n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes
     )
