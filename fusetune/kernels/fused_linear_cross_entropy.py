@@ -235,6 +235,17 @@ def _weight_rows_clear_of_logits(
     return clear_rows
 
 
+def _logits_copy_limit(n_tokens: int, n_gathered: int, weight: Tensor, logits_chunk_bytes: int | None) -> int:
+    """Elements that the copy of :func:`_weight_gradient_over_its_logits` may take: the chunks' budget, by
+    default less the ``n_gathered`` hidden rows gathered and their dh, as for a chunk."""
+    itemsize = weight.element_size()
+    if logits_chunk_bytes is not None:
+        return logits_chunk_bytes // itemsize
+    vocab_size, hidden_size = weight.shape
+    budget = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
+    return (budget - 2 * n_gathered * hidden_size * itemsize) // itemsize
+
+
 def _weight_gradient_over_its_logits(
     grad_weight: Tensor, grad_logits: Tensor, hidden: Tensor, clear_rows: int
 ) -> None:
@@ -557,13 +568,27 @@ def _chunked_linear_cross_entropy(
     grad_scale = _gradient_scale(reduction, num_items, valid_count)
     valid_rows = None  # the tokens that run, when they are not all
     n_rows = n_tokens
-    if len(chunk_sizes) > 1:
+    # Several chunks whose logits would fit in dW's memory become one held there (see the module docstring),
+    # its copy within the chunks' budget: then, as one chunk, all tokens run and nothing waits. Otherwise
+    # the ignored tokens are dropped first, and the rest may fit there then.
+    logits_in_weight_gradient = (
+        grad_weight_needed and not skipping and not accumulate_dw_in_fp32 and weight.dtype == hidden.dtype
+    )
+    rows_clear_of_logits = None
+    if len(chunk_sizes) > 1 and logits_in_weight_gradient:
+        rows_clear_of_logits = _weight_rows_clear_of_logits(
+            n_tokens, hidden_size, vocab_size, _logits_copy_limit(n_tokens, 0, weight, logits_chunk_bytes)
+        )
+    if len(chunk_sizes) > 1 and rows_clear_of_logits is None:
         n_valid = _count_on_host(valid_count)
         if n_valid < n_tokens:
             valid_rows, n_rows = _true_indices(valid, n_valid), n_valid
             chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
                 n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows
             )
+            if len(chunk_sizes) > 1 and logits_in_weight_gradient:
+                limit = _logits_copy_limit(n_tokens, n_rows, weight, logits_chunk_bytes)
+                rows_clear_of_logits = _weight_rows_clear_of_logits(n_rows, hidden_size, vocab_size, limit)
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     correct_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
@@ -587,20 +612,6 @@ def _chunked_linear_cross_entropy(
         )
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
-    # Several chunks whose logits would fit in dW's memory become one held there (see the module docstring),
-    # its copy within the chunks' budget (less the gathered hidden rows and their dh, as for a chunk).
-    rows_clear_of_logits = None
-    if grad_weight_needed and not skipping and len(chunk_sizes) > 1 and grad_weight.dtype == hidden.dtype:
-        itemsize = hidden.element_size()
-        if logits_chunk_bytes is None:
-            copy_limit = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
-            if valid_rows is not None:
-                copy_limit -= 2 * n_rows * hidden_size * itemsize
-        else:
-            copy_limit = logits_chunk_bytes
-        rows_clear_of_logits = _weight_rows_clear_of_logits(
-            n_rows, hidden_size, vocab_size, copy_limit // itemsize
-        )
     if n_rows > 0:
         if rows_clear_of_logits is not None:
             # One chunk, its logits in the last bytes of dW, which is written only at the end (see

@@ -170,35 +170,50 @@ def test_weight_rows_clear_of_logits():
     assert flce_module._weight_rows_clear_of_logits(49, 48, 777, copy_limit=10**6) is None  # larger than dW
 
 
+# (tokens, dtype, options, ignored_every, bias) against an 8-row budget. 12 tokens: two chunks, or all of them
+# (ignored ones too) held in dW's memory, with no wait for the valid count. 24 tokens do not fit there; with
+# every other one ignored, the 12 valid ones do once the ignored are dropped.
 ALIASED_CASES = [
-    (torch.float32, {"reduction": "mean", "softcap": 4.0, "return_accuracy": True}, 4, True),
-    (torch.bfloat16, {"reduction": "sum", "num_items_in_batch": "tensor", "z_loss_scale": 1e-3}, 4, False),
-    (torch.float32, {"reduction": "none", "label_smoothing": 0.1}, 5, True),
-    (torch.float32, {"reduction": "mean"}, 0, False),
+    (12, torch.float32, {"reduction": "mean", "softcap": 4.0, "return_accuracy": True}, 4, True),
+    (
+        12,
+        torch.bfloat16,
+        {"reduction": "sum", "num_items_in_batch": "tensor", "z_loss_scale": 1e-3},
+        4,
+        False,
+    ),
+    (12, torch.float32, {"reduction": "none", "label_smoothing": 0.1}, 5, True),
+    (12, torch.float32, {"reduction": "mean"}, 0, False),
+    (24, torch.float32, {"reduction": "mean", "return_accuracy": True}, 2, True),
+    (24, torch.bfloat16, {"reduction": "none"}, 2, False),
 ]
 
 
-@pytest.mark.parametrize(("dtype", "options", "ignored_every", "bias"), ALIASED_CASES)
+@pytest.mark.parametrize(("n_tokens", "dtype", "options", "ignored_every", "bias"), ALIASED_CASES)
 def test_logits_held_in_the_weight_gradient_match_reference(
-    device, monkeypatch, dtype, options, ignored_every, bias
+    device, monkeypatch, n_tokens, dtype, options, ignored_every, bias
 ):
-    # 12 tokens against an 8-row budget: two chunks, or one held in dW's memory (taken here).
     hidden, weight, labels, bias_tensor = make_inputs(
-        12, dtype, device, ignored_every=ignored_every, bias=bias
+        n_tokens, dtype, device, ignored_every=ignored_every, bias=bias
     )
     options = dict(options)
     if options.get("num_items_in_batch") == "tensor":
         options["num_items_in_batch"] = torch.tensor(11, device=device)
-    upstream = (torch.randn(12) if options["reduction"] == "none" else torch.tensor(1.5)).to(device)
+    upstream = (torch.randn(n_tokens) if options["reduction"] == "none" else torch.tensor(1.5)).to(device)
     calls = []
-    real = flce_module._weight_gradient_over_its_logits
-    monkeypatch.setattr(
-        flce_module, "_weight_gradient_over_its_logits", lambda *args: calls.append(1) or real(*args)
-    )
+    for name in ("_weight_gradient_over_its_logits", "_count_on_host"):
+        real = getattr(flce_module, name)
+        monkeypatch.setattr(
+            flce_module, name, lambda *args, name=name, real=real: calls.append(name) or real(*args)
+        )
     assert_matches_reference(
         hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=chunk_bytes(8, dtype), **options
     )
-    assert calls, "the logits were not held in the weight gradient"
+    assert "_weight_gradient_over_its_logits" in calls, "the logits were not held in the weight gradient"
+    # Waits for the valid count: the pass with gradients only when its 24 tokens do not fit; the loss-only
+    # forward of "none" (no dW to hold its logits) always, as any call of several chunks.
+    waits = (options["reduction"] == "none") + (n_tokens == 24)
+    assert calls.count("_count_on_host") == waits
 
 
 def test_mutant_writing_the_weight_gradient_over_its_logits_at_once_fails(device, monkeypatch):
@@ -282,8 +297,9 @@ def test_huge_logits_do_not_overflow(device):
 
 
 def test_ignored_tokens_of_several_chunks_never_reach_a_matmul(device):
-    # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul.
-    hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
+    # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul. 32 tokens:
+    # several chunks, too many to hold in dW's memory (where all tokens would run).
+    hidden, weight, labels, _ = make_inputs(32, torch.float32, device)
     ignored = labels == -100
     poisoned = hidden.masked_fill(ignored[:, None], float("nan"))
     loss, _, (grad_hidden, grad_weight, _) = run(
