@@ -10,8 +10,8 @@ the tokens: for each chunk of C valid tokens
     db       += column sums of dlogits_c
 
 Tokens labelled ``ignore_index`` get loss 0 and gradient 0. When the tokens take several chunks, they are
-dropped before any matmul (their rows are gathered away first, after one wait for the device); a call of
-one chunk runs them and never waits. Gradients are computed during the forward for reductions "mean" and
+dropped before any matmul (their rows are gathered away first, after one wait for the device); a call run
+as one chunk (or held in dW's memory, below) runs them and never waits. Gradients are computed during the forward for reductions "mean" and
 "sum", so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
 For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
 the sum over tokens in dW, so the forward computes only the losses and the backward recomputes the
