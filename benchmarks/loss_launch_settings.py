@@ -99,14 +99,23 @@ def linear_loss(impl: str, softcap: float | None, **options) -> Callable:
     )
 
 
-def linear_case(shape, impl: str, reps: Repetitions, **options) -> dict:
+def linear_inputs(
+    shape, impl: str = "fusetune", **options
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable]:
+    """(hidden, weight, labels, loss function) of ``impl``'s fused linear cross-entropy at ``shape``
+    (T, H, V, softcap), drawn afresh after the device's cache is emptied (the previous case's tensors are
+    gone once it returned)."""
     tokens, hidden_size, vocab, softcap = shape
-    free_device_memory()  # the previous case's tensors are gone once it returned
+    free_device_memory()
     torch.manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
     labels = torch.randint(0, vocab, (tokens,), device="cuda")
-    loss_fn = linear_loss(impl, softcap, **options)
+    return hidden, weight, labels, linear_loss(impl, softcap, **options)
+
+
+def linear_case(shape, impl: str, reps: Repetitions, **options) -> dict:
+    hidden, weight, labels, loss_fn = linear_inputs(shape, impl, **options)
     try:
         ms, peak = measure(lambda: loss_fn(hidden, weight, labels), [hidden, weight], reps)
         result = {"ms": round(ms, 3), "peak_extra_mb": round(peak, 1)}
@@ -249,23 +258,9 @@ def device_timeline(fn: Callable[[], Any]) -> dict:
             "gaps": sorted(gaps, reverse=True)[:5]}  # fmt: skip
 
 
-def fusetune_inputs(
-    shape, impl: str = "fusetune"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable]:
-    """(hidden, weight, labels, loss function) of ``impl``'s fused linear cross-entropy (fusetune's by default)
-    at ``shape`` (T, H, V, softcap), drawn afresh after the device's cache is emptied."""
-    tokens, hidden_size, vocab, softcap = shape
-    free_device_memory()
-    torch.manual_seed(0)
-    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
-    labels = torch.randint(0, vocab, (tokens,), device="cuda")
-    return hidden, weight, labels, linear_loss(impl, softcap)
-
-
 def fusetune_call(shape) -> Callable[[], Any]:
     """One fwd+bwd of fusetune's fused linear cross-entropy at ``shape``."""
-    hidden, weight, labels, loss_fn = fusetune_inputs(shape)
+    hidden, weight, labels, loss_fn = linear_inputs(shape)
     return lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
 
 
@@ -383,7 +378,7 @@ def profile_case(shape, impl: str = "fusetune") -> dict:
     from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
 
     tokens, hidden_size, vocab, _ = shape
-    hidden, weight, labels, loss_fn = fusetune_inputs(shape, impl)
+    hidden, weight, labels, loss_fn = linear_inputs(shape, impl)
     rows = fused_linear_cross_entropy_chunk_rows(tokens, hidden_size, vocab, torch.bfloat16)
     ms, peak = measure(lambda: loss_fn(hidden, weight, labels), [hidden, weight], SWEEP)
     kernels = profile_kernels(
@@ -437,14 +432,7 @@ def main() -> int:
                 emit({"op": "flce", "shape": shape, "impl": "fusetune", "chunk_rows": rows_per_chunk,
                       **linear_case(shape, "fusetune", MAIN, logits_chunk_bytes=rows_per_chunk * row_bytes)})  # fmt: skip
     if "profile" in parts and "fusetune" in impls:
-        torch.manual_seed(0)
-        tokens, hidden_size, vocab, _ = shape
-        hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        weight = torch.nn.Parameter(
-            0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16)
-        )
-        labels = torch.randint(0, vocab, (tokens,), device="cuda")
-        loss_fn = linear_loss("fusetune", None)
+        hidden, weight, labels, loss_fn = linear_inputs(shape)
         kernels = profile_kernels(
             lambda: torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
         )
