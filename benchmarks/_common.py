@@ -12,7 +12,7 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,44 @@ def free_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def profile_kernels(
+    fn: Callable[[], Any],
+    top: int | None = 8,
+    reps: int = 1,
+    before_each: Callable[[], Any] | None = None,
+    exclude: str | None = None,
+) -> list[tuple[str, float, int]]:
+    """(kernel name, total ms, launches) over `reps` calls of fn, from the profiler's kernel durations,
+    largest first (the `top` largest, or all with None).
+
+    `before_each` runs ahead of every call (an L2 flush, say); kernels whose name contains `exclude` (the
+    flush's own) are left out. The durations are the GPU's work alone: no launch overhead is in them.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if before_each is not None:
+                before_each()
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if getattr(event.device_type, "name", "") != "CUDA" or (exclude and exclude in event.name):
+            continue
+        micros = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        entry = totals.setdefault(event.name[:90], [0.0, 0])
+        entry[0] += micros / 1e3
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    if top is not None:
+        ranked = ranked[:top]
+    return [(name, round(ms, 4), calls) for name, (ms, calls) in ranked]
 
 
 def measure_ceilings(copy_bytes: int = 2 * GIB, matmul_size: int = 8192) -> dict[str, float]:

@@ -45,6 +45,7 @@ from benchmarks._common import (  # noqa: E402
     load_results,
     markdown_table,
     measure_ceilings,
+    profile_kernels,
     short_error,
     utc_date,
     write_json,
@@ -67,7 +68,9 @@ METHOD = (
     "or FLOPs / measured bf16 matmul rate (8192^3), whichever is larger; gbps and tflops are the floor's "
     "bytes or FLOPs divided by the measured time; floor_ratio = ms / floor_ms. Sweep rows (set 'sweep') are "
     "fwd+bwd only, with fewer repetitions. host_ms (main fwd+bwd rows): wall time to issue one fwd+bwd on the "
-    "CPU, averaged over up to 20 calls with no synchronisation between them."
+    "CPU, averaged over up to 20 calls with no synchronisation between them. device_ms (fwd+bwd rows): the "
+    "GPU's own work in one fwd+bwd, the profiler's kernel durations summed (mean of 5 calls, L2 flushed "
+    "before each, the flush not counted), so no launch overhead or idle gap is in it."
 )
 
 # Minimum traffic per mode, in units of one [T, H]-sized bf16 tensor (or its analogue), and why.
@@ -693,6 +696,17 @@ class CudaTimer:
         torch.cuda.synchronize()
         return (issued - started) * 1e3 / calls
 
+    def device_time(self, fn: Callable[[], Any], calls: int = 5) -> float:
+        """Mean ms the GPU spends running one call's kernels (L2 flushed before each call, the flush not
+        counted): the work alone, which the wall time exceeds when the host cannot keep the GPU busy."""
+        import torch
+
+        flush = torch.empty(self.flush_bytes, dtype=torch.int8, device="cuda")
+        kernels = profile_kernels(
+            fn, top=None, reps=calls, before_each=flush.bitwise_not_, exclude="bitwise_not"
+        )
+        return sum(ms for _name, ms, _launches in kernels) / calls
+
     def peak_extra_bytes(self, fwd_bwd: Callable[[], Any], grad_inputs: list) -> int:
         import torch
 
@@ -742,6 +756,9 @@ class CpuTimer:
         for _ in range(calls):
             fn()
         return (time.perf_counter() - started) * 1e3 / calls
+
+    def device_time(self, fn: Callable[[], Any], calls: int = 5) -> float | None:
+        return None
 
     def peak_extra_bytes(self, fwd_bwd: Callable[[], Any], grad_inputs: list) -> int | None:
         return None
@@ -837,7 +854,7 @@ def measure_case(case: Case, env: Env, timer: Any, reps: Repetitions, ceilings: 
             traceback.print_exc()
         return error_rows(case, short_error(error), ceilings)
 
-    rows, host_ms = [], None
+    rows, host_ms, device_ms = [], None, None
     for mode in case.modes:
         try:
             if mode == "fwd":
@@ -848,6 +865,7 @@ def measure_case(case: Case, env: Env, timer: Any, reps: Repetitions, ceilings: 
                 )
             else:
                 ms = timer.time(fwd_bwd, reps)
+                device_ms = timer.device_time(fwd_bwd)
                 if case.set_name == "main":
                     host_ms = timer.host_time(fwd_bwd, calls=max(3, min(20, int(100 / max(ms, 1e-3)))))
         except Exception as error:  # noqa: BLE001
@@ -860,6 +878,8 @@ def measure_case(case: Case, env: Env, timer: Any, reps: Repetitions, ceilings: 
             row["peak_extra_mb"] = round(peak / MIB, 1)
         if mode == "fwd+bwd" and host_ms is not None:
             row["host_ms"] = _round(host_ms)
+        if mode == "fwd+bwd" and device_ms is not None:
+            row["device_ms"] = _round(device_ms)
         if workload.options:
             row["options"] = workload.options
         rows.append(row)
@@ -1005,7 +1025,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "`÷ liger` and `÷ compile` are fwd+bwd time divided by that implementation's (below 1 = faster); "
         "`mem ÷ liger` likewise for peak extra memory (blank when Liger's is under 1 MB). `host ms` is the "
         "CPU time to issue one fwd+bwd: where it is close to the fwd+bwd time, that time is launch "
-        "overhead, not GPU work.",
+        "overhead, not GPU work. `GPU ms` is the fwd+bwd kernels' own durations summed (device_ms), and "
+        "`GPU ÷` compares those: the work itself, apart from the host.",
         "",
     ]
     lookup = _fwd_bwd_lookup(rows)
@@ -1048,6 +1069,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
                     by_mode.get("bwd", {}).get("ms"),
                     total.get("ms"),
                     total.get("host_ms"),
+                    total.get("device_ms"),
                     total.get("peak_extra_mb"),
                     total.get("floor_ratio"),
                     throughput_text,
@@ -1066,6 +1088,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
                     "bwd ms",
                     "fwd+bwd ms",
                     "host ms",
+                    "GPU ms",
                     "peak extra MB",
                     "× floor",
                     "fwd+bwd rate",
@@ -1091,6 +1114,12 @@ def render_markdown(payload: dict[str, Any]) -> str:
         shapes.sort(key=lambda key: tuple(shape_by_key[key].get(k, 0) for k in reversed(shape_keys)))
         impls = [impl for impl in SWEEP_IMPLS if any(row["impl"] == impl for row in group)]
         ratio_baselines = [impl for impl in ("liger", "compile", "cce") if impl in impls]
+        # Sweep rows measured before device_ms existed have none: no GPU ratio columns then.
+        gpu_baselines = [
+            impl
+            for impl in ("liger", "compile")
+            if impl in impls and any("device_ms" in row for row in group)
+        ]
         lines += [f"## {op} sweep: fwd+bwd ms / peak extra MB (bf16)", ""]
         table_rows, notes = [], []
         for key in shapes:
@@ -1108,10 +1137,19 @@ def render_markdown(payload: dict[str, Any]) -> str:
             fusetune = lookup.get((op, key, "fusetune"), {})
             for baseline in ratio_baselines:
                 cells.append(_ratio(fusetune.get("ms"), lookup.get((op, key, baseline), {}).get("ms")))
+            for baseline in gpu_baselines:
+                baseline_row = lookup.get((op, key, baseline), {})
+                cells.append(_ratio(fusetune.get("device_ms"), baseline_row.get("device_ms")))
             table_rows.append(cells)
         lines.append(
             markdown_table(
-                [*shape_keys, *impls, *[f"fusetune ÷ {baseline}" for baseline in ratio_baselines]], table_rows
+                [
+                    *shape_keys,
+                    *impls,
+                    *[f"fusetune ÷ {baseline}" for baseline in ratio_baselines],
+                    *[f"GPU ÷ {baseline}" for baseline in gpu_baselines],
+                ],
+                table_rows,
             )
         )
         lines += ["", *notes, ""] if notes else [""]

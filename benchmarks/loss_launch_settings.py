@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks._common import profile_kernels
 from benchmarks.kernels import MIB, CudaTimer, Repetitions, free_device_memory
 
 MAIN = Repetitions(warmup_ms=25, rep_ms=100)
@@ -160,27 +161,6 @@ def ce_case(tokens: int, vocab: int, impl: str, setting=None) -> dict:
         if restore is not None:
             ce_module.cross_entropy_launch_config = restore
     return result
-
-
-def profile_kernels(fn: Callable[[], Any], top: int = 8) -> list[tuple[str, float, int]]:
-    """(kernel name, total ms, calls) of one fwd+bwd, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    totals: dict[str, list] = {}
-    for event in prof.events():
-        if getattr(event.device_type, "name", "") != "CUDA":
-            continue
-        micros = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-        entry = totals.setdefault(event.name[:90], [0.0, 0])
-        entry[0] += micros / 1e3
-        entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
-    return [(name, round(ms, 3), calls) for name, (ms, calls) in ranked]
 
 
 def chunk_pieces(hidden_size: int, vocab: int, rows_list=GEMM_ROWS) -> list[dict]:

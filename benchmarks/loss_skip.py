@@ -23,8 +23,9 @@ import time
 
 import torch
 
+from benchmarks._common import profile_kernels
 from benchmarks.kernels import free_device_memory
-from benchmarks.loss_launch_settings import MAIN, SWEEP, measure, profile_kernels
+from benchmarks.loss_launch_settings import MAIN, SWEEP, measure
 from fusetune.kernels import fused_linear_cross_entropy as flce_module
 from fusetune.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,

@@ -1,81 +1,147 @@
-"""Launch settings of the RMSNorm kernels at wide rows, each kernel timed alone with CUDA events (no autograd,
-no host overhead in the number): the measurement behind the wide-row settings in fusetune/kernels/_norm_utils.py.
+"""Launch settings of the RMSNorm and LayerNorm kernels, each kernel's GPU time alone: the measurement behind
+the settings in fusetune/kernels/_norm_utils.py.
 
-    PYTHONPATH=. python3 benchmarks/norm_launch_settings.py      # on a GPU; one line per shape and setting
+Every setting is timed by the profiler's kernel durations (mean of several calls, L2 flushed before each, the
+flush not counted), so the host's launch overhead, which exceeds these kernels' GPU time at many shapes, is
+not in the numbers. The backward's dW reduction (`sum(0)` of the partial rows) is counted with it.
+
+    PYTHONPATH=. python3 benchmarks/norm_launch_settings.py [--ops rms_norm,layer_norm] [--shapes 16384x4096]
 """
 
 from __future__ import annotations
 
-import statistics
+import argparse
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
-from fusetune.kernels import rms_norm  # noqa: E402
+from benchmarks._common import profile_kernels  # noqa: E402
+from fusetune.kernels import layer_norm, rms_norm  # noqa: E402
 from fusetune.kernels._norm_utils import NormLaunchSettings, norm_launch_settings  # noqa: E402
 
-SHAPES = ((16384, 16384), (65536, 16384), (16384, 32768), (32768, 32768), (65536, 8192))
-# (block_n, rows_per_tile, num_warps, programs_per_sm)
-BACKWARD_SETTINGS = ((8192, 1, 16, 1), (8192, 1, 16, 2), (4096, 1, 8, 2), (4096, 1, 8, 4), (2048, 1, 4, 4),
-                     (2048, 1, 4, 8), (2048, 2, 8, 2), (1024, 4, 8, 2), (4096, 1, 16, 2))  # fmt: skip
-# (block_n, rows_per_tile, num_warps)
-FORWARD_SETTINGS = ((16384, 1, 16), (16384, 1, 32), (8192, 1, 16), (8192, 1, 8), (4096, 1, 8), (4096, 2, 8),
-                    (2048, 4, 8))  # fmt: skip
+SHAPES = ((16384, 4096), (65536, 1024), (16384, 1024), (16384, 16384), (65536, 16384), (16384, 32768))
+LOOPED_BACKWARD = ((8192, 1, 16, 1), (8192, 1, 16, 2), (4096, 1, 8, 2), (2048, 2, 8, 2))
+LARGEST_REGISTER_ROW = 16384
+FLUSH_BYTES = 256 * 2**20
 
 
-def median_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def device_ms(fn: Callable[[], object], flush: torch.Tensor, calls: int = 10) -> float:
+    kernels = profile_kernels(fn, top=None, reps=calls, before_each=flush.bitwise_not_, exclude="bitwise_not")
+    return sum(ms for _name, ms, _launches in kernels) / calls
 
 
-def sweep_shape(rows: int, cols: int) -> None:
+def backward_candidates(cols: int) -> Iterator[NormLaunchSettings]:
+    """Tiles of 1k-16k elements holding whole rows, 4-32 values per thread, 1-4 programs per SM; for rows
+    wider than the largest register row, the column-looping settings."""
+    block = triton.next_power_of_2(cols)
+    if block > LARGEST_REGISTER_ROW:
+        for block_n, rows, warps, per_sm in LOOPED_BACKWARD:
+            yield NormLaunchSettings(block_n, rows, warps, per_sm)
+        return
+    rows = 1
+    while rows * block <= LARGEST_REGISTER_ROW:
+        tile = rows * block
+        if tile >= 1024:
+            for warps in sorted({max(1, min(32, tile // (32 * per_thread))) for per_thread in (32, 16, 8)}):
+                for per_sm in (1, 2, 4):
+                    if warps * per_sm <= 32:
+                        yield NormLaunchSettings(block, rows, warps, per_sm)
+        rows *= 2
+
+
+def forward_candidates(cols: int) -> Iterator[NormLaunchSettings]:
+    block = min(triton.next_power_of_2(cols), LARGEST_REGISTER_ROW)
+    rows = 1
+    while rows * block <= LARGEST_REGISTER_ROW:
+        tile = rows * block
+        if tile >= 1024:
+            for warps in sorted({max(1, min(32, tile // (32 * per_thread))) for per_thread in (32, 16, 8)}):
+                yield NormLaunchSettings(block, rows, warps, programs_per_sm=1)
+        rows *= 2
+
+
+def launchers(op: str, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """(forward(settings), backward(settings)) of one op on fixed inputs."""
+    dx = torch.empty_like(x)
+    if op == "rms_norm":
+        _, _, rstd = rms_norm._launch_forward(x, None, weight, 1e-6, 0.0, "llama")
+
+        def forward(settings):
+            return rms_norm._launch_forward(x, None, weight, 1e-6, 0.0, "llama", settings=settings)
+
+        def backward(settings):
+            return rms_norm._launch_backward(dy, x, weight, rstd, None, 0.0, "llama", dx, settings=settings)
+
+        return forward, backward
+    _, mean, rstd = layer_norm._launch_forward(x, weight, bias, 1e-5)
+
+    def forward(settings):
+        return layer_norm._launch_forward(x, weight, bias, 1e-5, settings=settings)
+
+    def backward(settings):
+        return layer_norm._launch_backward(dy, x, weight, True, mean, rstd, dx, settings=settings)
+
+    return forward, backward
+
+
+def sweep_shape(op: str, rows: int, cols: int, directions: list[str], flush: torch.Tensor) -> list[dict]:
+    torch.manual_seed(0)
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
-    dx = torch.empty_like(x)
-    weight = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
-    _, _, rstd = rms_norm._launch_forward(x, None, weight, 1e-6, 0.0, "llama")
-    print(f"T={rows} H={cols}: default backward {norm_launch_settings(cols, backward=True)}, "
-          f"forward {norm_launch_settings(cols, backward=False)}")  # fmt: skip
+    weight = 1 + 0.1 * torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    bias = 0.1 * torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    forward, backward = launchers(op, x, dy, weight, bias)
+    results = []
+    for direction in directions:
+        run = backward if direction == "bwd" else forward
+        default = norm_launch_settings(cols, backward=direction == "bwd")
+        candidates = backward_candidates(cols) if direction == "bwd" else forward_candidates(cols)
+        timed = []
+        for settings in [default, *[c for c in candidates if c != default]]:
+            try:
+                ms = device_ms(lambda settings=settings, run=run: run(settings), flush)
+            except Exception as error:  # noqa: BLE001 - a setting the compiler rejects is reported, not fatal
+                print(f"  {op} {direction} T={rows} H={cols} {settings}: {type(error).__name__}")
+                continue
+            timed.append((ms, settings))
+        best_ms, best = min(timed, key=lambda item: item[0])
+        default_ms = timed[0][0]
+        row = {"op": op, "dir": direction, "T": rows, "H": cols, "default_ms": round(default_ms, 4),
+               "default": _text(default), "best_ms": round(best_ms, 4), "best": _text(best),
+               "all": sorted((round(ms, 4), _text(s)) for ms, s in timed)[:6]}  # fmt: skip
+        print(f"{op:10} {direction} T={rows:6} H={cols:6}  default {_text(default):22} {default_ms:.4f} ms   "
+              f"best {_text(best):22} {best_ms:.4f} ms  ({default_ms / best_ms:.2f}x)", flush=True)  # fmt: skip
+        results.append(row)
+    return results
 
-    def backward(settings: NormLaunchSettings | None) -> float:
-        return median_ms(
-            lambda: rms_norm._launch_backward(dy, x, weight, rstd, None, 0.0, "llama", dx, settings=settings)
-        )
 
-    def forward(settings: NormLaunchSettings) -> float:
-        return median_ms(
-            lambda: rms_norm._launch_forward(x, None, weight, 1e-6, 0.0, "llama", settings=settings)
-        )
-
-    for block_n, rows_per_tile, warps, per_sm in BACKWARD_SETTINGS:
-        if block_n < cols:
-            settings = NormLaunchSettings(block_n, rows_per_tile, warps, per_sm)
-            print(f"  bwd {settings}: {backward(settings):.3f} ms")
-    print(f"  bwd default: {backward(None):.3f} ms")
-    for block_n, rows_per_tile, warps in FORWARD_SETTINGS:
-        if block_n <= cols:
-            settings = NormLaunchSettings(block_n, rows_per_tile, warps, programs_per_sm=1)
-            print(f"  fwd {settings}: {forward(settings):.3f} ms")
+def _text(settings: NormLaunchSettings) -> str:
+    return f"{settings.block_n}x{settings.rows_per_tile} w{settings.num_warps} p{settings.programs_per_sm}"
 
 
-def main() -> int:
-    for rows, cols in SHAPES:
-        sweep_shape(rows, cols)
-        torch.cuda.empty_cache()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="rms_norm,layer_norm")
+    parser.add_argument("--shapes", default=",".join(f"{t}x{h}" for t, h in SHAPES), help="TxH,...")
+    parser.add_argument("--directions", default="bwd,fwd")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    rows = []
+    for shape in args.shapes.split(","):
+        tokens, hidden = (int(v) for v in shape.split("x"))
+        for op in args.ops.split(","):
+            rows += sweep_shape(op, tokens, hidden, args.directions.split(","), flush)
+            torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
     return 0
 
 
