@@ -19,23 +19,20 @@ from dataclasses import dataclass
 import torch
 import triton
 
-# Largest row held in registers, in elements (the kernels compute in fp32, so this does not depend on the
-# input dtype); above it the kernels loop over column blocks of LOOPED_BLOCK_N. From the sm_90 compiler's
-# report: the backward spills at 16384 columns (16 or 32 warps), the forward not before 32768. On the H100
-# (launch overhead included, see _norm_launch_settings) the forward held 16384-wide rows at copy speed
-# (8192 x 16384 bf16: 0.185 ms, 2.9 TB/s), and at 8192 x 16384 the backward loop over 8192-column blocks
-# with 16 warps took 0.51 ms against 0.74 ms for 4096-column blocks with 8 warps (4096 x 32768: 0.79 vs 0.91).
-MAX_REGISTER_BLOCK_N_FORWARD = 16384
-MAX_REGISTER_BLOCK_N_BACKWARD = 8192
-LOOPED_BLOCK_N = 8192
-# Rows wider than twice the backward's register block (H100, bf16, benchmarks/norm_launch_settings.py, 2026-11-22): the
-# backward walks tiles of 2 rows x 2048 columns with 8 warps, 2 programs per SM (16384 x 32768: 2.92 ms against
-# 3.34 ms for one row x 8192 columns with 16 warps; 32768 x 32768: 5.53 against 6.22), and the forward loops
-# over 16384-column blocks with 32 warps (0.78 against 1.02 ms; 1.50 against 1.98). At 16384 columns the
-# one-row, 8192-column backward stayed the fastest of nine settings (1.14 ms at 16384 rows, 4.30 at 65536).
+# Largest row held in registers, in elements, forward and backward (the kernels compute in fp32, so this does
+# not depend on the input dtype); wider rows loop over column blocks. H100, bf16, each kernel's GPU time alone
+# (benchmarks/norm_launch_settings.py, profiler durations, 2026-11-26): at 16384 columns the backward holding
+# the row with 16 warps took 0.654 ms at 16384 rows against 1.031 for the loop over 8192-column blocks
+# (65536 rows: 2.64 against 4.07; LayerNorm 0.94 against 1.26 and 3.63 against 5.02); 32 warps 0.78 (their
+# 64-register cap spills). The forward's 16384-column row: LayerNorm 0.364 ms with 16 warps against 0.504 with
+# 32, RMSNorm 0.359 either way.
+MAX_REGISTER_BLOCK_N = 16384
+MAX_REGISTER_ROW_WARPS = 16
+# Rows wider than that. Backward (H100, bf16, 2026-11-22 and again 2026-11-26 by GPU time): tiles of 2 rows x
+# 2048 columns with 8 warps, 2 programs per SM (16384 x 32768: 2.75 ms against 3.05 for one row x 8192
+# columns with 16 warps). Forward: 16384-column blocks with 32 warps (0.78 against 1.02 ms at 16384 x 32768).
 WIDE_ROW_BACKWARD = (2048, 2, 8, 2)  # block_n, rows_per_tile, num_warps, programs_per_sm
-MAX_FORWARD_WARPS = 32
-MAX_BACKWARD_WARPS = 16
+WIDE_ROW_FORWARD = (16384, 1, 32, 1)
 
 # Programs the interpreter runs when there is no GPU: small, so CPU tests still walk several row tiles per
 # persistent program and reduce several partial dW rows.
@@ -86,35 +83,25 @@ def norm_launch_settings(n_cols: int, backward: bool) -> NormLaunchSettings:
 def _norm_launch_settings(n_cols: int, backward: bool, column_block_limit: int | None) -> NormLaunchSettings:
     """Launch settings for a row-wise normalisation of width `n_cols`.
 
-    From one H100 sweep (torch 2.11, triton 3.6) whose launches went through torch's wrap_triton outside a
-    custom op, which added 0.2 to 0.5 ms of CPU time per call: only settings that stayed slower than that
-    were clearly measured, so the numbers below rule settings out rather than rank the survivors.
-    - backward at 16384 x 4096 bf16: 8 warps 0.25-0.32 ms, against 0.54-0.66 ms for 16 warps and 0.60 ms
-      for 4 warps; 1, 2 or 4 programs per SM were within the noise.
-    - backward at 16384 x 1024: 2 rows x 1024 with 4 warps and 4 programs per SM <= 0.26 ms, 4 rows with
-      8 warps and 2 per SM 0.55 ms.
-    - backward at 16384 x 8192: one 8192-column tile with 16 warps 0.47-0.54 ms, 32 warps 0.60 ms, looping
-      over 4096-column blocks 0.58-0.63 ms.
+    H100, bf16, each kernel's GPU time alone (benchmarks/norm_launch_settings.py, profiler durations,
+    2026-11-26): at 16384 x 4096 the backward's 1 row x 4096 with 8 warps and 2 programs per SM took 0.157 ms
+    (floor 0.134) and the best of 17 settings 0.148; at 65536 x 1024 the default 2 rows x 1024, 4 warps, 4 per
+    SM was the best of 35 (0.155 ms), at 16384 x 1024 within 1% of it; the forward at 1024 and 4096 columns
+    was within 1% of the best of 8-14 settings, at 1.04x the copy floor. Launch overhead is larger than these
+    kernels' GPU time, so wall-clock sweeps (an earlier one, 2026-11-22) could only rule settings out.
     """
-    max_register_block = MAX_REGISTER_BLOCK_N_BACKWARD if backward else MAX_REGISTER_BLOCK_N_FORWARD
     block_n = triton.next_power_of_2(n_cols)
-    if backward and n_cols > 2 * MAX_REGISTER_BLOCK_N_BACKWARD and column_block_limit is None:
-        block_n, rows_per_tile, num_warps, programs_per_sm = WIDE_ROW_BACKWARD
-        return NormLaunchSettings(
-            block_n=block_n, rows_per_tile=rows_per_tile, num_warps=num_warps, programs_per_sm=programs_per_sm
-        )
-    if block_n > max_register_block:
-        block_n = max_register_block if not backward else LOOPED_BLOCK_N
+    if block_n > MAX_REGISTER_BLOCK_N and column_block_limit is None:
+        return NormLaunchSettings(*(WIDE_ROW_BACKWARD if backward else WIDE_ROW_FORWARD))
+    block_n = min(block_n, MAX_REGISTER_BLOCK_N)
     if column_block_limit is not None:
         block_n = min(block_n, column_block_limit)
     # Narrow rows share a tile of at least 2048 elements, so each program moves a few KB per step.
     rows_per_tile = max(1, min(64, 2048 // block_n))
     tile_elements = rows_per_tile * block_n
-    # About 16 values per thread and tensor: 16-byte accesses, and few enough registers for the backward
-    # (2048 -> 4 warps, 4096 -> 8, 8192 and up -> 16); the forward's 16384-column tiles take 32 warps
-    # (16384 x 16384: 0.41 ms against 0.48 with 16).
-    max_warps = MAX_BACKWARD_WARPS if backward else MAX_FORWARD_WARPS
-    num_warps = max(1, min(max_warps, tile_elements // 512))
+    # About 16 values per thread and tensor up to 8192 columns (16-byte accesses, few enough registers for the
+    # backward: 2048 -> 4 warps, 4096 -> 8, 8192 -> 16), 32 at 16384 (16 warps: module constants).
+    num_warps = max(1, min(MAX_REGISTER_ROW_WARPS, tile_elements // 512))
     # The persistent backward should fit in one wave. The sm_90 compiler gives it ~96 registers a thread at
     # 2048 elements and 4 warps (5 programs fit an SM), ~108 at 4096 and 8 warps (2 fit), ~112 at 8192 and
     # 16 warps (1 fits).
