@@ -298,23 +298,37 @@ class RopeLaunchSettings:
     head_blocks: int
     tokens_per_program: int
     num_warps: int
+    block_half: int  # next power of two of the rotated half width
+    block_pass: int  # next power of two of the pass-through width (1 when there is none)
 
 
 def _previous_power_of_2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def rope_launch_settings(n_q_heads: int, n_k_heads: int, rotary_dim: int) -> RopeLaunchSettings:
-    """Heads per step, head steps and tokens per program, and warps (see `_rope_launch_settings`)."""
+def rope_launch_settings(
+    n_q_heads: int, n_k_heads: int, rotary_dim: int, head_dim: int | None = None
+) -> RopeLaunchSettings:
+    """Heads per step, head steps and tokens per program, warps and block widths (`_rope_launch_settings`)."""
     # int(): under torch.compile these may be symbolic; they are compile-time constants of the kernel anyway.
     return _rope_launch_settings(
-        int(n_q_heads), int(n_k_heads), int(rotary_dim), _MAX_PAIRS_PER_TILE, _MIN_PAIRS_PER_PROGRAM
+        int(n_q_heads),
+        int(n_k_heads),
+        int(rotary_dim),
+        int(rotary_dim if head_dim is None else head_dim),
+        _MAX_PAIRS_PER_TILE,
+        _MIN_PAIRS_PER_PROGRAM,
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _rope_launch_settings(
-    n_q_heads: int, n_k_heads: int, rotary_dim: int, max_pairs_per_tile: int, min_pairs_per_program: int
+    n_q_heads: int,
+    n_k_heads: int,
+    rotary_dim: int,
+    head_dim: int,
+    max_pairs_per_tile: int,
+    min_pairs_per_program: int,
 ) -> RopeLaunchSettings:
     """Cached by shape: this runs on every call, on the host.
 
@@ -345,6 +359,8 @@ def _rope_launch_settings(
         head_blocks=head_blocks,
         tokens_per_program=tokens_per_program,
         num_warps=num_warps,
+        block_half=block_half,
+        block_pass=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
     )
 
 
@@ -357,8 +373,11 @@ def _angle_strides(t: torch.Tensor) -> tuple[int, int, int]:
 _INT32_OFFSET_LIMIT = 2**31 - 1
 
 
-def _largest_offset(t: torch.Tensor) -> int:
-    return sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
+def _storage_elements(t: torch.Tensor) -> int:
+    """Elements of t's whole storage: a bound on any offset the kernel forms from t's pointer, found in two
+    calls (walking shapes and strides cost more host time per launch than the kernel's GPU time at small
+    sizes). Only a view into a storage of 2**31 elements or more, which is rare, pays int64 needlessly."""
+    return t.untyped_storage().nbytes() // t.element_size()
 
 
 def _launch_rope(
@@ -384,7 +403,7 @@ def _launch_rope(
     pass_width = head_dim - rotary_dim
     if batch * seq_len == 0 or n_q_heads + n_k_heads == 0:
         return
-    settings = rope_launch_settings(n_q_heads, n_k_heads, rotary_dim)
+    settings = rope_launch_settings(n_q_heads, n_k_heads, rotary_dim, head_dim)
     if batch > 65535:
         raise ValueError(f"rope: batch {batch} exceeds the grid limit of 65535")
     if position_ids is None:
@@ -393,12 +412,12 @@ def _launch_rope(
         positions = position_ids
         stride_pos_b = position_ids.stride(0) if position_ids.shape[0] > 1 else 0
         stride_pos_s = position_ids.stride(1)
-    # int32 offsets unless some tensor spans 2**31 elements (a table row index times its stride included).
-    index_64 = max(_largest_offset(t) for t in (q, k, q_out, k_out, cos, sin)) >= _INT32_OFFSET_LIMIT
+    # int32 offsets unless some storage spans 2**31 elements (a table row index times its stride included).
+    index_64 = max(map(_storage_elements, (q, k, q_out, k_out, cos, sin))) >= _INT32_OFFSET_LIMIT
     if position_ids is not None:
         index_64 = index_64 or cos.shape[1] * max(cos.stride(1), sin.stride(1)) >= _INT32_OFFSET_LIMIT
     kernel = wrap_triton(_rope_kernel) if traced else _rope_kernel
-    grid = (triton.cdiv(seq_len, settings.tokens_per_program), batch)
+    grid = (-(-seq_len // settings.tokens_per_program), batch)
     kernel[grid](
         q, k, q_out, k_out, cos, sin, positions, seq_len,
         *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
@@ -408,8 +427,8 @@ def _launch_rope(
         N_K_HEADS=n_k_heads,
         HALF=half,
         PASS=pass_width,
-        BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-        BLOCK_PASS=triton.next_power_of_2(max(pass_width, 1)),
+        BLOCK_HALF=settings.block_half,
+        BLOCK_PASS=settings.block_pass,
         BLOCK_Q_HEADS=settings.block_q_heads,
         BLOCK_K_HEADS=settings.block_k_heads,
         HEAD_BLOCKS=settings.head_blocks,
