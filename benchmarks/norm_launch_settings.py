@@ -27,7 +27,8 @@ from fusetune.kernels import layer_norm, rms_norm  # noqa: E402
 from fusetune.kernels._norm_utils import NormLaunchSettings, norm_launch_settings  # noqa: E402
 
 SHAPES = ((16384, 4096), (65536, 1024), (16384, 1024), (16384, 16384), (65536, 16384), (16384, 32768))
-LOOPED_BACKWARD = ((8192, 1, 16, 1), (8192, 1, 16, 2), (4096, 1, 8, 2), (2048, 2, 8, 2))
+LOOPED_BACKWARD = ((2048, 2, 8, 2), (1024, 4, 8, 4), (2048, 4, 8, 2), (1024, 8, 8, 2), (4096, 2, 8, 2), (2048, 4, 8, 4),
+                   (512, 8, 8, 4), (4096, 1, 8, 4), (4096, 4, 16, 2))  # fmt: skip
 LARGEST_REGISTER_ROW = 16384
 FLUSH_BYTES = 256 * 2**20
 

@@ -22,6 +22,7 @@ from fusetune.kernels._norm_utils import (
     norm_launch_settings,
     persistent_grid_size,
 )
+from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
 __all__ = ["FusedLayerNorm", "layer_norm", "layer_norm_reference"]
 
@@ -142,7 +143,6 @@ def _layer_norm_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    LOOP_COLUMNS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
@@ -154,8 +154,8 @@ def _layer_norm_bwd_kernel(
         dw = sum over rows of dy * xhat,    db = sum over rows of dy
 
     Masked columns load dy = 0, so g and every product with it vanish there without a select.
-    Each program accumulates dw and db over its rows in fp32 and stores one row of dw_partial / db_partial
-    [P, n_cols]; the launcher sums the P rows. The column-looping variant updates its partial rows per tile.
+    Each program holds whole rows (rows wider than that take _norm_wide_rows.py), accumulates dw and db over
+    its rows in fp32 and stores one row of dw_partial / db_partial [P, n_cols]; the launcher sums the P rows.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -164,93 +164,39 @@ def _layer_norm_bwd_kernel(
     dw_partial_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
     db_partial_row = db_partial_ptr + pid.to(tl.int64) * n_cols
 
-    if not LOOP_COLUMNS:
-        col_mask = cols < n_cols
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
+        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
-            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-            row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-            dy = dy.to(tl.float32)
-            x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
-            if HAS_WEIGHT:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            mean_g = tl.sum(g, axis=1) / n_cols
-            mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
-            dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-            dx_ptrs = dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :]
-            tl.store(dx_ptrs, round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask)
-            if HAS_WEIGHT:
-                dw_acc += tl.sum(dy * xhat, axis=0)
-            if HAS_BIAS:
-                db_acc += tl.sum(dy, axis=0)
+            g = dy * w[None, :]
+        else:
+            g = dy
+        mean_g = tl.sum(g, axis=1) / n_cols
+        mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
+        dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        dx_ptrs = dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :]
+        tl.store(dx_ptrs, round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask)
         if HAS_WEIGHT:
-            tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
+            dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
-            tl.store(db_partial_row + cols, db_acc, mask=col_mask)
-    else:
-        for tile in tl.range(pid, n_row_tiles, num_programs):
-            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-            row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            dy_rows = dy_ptr + rows64[:, None] * dy_row_stride
-            x_rows = x_ptr + rows64[:, None] * x_row_stride
-            dx_rows = dx_ptr + rows64[:, None] * dx_row_stride
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            # Pass 1: mean(g) and mean(g * xhat) over the whole row.
-            sum_g = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            sum_g_xhat = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                col_mask = c < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                g = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                xhat = (x - mean[:, None]) * rstd[:, None]
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-                    g = g * w[None, :]
-                sum_g += tl.sum(g, axis=1)
-                sum_g_xhat += tl.sum(g * xhat, axis=1)
-            mean_g = sum_g / n_cols
-            mean_g_xhat = sum_g_xhat / n_cols
-            # Pass 2 (row now in L2): dx, and this program's partial sums.
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                col_mask = c < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                xhat = (x - mean[:, None]) * rstd[:, None]
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0).to(tl.float32)
-                    g = dy * w[None, :]
-                else:
-                    g = dy
-                dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-                tl.store(
-                    dx_rows + c[None, :],
-                    round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-                    mask=mask,
-                )
-                # each program owns its partial rows and the same thread revisits the same columns
-                if HAS_WEIGHT:
-                    dw = tl.load(dw_partial_row + c, mask=col_mask, other=0.0)
-                    tl.store(dw_partial_row + c, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
-                if HAS_BIAS:
-                    db = tl.load(db_partial_row + c, mask=col_mask, other=0.0)
-                    tl.store(db_partial_row + c, db + tl.sum(dy, axis=0), mask=col_mask)
+            db_acc += tl.sum(dy, axis=0)
+    if HAS_WEIGHT:
+        tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_partial_row + cols, db_acc, mask=col_mask)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -325,15 +271,21 @@ def _launch_backward(
     dx_rows = dx.view(-1, n_cols)
     if settings is None:
         settings = norm_launch_settings(n_cols, backward=True)
+    if settings.loop_columns(n_cols):
+        w_eff = weight.float() if weight is not None else None
+        return launch_wide_row_backward(
+            dy_rows, x_rows, w_eff, mean, rstd, None, dx_rows, settings, has_bias=has_bias, traced=traced
+        )
     n_row_tiles = (n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile
     num_programs = persistent_grid_size(n_row_tiles, settings, x.device)
-    loop_columns = settings.loop_columns(n_cols)
-    # The column-looping kernel accumulates into its partial rows, so they must start from zero.
-    allocate = torch.zeros if loop_columns else torch.empty
     dw_partial = (
-        allocate((num_programs, n_cols), dtype=torch.float32, device=x.device) if weight is not None else None
+        torch.empty((num_programs, n_cols), dtype=torch.float32, device=x.device)
+        if weight is not None
+        else None
     )
-    db_partial = allocate((num_programs, n_cols), dtype=torch.float32, device=x.device) if has_bias else None
+    db_partial = (
+        torch.empty((num_programs, n_cols), dtype=torch.float32, device=x.device) if has_bias else None
+    )
     if n_rows > 0:
         kernel = torch.library.wrap_triton(_layer_norm_bwd_kernel) if traced else _layer_norm_bwd_kernel
         kernel[(num_programs,)](
@@ -354,7 +306,6 @@ def _launch_backward(
             HAS_BIAS=has_bias,
             BLOCK_ROWS=settings.rows_per_tile,
             BLOCK_N=settings.block_n,
-            LOOP_COLUMNS=loop_columns,
             NUM_STAGES=settings.num_stages,
             SOFTWARE_BF16_ROUNDING=interpreted(),
             num_warps=settings.num_warps,

@@ -36,6 +36,7 @@ from fusetune.kernels._norm_utils import (
     norm_launch_settings,
     persistent_grid_size,
 )
+from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
 __all__ = [
     "FusedRMSNorm",
@@ -203,7 +204,6 @@ def _rms_norm_bwd_kernel(
     CAST_BEFORE_WEIGHT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    LOOP_COLUMNS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
@@ -219,8 +219,8 @@ def _rms_norm_bwd_kernel(
     as autograd does. For the fused add the normalised row is the new residual h = x + residual, and the
     gradient reaching both x and residual is dh = dx_from_norm + d_new_residual (HAS_D_RESIDUAL).
 
-    Each program accumulates dw over its rows in fp32 and stores one row of dw_partial [P, n_cols]; the
-    launcher sums the P rows. In the column-looping variant the program's dw_partial row is updated per tile.
+    Each program holds whole rows (rows wider than that take _norm_wide_rows.py), accumulates dw over its
+    rows in fp32 and stores one row of dw_partial [P, n_cols]; the launcher sums the P rows.
     """
     input_dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -229,103 +229,46 @@ def _rms_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     dw_partial_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
 
-    if not LOOP_COLUMNS:
-        col_mask = cols < n_cols
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+        w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
+        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat = x * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
-            w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
-            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-            row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-            dy = dy.to(tl.float32)
-            x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            xhat = x * rstd[:, None]
-            if HAS_WEIGHT:
-                g = dy * w_eff[None, :]
-            else:
-                g = dy
-            mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
-            dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-            if HAS_D_RESIDUAL:
-                d_residual = tl.load(
-                    d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :],
-                    mask=mask,
-                    other=0.0,
-                )
-                dx += d_residual.to(tl.float32)
-            tl.store(
-                dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
-                round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+            g = dy * w_eff[None, :]
+        else:
+            g = dy
+        mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
+        dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        if HAS_D_RESIDUAL:
+            d_residual = tl.load(
+                d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :],
                 mask=mask,
+                other=0.0,
             )
-            if HAS_WEIGHT:
-                if CAST_BEFORE_WEIGHT:
-                    xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
-                dw_acc += tl.sum(dy * xhat, axis=0)
+            dx += d_residual.to(tl.float32)
+        tl.store(
+            dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
+            round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+            mask=mask,
+        )
         if HAS_WEIGHT:
-            tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
-    else:
-        for tile in tl.range(pid, n_row_tiles, num_programs):
-            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-            row_mask = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            dy_rows = dy_ptr + rows64[:, None] * dy_row_stride
-            x_rows = x_ptr + rows64[:, None] * x_row_stride
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            # Pass 1: mean(g * xhat) over the whole row.
-            sum_g_xhat = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                col_mask = c < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0)
-                    w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
-                    dy = dy * w_eff[None, :]
-                sum_g_xhat += tl.sum(dy * x, axis=1)
-            mean_g_xhat = sum_g_xhat * rstd / n_cols
-            # Pass 2 (row now in L2): dx, and this program's dw partial sums.
-            for start in range(0, n_cols, BLOCK_N):
-                c = start + cols
-                col_mask = c < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                xhat = x * rstd[:, None]
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + c, mask=col_mask, other=0.0)
-                    w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
-                    g = dy * w_eff[None, :]
-                else:
-                    g = dy
-                dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-                if HAS_D_RESIDUAL:
-                    d_residual = tl.load(
-                        d_residual_ptr + rows64[:, None] * d_residual_row_stride + c[None, :],
-                        mask=mask,
-                        other=0.0,
-                    )
-                    dx += d_residual.to(tl.float32)
-                tl.store(
-                    dx_ptr + rows64[:, None] * dx_row_stride + c[None, :],
-                    round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-                    mask=mask,
-                )
-                if HAS_WEIGHT:
-                    if CAST_BEFORE_WEIGHT:
-                        xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
-                    # each program owns its dw_partial row, and the same thread touches the same columns
-                    # on every visit, so this read-modify-write needs no synchronisation
-                    dw = tl.load(dw_partial_row + c, mask=col_mask, other=0.0)
-                    tl.store(dw_partial_row + c, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
+            if CAST_BEFORE_WEIGHT:
+                xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+            dw_acc += tl.sum(dy * xhat, axis=0)
+    if HAS_WEIGHT:
+        tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -420,13 +363,22 @@ def _launch_backward(
     d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else dy_rows
     if settings is None:
         settings = norm_launch_settings(n_cols, backward=True)
+    if settings.loop_columns(n_cols):
+        w_eff = None
+        if weight is not None:
+            # offset + w as the forward applied it (_effective_weight): rounded to the weight dtype in llama mode
+            w_eff = weight.float() + offset
+            if casting_mode == "llama":
+                w_eff = w_eff.to(weight.dtype).float()
+        dw, _ = launch_wide_row_backward(
+            dy_rows, x_rows, w_eff, None, rstd, d_residual_rows if d_residual is not None else None, dx_rows,
+            settings, round_xhat_for_dw=casting_mode == "llama", traced=traced,
+        )  # fmt: skip
+        return dw.to(weight.dtype) if weight is not None else None
     n_row_tiles = (n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile
     num_programs = persistent_grid_size(n_row_tiles, settings, x.device)
-    loop_columns = settings.loop_columns(n_cols)
     if weight is not None:
-        # The column-looping kernel accumulates into its partial row, so it must start from zero.
-        allocate = torch.zeros if loop_columns else torch.empty
-        dw_partial = allocate((num_programs, n_cols), dtype=torch.float32, device=x.device)
+        dw_partial = torch.empty((num_programs, n_cols), dtype=torch.float32, device=x.device)
     else:
         dw_partial = rstd  # unused by the kernel
     if n_rows > 0:
@@ -451,7 +403,6 @@ def _launch_backward(
             CAST_BEFORE_WEIGHT=casting_mode == "llama",
             BLOCK_ROWS=settings.rows_per_tile,
             BLOCK_N=settings.block_n,
-            LOOP_COLUMNS=loop_columns,
             NUM_STAGES=settings.num_stages,
             SOFTWARE_BF16_ROUNDING=interpreted(),
             num_warps=settings.num_warps,

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from fusetune.kernels import _norm_wide_rows as norm_wide_rows_module
 from fusetune.kernels import layer_norm as layer_norm_module
 from fusetune.kernels._norm_utils import NormLaunchSettings, force_column_block
 from fusetune.kernels.layer_norm import FusedLayerNorm, layer_norm, layer_norm_reference
@@ -175,36 +176,40 @@ def test_layer_norm_rejects_bad_parameters(device):
         layer_norm(x, torch.ones(8, device=device), torch.zeros(9, device=device))
 
 
-def test_library_ops_match_the_eager_path(device):
+@pytest.mark.parametrize("block", [None, 16], ids=["whole-rows", "wide-rows"])
+def test_library_ops_match_the_eager_path(device, block):
     """The torch.library ops (what torch.compile traces) give what the eager path gives."""
-    dtype = torch.bfloat16
-    x, dy = _make((3, 40), dtype, device), _make((3, 40), dtype, device, seed=2)
-    weight, bias = _parameters(40, dtype, device)
-    y, mean, rstd = torch.ops.fusetune.layer_norm_fwd(x, weight, bias, 1e-5)
-    assert torch.equal(y, layer_norm(x, weight, bias))
-    dx, dw, db = torch.ops.fusetune.layer_norm_bwd(dy, x, weight, bias, mean, rstd)
-    x_k, w_k, b_k = _leaf(x), _leaf(weight), _leaf(bias)
-    layer_norm(x_k, w_k, b_k).backward(dy)
-    assert torch.equal(dx, x_k.grad) and torch.equal(dw, w_k.grad) and torch.equal(db, b_k.grad)
-    _, dw_none, db_none = torch.ops.fusetune.layer_norm_bwd(dy, x, None, None, mean, rstd)
-    assert dw_none.numel() == 0 and db_none.numel() == 0
+    with force_column_block(block) if block else contextlib.nullcontext():
+        dtype = torch.bfloat16
+        x, dy = _make((3, 40), dtype, device), _make((3, 40), dtype, device, seed=2)
+        weight, bias = _parameters(40, dtype, device)
+        y, mean, rstd = torch.ops.fusetune.layer_norm_fwd(x, weight, bias, 1e-5)
+        assert torch.equal(y, layer_norm(x, weight, bias))
+        dx, dw, db = torch.ops.fusetune.layer_norm_bwd(dy, x, weight, bias, mean, rstd)
+        x_k, w_k, b_k = _leaf(x), _leaf(weight), _leaf(bias)
+        layer_norm(x_k, w_k, b_k).backward(dy)
+        assert torch.equal(dx, x_k.grad) and torch.equal(dw, w_k.grad) and torch.equal(db, b_k.grad)
+        _, dw_none, db_none = torch.ops.fusetune.layer_norm_bwd(dy, x, None, None, mean, rstd)
+        assert dw_none.numel() == 0 and db_none.numel() == 0
 
 
-def test_inplace_backward_writes_dx_into_dy(device):
-    dtype = torch.bfloat16
-    x, dy = _make((3, 64), dtype, device), _make((3, 64), dtype, device, seed=2)
-    incoming = dy.clone()
-    x_k = _leaf(x)
-    weight, bias = _parameters(64, dtype, device)
-    layer_norm(x_k, weight, bias, inplace_backward=True).backward(incoming)
-    assert torch.equal(incoming, x_k.grad) and not torch.equal(incoming, dy)
-    x_r = _leaf(x)
-    layer_norm_reference(x_r, weight, bias).backward(dy.clone())
-    _assert_matches(x_k.grad, x_r.grad, dtype)
-    # off by default: the incoming gradient is left alone
-    incoming = dy.clone()
-    layer_norm(_leaf(x), weight, bias).backward(incoming)
-    assert torch.equal(incoming, dy)
+@pytest.mark.parametrize("block", [None, 16], ids=["whole-rows", "wide-rows"])
+def test_inplace_backward_writes_dx_into_dy(device, block):
+    with force_column_block(block) if block else contextlib.nullcontext():
+        dtype = torch.bfloat16
+        x, dy = _make((3, 64), dtype, device), _make((3, 64), dtype, device, seed=2)
+        incoming = dy.clone()
+        x_k = _leaf(x)
+        weight, bias = _parameters(64, dtype, device)
+        layer_norm(x_k, weight, bias, inplace_backward=True).backward(incoming)
+        assert torch.equal(incoming, x_k.grad) and not torch.equal(incoming, dy)
+        x_r = _leaf(x)
+        layer_norm_reference(x_r, weight, bias).backward(dy.clone())
+        _assert_matches(x_k.grad, x_r.grad, dtype)
+        # off by default: the incoming gradient is left alone
+        incoming = dy.clone()
+        layer_norm(_leaf(x), weight, bias).backward(incoming)
+        assert torch.equal(incoming, dy)
 
 
 @pytest.mark.parametrize(
@@ -296,7 +301,7 @@ KERNEL_MUTATIONS = [
         "_layer_norm_bwd_kernel",
         "dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]",
         "dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]",
-        2,
+        1,
         None,
         id="bwd-mean-term-dropped",
     ),
@@ -309,6 +314,43 @@ KERNEL_MUTATIONS = [
         id="bwd-db-wrong",
     ),
 ]
+
+
+# The two kernels of rows wider than registers hold (_norm_wide_rows.py), reached with a forced column block.
+WIDE_ROW_MUTATIONS = [
+    pytest.param(
+        "_columns_kernel", "inner -= tl.load(terms_ptr + n_rows + rows", "inner += tl.load(terms_ptr + n_rows + rows",
+        id="mean-term-sign-flip",
+    ),
+    pytest.param("_row_terms_kernel", "x = x - mean  #", "x = x  #", id="row-term-uncentred"),
+    pytest.param(
+        "_columns_kernel", "db_acc += tl.sum(dy, axis=0)", "db_acc += tl.sum(dy * xhat, axis=0)", id="db-wrong"
+    ),
+    pytest.param(
+        "_columns_kernel", "xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]",
+        "xhat = x.to(tl.float32) * rstd[:, None]", id="xhat-uncentred",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel_name,old,new", WIDE_ROW_MUTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mutated_wide_row_kernel_fails_the_comparison(
+    device, dtype, kernel_name, old, new, tmp_path, monkeypatch
+):
+    """The wide-row backward with one source edit, run at 40 columns in blocks of 16, must fail the check."""
+    x, dy = _make((5, 40), dtype, device, shift=0.5), _make((5, 40), dtype, device, seed=2)
+    weight, bias = _parameters(40, dtype, device)
+
+    def run_check():
+        with force_column_block(16):
+            _check(x, weight, bias, dy, dtype)
+
+    run_check()
+    kernel = getattr(norm_wide_rows_module, kernel_name)
+    monkeypatch.setattr(norm_wide_rows_module, kernel_name, _mutant(kernel, old, new, 1, tmp_path))
+    with pytest.raises(AssertionError):
+        run_check()
 
 
 @pytest.mark.parametrize("kernel_name,old,new,count,block", KERNEL_MUTATIONS)

@@ -7,12 +7,14 @@ Against the HF classes themselves, whose low-precision backward rounds after eve
 HF_BACKWARD_TOLERANCES instead.
 """
 
+import contextlib
 import inspect
 import math
 
 import pytest
 import torch
 
+from fusetune.kernels import _norm_wide_rows as norm_wide_rows_module
 from fusetune.kernels import rms_norm as rms_norm_module
 from fusetune.kernels._norm_utils import NormLaunchSettings, force_column_block
 from fusetune.kernels.rms_norm import (
@@ -228,26 +230,30 @@ def test_add_rms_norm_non_contiguous(device):
     _check_add_rms_norm(x, residual, _weight(48, dtype, device), dy, d_new_residual, 1.0, "gemma", dtype)
 
 
-def test_library_ops_match_the_eager_path(device):
+@pytest.mark.parametrize("block", [None, 16], ids=["whole-rows", "wide-rows"])
+def test_library_ops_match_the_eager_path(device, block):
     """The torch.library ops (what torch.compile traces) give what the eager path gives."""
-    dtype = torch.bfloat16
-    x, residual, dy = (_make((3, 40), dtype, device, seed=seed) for seed in (0, 3, 2))
-    d_new_residual = _make((3, 40), dtype, device, seed=5)
-    weight = _weight(40, dtype, device)
-    y, rstd = torch.ops.fusetune.rms_norm_fwd(x, weight, 1e-6, 0.0, "llama")
-    assert torch.equal(y, rms_norm(x, weight))
-    y_add, new_residual, rstd_add = torch.ops.fusetune.add_rms_norm_fwd(
-        x, residual, weight, 1e-6, 1.0, "gemma"
-    )
-    y_add_eager, new_residual_eager = add_rms_norm(x, residual, weight, offset=1.0, casting_mode="gemma")
-    assert torch.equal(y_add, y_add_eager) and torch.equal(new_residual, new_residual_eager)
-    dx, dw = torch.ops.fusetune.rms_norm_bwd(dy, new_residual, weight, rstd_add, d_new_residual, 1.0, "gemma")
-    x_k, r_k, w_k = _leaf(x), _leaf(residual), _leaf(weight)
-    outputs = add_rms_norm(x_k, r_k, w_k, offset=1.0, casting_mode="gemma")
-    torch.autograd.backward(outputs, [dy, d_new_residual])
-    assert torch.equal(dx, x_k.grad) and torch.equal(dx, r_k.grad) and torch.equal(dw, w_k.grad)
-    _, dw_none = torch.ops.fusetune.rms_norm_bwd(dy, x, None, rstd, None, 0.0, "llama")
-    assert dw_none.numel() == 0
+    with force_column_block(block) if block else contextlib.nullcontext():
+        dtype = torch.bfloat16
+        x, residual, dy = (_make((3, 40), dtype, device, seed=seed) for seed in (0, 3, 2))
+        d_new_residual = _make((3, 40), dtype, device, seed=5)
+        weight = _weight(40, dtype, device)
+        y, rstd = torch.ops.fusetune.rms_norm_fwd(x, weight, 1e-6, 0.0, "llama")
+        assert torch.equal(y, rms_norm(x, weight))
+        y_add, new_residual, rstd_add = torch.ops.fusetune.add_rms_norm_fwd(
+            x, residual, weight, 1e-6, 1.0, "gemma"
+        )
+        y_add_eager, new_residual_eager = add_rms_norm(x, residual, weight, offset=1.0, casting_mode="gemma")
+        assert torch.equal(y_add, y_add_eager) and torch.equal(new_residual, new_residual_eager)
+        dx, dw = torch.ops.fusetune.rms_norm_bwd(
+            dy, new_residual, weight, rstd_add, d_new_residual, 1.0, "gemma"
+        )
+        x_k, r_k, w_k = _leaf(x), _leaf(residual), _leaf(weight)
+        outputs = add_rms_norm(x_k, r_k, w_k, offset=1.0, casting_mode="gemma")
+        torch.autograd.backward(outputs, [dy, d_new_residual])
+        assert torch.equal(dx, x_k.grad) and torch.equal(dx, r_k.grad) and torch.equal(dw, w_k.grad)
+        _, dw_none = torch.ops.fusetune.rms_norm_bwd(dy, x, None, rstd, None, 0.0, "llama")
+        assert dw_none.numel() == 0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -255,21 +261,23 @@ def test_library_ops_match_the_eager_path(device):
 # ------------------------------------------------------------------------------------------------------------
 
 
-def test_inplace_backward_writes_dx_into_dy(device):
-    dtype = torch.bfloat16
-    x, dy = _make((3, 64), dtype, device), _make((3, 64), dtype, device, seed=2)
-    weight = _weight(64, dtype, device)
-    x_k, w_k = _leaf(x), _leaf(weight)
-    incoming = dy.clone()
-    rms_norm(x_k, w_k, inplace_backward=True).backward(incoming)
-    # the incoming gradient's buffer now holds dx (x.grad itself is a copy: AccumulateGrad cannot steal a
-    # buffer the test still references)
-    assert torch.equal(incoming, x_k.grad)
-    assert not torch.equal(incoming, dy)
-    x_r, w_r = _leaf(x), _leaf(weight)
-    rms_norm_reference(x_r, w_r).backward(dy.clone())
-    _assert_matches(x_k.grad, x_r.grad, dtype)
-    _assert_matches(w_k.grad, w_r.grad, dtype, summed_rows=3)
+@pytest.mark.parametrize("block", [None, 16], ids=["whole-rows", "wide-rows"])
+def test_inplace_backward_writes_dx_into_dy(device, block):
+    with force_column_block(block) if block else contextlib.nullcontext():
+        dtype = torch.bfloat16
+        x, dy = _make((3, 64), dtype, device), _make((3, 64), dtype, device, seed=2)
+        weight = _weight(64, dtype, device)
+        x_k, w_k = _leaf(x), _leaf(weight)
+        incoming = dy.clone()
+        rms_norm(x_k, w_k, inplace_backward=True).backward(incoming)
+        # the incoming gradient's buffer now holds dx (x.grad itself is a copy: AccumulateGrad cannot steal a
+        # buffer the test still references)
+        assert torch.equal(incoming, x_k.grad)
+        assert not torch.equal(incoming, dy)
+        x_r, w_r = _leaf(x), _leaf(weight)
+        rms_norm_reference(x_r, w_r).backward(dy.clone())
+        _assert_matches(x_k.grad, x_r.grad, dtype)
+        _assert_matches(w_k.grad, w_r.grad, dtype, summed_rows=3)
 
 
 def test_inplace_backward_fused_add(device):
@@ -437,7 +445,7 @@ KERNEL_MUTATIONS = [
         "_rms_norm_bwd_kernel",
         "dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]",
         "dx = (g + xhat * mean_g_xhat[:, None]) * rstd[:, None]",
-        2,
+        1,
         "plain",
         id="bwd-sign-flip",
     ),
@@ -453,11 +461,32 @@ KERNEL_MUTATIONS = [
         "_rms_norm_bwd_kernel",
         "dx += d_residual.to(tl.float32)",
         "dx += 0.5 * d_residual.to(tl.float32)",
-        2,
+        1,
         "add",
         id="bwd-residual-gradient-halved",
     ),
 ]
+
+# The two kernels of rows wider than registers hold (_norm_wide_rows.py), reached with a forced column block.
+WIDE_ROW_MUTATIONS = [
+    pytest.param(
+        "_columns_kernel", "inner = g - xhat * mean_g_xhat[:, None]", "inner = g + xhat * mean_g_xhat[:, None]",
+        "plain", id="dx-sign-flip",
+    ),
+    pytest.param("_row_terms_kernel", "sum_g_x += g * x", "sum_g_x += x", "plain", id="row-term-without-g"),
+    pytest.param(
+        "_row_terms_kernel", "for start in range(0, n_cols, BLOCK_N):",
+        "for start in range(0, n_cols - BLOCK_N, BLOCK_N):", "plain", id="row-term-last-block-dropped",
+    ),
+    pytest.param(
+        "_columns_kernel", "dw_acc += tl.sum(dy * xhat, axis=0)", "dw_acc += tl.sum(dy, axis=0)", "plain",
+        id="dw-without-xhat",
+    ),
+    pytest.param(
+        "_columns_kernel", "dx += d_residual.to(tl.float32)", "dx += 0.5 * d_residual.to(tl.float32)", "add",
+        id="residual-gradient-halved",
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the eps-less mutant divides by zero on padding rows
@@ -485,6 +514,31 @@ def test_mutated_kernel_fails_the_comparison(
     run_check()
     kernel = getattr(rms_norm_module, kernel_name)
     monkeypatch.setattr(rms_norm_module, kernel_name, _mutant(kernel, old, new, count, tmp_path))
+    with pytest.raises(AssertionError):
+        run_check()
+
+
+@pytest.mark.parametrize("kernel_name,old,new,check", WIDE_ROW_MUTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mutated_wide_row_kernel_fails_the_comparison(
+    device, dtype, kernel_name, old, new, check, tmp_path, monkeypatch
+):
+    """The same for the wide-row backward, run at 40 columns in blocks of 16 (the last block partial)."""
+    shape = (5, 40)
+    x, dy = _make(shape, dtype, device), _make(shape, dtype, device, seed=2)
+    weight = _weight(40, dtype, device)
+    residual, d_new_residual = _make(shape, dtype, device, seed=3), _make(shape, dtype, device, seed=5)
+
+    def run_check():
+        with force_column_block(16):
+            if check == "add":
+                _check_add_rms_norm(x, residual, weight, dy, d_new_residual, 0.0, "llama", dtype)
+            else:
+                _check_rms_norm(x, weight, dy, 1e-6, 0.0, "llama", dtype)
+
+    run_check()
+    kernel = getattr(norm_wide_rows_module, kernel_name)
+    monkeypatch.setattr(norm_wide_rows_module, kernel_name, _mutant(kernel, old, new, 1, tmp_path))
     with pytest.raises(AssertionError):
         run_check()
 
