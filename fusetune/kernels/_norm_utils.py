@@ -31,8 +31,8 @@ MAX_REGISTER_ROW_WARPS = 16
 # Rows wider than that. Backward (_norm_wide_rows.py): column blocks of 2048 in both kernels, tiles of 4 rows
 # in the second, 8 warps, 4 programs per SM. H100, bf16, GPU time alone, 2026-11-26, RMSNorm / LayerNorm
 # ms: 16384 x 32768 1.83 / 1.83 (the single looping kernel before: 2.75 / 3.65; copy floor 1.07), 4096 x
-# 32768 0.477 / 0.484, 65536 x 32768 7.22 / 7.27, 16384 x 20480 1.15 / 1.20; each within 2% of the best of
-# 9 settings but at 16384 x 20480 (1.14, 8 rows x 2048 / 2 per SM) and 4096 x 32768 LayerNorm (0.476).
+# 32768 0.477 / 0.484, 65536 x 32768 7.22 / 7.27, 16384 x 20480 1.15 / 1.20: each within 2% of the best of the
+# 9 settings tried there (benchmarks/norm_launch_settings.py).
 # Forward: 16384-column blocks with 32 warps (0.78 against 1.02 ms at 16384 x 32768).
 WIDE_ROW_BACKWARD = (2048, 4, 8, 4)  # block_n, rows_per_tile (second kernel), num_warps, programs_per_sm
 WIDE_ROW_FORWARD = (16384, 1, 32, 1)
