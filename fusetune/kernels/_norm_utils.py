@@ -7,8 +7,8 @@ Both ops normalise each row of a [rows, hidden] view and share the same two kern
   the second read of a row hits L2).
 - backward: a persistent grid of about `programs_per_sm` programs per SM walks the row tiles; each program
   keeps its share of dW (and dB) in fp32 registers and writes it once to a [programs, hidden] fp32 buffer that
-  one small `sum(0)` reduces. Above the register-resident block the partial sums live in that buffer and are
-  updated per row tile instead.
+  one small `sum(0)` reduces. Rows wider than the register-resident block take the two streaming kernels of
+  _norm_wide_rows.py instead (row terms, then column blocks), with the same `sum(0)` at the end.
 """
 
 import contextlib
@@ -63,8 +63,8 @@ class NormLaunchSettings:
 def force_column_block(block_n: int) -> Iterator[None]:
     """Cap the column block at `block_n` (a power of two) inside the block.
 
-    Lets tests reach the column-looping path of the kernels at small hidden sizes (the interpreter is too slow
-    for a 65536-wide row) and lets benchmarks compare the two paths at one size.
+    Lets tests reach the wide-row paths of the kernels (the column-looping forward, the two-kernel backward) at
+    small hidden sizes (the interpreter is too slow for a 65536-wide row) and lets benchmarks compare paths.
     """
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"force_column_block: block_n must be a power of two, got {block_n}")
