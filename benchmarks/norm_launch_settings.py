@@ -11,6 +11,7 @@ not in the numbers. The backward's dW reduction (`sum(0)` of the partial rows) i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -92,7 +93,9 @@ def launchers(op: str, x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, 
     return forward, backward
 
 
-def sweep_shape(op: str, rows: int, cols: int, directions: list[str], flush: torch.Tensor) -> list[dict]:
+def sweep_shape(
+    op: str, rows: int, cols: int, directions: list[str], flush: torch.Tensor, stages: list[int] | None = None
+) -> list[dict]:
     torch.manual_seed(0)
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -104,6 +107,9 @@ def sweep_shape(op: str, rows: int, cols: int, directions: list[str], flush: tor
         run = backward if direction == "bwd" else forward
         default = norm_launch_settings(cols, backward=direction == "bwd")
         candidates = backward_candidates(cols) if direction == "bwd" else forward_candidates(cols)
+        if stages and direction == "bwd":
+            # only the default setting, at each software-pipelining depth of the backward's row loop
+            candidates = [dataclasses.replace(default, num_stages=n) for n in stages]
         timed = []
         for settings in [default, *[c for c in candidates if c != default]]:
             try:
@@ -124,7 +130,8 @@ def sweep_shape(op: str, rows: int, cols: int, directions: list[str], flush: tor
 
 
 def _text(settings: NormLaunchSettings) -> str:
-    return f"{settings.block_n}x{settings.rows_per_tile} w{settings.num_warps} p{settings.programs_per_sm}"
+    stages = f" s{settings.num_stages}" if settings.num_stages != 1 else ""
+    return f"{settings.block_n}x{settings.rows_per_tile} w{settings.num_warps} p{settings.programs_per_sm}{stages}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default="rms_norm,layer_norm")
     parser.add_argument("--shapes", default=",".join(f"{t}x{h}" for t, h in SHAPES), help="TxH,...")
     parser.add_argument("--directions", default="bwd,fwd")
+    parser.add_argument(
+        "--stages", default="", help="e.g. 1,2,3: time only the default backward at these pipelining depths"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
@@ -139,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         tokens, hidden = (int(v) for v in shape.split("x"))
         for op in args.ops.split(","):
-            rows += sweep_shape(op, tokens, hidden, args.directions.split(","), flush)
+            stages = [int(n) for n in args.stages.split(",") if n.strip()]
+            rows += sweep_shape(op, tokens, hidden, args.directions.split(","), flush, stages)
             torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
