@@ -17,29 +17,16 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernels import Case, Env, build_workload, main_shapes, run_backward  # noqa: E402
+from benchmarks.kernels import Case, CudaTimer, Env, build_workload, main_shapes, run_backward  # noqa: E402
 
 DEFAULT_CASES = (
     "rope:fusetune,rope:liger,add_rms_norm:fusetune,add_rms_norm:liger,rms_norm:fusetune,rms_norm:liger"
 )
-
-
-def host_us_per_call(fn, calls: int) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    return (issued - started) * 1e6 / calls
 
 
 def profile_case(op: str, impl: str, calls: int, top: int) -> dict:
@@ -53,8 +40,9 @@ def profile_case(op: str, impl: str, calls: int, top: int) -> dict:
 
     for _ in range(10):
         fwd_bwd()
-    forward_us = host_us_per_call(workload.forward, calls)
-    total_us = host_us_per_call(fwd_bwd, calls)
+    timer = CudaTimer()
+    forward_us = timer.host_time(workload.forward, calls) * 1e3
+    total_us = timer.host_time(fwd_bwd, calls) * 1e3
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
     profiler.enable()
