@@ -47,12 +47,28 @@ GEMM_ROWS = (256, 384, 512, 640, 768, 832, 896, 1024, 1152, 1216, 1280, 1536, 20
 # Part "sweep-profile": kernel profiles (fusetune's and torch.compile's) at sweep shapes where fusetune trails
 # torch.compile.
 PROFILE_SHAPES = (
-    (1024, 1536, 151936, None),
-    (1024, 2048, 256000, 30.0),
-    (1024, 4096, 32000, None),
-    (4096, 2048, 151936, None),
-    (4096, 4096, 256000, 30.0),
+    (8192, 4096, 128256, None),
+    (8192, 2048, 128256, None),
+    (4096, 2048, 256000, 30.0),
 )
+# Part "overlap": a chunk's backward matmuls one after the other and side by side on two streams, at sweep
+# shapes where fusetune trails torch.compile (their chunk rows by the default budget).
+OVERLAP_SHAPES = (
+    (8192, 1536, 256000, 30.0),
+    (4096, 4096, 256000, 30.0),
+    (4096, 4096, 151936, None),
+    (8192, 1536, 151936, None),
+    (8192, 4096, 128256, None),
+)
+# Part "columns": (block_t, block_v, num_warps, programs per SM) of the kernels over [V, N] logits.
+COLUMNS_SETTINGS = (
+    (32, 128, 8, 4), (64, 64, 8, 4), (128, 32, 8, 4), (64, 128, 16, 4), (128, 64, 16, 4), (64, 64, 8, 2),
+    (64, 64, 8, 8), (64, 32, 4, 8), (128, 32, 8, 2),
+)  # fmt: skip
+COLUMNS_SHAPES = (
+    (1024, 128256, None), (1536, 256000, 30.0), (2048, 151936, None), (4096, 128256, None),
+    (4096, 256000, 30.0),
+)  # fmt: skip
 # (block_v, num_warps, programs_per_processor)
 CE_SETTINGS = (
     (16384, 32, 1),
@@ -208,6 +224,121 @@ def _chunk_piece_calls(h, z, y, dh, weight, grad_weight, loss, scale) -> dict[st
         "dw_acc": lambda: grad_weight.addmm_(z.t(), h),
         "dw_acc_t": lambda: grad_weight.t().addmm_(h.t(), z),
     }  # fmt: skip
+
+
+def overlap_case(shape, reps: int = 15) -> list[dict]:
+    """ms of one chunk's pieces at ``shape``'s chunk rows: the logits matmul, dh = dlogits @ W and
+    dW += dlogits^T @ h alone, one after the other, and concurrently on two streams, plainly and with
+    cuBLAS told to leave SMs to the other matmul (torch's SM carve-out, split n ways), under each BLAS
+    backend. The question: does dW's memory traffic (it reads and writes all of dW per chunk) hide under
+    dh's tensor-core work when they share the device?"""
+    from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
+
+    tokens, hidden_size, vocab, _ = shape
+    rows = fused_linear_cross_entropy_chunk_rows(tokens, hidden_size, vocab, torch.bfloat16)
+    free_device_memory()
+    torch.manual_seed(0)
+    h = torch.randn(rows, hidden_size, device="cuda", dtype=torch.bfloat16)
+    weight = 0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16)
+    dlogits = (1e-4 * torch.randn(rows, vocab, device="cuda")).to(torch.bfloat16)
+    logits = torch.empty_like(dlogits)
+    dh = torch.empty_like(h)
+    dw = torch.zeros_like(weight)
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    carve = torch._C._set_sm_carveout_experimental
+
+    def run_dh(carveout=None):
+        carve(carveout)
+        torch.mm(dlogits, weight, out=dh)
+        carve(None)
+
+    def run_dw(carveout=None):
+        carve(carveout)
+        dw.addmm_(dlogits.t(), h)
+        carve(None)
+
+    def side_by_side(first, second):
+        def call():
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                first()
+            second()
+            main.wait_stream(side)
+
+        return call
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda.synchronize()
+        for s, e in zip(start, end, strict=True):
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return round(sorted(s.elapsed_time(e) for s, e in zip(start, end, strict=True))[reps // 2], 4)
+
+    results = []
+    default_library = torch.backends.cuda.preferred_blas_library()
+    for library in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(library)
+        cases = {
+            "logits": lambda: torch.mm(h, weight.t(), out=logits),
+            "dh": run_dh,
+            "dw": run_dw,
+            "dh,dw in turn": lambda: (run_dh(), run_dw()),
+            "dh || dw": side_by_side(run_dh, run_dw),
+            "dw || dh": side_by_side(run_dw, run_dh),
+        }
+        for share in (16, 33, 66, 99):
+            cases[f"dw on {share} SMs"] = lambda share=share: run_dw(n_sm - share)
+            cases[f"dh on {share} SMs"] = lambda share=share: run_dh(n_sm - share)
+            cases[f"dh on {n_sm - share} || dw on {share}"] = side_by_side(
+                lambda share=share: run_dh(share), lambda share=share: run_dw(n_sm - share)
+            )
+        row = {"op": "chunk-overlap", "shape": shape, "rows": rows, "blas": library}
+        row.update({name: timed(fn) for name, fn in cases.items()})
+        results.append(row)
+    torch.backends.cuda.preferred_blas_library(default_library)
+    return results
+
+
+def columns_case(tokens: int, vocab: int, softcap: float | None) -> list[dict]:
+    """GPU ms of the cross-entropy kernel over [V, N] logits (fused linear cross-entropy's chunk held in dW)
+    at each launch setting, beside the row kernel over the same logits laid out [N, V]; gradients in place."""
+    from fusetune.kernels import cross_entropy as ce_module
+
+    free_device_memory()
+    torch.manual_seed(0)
+    rows = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16)
+    columns = rows.t().contiguous()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    loss = torch.empty(tokens, device="cuda")
+    scale = torch.full((1,), 1.0 / tokens, device="cuda")
+    options = dict(loss_out=loss, grad_scale=scale, softcap=softcap or 0.0)
+    base = {"op": "ce-columns", "T": tokens, "V": vocab, "softcap": softcap}
+
+    def gpu_ms(fn, reps: int = 5) -> float:  # the kernel's mean GPU time, from the profiler
+        return round(sum(ms for _, ms, _ in profile_kernels(fn, top=None, reps=reps)) / reps, 4)
+
+    results = [{**base, "layout": "rows", **{"ms": gpu_ms(lambda: ce_module.launch_cross_entropy_forward(
+        rows, labels, grad_out=rows, **options))}}]  # fmt: skip
+    default = ce_module.cross_entropy_columns_launch_config(tokens, vocab, columns.device)
+    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = {default: True}
+    for block_t, block_v, warps, per_sm in COLUMNS_SETTINGS:
+        splits = max(1, min(-(-per_sm * processors // -(-tokens // block_t)), -(-vocab // block_v)))
+        config = ce_module.CrossEntropyColumnsLaunchConfig(block_t, block_v, warps, splits)
+        configs.setdefault(config, False)
+    for config, is_default in configs.items():
+        ms = gpu_ms(lambda config=config: ce_module.launch_cross_entropy_columns(
+            columns, labels, grad_out=columns, config=config, **options))  # fmt: skip
+        setting = (config.block_t, config.block_v, config.num_warps, config.splits)
+        results.append({**base, "layout": "columns", "setting": setting, "ms": ms, "default": is_default})
+    return results
 
 
 def device_timeline(fn: Callable[[], Any]) -> dict:
@@ -380,7 +511,20 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--parts", default="ce,main,profile,sweep")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help='the sweep and sweep-profile parts\' shapes instead of their own: "T,H,V,softcap;..." (softcap 0: '
+        "none)",
+    )
     args = parser.parse_args()
+    sweep_shapes, profile_shapes = LINEAR_SHAPES[1:], PROFILE_SHAPES
+    if args.shapes:
+        sweep_shapes = tuple(
+            (int(t), int(h), int(v), float(c) or None)
+            for t, h, v, c in (item.split(",") for item in args.shapes.split(";"))
+        )
+        profile_shapes = sweep_shapes
     impls, parts = args.impls.split(","), args.parts.split(",")
     deadline = time.time() + args.budget_s
     rows = []
@@ -426,18 +570,26 @@ def main() -> int:
                     break
                 for row in chunk_pieces(hidden_size, vocab):
                     emit(row)
+    if "columns" in parts:
+        for tokens, vocab, softcap in COLUMNS_SHAPES:
+            for row in columns_case(tokens, vocab, softcap):
+                emit(row)
+    if "overlap" in parts:
+        for overlap_shape in OVERLAP_SHAPES:
+            for row in overlap_case(overlap_shape):
+                emit(row)
     if "host-pieces" in parts:
         emit(host_pieces())
     if "gaps" in parts:
         for gap_shape in ((1024, 4096, 32000, None), (1024, 4096, 151936, None), LINEAR_SHAPES[0]):
             emit(idle_gaps(gap_shape))
     if "sweep-profile" in parts:
-        for profile_shape in PROFILE_SHAPES:
+        for profile_shape in profile_shapes:
             for impl in impls:
                 if impl != "liger" and time.time() < deadline:
                     emit(profile_case(profile_shape, impl))
     if "sweep" in parts:
-        for shape in LINEAR_SHAPES[1:]:
+        for shape in sweep_shapes:
             for impl in impls:
                 if time.time() > deadline:
                     emit({"op": "flce", "shape": shape, "impl": impl, "error": "time budget used up"})

@@ -11,8 +11,8 @@ the tokens: for each chunk of C valid tokens
 
 Tokens labelled ``ignore_index`` get loss 0 and gradient 0. When the tokens take several chunks, they are
 dropped before any matmul (their rows are gathered away first, after one wait for the device); a call run
-as one chunk (or held in dW's memory, below) runs them and never waits. Gradients are computed during the forward for reductions "mean" and
-"sum", so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
+as one chunk (or held in dW's memory, below) runs them and never waits. Gradients are computed during the
+forward for reductions "mean" and "sum", so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
 For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
 the sum over tokens in dW, so the forward computes only the losses and the backward recomputes the
 logits chunk by chunk with the per-token weights folded into the cross-entropy kernel (one extra
@@ -35,12 +35,18 @@ nothing there. Label smoothing puts gradient on every vocabulary entry and is re
 
 Memory: beyond the gradients themselves (grad_hidden [T, H], grad_weight [V, H], plus a float32 copy
 of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
-:func:`fused_linear_cross_entropy_chunk_rows`. When the budget makes several chunks but the [T, V] logits
-are no larger than dW (T <= H: short calls, as T=1024 at H=4096), they are one chunk held in the last bytes
-of grad_weight, which nothing writes before the end: dW's rows clear of the logits are written first, the
-others from a copy of their columns of the logits (T * T/H * V elements, allowed only within the chunks'
-budget). One pass of the three matmuls, as with the whole logits, and no dW re-read per chunk, within the
-chunks' memory.
+:func:`fused_linear_cross_entropy_chunk_rows`. When the budget makes several chunks and dW is computed,
+the first chunk is held in dW's own memory, which nothing needs before that chunk's dW matmul: its logits
+laid out [V, C] (``W @ h_c^T``; the cross-entropy kernels over columns,
+:func:`~fusetune.kernels.cross_entropy.launch_cross_entropy_columns`), so that dW's row v, written last,
+depends only on logits row v, which lies at or before it in memory (see
+:func:`_weight_gradient_over_its_transposed_logits`). All tokens, when C = T <= H (then, as one chunk, the
+ignored ones run and nothing waits); else H of them, the rest in chunks of the budget. Where T <= H this is
+one pass of the three matmuls, as with the whole logits, within the chunks' memory. Measured on H100 against
+the chunks alone (benchmarks/loss_launch_settings.py, fwd+bwd ms, one run): T=4096, H=4096, V=256000 with
+softcap 30, 43.5 -> 39.2; V=151936 24.9 -> 23.9; at T > H within +-3% (T=8192, H=1536, V=256000 40.0 ->
+39.2, H=2048, V=128256 21.8 -> 21.3): the held chunk saves dW re-reads but pays a copy of dW through the
+buffer (its width is H) and cross-entropy kernels 1.1-1.4x slower over columns than over rows.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from fusetune.kernels.cross_entropy import (
     _check_reduction,
     cross_entropy_reference,
     is_live_gradient,
+    launch_cross_entropy_columns,
     launch_cross_entropy_forward,
     launch_scale_rows_,
     live_count_columns,
@@ -100,13 +107,15 @@ def fused_linear_cross_entropy_chunk_sizes(
     logits_chunk_bytes: int | None = None,
     *,
     rows_to_chunk: int | None = None,
+    gathered: bool | None = None,
     free_bytes: int | None = None,
 ) -> list[int]:
     """Rows of each chunk of logits, in order: the one place the chunking is chosen.
 
     The budget for the [C, V] chunk is ``logits_chunk_bytes``, or by default the bytes of Liger-Kernel's
     chunk at this shape plus :data:`DEFAULT_EXTRA_CHUNK_BYTES`, less the chunk's gathered [C, H] hidden
-    rows and their dh when ``rows_to_chunk`` (the valid tokens; default ``n_tokens``) < ``n_tokens``;
+    rows and their dh when they are gathered (``gathered``, by default when ``rows_to_chunk``, the valid
+    tokens not held in dW's memory, default ``n_tokens``, is below ``n_tokens``);
     never more than half of ``free_bytes`` when given (the loop passes the device's free memory only after
     an allocation of the chunk failed: asking the allocator for its cached bytes on every call cost
     0.32 ms of host time on H200, a fifth of the whole call at T=1024, V=32000). The rows are then cut into
@@ -142,9 +151,10 @@ def fused_linear_cross_entropy_chunk_sizes(
     itemsize = logits_dtype.itemsize
     row_bytes = max(1, vocab_size * itemsize)
     rows_to_chunk = n_tokens if rows_to_chunk is None else rows_to_chunk
+    gathered = rows_to_chunk < n_tokens if gathered is None else gathered
     if logits_chunk_bytes is None:
         budget = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
-        gathered_row_bytes = 2 * hidden_size * itemsize if rows_to_chunk < n_tokens else 0
+        gathered_row_bytes = 2 * hidden_size * itemsize if gathered else 0
         budget_rows = budget // (row_bytes + gathered_row_bytes)
     else:
         budget_rows = int(logits_chunk_bytes) // row_bytes
@@ -215,45 +225,58 @@ def _gradient_scale(reduction: str, num_items: float | Tensor | None, valid_coun
     return torch.full((1,), 1.0 / float(num_items), dtype=torch.float32, device=device)
 
 
-def _weight_rows_clear_of_logits(
-    n_rows: int, hidden_size: int, vocab_size: int, copy_limit: int
-) -> int | None:
-    """Whether the [n_rows, V] logits can be held in the last bytes of the [V, H] weight gradient: then the
-    number of vocabulary rows of dW whose memory lies clear of them (the rest, written last, are computed
-    from a copy of their columns of the logits, which may take at most ``copy_limit`` elements), else None."""
-    logits_elements = n_rows * vocab_size
-    weight_elements = vocab_size * hidden_size
-    if logits_elements > weight_elements:
-        return None
-    clear_rows = (weight_elements - logits_elements) // hidden_size
-    # The copy's rows (V - clear_rows elements) a multiple of 8, so 16-byte aligned: with 101291 columns
-    # (T=1024, H=1536, V=151936) cuBLAS fell back to slow kernels and the call took 4.7 ms on H100, 2x
-    # torch.compile's.
-    clear_rows -= (clear_rows - vocab_size) % 8
-    if clear_rows < 0 or n_rows * (vocab_size - clear_rows) > copy_limit:
-        return None
-    return clear_rows
+def _rows_held_in_weight_gradient(n_rows: int, hidden_size: int) -> tuple[int, int]:
+    """(rows, row width) of the first chunk, whose logits lie transposed, [V, rows] with rows ``width`` apart,
+    at the start of the [V, H] weight gradient's memory: all rows if they fit (width <= H), else H of them;
+    the width a multiple of 8 (rows of whole 16 bytes, which cuBLAS's fast kernels need) where H allows."""
+    if n_rows > hidden_size:
+        n_rows = hidden_size // 8 * 8 or hidden_size
+    width = triton.cdiv(n_rows, 8) * 8
+    return n_rows, width if width <= hidden_size else n_rows
 
 
-def _logits_copy_limit(n_tokens: int, n_gathered: int, weight: Tensor, logits_chunk_bytes: int | None) -> int:
-    """Elements that the copy of :func:`_weight_gradient_over_its_logits` may take: the chunks' budget, by
-    default less the ``n_gathered`` hidden rows gathered and their dh, as for a chunk."""
-    itemsize = weight.element_size()
-    if logits_chunk_bytes is not None:
-        return logits_chunk_bytes // itemsize
+def _transposed_logits_in(grad_weight: Tensor, n_rows: int, width: int) -> Tensor:
+    """The [V, n_rows] view, rows ``width`` apart, at the start of the contiguous ``grad_weight``'s memory."""
+    vocab_size = grad_weight.shape[0]
+    return grad_weight.view(-1)[: vocab_size * width].view(vocab_size, width)[:, :n_rows]
+
+
+def _bounce_elements(n_tokens: int, weight: Tensor, logits_chunk_bytes: int | None) -> int:
+    """Elements of the buffer through which :func:`_weight_gradient_over_its_transposed_logits` writes the
+    rows of dW that overlap their own logits, when no chunk buffer serves: the chunks' budget."""
     vocab_size, hidden_size = weight.shape
-    budget = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
-    return (budget - 2 * n_gathered * hidden_size * itemsize) // itemsize
+    itemsize = weight.element_size()
+    if logits_chunk_bytes is None:
+        logits_chunk_bytes = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
+    return max(hidden_size, min(vocab_size * hidden_size, logits_chunk_bytes // itemsize))
 
 
-def _weight_gradient_over_its_logits(
-    grad_weight: Tensor, grad_logits: Tensor, hidden: Tensor, clear_rows: int
+def _weight_gradient_over_its_transposed_logits(
+    grad_weight: Tensor, logits_t: Tensor, hidden: Tensor, bounce: Tensor
 ) -> None:
-    """grad_weight = grad_logits^T @ hidden where grad_logits lies in grad_weight's last bytes: the rows of
-    grad_weight clear of it first, then the others (whose writes overwrite it) from a copy of their columns."""
-    overlapping_columns = grad_logits[:, clear_rows:].contiguous()
-    torch.mm(grad_logits[:, :clear_rows].t(), hidden, out=grad_weight[:clear_rows])
-    torch.mm(overlapping_columns.t(), hidden, out=grad_weight[clear_rows:])
+    """grad_weight = logits_t @ hidden, where ``logits_t`` [V, C] (rows ``w`` apart, w <= H) lies at the start
+    of grad_weight's memory: dW's row v depends on logits row v only, and lies at or after it in memory.
+
+    Vocabulary rows from the last: while rows [0, top) of the logits are unread (their first top * w
+    elements), dW's rows from ceil(top * w / H) up lie clear of them and take one matmul; rows that lie
+    over their own logits (all of them when w = H) are computed into ``bounce`` (a flat buffer, at least
+    H elements) and copied into place, a buffer-full at a time, which overwrites only logits already read.
+    """
+    vocab_size, hidden_size = grad_weight.shape
+    width = logits_t.stride(0)
+    bounce_rows = min(vocab_size, bounce.numel() // hidden_size)
+    top = vocab_size
+    while top > 0:
+        clear_from = -(-top * width // hidden_size)
+        if top > bounce_rows and top - clear_from >= bounce_rows:
+            torch.mm(logits_t[clear_from:top], hidden, out=grad_weight[clear_from:top])
+            top = clear_from
+            continue
+        low = max(0, top - bounce_rows)
+        out = bounce[: (top - low) * hidden_size].view(top - low, hidden_size)
+        torch.mm(logits_t[low:top], hidden, out=out)
+        grad_weight[low:top].copy_(out)
+        top = low
 
 
 def _per_token(rows: Tensor, valid_rows: Tensor | None, n_tokens: int) -> Tensor:
@@ -568,27 +591,28 @@ def _chunked_linear_cross_entropy(
     grad_scale = _gradient_scale(reduction, num_items, valid_count)
     valid_rows = None  # the tokens that run, when they are not all
     n_rows = n_tokens
-    # Several chunks whose logits would fit in dW's memory become one held there (see the module docstring),
-    # its copy within the chunks' budget: then, as one chunk, all tokens run and nothing waits. Otherwise
-    # the ignored tokens are dropped first, and the rest may fit there then.
+    # With several chunks and dW to compute, the first chunk's logits are held in dW's memory, transposed
+    # (see the module docstring): all tokens' when they fit there, which then run as one chunk, ignored ones
+    # included, and nothing waits; else H valid tokens' after the ignored ones are dropped, the rest in
+    # chunks of the budget.
     logits_in_weight_gradient = (
         grad_weight_needed and not skipping and not accumulate_dw_in_fp32 and weight.dtype == hidden.dtype
     )
-    rows_clear_of_logits = None
-    if len(chunk_sizes) > 1 and logits_in_weight_gradient:
-        rows_clear_of_logits = _weight_rows_clear_of_logits(
-            n_tokens, hidden_size, vocab_size, _logits_copy_limit(n_tokens, 0, weight, logits_chunk_bytes)
-        )
-    if len(chunk_sizes) > 1 and rows_clear_of_logits is None:
+    held_rows = held_width = 0
+    if len(chunk_sizes) > 1 and logits_in_weight_gradient and n_tokens <= hidden_size:
+        held_rows, held_width = _rows_held_in_weight_gradient(n_tokens, hidden_size)
+        chunk_sizes = []
+    elif len(chunk_sizes) > 1:
         n_valid = _count_on_host(valid_count)
         if n_valid < n_tokens:
             valid_rows, n_rows = _true_indices(valid, n_valid), n_valid
+        if logits_in_weight_gradient and n_rows > 0:
+            held_rows, held_width = _rows_held_in_weight_gradient(n_rows, hidden_size)
+        if valid_rows is not None or held_rows > 0:
             chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
-                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows
-            )
-            if len(chunk_sizes) > 1 and logits_in_weight_gradient:
-                limit = _logits_copy_limit(n_tokens, n_rows, weight, logits_chunk_bytes)
-                rows_clear_of_logits = _weight_rows_clear_of_logits(n_rows, hidden_size, vocab_size, limit)
+                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes,
+                rows_to_chunk=n_rows - held_rows, gathered=valid_rows is not None,
+            ) if n_rows > held_rows else []  # fmt: skip
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     correct_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
@@ -613,13 +637,9 @@ def _chunked_linear_cross_entropy(
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
     if n_rows > 0:
-        if rows_clear_of_logits is not None:
-            # One chunk, its logits in the last bytes of dW, which is written only at the end (see
-            # _weight_rows_clear_of_logits): the memory of a chunk buffer, the matmuls of a single chunk.
-            chunk_sizes = [n_rows]
-            logits_buffer = grad_weight.view(-1)[grad_weight.numel() - n_rows * vocab_size :]
-            logits_buffer = logits_buffer.view(n_rows, vocab_size)
-        else:
+        rows_to_chunk = n_rows - held_rows
+        logits_buffer = None
+        if chunk_sizes:
             chunk_rows = max(chunk_sizes)
             try:
                 logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
@@ -627,11 +647,21 @@ def _chunked_linear_cross_entropy(
                 # Only now is the device asked: smaller chunks within half of what is free.
                 free_bytes, _ = torch.cuda.mem_get_info(device)
                 chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
-                    n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows,
-                    free_bytes=free_bytes,
+                    n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes,
+                    rows_to_chunk=rows_to_chunk, gathered=valid_rows is not None, free_bytes=free_bytes,
                 )  # fmt: skip
                 chunk_rows = max(chunk_sizes)
                 logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+        if held_rows:
+            # The chunk buffer, free while the held chunk runs, or a buffer of the chunks' budget.
+            bounce = (
+                logits_buffer.view(-1)
+                if logits_buffer is not None
+                else torch.empty(
+                    _bounce_elements(n_tokens, weight, logits_chunk_bytes), dtype=hidden.dtype, device=device
+                )
+            )
+            chunk_sizes = [held_rows, *chunk_sizes]
         if skipping:
             count_columns = live_count_columns(vocab_size, device, compute_accuracy=compute_accuracy)
             live_counts = torch.empty(
@@ -646,7 +676,11 @@ def _chunked_linear_cross_entropy(
             else:
                 rows_c = valid_rows[start:end]
                 hidden_c, labels_c = hidden.index_select(0, rows_c), labels.index_select(0, rows_c)
-            logits_c = logits_buffer[: end - start]
+            held = start == 0 and held_rows > 0
+            if held:  # [C, V] as seen by the matmuls, laid out [V, C] in dW's memory
+                logits_c = _transposed_logits_in(grad_weight, held_rows, held_width).t()
+            else:
+                logits_c = logits_buffer[: end - start]
             if bias is None:
                 torch.mm(hidden_c, weight_t, out=logits_c)
             else:
@@ -658,20 +692,26 @@ def _chunked_linear_cross_entropy(
                     token_upstream[start:end] if rows_c is None else token_upstream.index_select(0, rows_c)
                 )
                 scale_c = upstream.to(torch.float32).contiguous()
-            launch_cross_entropy_forward(
-                logits_c,
-                labels_c,
+            loss_options = dict(
                 loss_out=loss_rows[start:end],
-                grad_out=logits_c if compute_grads else None,
                 grad_scale=scale_c,
                 correct_out=correct_rows[start:end] if correct_rows is not None else None,
                 ignore_index=ignore_index,
                 label_smoothing=label_smoothing,
                 z_loss_scale=z_loss_scale,
                 softcap=softcap,
-                live_counts_out=live_counts[: end - start] if skipping else None,
-                live_threshold=skip_threshold,
             )
+            if held:  # dW is computed: so are the gradients
+                launch_cross_entropy_columns(logits_c.t(), labels_c, grad_out=logits_c.t(), **loss_options)
+            else:
+                launch_cross_entropy_forward(
+                    logits_c,
+                    labels_c,
+                    grad_out=logits_c if compute_grads else None,
+                    live_counts_out=live_counts[: end - start] if skipping else None,
+                    live_threshold=skip_threshold,
+                    **loss_options,
+                )
             if not compute_grads:
                 continue
             grad_logits_c = logits_c
@@ -707,9 +747,9 @@ def _chunked_linear_cross_entropy(
             if grad_bias_acc is not None:
                 grad_bias_acc += grad_logits_c.sum(dim=0, dtype=torch.float32)
             if grad_weight_needed and not skipping:
-                if rows_clear_of_logits is not None:
-                    _weight_gradient_over_its_logits(
-                        grad_weight, grad_logits_c, hidden_c, rows_clear_of_logits
+                if held:
+                    _weight_gradient_over_its_transposed_logits(
+                        grad_weight, grad_logits_c.t(), hidden_c, bounce
                     )
                 elif grad_weight.dtype == grad_logits_c.dtype:
                     if start == 0 and first_chunk_overwrites:
@@ -719,6 +759,8 @@ def _chunked_linear_cross_entropy(
                 else:
                     _addmm_float32_(grad_weight, grad_logits_c.t(), hidden_c)
         del logits_buffer
+        if held_rows:
+            del bounce
     if grad_weight_needed and skipping:
         # All chunks' kept entries at once, sorted by vocabulary row (stable: in token order), so each dW
         # row is summed in float32 and written once.

@@ -200,15 +200,11 @@ def test_rejects_bad_arguments():
 
 def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch):
     mutant = mutated_kernel(
-        ce_module._cross_entropy_forward_kernel,
-        "g = g * (1.0 - t * t)",
-        "g = g * 1.0",
-        tmp_path,
-        "no_softcap_grad",
+        ce_module._entry_gradient, "g = g * (1.0 - t * t)", "g = g * 1.0", tmp_path, "no_softcap_grad"
     )
     logits, labels = make_inputs(8, 700, torch.float32, device)
     assert_matches_reference(logits, labels, reduction="sum", softcap=4.0)  # the real kernel passes
-    monkeypatch.setattr(ce_module, "_cross_entropy_forward_kernel", mutant)
+    monkeypatch.setattr(ce_module, "_entry_gradient", mutant)
     with pytest.raises(AssertionError, match="not close"):
         assert_matches_reference(logits, labels, reduction="sum", softcap=4.0)
 
@@ -241,6 +237,83 @@ def test_mutant_counting_ignored_tokens_in_mean_fails(device, tmp_path, monkeypa
 
 
 # --- compile ---------------------------------------------------------------------------------------
+
+
+# --- logits laid out [V, N] (launch_cross_entropy_columns, the fused linear loss's chunk held in dW) -----
+
+COLUMN_CASES = [
+    (torch.float32, {}),
+    (torch.bfloat16, {"softcap": 4.0, "z_loss_scale": 1e-3}),
+    (torch.float32, {"label_smoothing": 0.1, "return_accuracy": True}),
+    (torch.bfloat16, {"softcap": 10.0, "return_accuracy": True}),
+]
+
+
+def run_columns(logits, labels, scale, *, width, return_accuracy=False, **options):
+    """Per-token losses, the [N, V] gradient of sum(scale * loss) and correctness through the kernels over
+    the logits stored [V, width] (width >= N, NaN between), gradient in place; checks the padding is kept."""
+    n_tokens, vocab = logits.shape
+    store = torch.full((vocab, width), float("nan"), dtype=logits.dtype, device=logits.device)
+    logits_t = store[:, :n_tokens]
+    logits_t.copy_(logits.t())
+    loss = torch.empty(n_tokens, device=logits.device)
+    correct = torch.empty(n_tokens, device=logits.device) if return_accuracy else None
+    ce_module.launch_cross_entropy_columns(
+        logits_t, labels, loss_out=loss, grad_out=logits_t, grad_scale=scale, correct_out=correct, **options
+    )
+    assert torch.isnan(store[:, n_tokens:]).all()
+    return loss, logits_t.t(), correct
+
+
+def assert_columns_match_reference(logits, labels, *, width, **options):
+    scale = torch.rand(logits.shape[0], generator=torch.Generator().manual_seed(2)).to(logits.device)
+    loss, grad, correct = run_columns(logits, labels, scale, width=width, **options)
+    x = logits.detach().double().requires_grad_()
+    out = cross_entropy_reference(x, labels, reduction="none", **options)
+    ref_loss, ref_correct = out if isinstance(out, tuple) else (out, None)
+    (ref_grad,) = torch.autograd.grad([(ref_loss * scale.double()).sum()], [x])
+    atol, rtol = LOSS_TOLERANCE
+    torch.testing.assert_close(loss.double(), ref_loss, atol=atol, rtol=rtol)
+    atol, rtol = TOLERANCES[logits.dtype]
+    torch.testing.assert_close(grad.double(), ref_grad, atol=atol, rtol=rtol)
+    if ref_correct is not None:
+        torch.testing.assert_close(correct.double(), ref_correct, atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize(("dtype", "options"), COLUMN_CASES, ids=[str(i) for i in range(len(COLUMN_CASES))])
+def test_columns_match_reference(device, dtype, options):
+    # 40 tokens: groups of 16 with a ragged last; V=1000: two splits of one 512-row block, the last ragged.
+    logits, labels = make_inputs(40, 1000, dtype, device)
+    assert_columns_match_reference(logits, labels, width=48, **options)
+
+
+def test_columns_without_gradient_give_the_same_loss(device):
+    logits, labels = make_inputs(20, 1000, torch.float32, device)
+    scale = torch.ones(1, device=device)
+    expected, _, expected_correct = run_columns(logits, labels, scale, width=20, return_accuracy=True)
+    logits_t = logits.t().contiguous()
+    loss, correct = torch.empty(20, device=device), torch.empty(20, device=device)
+    ce_module.launch_cross_entropy_columns(
+        logits_t, labels, loss_out=loss, grad_out=None, grad_scale=scale, correct_out=correct
+    )
+    assert torch.equal(loss, expected) and torch.equal(correct, expected_correct)
+    assert torch.equal(logits_t, logits.t())
+
+
+def test_mutant_combining_unscaled_split_sums_fails(device, tmp_path, monkeypatch):
+    # Each split's sum of exponentials is relative to its own max: summing them as they are is wrong.
+    mutant = mutated_kernel(
+        ce_module._cross_entropy_columns_kernel,
+        "row_sum = tl.sum(split_sum * tl.exp2((split_max - row_max[None, :]) * LOG2E), axis=0)",
+        "row_sum = tl.sum(split_sum, axis=0)",
+        tmp_path,
+        "unscaled_splits",
+    )
+    logits, labels = make_inputs(40, 1000, torch.float32, device)
+    assert_columns_match_reference(logits, labels, width=40)
+    monkeypatch.setattr(ce_module, "_cross_entropy_columns_kernel", mutant)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_columns_match_reference(logits, labels, width=40)
 
 
 def test_traces_with_fullgraph_aot_eager(device):
@@ -301,6 +374,16 @@ def test_real_shapes_on_gpu(n_rows, vocab, dtype, options):
     logits, labels = make_inputs(n_rows, vocab, dtype, "cuda", ignored_every=7 if n_rows > 1 else 0)
     upstream = torch.randn(n_rows, device="cuda") if options["reduction"] == "none" else None
     assert_matches_reference(logits, labels, upstream, **options)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("n_tokens", "vocab", "options"),
+    [(1000, 128256, {"return_accuracy": True}), (2048, 256000, {"softcap": 30.0, "z_loss_scale": 1e-4})],
+)
+def test_columns_real_shapes_on_gpu(n_tokens, vocab, options):
+    logits, labels = make_inputs(n_tokens, vocab, torch.bfloat16, "cuda", ignored_every=7)
+    assert_columns_match_reference(logits, labels, width=n_tokens + 8, **options)
 
 
 @pytest.mark.gpu

@@ -161,18 +161,36 @@ def test_one_chunk_never_waits_for_the_device(device, monkeypatch):
         fused_linear_cross_entropy(hidden, weight, labels, logits_chunk_bytes=chunk_bytes(8, torch.float32))
 
 
-def test_weight_rows_clear_of_logits():
-    # 12 rows of V=777 logits fill the last 12/48 of a [777, 48] dW: its first 582 rows lie clear of them;
-    # 577 are taken, so that the other 200 columns of the logits, copied, make rows of whole 16 bytes.
-    assert (582 + 1) * 48 > 777 * 48 - 12 * 777  # one more row would overlap the logits
-    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 200) == 577
-    assert flce_module._weight_rows_clear_of_logits(12, 48, 777, copy_limit=12 * 200 - 1) is None
-    assert flce_module._weight_rows_clear_of_logits(49, 48, 777, copy_limit=10**6) is None  # larger than dW
+def test_rows_held_in_weight_gradient():
+    # (rows, row width): all rows when they fit in dW's [V, H] memory as [V, rows], the width rounded up to
+    # whole 16 bytes where H allows; else the first H (a multiple of 8) rows.
+    assert flce_module._rows_held_in_weight_gradient(12, 48) == (12, 16)
+    assert flce_module._rows_held_in_weight_gradient(48, 48) == (48, 48)
+    assert flce_module._rows_held_in_weight_gradient(47, 47) == (47, 47)  # 48 would not fit
+    assert flce_module._rows_held_in_weight_gradient(100, 48) == (48, 48)
+    assert flce_module._rows_held_in_weight_gradient(100, 50) == (48, 48)
 
 
-# (tokens, dtype, options, ignored_every, bias) against an 8-row budget. 12 tokens: two chunks, or all of them
-# (ignored ones too) held in dW's memory, with no wait for the valid count. 24 tokens do not fit there; with
-# every other one ignored, the 12 valid ones do once the ignored are dropped.
+@pytest.mark.parametrize(("width", "bounce_rows"), [(16, 129), (40, 129), (48, 129), (48, 1000), (1, 1)])
+def test_weight_gradient_over_its_transposed_logits(device, width, bounce_rows):
+    # dW = logits_t @ h with logits_t at the start of dW's own memory: rows clear of the unread logits in
+    # one matmul, the others through the bounce buffer (all of them when the width is H), any buffer size.
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(width, HIDDEN, generator=generator).to(device)
+    logits_t = torch.randn(VOCAB, width, generator=generator).to(device)
+    expected = logits_t.double() @ hidden.double()
+    grad_weight = torch.full((VOCAB, HIDDEN), float("nan"), device=device)
+    held = flce_module._transposed_logits_in(grad_weight, width, width)
+    held.copy_(logits_t)
+    bounce = torch.empty(bounce_rows * HIDDEN, device=device)
+    flce_module._weight_gradient_over_its_transposed_logits(grad_weight, held, hidden, bounce)
+    assert_close_scaled(grad_weight, expected, torch.float32)
+
+
+# (tokens, dtype, options, ignored_every, bias) against an 8-row budget, H = 48. Up to 48 tokens: all held in
+# dW's memory (ignored ones too, with no wait for the valid count), 12 of them in rows of 16 entries, 48 in
+# rows of H (every dW row through the bounce buffer). 64 tokens, 48 valid: those held once the ignored are
+# dropped. 80 tokens, 64 valid: 48 held, 16 in two chunks.
 ALIASED_CASES = [
     (12, torch.float32, {"reduction": "mean", "softcap": 4.0, "return_accuracy": True}, 4, True),
     (
@@ -182,10 +200,11 @@ ALIASED_CASES = [
         4,
         False,
     ),
-    (12, torch.float32, {"reduction": "none", "label_smoothing": 0.1}, 5, True),
+    (48, torch.float32, {"reduction": "none", "label_smoothing": 0.1}, 5, True),
     (12, torch.float32, {"reduction": "mean"}, 0, False),
-    (24, torch.float32, {"reduction": "mean", "return_accuracy": True}, 2, True),
-    (24, torch.bfloat16, {"reduction": "none"}, 2, False),
+    (64, torch.float32, {"reduction": "mean", "return_accuracy": True}, 4, True),
+    (80, torch.bfloat16, {"reduction": "none", "softcap": 4.0}, 5, False),
+    (80, torch.float32, {"reduction": "sum", "label_smoothing": 0.1, "z_loss_scale": 1e-3}, 0, True),
 ]
 
 
@@ -201,7 +220,7 @@ def test_logits_held_in_the_weight_gradient_match_reference(
         options["num_items_in_batch"] = torch.tensor(11, device=device)
     upstream = (torch.randn(n_tokens) if options["reduction"] == "none" else torch.tensor(1.5)).to(device)
     calls = []
-    for name in ("_weight_gradient_over_its_logits", "_count_on_host"):
+    for name in ("_weight_gradient_over_its_transposed_logits", "_count_on_host"):
         real = getattr(flce_module, name)
         monkeypatch.setattr(
             flce_module, name, lambda *args, name=name, real=real: calls.append(name) or real(*args)
@@ -209,23 +228,33 @@ def test_logits_held_in_the_weight_gradient_match_reference(
     assert_matches_reference(
         hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=chunk_bytes(8, dtype), **options
     )
-    assert "_weight_gradient_over_its_logits" in calls, "the logits were not held in the weight gradient"
-    # Waits for the valid count: the pass with gradients only when its 24 tokens do not fit; the loss-only
+    assert "_weight_gradient_over_its_transposed_logits" in calls, (
+        "no logits were held in the weight gradient"
+    )
+    # Waits for the valid count: the pass with gradients only when its tokens do not all fit; the loss-only
     # forward of "none" (no dW to hold its logits) always, as any call of several chunks.
-    waits = (options["reduction"] == "none") + (n_tokens == 24)
+    waits = (options["reduction"] == "none") + (n_tokens > HIDDEN)
     assert calls.count("_count_on_host") == waits
 
 
-def test_mutant_writing_the_weight_gradient_over_its_logits_at_once_fails(device, monkeypatch):
-    # One matmul into dW would overwrite the logits it is still reading.
-    hidden, weight, labels, _ = make_inputs(12, torch.float32, device)
+def _one_matmul(grad_weight, logits_t, hidden, bounce):
+    torch.mm(logits_t, hidden, out=grad_weight)
+
+
+def _no_bounce(grad_weight, logits_t, hidden, bounce):
+    for top in range(grad_weight.shape[0], 0, -64):
+        low = max(0, top - 64)
+        torch.mm(logits_t[low:top], hidden, out=grad_weight[low:top])
+
+
+@pytest.mark.parametrize("mutant", [_one_matmul, _no_bounce], ids=["one-matmul", "no-bounce"])
+def test_mutant_writing_the_weight_gradient_over_its_logits_fails(device, monkeypatch, mutant):
+    # Writing dW's rows before the logits under them are read (at once, or block by block from the last
+    # without the bounce buffer) corrupts it.
+    hidden, weight, labels, _ = make_inputs(40, torch.float32, device)
     options = {"reduction": "sum", "logits_chunk_bytes": chunk_bytes(8, torch.float32)}
     assert_matches_reference(hidden, weight, labels, **options)
-
-    def at_once(grad_weight, grad_logits, hidden, clear_rows):
-        torch.mm(grad_logits.t(), hidden, out=grad_weight)
-
-    monkeypatch.setattr(flce_module, "_weight_gradient_over_its_logits", at_once)
+    monkeypatch.setattr(flce_module, "_weight_gradient_over_its_transposed_logits", mutant)
     with pytest.raises((AssertionError, RuntimeError)):
         assert_matches_reference(hidden, weight, labels, **options)
 
@@ -297,9 +326,9 @@ def test_huge_logits_do_not_overflow(device):
 
 
 def test_ignored_tokens_of_several_chunks_never_reach_a_matmul(device):
-    # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul. 32 tokens:
-    # several chunks, too many to hold in dW's memory (where all tokens would run).
-    hidden, weight, labels, _ = make_inputs(32, torch.float32, device)
+    # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul. 96 tokens:
+    # too many to hold all in dW's memory (where all tokens would run): 48 valid ones held, 24 in chunks.
+    hidden, weight, labels, _ = make_inputs(96, torch.float32, device)
     ignored = labels == -100
     poisoned = hidden.masked_fill(ignored[:, None], float("nan"))
     loss, _, (grad_hidden, grad_weight, _) = run(
@@ -449,17 +478,15 @@ def test_rejects_bad_arguments():
 
 
 def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch):
+    # 80 tokens, 64 valid: 48 held in dW's memory (the kernels over [V, N] logits), 16 in chunks (the row
+    # kernel); both compute the gradient through _entry_gradient.
     mutant = mutated_kernel(
-        ce_module._cross_entropy_forward_kernel,
-        "g = g * (1.0 - t * t)",
-        "g = g * 1.0",
-        tmp_path,
-        "no_softcap_grad",
+        ce_module._entry_gradient, "g = g * (1.0 - t * t)", "g = g * 1.0", tmp_path, "no_softcap_grad"
     )
-    hidden, weight, labels, _ = make_inputs(16, torch.float32, device, logit_scale=3.0)
+    hidden, weight, labels, _ = make_inputs(80, torch.float32, device, ignored_every=5, logit_scale=3.0)
     options = {"reduction": "sum", "softcap": 4.0, "logits_chunk_bytes": chunk_bytes(8, torch.float32)}
     assert_matches_reference(hidden, weight, labels, **options)  # the real kernel passes
-    monkeypatch.setattr(ce_module, "_cross_entropy_forward_kernel", mutant)
+    monkeypatch.setattr(ce_module, "_entry_gradient", mutant)
     with pytest.raises(AssertionError, match="not close"):
         assert_matches_reference(hidden, weight, labels, **options)
 
@@ -511,8 +538,10 @@ def test_compiled_inductor_fullgraph_matches_eager(reduction):
         (1024, 1024, 262144, {"reduction": "sum", "softcap": 30.0, "num_items_in_batch": 700}),
         (777, 896, 151936, {"reduction": "none", "accumulate_dw_in_fp32": True}),
         (1024, 4096, 151936, {"reduction": "mean", "return_accuracy": True}),
+        (2048, 2048, 128256, {"reduction": "sum", "logits_chunk_bytes": 256 * 128256 * 2}),
+        (4100, 1024, 128256, {"reduction": "mean", "softcap": 30.0, "logits_chunk_bytes": 512 * 128256 * 2}),
     ],
-    ids=["llama3", "gemma2-softcap", "qwen-none", "qwen-logits-in-dw"],
+    ids=["llama3", "gemma2-softcap", "qwen-none", "qwen-logits-in-dw", "all-in-dw-bounced", "dw-then-chunks"],
 )
 def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     generator = torch.Generator().manual_seed(0)
@@ -524,7 +553,8 @@ def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     labels[::9] = -100
     upstream = torch.randn(n_tokens, device="cuda") if options["reduction"] == "none" else None
     # Default chunking: 2 and 3 chunks at the first two shapes (bf16 dW summed across them), 1 at the third,
-    # one held in dW's memory at the last (two chunks otherwise).
+    # one held in dW's memory at the fourth (two chunks otherwise). Then all tokens held in dW's memory in
+    # rows of H (each dW row through the bounce buffer), and 1024 held with the rest in 512-row chunks.
     assert_matches_reference(hidden, weight, labels, None, upstream, **options)
 
 
