@@ -80,7 +80,8 @@ def is_live_gradient(g, limit):
 
 @triton.jit
 def _online_update(s, running_max, running_sum):
-    """One step of the per-lane online max m and sum of exp(s - m). Updating with e = exp(-|s - m|) needs
+    """One step of the per-lane online max m and sum of exp(s - m) (the kernels over [V, N] logits; the row
+    kernel has the same lines inline). Updating with e = exp(-|s - m|) needs
     one exponential per element, not two; differences are taken before scaling to base 2, so logits of
     magnitude 1e4 keep their float32 precision."""
     delta = s - running_max
@@ -141,7 +142,8 @@ def _entry_gradient(
     HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """The gradient at logit entries s (t = tanh(x / softcap) with a softcap): coef_p * p - coef_label at the
-    label - uniform (coef_uniform * w_j) with smoothing, times the softcap's derivative 1 - t**2."""
+    label - uniform (coef_uniform * w_j) with smoothing, times the softcap's derivative 1 - t**2. (The kernels
+    over [V, N] logits; the row kernel has the same lines inline.)"""
     p = tl.exp2((s - row_max) * LOG2E - log2_sum)
     g = coef_p * p - tl.where(is_label, coef_label, 0.0)
     if HAS_SMOOTHING:
@@ -226,7 +228,9 @@ def _cross_entropy_forward_kernel(
         else:
             label32 = label.to(tl.int32)
             logits_row = logits_ptr + row64 * logits_row_stride
-            # Sweep 1: per-lane online max and sum of exponentials.
+            # Sweep 1: per-lane online max m and sum of exp(s - m). Updating with e = exp(-|s - m|)
+            # needs one exponential per element, not two. Differences are taken before scaling to
+            # base 2, so logits of magnitude 1e4 keep their float32 precision.
             running_max = tl.full([BLOCK_V], _LOWEST, dtype=tl.float32)
             running_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
             weighted_logit_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -254,7 +258,13 @@ def _cross_entropy_forward_kernel(
                     s = tl.where(mask, softcap * _tanh(x * inv_softcap), float("-inf"))
                 else:
                     s = x
-                running_max, running_sum = _online_update(s, running_max, running_sum)
+                # Inline rather than through _online_update (as the other sweeps below): through the
+                # helpers this kernel measured 3% slower on H100 (1.775 against 1.728 ms, T=8192, V=128256).
+                delta = s - running_max
+                e = tl.exp2(tl.abs(delta) * -LOG2E)
+                grows = delta > 0.0
+                running_sum = tl.where(grows, running_sum * e + 1.0, running_sum + e)
+                running_max = tl.where(grows, s, running_max)
                 if HAS_SMOOTHING:
                     s_or_zero = tl.where(mask, s, 0.0)
                     if HAS_CLASS_WEIGHT:
@@ -286,9 +296,12 @@ def _cross_entropy_forward_kernel(
                 nll_coef = (1.0 - label_smoothing) * w_label
                 if HAS_CLASS_WEIGHT:
                     class_weight_sum = tl.load(stats_ptr + 2)
+            logit_sum = 0.0
+            if HAS_SMOOTHING:
+                logit_sum = tl.sum(weighted_logit_sum, axis=0)
             loss = _token_loss(
-                nll_coef, row_max, s_label, log2_sum, lse, tl.sum(weighted_logit_sum, axis=0),
-                class_weight_sum, label_smoothing, inv_n_cols, z_loss_scale, HAS_SMOOTHING, HAS_Z_LOSS,
+                nll_coef, row_max, s_label, log2_sum, lse, logit_sum, class_weight_sum, label_smoothing,
+                inv_n_cols, z_loss_scale, HAS_SMOOTHING, HAS_Z_LOSS,
             )  # fmt: skip
             tl.store(loss_ptr + row64, loss)
             if COMPUTE_ACCURACY:
@@ -327,16 +340,16 @@ def _cross_entropy_forward_kernel(
                         s = softcap * t
                     else:
                         s = x
-                        t = x
-                    uniform = coef_uniform
-                    if HAS_CLASS_WEIGHT:
-                        if HAS_SMOOTHING:
+                    p = tl.exp2((s - row_max) * LOG2E - log2_sum)
+                    g = coef_p * p - tl.where(cols == label32, coef_label, 0.0)
+                    if HAS_SMOOTHING:
+                        if HAS_CLASS_WEIGHT:
                             w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                            uniform = coef_uniform * w
-                    g = _entry_gradient(
-                        s, t, cols == label32, row_max, log2_sum, coef_p, coef_label, uniform, HAS_SMOOTHING,
-                        HAS_SOFTCAP,
-                    )  # fmt: skip
+                            g -= coef_uniform * w
+                        else:
+                            g -= coef_uniform
+                    if HAS_SOFTCAP:
+                        g = g * (1.0 - t * t)
                     stored = round_to_dtype(g, grad_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING)
                     tl.store(grad_row + cols, stored, mask=mask)
                     if COUNT_LIVE:

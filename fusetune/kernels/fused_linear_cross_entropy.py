@@ -35,18 +35,18 @@ nothing there. Label smoothing puts gradient on every vocabulary entry and is re
 
 Memory: beyond the gradients themselves (grad_hidden [T, H], grad_weight [V, H], plus a float32 copy
 of grad_weight with ``accumulate_dw_in_fp32``) only the [C, V] chunk, see
-:func:`fused_linear_cross_entropy_chunk_rows`. When the budget makes several chunks and dW is computed,
-the first chunk is held in dW's own memory, which nothing needs before that chunk's dW matmul: its logits
-laid out [V, C] (``W @ h_c^T``; the cross-entropy kernels over columns,
-:func:`~fusetune.kernels.cross_entropy.launch_cross_entropy_columns`), so that dW's row v, written last,
-depends only on logits row v, which lies at or before it in memory (see
-:func:`_weight_gradient_over_its_transposed_logits`). All tokens, when C = T <= H (then, as one chunk, the
-ignored ones run and nothing waits); else H of them, the rest in chunks of the budget. Where T <= H this is
-one pass of the three matmuls, as with the whole logits, within the chunks' memory. Measured on H100 against
-the chunks alone (benchmarks/loss_launch_settings.py, fwd+bwd ms, one run): T=4096, H=4096, V=256000 with
-softcap 30, 43.5 -> 39.2; V=151936 24.9 -> 23.9; at T > H within +-3% (T=8192, H=1536, V=256000 40.0 ->
-39.2, H=2048, V=128256 21.8 -> 21.3): the held chunk saves dW re-reads but pays a copy of dW through the
-buffer (its width is H) and cross-entropy kernels 1.1-1.4x slower over columns than over rows.
+:func:`fused_linear_cross_entropy_chunk_rows`. When the budget makes several chunks but the [T, V] logits
+are no larger than dW (T <= H: short calls, as T=1024-4096 at H=4096) and dW is computed, they are one chunk
+held in dW's own memory, which nothing needs before that chunk's dW matmul: laid out [V, T] (``W @ h^T``;
+the cross-entropy kernels over columns, :func:`~fusetune.kernels.cross_entropy.launch_cross_entropy_columns`),
+so that dW's row v depends only on logits row v, which lies at or before it in memory (see
+:func:`_weight_gradient_over_its_transposed_logits`). One pass of the three matmuls, as with the whole
+logits, and no dW re-read per chunk, within the chunks' memory; all tokens run and nothing waits. Measured
+on H100 against the chunks (benchmarks/loss_launch_settings.py, fwd+bwd ms, one run): T=4096, H=4096,
+V=256000 with softcap 30, 43.5 -> 39.2; V=151936 24.9 -> 23.9. Holding the first H tokens so when T > H, the
+rest in chunks, measured within +-3% of the chunks alone at V=128256-256000 and 8-14% slower at T=4096,
+H=1536-2048, V=128256-151936 (a copy of dW through the buffer, its width being H, and cross-entropy
+kernels 1.1-1.4x slower over columns than over rows, against the dW re-reads saved): not done.
 """
 
 from __future__ import annotations
@@ -107,15 +107,13 @@ def fused_linear_cross_entropy_chunk_sizes(
     logits_chunk_bytes: int | None = None,
     *,
     rows_to_chunk: int | None = None,
-    gathered: bool | None = None,
     free_bytes: int | None = None,
 ) -> list[int]:
     """Rows of each chunk of logits, in order: the one place the chunking is chosen.
 
     The budget for the [C, V] chunk is ``logits_chunk_bytes``, or by default the bytes of Liger-Kernel's
     chunk at this shape plus :data:`DEFAULT_EXTRA_CHUNK_BYTES`, less the chunk's gathered [C, H] hidden
-    rows and their dh when they are gathered (``gathered``, by default when ``rows_to_chunk``, the valid
-    tokens not held in dW's memory, default ``n_tokens``, is below ``n_tokens``);
+    rows and their dh when ``rows_to_chunk`` (the valid tokens; default ``n_tokens``) < ``n_tokens``;
     never more than half of ``free_bytes`` when given (the loop passes the device's free memory only after
     an allocation of the chunk failed: asking the allocator for its cached bytes on every call cost
     0.32 ms of host time on H200, a fifth of the whole call at T=1024, V=32000). The rows are then cut into
@@ -151,10 +149,9 @@ def fused_linear_cross_entropy_chunk_sizes(
     itemsize = logits_dtype.itemsize
     row_bytes = max(1, vocab_size * itemsize)
     rows_to_chunk = n_tokens if rows_to_chunk is None else rows_to_chunk
-    gathered = rows_to_chunk < n_tokens if gathered is None else gathered
     if logits_chunk_bytes is None:
         budget = _default_chunk_budget_bytes(n_tokens, hidden_size, vocab_size, itemsize)
-        gathered_row_bytes = 2 * hidden_size * itemsize if gathered else 0
+        gathered_row_bytes = 2 * hidden_size * itemsize if rows_to_chunk < n_tokens else 0
         budget_rows = budget // (row_bytes + gathered_row_bytes)
     else:
         budget_rows = int(logits_chunk_bytes) // row_bytes
@@ -591,28 +588,27 @@ def _chunked_linear_cross_entropy(
     grad_scale = _gradient_scale(reduction, num_items, valid_count)
     valid_rows = None  # the tokens that run, when they are not all
     n_rows = n_tokens
-    # With several chunks and dW to compute, the first chunk's logits are held in dW's memory, transposed
-    # (see the module docstring): all tokens' when they fit there, which then run as one chunk, ignored ones
-    # included, and nothing waits; else H valid tokens' after the ignored ones are dropped, the rest in
-    # chunks of the budget.
-    logits_in_weight_gradient = (
-        grad_weight_needed and not skipping and not accumulate_dw_in_fp32 and weight.dtype == hidden.dtype
-    )
+    # Several chunks whose logits fit in dW's memory (T <= H) become one held there, laid out [V, T] (see the
+    # module docstring): then, as one chunk, all tokens run and nothing waits. Otherwise the ignored tokens
+    # are dropped first.
     held_rows = held_width = 0
-    if len(chunk_sizes) > 1 and logits_in_weight_gradient and n_tokens <= hidden_size:
+    if (
+        len(chunk_sizes) > 1
+        and n_tokens <= hidden_size
+        and grad_weight_needed
+        and not skipping
+        and not accumulate_dw_in_fp32
+        and weight.dtype == hidden.dtype
+    ):
         held_rows, held_width = _rows_held_in_weight_gradient(n_tokens, hidden_size)
         chunk_sizes = []
     elif len(chunk_sizes) > 1:
         n_valid = _count_on_host(valid_count)
         if n_valid < n_tokens:
             valid_rows, n_rows = _true_indices(valid, n_valid), n_valid
-        if logits_in_weight_gradient and n_rows > 0:
-            held_rows, held_width = _rows_held_in_weight_gradient(n_rows, hidden_size)
-        if valid_rows is not None or held_rows > 0:
             chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
-                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes,
-                rows_to_chunk=n_rows - held_rows, gathered=valid_rows is not None,
-            ) if n_rows > held_rows else []  # fmt: skip
+                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows
+            )
 
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     correct_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
@@ -637,7 +633,6 @@ def _chunked_linear_cross_entropy(
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
     if n_rows > 0:
-        rows_to_chunk = n_rows - held_rows
         logits_buffer = None
         if chunk_sizes:
             chunk_rows = max(chunk_sizes)
@@ -648,7 +643,7 @@ def _chunked_linear_cross_entropy(
                 free_bytes, _ = torch.cuda.mem_get_info(device)
                 chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
                     n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes,
-                    rows_to_chunk=rows_to_chunk, gathered=valid_rows is not None, free_bytes=free_bytes,
+                    rows_to_chunk=n_rows, free_bytes=free_bytes,
                 )  # fmt: skip
                 chunk_rows = max(chunk_sizes)
                 logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)

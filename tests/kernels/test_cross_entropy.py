@@ -200,11 +200,15 @@ def test_rejects_bad_arguments():
 
 def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch):
     mutant = mutated_kernel(
-        ce_module._entry_gradient, "g = g * (1.0 - t * t)", "g = g * 1.0", tmp_path, "no_softcap_grad"
+        ce_module._cross_entropy_forward_kernel,
+        "g = g * (1.0 - t * t)",
+        "g = g * 1.0",
+        tmp_path,
+        "no_softcap_grad",
     )
     logits, labels = make_inputs(8, 700, torch.float32, device)
     assert_matches_reference(logits, labels, reduction="sum", softcap=4.0)  # the real kernel passes
-    monkeypatch.setattr(ce_module, "_entry_gradient", mutant)
+    monkeypatch.setattr(ce_module, "_cross_entropy_forward_kernel", mutant)
     with pytest.raises(AssertionError, match="not close"):
         assert_matches_reference(logits, labels, reduction="sum", softcap=4.0)
 

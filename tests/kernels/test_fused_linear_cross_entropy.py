@@ -187,10 +187,10 @@ def test_weight_gradient_over_its_transposed_logits(device, width, bounce_rows):
     assert_close_scaled(grad_weight, expected, torch.float32)
 
 
-# (tokens, dtype, options, ignored_every, bias) against an 8-row budget, H = 48. Up to 48 tokens: all held in
-# dW's memory (ignored ones too, with no wait for the valid count), 12 of them in rows of 16 entries, 48 in
-# rows of H (every dW row through the bounce buffer). 64 tokens, 48 valid: those held once the ignored are
-# dropped. 80 tokens, 64 valid: 48 held, 16 in two chunks.
+# (tokens, dtype, options, ignored_every, bias) against an 8-row budget, H = 48: all tokens (ignored ones too,
+# with no wait for the valid count) held in dW's memory, 12 of them in rows of 16 entries (dW mostly in one
+# matmul per range clear of its logits), 33 in rows of 40, 48 in rows of H (each dW row through the bounce
+# buffer). 64 tokens do not fit: chunks, after a wait.
 ALIASED_CASES = [
     (12, torch.float32, {"reduction": "mean", "softcap": 4.0, "return_accuracy": True}, 4, True),
     (
@@ -202,9 +202,10 @@ ALIASED_CASES = [
     ),
     (48, torch.float32, {"reduction": "none", "label_smoothing": 0.1}, 5, True),
     (12, torch.float32, {"reduction": "mean"}, 0, False),
-    (64, torch.float32, {"reduction": "mean", "return_accuracy": True}, 4, True),
-    (80, torch.bfloat16, {"reduction": "none", "softcap": 4.0}, 5, False),
-    (80, torch.float32, {"reduction": "sum", "label_smoothing": 0.1, "z_loss_scale": 1e-3}, 0, True),
+    (48, torch.float32, {"reduction": "mean", "return_accuracy": True}, 4, True),
+    (48, torch.bfloat16, {"reduction": "none", "softcap": 4.0}, 5, False),
+    (33, torch.float32, {"reduction": "sum", "label_smoothing": 0.1, "z_loss_scale": 1e-3}, 0, True),
+    (64, torch.float32, {"reduction": "mean"}, 4, False),
 ]
 
 
@@ -228,10 +229,9 @@ def test_logits_held_in_the_weight_gradient_match_reference(
     assert_matches_reference(
         hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=chunk_bytes(8, dtype), **options
     )
-    assert "_weight_gradient_over_its_transposed_logits" in calls, (
-        "no logits were held in the weight gradient"
-    )
-    # Waits for the valid count: the pass with gradients only when its tokens do not all fit; the loss-only
+    held = "_weight_gradient_over_its_transposed_logits" in calls
+    assert held == (n_tokens <= HIDDEN), "the logits were held in the weight gradient only if they fit"
+    # Waits for the valid count: the pass with gradients only when its tokens do not fit; the loss-only
     # forward of "none" (no dW to hold its logits) always, as any call of several chunks.
     waits = (options["reduction"] == "none") + (n_tokens > HIDDEN)
     assert calls.count("_count_on_host") == waits
@@ -327,7 +327,7 @@ def test_huge_logits_do_not_overflow(device):
 
 def test_ignored_tokens_of_several_chunks_never_reach_a_matmul(device):
     # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul. 96 tokens:
-    # too many to hold all in dW's memory (where all tokens would run): 48 valid ones held, 24 in chunks.
+    # several chunks, too many to hold in dW's memory (where all tokens would run).
     hidden, weight, labels, _ = make_inputs(96, torch.float32, device)
     ignored = labels == -100
     poisoned = hidden.masked_fill(ignored[:, None], float("nan"))
@@ -477,16 +477,20 @@ def test_rejects_bad_arguments():
 # --- mutation tests ---------------------------------------------------------------------------------
 
 
-def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch):
-    # 80 tokens, 64 valid: 48 held in dW's memory (the kernels over [V, N] logits), 16 in chunks (the row
-    # kernel); both compute the gradient through _entry_gradient.
+# (kernel whose source is mutated, tokens): 16 tokens are held in dW's memory (the kernels over [V, N]
+# logits, through _entry_gradient), 80 run in chunks (the row kernel).
+SOFTCAP_MUTANTS = [("_entry_gradient", 16), ("_cross_entropy_forward_kernel", 80)]
+
+
+@pytest.mark.parametrize(("kernel", "n_tokens"), SOFTCAP_MUTANTS, ids=["held", "chunks"])
+def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch, kernel, n_tokens):
     mutant = mutated_kernel(
-        ce_module._entry_gradient, "g = g * (1.0 - t * t)", "g = g * 1.0", tmp_path, "no_softcap_grad"
+        getattr(ce_module, kernel), "g = g * (1.0 - t * t)", "g = g * 1.0", tmp_path, "no_softcap_grad"
     )
-    hidden, weight, labels, _ = make_inputs(80, torch.float32, device, ignored_every=5, logit_scale=3.0)
+    hidden, weight, labels, _ = make_inputs(n_tokens, torch.float32, device, logit_scale=3.0)
     options = {"reduction": "sum", "softcap": 4.0, "logits_chunk_bytes": chunk_bytes(8, torch.float32)}
     assert_matches_reference(hidden, weight, labels, **options)  # the real kernel passes
-    monkeypatch.setattr(ce_module, "_entry_gradient", mutant)
+    monkeypatch.setattr(ce_module, kernel, mutant)
     with pytest.raises(AssertionError, match="not close"):
         assert_matches_reference(hidden, weight, labels, **options)
 
@@ -539,9 +543,16 @@ def test_compiled_inductor_fullgraph_matches_eager(reduction):
         (777, 896, 151936, {"reduction": "none", "accumulate_dw_in_fp32": True}),
         (1024, 4096, 151936, {"reduction": "mean", "return_accuracy": True}),
         (2048, 2048, 128256, {"reduction": "sum", "logits_chunk_bytes": 256 * 128256 * 2}),
-        (4100, 1024, 128256, {"reduction": "mean", "softcap": 30.0, "logits_chunk_bytes": 512 * 128256 * 2}),
+        (1000, 1024, 256000, {"reduction": "mean", "softcap": 30.0, "logits_chunk_bytes": 256 * 256000 * 2}),
     ],
-    ids=["llama3", "gemma2-softcap", "qwen-none", "qwen-logits-in-dw", "all-in-dw-bounced", "dw-then-chunks"],
+    ids=[
+        "llama3",
+        "gemma2-softcap",
+        "qwen-none",
+        "qwen-logits-in-dw",
+        "all-in-dw-bounced",
+        "in-dw-width-1000",
+    ],
 )
 def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     generator = torch.Generator().manual_seed(0)
@@ -554,7 +565,7 @@ def test_real_shapes_on_gpu(n_tokens, hidden_size, vocab, options):
     upstream = torch.randn(n_tokens, device="cuda") if options["reduction"] == "none" else None
     # Default chunking: 2 and 3 chunks at the first two shapes (bf16 dW summed across them), 1 at the third,
     # one held in dW's memory at the fourth (two chunks otherwise). Then all tokens held in dW's memory in
-    # rows of H (each dW row through the bounce buffer), and 1024 held with the rest in 512-row chunks.
+    # rows of H (each dW row through the bounce buffer), and in rows of 1000 of H=1024.
     assert_matches_reference(hidden, weight, labels, None, upstream, **options)
 
 
