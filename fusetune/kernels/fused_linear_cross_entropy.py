@@ -44,7 +44,7 @@ so that dW's row v depends only on logits row v, which lies at or before it in m
 logits, and no dW re-read per chunk, within the chunks' memory; all tokens run and nothing waits. Measured
 on H100 against the chunks (benchmarks/loss_launch_settings.py, fwd+bwd ms, one run): T=4096, H=4096,
 V=256000 with softcap 30, 43.5 -> 39.2; V=151936 24.9 -> 23.9. Holding the first H tokens so when T > H, the
-rest in chunks, measured within +-3% of the chunks alone at V=128256-256000 and 8-14% slower at T=4096,
+rest in chunks, measured within +-3% of the chunks alone at V=128256-256000 and 4-9% slower at T=4096,
 H=1536-2048, V=128256-151936 (a copy of dW through the buffer, its width being H, and cross-entropy
 kernels 1.1-1.4x slower over columns than over rows, against the dW re-reads saved): not done.
 """
