@@ -12,8 +12,8 @@ the tokens: for each chunk of C valid tokens
 Tokens labelled ``ignore_index`` get loss 0 and gradient 0. When the tokens take several chunks, they are
 dropped before any matmul (their rows are gathered away first, after one wait for the device); a call run
 as one chunk (or held in dW's memory, below) runs them and never waits. Gradients are computed during the
-forward for reductions "mean" and "sum", so the backward only scales them by the upstream gradient (skipped on the device when it is 1).
-For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
+forward for reductions "mean" and "sum", so the backward only scales them by the upstream gradient (skipped
+on the device when it is 1). For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
 the sum over tokens in dW, so the forward computes only the losses and the backward recomputes the
 logits chunk by chunk with the per-token weights folded into the cross-entropy kernel (one extra
 [T, H] x [H, V] matmul: 79 ms instead of 63 ms on H100 at T=8192, H=4096, V=128256).
@@ -222,14 +222,11 @@ def _gradient_scale(reduction: str, num_items: float | Tensor | None, valid_coun
     return torch.full((1,), 1.0 / float(num_items), dtype=torch.float32, device=device)
 
 
-def _rows_held_in_weight_gradient(n_rows: int, hidden_size: int) -> tuple[int, int]:
-    """(rows, row width) of the first chunk, whose logits lie transposed, [V, rows] with rows ``width`` apart,
-    at the start of the [V, H] weight gradient's memory: all rows if they fit (width <= H), else H of them;
-    the width a multiple of 8 (rows of whole 16 bytes, which cuBLAS's fast kernels need) where H allows."""
-    if n_rows > hidden_size:
-        n_rows = hidden_size // 8 * 8 or hidden_size
+def _held_logits_width(n_rows: int, hidden_size: int) -> int:
+    """Row width of the [V, n_rows] logits held at the start of the [V, H] weight gradient's memory
+    (n_rows <= H): a multiple of 8 (rows of whole 16 bytes, which cuBLAS's fast kernels need) where H allows."""
     width = triton.cdiv(n_rows, 8) * 8
-    return n_rows, width if width <= hidden_size else n_rows
+    return width if width <= hidden_size else n_rows
 
 
 def _transposed_logits_in(grad_weight: Tensor, n_rows: int, width: int) -> Tensor:
@@ -240,7 +237,7 @@ def _transposed_logits_in(grad_weight: Tensor, n_rows: int, width: int) -> Tenso
 
 def _bounce_elements(n_tokens: int, weight: Tensor, logits_chunk_bytes: int | None) -> int:
     """Elements of the buffer through which :func:`_weight_gradient_over_its_transposed_logits` writes the
-    rows of dW that overlap their own logits, when no chunk buffer serves: the chunks' budget."""
+    rows of dW that overlap their own logits: the chunks' budget (no chunk buffer is allocated then)."""
     vocab_size, hidden_size = weight.shape
     itemsize = weight.element_size()
     if logits_chunk_bytes is None:
@@ -591,7 +588,7 @@ def _chunked_linear_cross_entropy(
     # Several chunks whose logits fit in dW's memory (T <= H) become one held there, laid out [V, T] (see the
     # module docstring): then, as one chunk, all tokens run and nothing waits. Otherwise the ignored tokens
     # are dropped first.
-    held_rows = held_width = 0
+    held_width = 0  # the held logits' row width, when they are
     if (
         len(chunk_sizes) > 1
         and n_tokens <= hidden_size
@@ -600,8 +597,8 @@ def _chunked_linear_cross_entropy(
         and not accumulate_dw_in_fp32
         and weight.dtype == hidden.dtype
     ):
-        held_rows, held_width = _rows_held_in_weight_gradient(n_tokens, hidden_size)
-        chunk_sizes = []
+        held_width = _held_logits_width(n_tokens, hidden_size)
+        chunk_sizes = [n_tokens]
     elif len(chunk_sizes) > 1:
         n_valid = _count_on_host(valid_count)
         if n_valid < n_tokens:
@@ -633,8 +630,11 @@ def _chunked_linear_cross_entropy(
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
     if n_rows > 0:
-        logits_buffer = None
-        if chunk_sizes:
+        if held_width:
+            bounce = torch.empty(
+                _bounce_elements(n_tokens, weight, logits_chunk_bytes), dtype=hidden.dtype, device=device
+            )
+        else:
             chunk_rows = max(chunk_sizes)
             try:
                 logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
@@ -647,16 +647,6 @@ def _chunked_linear_cross_entropy(
                 )  # fmt: skip
                 chunk_rows = max(chunk_sizes)
                 logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
-        if held_rows:
-            # The chunk buffer, free while the held chunk runs, or a buffer of the chunks' budget.
-            bounce = (
-                logits_buffer.view(-1)
-                if logits_buffer is not None
-                else torch.empty(
-                    _bounce_elements(n_tokens, weight, logits_chunk_bytes), dtype=hidden.dtype, device=device
-                )
-            )
-            chunk_sizes = [held_rows, *chunk_sizes]
         if skipping:
             count_columns = live_count_columns(vocab_size, device, compute_accuracy=compute_accuracy)
             live_counts = torch.empty(
@@ -671,9 +661,8 @@ def _chunked_linear_cross_entropy(
             else:
                 rows_c = valid_rows[start:end]
                 hidden_c, labels_c = hidden.index_select(0, rows_c), labels.index_select(0, rows_c)
-            held = start == 0 and held_rows > 0
-            if held:  # [C, V] as seen by the matmuls, laid out [V, C] in dW's memory
-                logits_c = _transposed_logits_in(grad_weight, held_rows, held_width).t()
+            if held_width:  # [T, V] as seen by the matmuls, laid out [V, T] in dW's memory
+                logits_c = _transposed_logits_in(grad_weight, n_tokens, held_width).t()
             else:
                 logits_c = logits_buffer[: end - start]
             if bias is None:
@@ -696,7 +685,7 @@ def _chunked_linear_cross_entropy(
                 z_loss_scale=z_loss_scale,
                 softcap=softcap,
             )
-            if held:  # dW is computed: so are the gradients
+            if held_width:  # dW is computed: so are the gradients
                 launch_cross_entropy_columns(logits_c.t(), labels_c, grad_out=logits_c.t(), **loss_options)
             else:
                 launch_cross_entropy_forward(
@@ -742,7 +731,7 @@ def _chunked_linear_cross_entropy(
             if grad_bias_acc is not None:
                 grad_bias_acc += grad_logits_c.sum(dim=0, dtype=torch.float32)
             if grad_weight_needed and not skipping:
-                if held:
+                if held_width:
                     _weight_gradient_over_its_transposed_logits(
                         grad_weight, grad_logits_c.t(), hidden_c, bounce
                     )
@@ -753,9 +742,10 @@ def _chunked_linear_cross_entropy(
                         grad_weight.addmm_(grad_logits_c.t(), hidden_c)
                 else:
                     _addmm_float32_(grad_weight, grad_logits_c.t(), hidden_c)
-        del logits_buffer
-        if held_rows:
+        if held_width:
             del bounce
+        else:
+            del logits_buffer
     if grad_weight_needed and skipping:
         # All chunks' kept entries at once, sorted by vocabulary row (stable: in token order), so each dW
         # row is summed in float32 and written once.

@@ -161,14 +161,11 @@ def test_one_chunk_never_waits_for_the_device(device, monkeypatch):
         fused_linear_cross_entropy(hidden, weight, labels, logits_chunk_bytes=chunk_bytes(8, torch.float32))
 
 
-def test_rows_held_in_weight_gradient():
-    # (rows, row width): all rows when they fit in dW's [V, H] memory as [V, rows], the width rounded up to
-    # whole 16 bytes where H allows; else the first H (a multiple of 8) rows.
-    assert flce_module._rows_held_in_weight_gradient(12, 48) == (12, 16)
-    assert flce_module._rows_held_in_weight_gradient(48, 48) == (48, 48)
-    assert flce_module._rows_held_in_weight_gradient(47, 47) == (47, 47)  # 48 would not fit
-    assert flce_module._rows_held_in_weight_gradient(100, 48) == (48, 48)
-    assert flce_module._rows_held_in_weight_gradient(100, 50) == (48, 48)
+def test_held_logits_width():
+    # [V, rows] logits held in dW's [V, H] memory: rows of whole 16 bytes where H allows.
+    assert flce_module._held_logits_width(12, 48) == 16
+    assert flce_module._held_logits_width(48, 48) == 48
+    assert flce_module._held_logits_width(47, 47) == 47  # 48 would not fit
 
 
 @pytest.mark.parametrize(("width", "bounce_rows"), [(16, 129), (40, 129), (48, 129), (48, 1000), (1, 1)])
