@@ -226,7 +226,7 @@ def _chunk_piece_calls(h, z, y, dh, weight, grad_weight, loss, scale) -> dict[st
     }  # fmt: skip
 
 
-def overlap_case(shape, reps: int = 15) -> list[dict]:
+def overlap_case(shape) -> list[dict]:
     """ms of one chunk's pieces at ``shape``'s chunk rows: the logits matmul, dh = dlogits @ W and
     dW += dlogits^T @ h alone, one after the other, and concurrently on two streams, plainly and with
     cuBLAS told to leave SMs to the other matmul (torch's SM carve-out, split n ways), under each BLAS
@@ -268,18 +268,10 @@ def overlap_case(shape, reps: int = 15) -> list[dict]:
 
         return call
 
+    timer = CudaTimer()
+
     def timed(fn) -> float:
-        for _ in range(3):
-            fn()
-        start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        torch.cuda.synchronize()
-        for s, e in zip(start, end, strict=True):
-            s.record()
-            fn()
-            e.record()
-        torch.cuda.synchronize()
-        return round(sorted(s.elapsed_time(e) for s, e in zip(start, end, strict=True))[reps // 2], 4)
+        return round(timer.time(fn, SWEEP), 4)
 
     results = []
     default_library = torch.backends.cuda.preferred_blas_library()

@@ -81,9 +81,9 @@ def is_live_gradient(g, limit):
 @triton.jit
 def _online_update(s, running_max, running_sum):
     """One step of the per-lane online max m and sum of exp(s - m) (the kernels over [V, N] logits; the row
-    kernel has the same lines inline). Updating with e = exp(-|s - m|) needs
-    one exponential per element, not two; differences are taken before scaling to base 2, so logits of
-    magnitude 1e4 keep their float32 precision."""
+    kernel has the same lines inline). Updating with e = exp(-|s - m|) needs one exponential per element,
+    not two; differences are taken before scaling to base 2, so logits of magnitude 1e4 keep their float32
+    precision."""
     delta = s - running_max
     e = tl.exp2(tl.abs(delta) * -LOG2E)
     grows = delta > 0.0
@@ -360,9 +360,9 @@ def _cross_entropy_forward_kernel(
                         )
 
 
-# Statistics per token and vocabulary split that the columns kernels pass on: running max, sum of
-# exponentials below it, logit sum (label smoothing), best logit and its column (accuracy).
-_N_COLUMN_STATS: tl.constexpr = tl.constexpr(5)
+# Statistics per token and vocabulary split that the columns kernels pass on, in this order: running max,
+# sum of exponentials below it, logit sum (label smoothing), best logit and its column (accuracy).
+_N_COLUMN_STATS = 5
 
 
 @triton.jit
@@ -480,8 +480,8 @@ def _cross_entropy_columns_kernel(
     SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """Second sweep over logits laid out [V, N], same programs as :func:`_cross_entropy_columns_stats_kernel`:
-    each combines its tokens' statistics of all ``n_splits`` splits into the loss (written by the programs of split 0)
-    and writes the gradient of its split, as :func:`_cross_entropy_forward_kernel` does (no class weights,
+    each combines its tokens' statistics of all ``n_splits`` splits into the loss (written by the programs of
+    split 0) and writes the gradient of its split, as :func:`_cross_entropy_forward_kernel` does (no class weights,
     no live counts). Ignored and out-of-range tokens are read like the others (their columns lie between
     valid ones) but get loss 0 and gradient 0. ``grad_ptr`` may equal ``logits_ptr``: each entry is read by
     the program that writes it, before (the first sweep's kernel has finished)."""
@@ -933,7 +933,7 @@ def launch_cross_entropy_columns(
     cols_per_split = triton.cdiv(triton.cdiv(n_cols, config.splits), config.block_v) * config.block_v
     splits = triton.cdiv(n_cols, cols_per_split)
     grid = (triton.cdiv(n_tokens, config.block_t), splits)
-    partial = torch.empty((5, splits, n_tokens), dtype=torch.float32, device=logits_t.device)
+    partial = torch.empty((_N_COLUMN_STATS, splits, n_tokens), dtype=torch.float32, device=logits_t.device)
     flags = dict(
         HAS_SMOOTHING=label_smoothing > 0.0,
         HAS_SOFTCAP=softcap > 0.0,
