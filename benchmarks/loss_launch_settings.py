@@ -116,6 +116,9 @@ def linear_loss(impl: str, softcap: float | None, **options) -> Callable:
     )
 
 
+IGNORED_PERCENT = 0
+
+
 def linear_inputs(
     shape, impl: str = "fusetune", **options
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable]:
@@ -128,6 +131,8 @@ def linear_inputs(
     hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.nn.Parameter(0.02 * torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16))
     labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    # Supervised fine-tuning ignores the prompts' tokens: the first --ignored-percent of every 100.
+    labels[torch.arange(tokens, device="cuda") % 100 < IGNORED_PERCENT] = -100
     return hidden, weight, labels, linear_loss(impl, softcap, **options)
 
 
@@ -455,7 +460,7 @@ def host_pieces(repeats: int = 50) -> dict:
     idle = {
         "mem_get_info": lambda: torch.cuda.mem_get_info(device),
         "nonzero": lambda: torch.nonzero(labels != -100),
-        "count on host (pinned copy + event)": lambda: flce._count_on_host((labels != -100).sum()),
+        "count on host (pinned copy + event)": lambda: flce._HostCount((labels != -100).sum()).value(),
     }
     result = {}
     for name, fn in {**busy, **idle}.items():
@@ -509,7 +514,15 @@ def main() -> int:
         help='the sweep and sweep-profile parts\' shapes instead of their own: "T,H,V,softcap;..." (softcap 0: '
         "none)",
     )
+    parser.add_argument(
+        "--ignored-percent",
+        type=int,
+        default=0,
+        help="fused linear CE: tokens labelled ignore_index, per 100",
+    )
     args = parser.parse_args()
+    global IGNORED_PERCENT
+    IGNORED_PERCENT = args.ignored_percent
     sweep_shapes, profile_shapes = LINEAR_SHAPES[1:], PROFILE_SHAPES
     if args.shapes:
         sweep_shapes = tuple(
@@ -523,6 +536,8 @@ def main() -> int:
 
     def emit(row: dict) -> None:
         row["tag"] = args.tag
+        if args.ignored_percent:
+            row["ignored_percent"] = args.ignored_percent
         rows.append(row)
         print(json.dumps(row), flush=True)
 
