@@ -9,10 +9,9 @@ the tokens: for each chunk of C valid tokens
     dW       += dlogits_c^T @ h_c                       accumulated in weight's dtype, or in float32
     db       += column sums of dlogits_c
 
-Tokens labelled ``ignore_index`` get loss 0 and gradient 0. When the tokens take several chunks, those
-after the first chunk are dropped before their matmuls (gathered away, after one wait for the device that
-the first chunk's work keeps busy); the first chunk, and a call run as one chunk (or held in dW's memory,
-below), runs them, and the latter never waits. Gradients are computed during the
+Tokens labelled ``ignore_index`` get loss 0 and gradient 0. When the tokens take several chunks, they are
+dropped before any matmul (their rows are gathered away first, after one wait for the device); a call run
+as one chunk (or held in dW's memory, below) runs them and never waits. Gradients are computed during the
 forward for reductions "mean" and "sum", so the backward only scales them by the upstream gradient (skipped
 on the device when it is 1). For ``reduction="none"`` the upstream gradient is a per-token vector that must weigh each token before
 the sum over tokens in dW, so the forward computes only the losses and the backward recomputes the
@@ -52,7 +51,7 @@ kernels 1.1-1.4x slower over columns than over rows, against the dW re-reads sav
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
 
 import torch
 import triton
@@ -187,25 +186,19 @@ def _balanced_chunk_sizes(rows_to_chunk: int, max_rows: int) -> list[int]:
         n_chunks += 1
 
 
-class _HostCount:
-    """A device count read on the host: the copy to pinned memory and its event are queued at construction,
-    the host waits only in :meth:`value`, so work queued in between keeps the device busy during the wait
-    and while the host goes on. (torch.nonzero's own wait left the device idle for its host work after it:
-    0.14 ms of gaps in a profile on H100.)"""
-
-    def __init__(self, count: Tensor) -> None:
-        self._count = count
-        if count.device.type == "cuda":
-            self._on_host = torch.empty((), dtype=count.dtype, pin_memory=True)
-            self._on_host.copy_(count, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def value(self) -> int:
-        if self._count.device.type != "cuda":
-            return int(self._count)
-        self._ready.synchronize()
-        return int(self._on_host)
+def _count_on_host(count: Tensor) -> int:
+    """The value of a device scalar, through a copy to pinned memory and an event. The host waits as long as
+    in torch.nonzero (for everything queued before), but then has only the indices' kernel to launch
+    (_true_indices), where torch.nonzero's own host work after its wait left the device idle (0.14 ms of
+    gaps in a profile on H100)."""
+    if count.device.type != "cuda":
+        return int(count)
+    on_host = torch.empty((), dtype=count.dtype, pin_memory=True)
+    on_host.copy_(count, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    ready.synchronize()
+    return int(on_host)
 
 
 def _true_indices(mask: Tensor, n_true: int) -> Tensor:
@@ -278,63 +271,6 @@ def _weight_gradient_over_its_transposed_logits(
         torch.mm(logits_t[low:top], hidden, out=out)
         grad_weight[low:top].copy_(out)
         top = low
-
-
-class _ChunkSchedule:
-    """The chunks of a call, in order, as ``(start, end, rows)``: ``[start, end)`` are the places of the chunk's
-    rows in the per-row outputs (loss_rows...), ``rows`` their token indices, or None when they are the tokens
-    ``start..end`` themselves.
-
-    The first chunk runs over its tokens as they are, ignored ones included (the cross-entropy kernel gives
-    them loss 0 and gradient 0). Only when the host asks for the second chunk, with the first one's work
-    queued behind the count, does it wait for the number of valid tokens after the first chunk: all of
-    them valid, the rest run in place in the chunks as planned; otherwise the ignored ones are dropped
-    (gathered away, ``rows``) and the valid ones re-chunked by ``rechunk(n_valid)``. Waiting before any
-    chunk instead left the device idle while the host issued the loop after the wait.
-    After the iteration: ``n_rows`` rows ran, ``valid_rows`` maps their places to tokens (None when
-    every token ran in place) and ``dropped_rows`` are the tokens that did not run (None when none).
-    """
-
-    def __init__(self, chunk_sizes: list[int], valid: Tensor, rechunk: Callable[[int], list[int]]) -> None:
-        self.chunk_sizes = chunk_sizes
-        self.chunk_rows = max(chunk_sizes)
-        self.n_rows = sum(chunk_sizes)
-        self.valid_rows: Tensor | None = None
-        self.dropped_rows: Tensor | None = None
-        self._valid = valid
-        self._rechunk = rechunk
-        first = chunk_sizes[0]
-        self._valid_after_first = _HostCount(valid[first:].sum()) if len(chunk_sizes) > 1 else None
-
-    def __iter__(self) -> Iterator[tuple[int, int, Tensor | None]]:
-        first = self.chunk_sizes[0]
-        yield 0, first, None
-        if self._valid_after_first is None:
-            return
-        n_rest = self.n_rows - first
-        n_valid = self._valid_after_first.value()
-        if n_valid == n_rest:
-            for start, end in _chunk_bounds(self.chunk_sizes[1:], first):
-                yield start, end, None
-            return
-        after_first = self._valid[first:]
-        kept = _true_indices(after_first, n_valid) + first
-        self.dropped_rows = _true_indices(~after_first, n_rest - n_valid) + first
-        self.valid_rows = torch.cat([torch.arange(first, device=kept.device), kept])
-        self.n_rows = first + n_valid
-        if n_valid == 0:
-            return
-        sizes = self._rechunk(n_valid)
-        self.chunk_rows = max(sizes)
-        for start, end in _chunk_bounds(sizes, first):
-            yield start, end, kept[start - first : end - first]
-
-
-def _chunk_bounds(sizes: list[int], offset: int) -> Iterator[tuple[int, int]]:
-    end = offset
-    for size in sizes:
-        yield end, end + size
-        end += size
 
 
 def _per_token(rows: Tensor, valid_rows: Tensor | None, n_tokens: int) -> Tensor:
@@ -633,21 +569,31 @@ def _chunked_linear_cross_entropy(
         weight = weight if weight.stride(1) == 1 else weight.contiguous()
         hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
 
-    # Chunks as if every token counted: the first runs over its tokens as they are, ignored ones included (the
-    # cross-entropy kernel gives them loss 0 and gradient 0), and the host reads the count of valid tokens
-    # after it only once its work is queued (_ChunkSchedule): a wait before the loop stopped the host until
-    # the device had run everything queued before the loss, and the device then idled while the host issued
-    # the loop (on H100 at T=1024, H=2048, V=32000, fwd+bwd 1.16 ms with such a wait, 0.77 without,
-    # benchmarks/kernels.py, 2026-11-26). The later chunks drop the ignored tokens, which saves their
-    # matmuls. The loss's denominator is counted on the device, so nothing waits for it.
+    # Chunks as if every token counted. One chunk runs over all tokens, ignored ones included (the
+    # cross-entropy kernel gives them loss 0 and gradient 0), and never waits for the device: waiting for the
+    # count of valid tokens stops the host until the device has run everything queued before the loss, and
+    # the device then idles while the host issues the loop (on H100 at T=1024, H=2048, V=32000, fwd+bwd
+    # 1.16 ms with the wait, 0.77 without, benchmarks/kernels.py on one machine, 2026-11-26; on another whose
+    # host ran the call's Python half as fast, both 1.11 ms, bound by the host). Several chunks first drop
+    # the ignored tokens, which saves their matmuls at one wait in a call long beside it. Tried and not kept:
+    # running the first chunk as it is before that wait, so that its work keeps the device busy through it
+    # (H100, benchmarks/loss_launch_settings.py --parts sweep, before / after, two runs each, 2026-11-27):
+    # within run-to-run noise with no token ignored (T=8192, H=1536, V=256000: 39.7 / 40.2 against
+    # 38.7 / 40.8 ms; T=4096, H=2048, V=151936: 13.3 / 13.1 against 12.9 / 13.5), and slower with 30% of
+    # them ignored (--ignored-percent 30), its ignored rows running: 9.08 -> 10.02 ms at T=4096, H=2048,
+    # V=151936; 27.6 -> 29.6 at T=8192, H=4096, V=128256; 30.1 -> 31.1 at T=16384, H=2048, V=128256.
+    # The loss's denominator is counted on the device either way, so nothing waits for it.
     chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
         n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes
     )
     valid = labels != ignore_index
     valid_count = valid.sum()
     grad_scale = _gradient_scale(reduction, num_items, valid_count)
+    valid_rows = None  # the tokens that run, when they are not all
+    n_rows = n_tokens
     # Several chunks whose logits fit in dW's memory (T <= H) become one held there, laid out [V, T] (see the
-    # module docstring): then, as one chunk, all tokens run and nothing waits.
+    # module docstring): then, as one chunk, all tokens run and nothing waits. Otherwise the ignored tokens
+    # are dropped first.
     held_width = 0  # the held logits' row width, when they are
     if (
         len(chunk_sizes) > 1
@@ -659,14 +605,21 @@ def _chunked_linear_cross_entropy(
     ):
         held_width = _held_logits_width(n_tokens, hidden_size)
         chunk_sizes = [n_tokens]
+    elif len(chunk_sizes) > 1:
+        n_valid = _count_on_host(valid_count)
+        if n_valid < n_tokens:
+            valid_rows, n_rows = _true_indices(valid, n_valid), n_valid
+            chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
+                n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes, rows_to_chunk=n_rows
+            )
 
-    # Per-row outputs for every token; the rows that run fill them from the start.
-    loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=device)
-    correct_rows = torch.empty(n_tokens, dtype=torch.float32, device=device) if compute_accuracy else None
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+    correct_rows = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
     # Distinct empty tensors: a custom op's outputs may not alias one another.
     grad_hidden = hidden.new_empty(0)
-    if grad_hidden_needed:  # rows of dropped tokens are zeroed after the loop
-        grad_hidden = torch.empty_like(hidden) if n_tokens > 0 else torch.zeros_like(hidden)
+    if grad_hidden_needed:
+        every_row_written = valid_rows is None and n_rows > 0
+        grad_hidden = torch.empty_like(hidden) if every_row_written else torch.zeros_like(hidden)
     grad_weight = hidden.new_empty(0)
     if grad_weight_needed and skipping:
         grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)  # every row written
@@ -676,51 +629,43 @@ def _chunked_linear_cross_entropy(
     elif grad_weight_needed:
         dw_dtype = torch.float32 if accumulate_dw_in_fp32 else weight.dtype
         # The first chunk writes dW with a plain matmul, so it needs no zero fill unless no row runs.
-        first_chunk_overwrites = dw_dtype == weight.dtype and n_tokens > 0
+        first_chunk_overwrites = dw_dtype == weight.dtype and n_rows > 0
         grad_weight = (torch.empty if first_chunk_overwrites else torch.zeros)(
             weight.shape, dtype=dw_dtype, device=device
         )
     grad_bias_acc = torch.zeros(vocab_size, dtype=torch.float32, device=device) if grad_bias_needed else None
 
-    free_bytes = None  # asked of the device only if the chunk's allocation fails
-
-    def rechunk(n_valid: int) -> list[int]:
-        return fused_linear_cross_entropy_chunk_sizes(
-            n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes,
-            rows_to_chunk=n_valid, free_bytes=free_bytes,
-        )  # fmt: skip
-
-    schedule = None
-    if n_tokens > 0:
+    if n_rows > 0:
         if held_width:
             bounce = torch.empty(
                 _bounce_elements(n_tokens, weight, logits_chunk_bytes), dtype=hidden.dtype, device=device
             )
         else:
+            chunk_rows = max(chunk_sizes)
             try:
-                logits_buffer = torch.empty((max(chunk_sizes), vocab_size), dtype=hidden.dtype, device=device)
+                logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
             except torch.OutOfMemoryError:
                 # Only now is the device asked: smaller chunks within half of what is free.
-                free_bytes = torch.cuda.mem_get_info(device)[0]
-                chunk_sizes = rechunk(n_tokens)
-                logits_buffer = torch.empty((max(chunk_sizes), vocab_size), dtype=hidden.dtype, device=device)
-        schedule = _ChunkSchedule(chunk_sizes, valid, rechunk)
+                free_bytes, _ = torch.cuda.mem_get_info(device)
+                chunk_sizes = fused_linear_cross_entropy_chunk_sizes(
+                    n_tokens, hidden_size, vocab_size, hidden.dtype, logits_chunk_bytes,
+                    rows_to_chunk=n_rows, free_bytes=free_bytes,
+                )  # fmt: skip
+                chunk_rows = max(chunk_sizes)
+                logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
         if skipping:
             count_columns = live_count_columns(vocab_size, device, compute_accuracy=compute_accuracy)
-            live_counts = hidden.new_empty((0, triton.cdiv(vocab_size, count_columns)), dtype=torch.int32)
+            live_counts = torch.empty(
+                (chunk_rows, triton.cdiv(vocab_size, count_columns)), dtype=torch.int32, device=device
+            )
         weight_t = weight.t()
-        for start, end, rows_c in schedule:
-            if not held_width and logits_buffer.shape[0] != schedule.chunk_rows:
-                # Chunks of gathered valid tokens: a buffer of their size, within the budget with the rows.
-                del logits_buffer
-                logits_buffer = torch.empty(
-                    (schedule.chunk_rows, vocab_size), dtype=hidden.dtype, device=device
-                )
-            if skipping and live_counts.shape[0] != schedule.chunk_rows:
-                live_counts = live_counts.new_empty((schedule.chunk_rows, live_counts.shape[1]))
-            if rows_c is None:
+        chunk_ends = list(itertools.accumulate(chunk_sizes))
+        for start, end in zip([0, *chunk_ends[:-1]], chunk_ends, strict=True):
+            if valid_rows is None:
                 hidden_c, labels_c = hidden[start:end], labels[start:end]
+                rows_c = None
             else:
+                rows_c = valid_rows[start:end]
                 hidden_c, labels_c = hidden.index_select(0, rows_c), labels.index_select(0, rows_c)
             if held_width:  # [T, V] as seen by the matmuls, laid out [V, T] in dW's memory
                 logits_c = _transposed_logits_in(grad_weight, n_tokens, held_width).t()
@@ -807,8 +752,6 @@ def _chunked_linear_cross_entropy(
             del bounce
         else:
             del logits_buffer
-        if schedule.dropped_rows is not None and grad_hidden_needed:
-            grad_hidden.index_fill_(0, schedule.dropped_rows, 0.0)
     if grad_weight_needed and skipping:
         # All chunks' kept entries at once, sorted by vocabulary row (stable: in token order), so each dW
         # row is summed in float32 and written once.
@@ -821,9 +764,6 @@ def _chunked_linear_cross_entropy(
         sorted_vocab, order = torch.sort(vocab_ids, stable=True)
         _gather_weight_gradient(sorted_vocab, tokens[order], values[order], hidden, grad_weight)
 
-    n_rows = schedule.n_rows if schedule is not None else 0
-    valid_rows = schedule.valid_rows if schedule is not None else None
-    loss_rows = loss_rows[:n_rows]
     if reduction == "none":
         loss = _per_token(loss_rows, valid_rows, n_tokens)
     else:
@@ -831,9 +771,9 @@ def _chunked_linear_cross_entropy(
     if correct_rows is None:
         accuracy = loss.new_empty(0)
     elif reduction == "none":
-        accuracy = _per_token(correct_rows[:n_rows], valid_rows, n_tokens)
+        accuracy = _per_token(correct_rows, valid_rows, n_tokens)
     else:  # ignored tokens that ran count as not correct: divide by the valid ones
-        accuracy = correct_rows[:n_rows].sum() / valid_count.clamp(min=1)
+        accuracy = correct_rows.sum() / valid_count.clamp(min=1)
     if grad_weight_needed and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     grad_bias = (

@@ -151,57 +151,14 @@ def test_one_chunk_never_waits_for_the_device(device, monkeypatch):
     # Reading the count of valid tokens on the host waits for the device; a call of one chunk must not.
     hidden, weight, labels, _ = make_inputs(16, torch.float32, device)
 
-    def fail(self):
+    def fail(count):
         raise AssertionError("the host waited for the count of valid tokens")
 
-    monkeypatch.setattr(flce_module._HostCount, "value", fail)
+    monkeypatch.setattr(flce_module, "_count_on_host", fail)
     for options in ({"reduction": "mean", "return_accuracy": True}, {"num_items_in_batch": torch.tensor(9)}):
         assert_matches_reference(hidden, weight, labels, **options)
     with pytest.raises(AssertionError, match="waited for the count"):
         fused_linear_cross_entropy(hidden, weight, labels, logits_chunk_bytes=chunk_bytes(8, torch.float32))
-
-
-def test_several_chunks_wait_only_once_the_first_chunk_is_queued(device, monkeypatch):
-    # The host reads the valid count once, after the first chunk's cross-entropy kernel is issued (its
-    # work keeps the device busy meanwhile), and the later chunks follow. (64 tokens > H: not held in dW.)
-    hidden, weight, labels, _ = make_inputs(64, torch.float32, device)
-    events = []
-    real_value, real_launch = flce_module._HostCount.value, flce_module.launch_cross_entropy_forward
-    monkeypatch.setattr(
-        flce_module._HostCount, "value", lambda self: events.append("wait") or real_value(self)
-    )
-    monkeypatch.setattr(
-        flce_module,
-        "launch_cross_entropy_forward",
-        lambda *args, **kwargs: events.append("chunk") or real_launch(*args, **kwargs),
-    )
-    assert_matches_reference(hidden, weight, labels, logits_chunk_bytes=chunk_bytes(16, torch.float32))
-    assert events == ["chunk", "wait", "chunk", "chunk", "chunk"]
-
-
-# Which tokens are ignored, against four chunks of 16 of 64 tokens (more than H: not held in dW): only in the
-# first chunk (which runs them; the rest then runs in place, nothing dropped), every token after the first
-# chunk (nothing left to run after it: their dh must still be 0), and a few in every chunk.
-IGNORED_PATTERNS = {
-    "first-chunk-only": [1, 2, 15],
-    "all-after-first": list(range(16, 64)),
-    "every-chunk": [0, 5, 17, 18, 40, 63],
-}
-
-
-@pytest.mark.parametrize("pattern", IGNORED_PATTERNS)
-def test_ignored_tokens_in_and_after_the_first_chunk(device, pattern):
-    hidden, weight, labels, bias = make_inputs(64, torch.float32, device, ignored_every=0, bias=True)
-    labels[IGNORED_PATTERNS[pattern]] = -100
-    budget = chunk_bytes(16, torch.float32)
-    assert_matches_reference(
-        hidden, weight, labels, bias, torch.tensor(1.5, device=device), logits_chunk_bytes=budget,
-        return_accuracy=True, softcap=4.0,
-    )  # fmt: skip
-    assert_matches_reference(
-        hidden, weight, labels, bias, torch.randn(64).to(device), logits_chunk_bytes=budget,
-        reduction="none", return_accuracy=True,
-    )  # fmt: skip
 
 
 def test_held_logits_width():
@@ -261,27 +218,20 @@ def test_logits_held_in_the_weight_gradient_match_reference(
         options["num_items_in_batch"] = torch.tensor(11, device=device)
     upstream = (torch.randn(n_tokens) if options["reduction"] == "none" else torch.tensor(1.5)).to(device)
     calls = []
-    real_gradient, real_value = (
-        flce_module._weight_gradient_over_its_transposed_logits,
-        flce_module._HostCount.value,
-    )
-    monkeypatch.setattr(
-        flce_module,
-        "_weight_gradient_over_its_transposed_logits",
-        lambda *args: calls.append("held") or real_gradient(*args),
-    )
-    monkeypatch.setattr(
-        flce_module._HostCount, "value", lambda self: calls.append("wait") or real_value(self)
-    )
+    for name in ("_weight_gradient_over_its_transposed_logits", "_count_on_host"):
+        real = getattr(flce_module, name)
+        monkeypatch.setattr(
+            flce_module, name, lambda *args, name=name, real=real: calls.append(name) or real(*args)
+        )
     assert_matches_reference(
         hidden, weight, labels, bias_tensor, upstream, logits_chunk_bytes=chunk_bytes(8, dtype), **options
     )
-    held = "held" in calls
+    held = "_weight_gradient_over_its_transposed_logits" in calls
     assert held == (n_tokens <= HIDDEN), "the logits were held in the weight gradient only if they fit"
     # Waits for the valid count: the pass with gradients only when its tokens do not fit; the loss-only
     # forward of "none" (no dW to hold its logits) always, as any call of several chunks.
     waits = (options["reduction"] == "none") + (n_tokens > HIDDEN)
-    assert calls.count("wait") == waits
+    assert calls.count("_count_on_host") == waits
 
 
 def _one_matmul(grad_weight, logits_t, hidden, bounce):
@@ -372,14 +322,11 @@ def test_huge_logits_do_not_overflow(device):
     )
 
 
-def test_ignored_tokens_after_the_first_chunk_never_reach_a_matmul(device):
+def test_ignored_tokens_of_several_chunks_never_reach_a_matmul(device):
     # NaN hidden rows at ignored positions would poison dW (0 * NaN) if they entered any matmul. 96 tokens:
-    # twelve chunks of 8, too many to hold in dW's memory (where all tokens run); the first chunk runs its
-    # tokens as they are (its work keeps the device busy while the host waits for the valid count), so the
-    # ignored tokens from the second chunk on are the ones dropped.
+    # several chunks, too many to hold in dW's memory (where all tokens would run).
     hidden, weight, labels, _ = make_inputs(96, torch.float32, device)
     ignored = labels == -100
-    ignored[:8] = False
     poisoned = hidden.masked_fill(ignored[:, None], float("nan"))
     loss, _, (grad_hidden, grad_weight, _) = run(
         fused_linear_cross_entropy,
