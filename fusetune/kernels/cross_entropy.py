@@ -5,7 +5,9 @@ max / sum-of-exponentials per lane (never the whole row in registers, so vocabul
 cost the same per element), a second sweep, in reverse order so that it starts on the lines the first
 sweep touched last and are most likely still in L2, writes the gradient of the per-token loss. The
 backward is then only a multiplication by the upstream gradient, skipped on the device when that
-gradient is exactly 1 (the usual ``loss.backward()``).
+gradient is exactly 1 (the usual ``loss.backward()``). Under torch.compile the forward runs the first
+sweep only and the backward both, with the upstream gradient in the kernel's scale (see
+``_CrossEntropyFunction``).
 
 Logits laid out [V, N] (token n's logits a column, as ``W @ h^T`` writes them: the fused linear loss's
 chunk held in its weight gradient) take two other kernels with the same arithmetic (shared @triton.jit
@@ -1118,20 +1120,49 @@ def _cross_entropy_forward_inplace_eager(
     )
 
 
-_cross_entropy_forward_inplace_op = torch.library.custom_op(
-    "fusetune::cross_entropy_forward_inplace", mutates_args=("logits",)
-)(_cross_entropy_forward_inplace_eager)
+def _cross_entropy_backward_eager(
+    logits: Tensor,
+    labels: Tensor,
+    class_weight: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+    grad_loss: Tensor,
+) -> Tensor:
+    """The gradient of ``grad_loss`` * the loss, recomputed from the logits into a new tensor, the upstream
+    gradient folded into the kernel's scale (the backward under torch.compile, see _CrossEntropyFunction)."""
+    n_rows, n_cols = logits.shape
+    stats = launch_cross_entropy_stats(labels, class_weight, n_cols, ignore_index, mean=reduction == "mean")
+    upstream = grad_loss.to(torch.float32).reshape(-1)
+    grad = torch.empty_like(logits)
+    launch_cross_entropy_forward(
+        logits,
+        labels,
+        loss_out=torch.empty(n_rows, dtype=torch.float32, device=logits.device),
+        grad_out=grad,
+        grad_scale=upstream.contiguous() if reduction == "none" else upstream * stats[1:2],
+        class_weight=class_weight,
+        stats=stats,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+        softcap=softcap,
+    )
+    return grad
 
 
-@_cross_entropy_forward_inplace_op.register_fake
+_cross_entropy_backward_op = torch.library.custom_op("fusetune::cross_entropy_backward", mutates_args=())(
+    _cross_entropy_backward_eager
+)
+
+
+@_cross_entropy_backward_op.register_fake
 def _(
-    logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale, softcap,
-    compute_accuracy,
-):  # fmt: skip
-    n_rows = logits.shape[0]
-    loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
-    shape = ((n_rows,) if reduction == "none" else ()) if compute_accuracy else (0,)
-    return loss, logits.new_empty(shape, dtype=torch.float32)
+    logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, grad_loss
+):
+    return torch.empty_like(logits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1154,34 +1185,41 @@ class _CrossEntropyFunction(torch.autograd.Function):
         compute_accuracy: bool,
         inplace: bool,
     ) -> tuple[Tensor, Tensor]:
-        compiling = torch.compiler.is_compiling()
-        if inplace:
-            forward = _cross_entropy_forward_inplace_op if compiling else _cross_entropy_forward_inplace_eager
-            loss, accuracy = forward(
-                logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale,
-                softcap, compute_accuracy,
-            )  # fmt: skip
-            grad = logits
+        options = (ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
+        ctx.recompute = torch.compiler.is_compiling()
+        if ctx.recompute:
+            # Under torch.compile the gradient cannot be scaled in place in the backward (Inductor copies
+            # a saved tensor before a kernel writes it, and its multiply reads and writes the whole
+            # gradient): the forward computes the loss only, and the backward the gradient with the
+            # upstream gradient folded into the kernel's scale. One extra read of the logits instead of a
+            # read and a write of the gradient: H100, T=8192, V=128256, fwd+bwd 3.11 ms before
+            # (benchmarks/kernels.py, fusetune+compile; torch.compile 2.88).
+            loss, accuracy, _ = _cross_entropy_forward_op(
+                logits, labels, class_weight, *options, compute_accuracy, False
+            )
+            ctx.save_for_backward(logits, labels, class_weight)
+            ctx.options = options
+        elif inplace:
+            loss, accuracy = _cross_entropy_forward_inplace_eager(
+                logits, labels, class_weight, *options, compute_accuracy
+            )
+            ctx.save_for_backward(logits)
         else:
-            forward = _cross_entropy_forward_op if compiling else _cross_entropy_forward_eager
-            loss, accuracy, grad = forward(
-                logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale,
-                softcap, compute_accuracy, True,
-            )  # fmt: skip
-        ctx.save_for_backward(grad)
-        ctx.reduction = reduction
+            loss, accuracy, grad = _cross_entropy_forward_eager(
+                logits, labels, class_weight, *options, compute_accuracy, True
+            )
+            ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(accuracy)
         return loss, accuracy
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, grad_accuracy: Tensor):
-        (grad,) = ctx.saved_tensors
-        factor = grad_loss.to(torch.float32)
-        if torch.compiler.is_compiling():
-            # Under torch.compile a plain multiply; Inductor fuses it into one pass.
-            scaled = grad * (factor.unsqueeze(-1) if ctx.reduction == "none" else factor)
-            return scaled.to(grad.dtype), None, None, None, None, None, None, None, None, None
-        launch_scale_rows_(grad, factor.contiguous())
+        if ctx.recompute:
+            logits, labels, class_weight = ctx.saved_tensors
+            grad = _cross_entropy_backward_op(logits, labels, class_weight, *ctx.options, grad_loss)
+        else:
+            (grad,) = ctx.saved_tensors
+            launch_scale_rows_(grad, grad_loss.to(torch.float32).contiguous())
         return grad, None, None, None, None, None, None, None, None, None
 
 
@@ -1228,8 +1266,9 @@ def cross_entropy(
 
     ``inplace_backward=True`` lets the forward overwrite ``logits`` with the gradient (saves a [N, V]
     buffer); the caller must not read ``logits`` afterwards, and nothing else may have saved it for its
-    own backward (autograd then reports the in-place modification). Under torch.compile the
-    out-of-place kernel is used. Backward twice through the same graph (retain_graph) is not supported.
+    own backward (autograd then reports the in-place modification). Under torch.compile nothing is
+    overwritten: the forward computes the loss only and the backward the gradient, from the saved logits,
+    into a new tensor. Backward twice through the same graph (retain_graph) is not supported.
     """
     _validate(logits, labels, weight, reduction, softcap)
     vocab = logits.shape[-1]
@@ -1242,10 +1281,9 @@ def cross_entropy(
     cap = float(softcap) if softcap is not None else 0.0
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
     if needs_grad:
-        inplace = inplace_backward and not torch.compiler.is_compiling()
         loss, accuracy = _CrossEntropyFunction.apply(
             logits2d, labels1d, class_weight, ignore_index, reduction, float(label_smoothing),
-            float(z_loss_scale), cap, return_accuracy, inplace,
+            float(z_loss_scale), cap, return_accuracy, inplace_backward,
         )  # fmt: skip
     else:
         loss, accuracy, _ = torch.ops.fusetune.cross_entropy_forward(

@@ -243,6 +243,48 @@ def test_mutant_counting_ignored_tokens_in_mean_fails(device, tmp_path, monkeypa
 # --- compile ---------------------------------------------------------------------------------------
 
 
+def test_traces_with_fullgraph_aot_eager(device):
+    """Dynamo + AOTAutograd trace through the custom ops with no graph break (CPU-safe backend)."""
+    logits, labels = make_inputs(8, 600, torch.float32, device)
+    expected_loss, _, expected_grad = run_kernel(logits, labels, softcap=5.0)
+    compiled = torch.compile(
+        lambda x, y: cross_entropy(x, y, softcap=5.0, inplace_backward=True),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    x = logits.clone().requires_grad_()
+    loss = compiled(x, labels)
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(x.grad, expected_grad, atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize(
+    ("reduction", "options"),
+    [("mean", {"softcap": 5.0, "z_loss_scale": 1e-3}), ("none", {"label_smoothing": 0.1}), ("sum", {})],
+)
+def test_compiled_backward_recomputes_the_scaled_gradient(device, reduction, options):
+    """Under torch.compile the backward recomputes the gradient with the upstream gradient in the kernel's
+    scale: against the float64 reference with an upstream that is not 1 (per token for "none")."""
+    logits, labels = make_inputs(8, 600, torch.float32, device)
+    upstream = torch.randn(8) if reduction == "none" else torch.tensor(0.37)
+    upstream = upstream.to(device)
+    compiled = torch.compile(
+        lambda x, y: cross_entropy(x, y, reduction=reduction, inplace_backward=True, **options),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    x = logits.clone().requires_grad_()
+    loss = compiled(x, labels)
+    loss.backward(upstream)
+    assert torch.equal(x.detach(), logits), "nothing is overwritten under torch.compile"
+    ref_loss, _, ref_grad = run_reference(logits, labels, upstream, reduction=reduction, **options)
+    atol, rtol = LOSS_TOLERANCE
+    torch.testing.assert_close(loss.double(), ref_loss, atol=atol, rtol=rtol)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(x.grad.double(), ref_grad, atol=atol, rtol=rtol)
+
+
 # --- logits laid out [V, N] (launch_cross_entropy_columns, the fused linear loss's chunk held in dW) -----
 
 COLUMN_CASES = [
@@ -318,22 +360,6 @@ def test_mutant_combining_unscaled_split_sums_fails(device, tmp_path, monkeypatc
     monkeypatch.setattr(ce_module, "_cross_entropy_columns_kernel", mutant)
     with pytest.raises(AssertionError, match="not close"):
         assert_columns_match_reference(logits, labels, width=40)
-
-
-def test_traces_with_fullgraph_aot_eager(device):
-    """Dynamo + AOTAutograd trace through the custom ops with no graph break (CPU-safe backend)."""
-    logits, labels = make_inputs(8, 600, torch.float32, device)
-    expected_loss, _, expected_grad = run_kernel(logits, labels, softcap=5.0)
-    compiled = torch.compile(
-        lambda x, y: cross_entropy(x, y, softcap=5.0, inplace_backward=True),
-        fullgraph=True,
-        backend="aot_eager",
-    )
-    x = logits.clone().requires_grad_()
-    loss = compiled(x, labels)
-    loss.backward()
-    torch.testing.assert_close(loss, expected_loss, atol=0.0, rtol=0.0)
-    torch.testing.assert_close(x.grad, expected_grad, atol=0.0, rtol=0.0)
 
 
 @pytest.mark.gpu
