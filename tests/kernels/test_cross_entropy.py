@@ -364,21 +364,25 @@ def test_mutant_combining_unscaled_split_sums_fails(device, tmp_path, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compiled_inductor_fullgraph_matches_eager(reduction):
+def test_compiled_inductor_fullgraph_matches_reference(reduction):
+    # Against the float64 reference, as the eager kernel is: the compiled forward runs the kernel without
+    # the gradient (the backward recomputes it), a build whose per-token losses may differ from the eager
+    # one's in the last bit.
     logits, labels = make_inputs(256, 32000, torch.bfloat16, "cuda")
     upstream = torch.randn(256, device="cuda") if reduction == "none" else torch.tensor(0.5, device="cuda")
     options = {"reduction": reduction, "softcap": 30.0, "z_loss_scale": 1e-4, "return_accuracy": True}
-    expected_loss, expected_accuracy, expected_grad = run_kernel(logits, labels, upstream, **options)
+    expected_loss, expected_accuracy, expected_grad = run_reference(logits, labels, upstream, **options)
     compiled = torch.compile(
         lambda x, y: cross_entropy(x, y, inplace_backward=True, **options), fullgraph=True
     )
     x = logits.clone().requires_grad_()
     loss, accuracy = compiled(x, labels)
     loss.backward(upstream)
+    atol, rtol = LOSS_TOLERANCE
+    torch.testing.assert_close(loss.double(), expected_loss, atol=atol, rtol=rtol)
+    torch.testing.assert_close(accuracy.double(), expected_accuracy, atol=0.0, rtol=0.0)
     atol, rtol = TOLERANCES[torch.bfloat16]
-    torch.testing.assert_close(loss, expected_loss, atol=0.0, rtol=0.0)
-    torch.testing.assert_close(accuracy, expected_accuracy, atol=0.0, rtol=0.0)
-    torch.testing.assert_close(x.grad, expected_grad, atol=atol, rtol=rtol)
+    torch.testing.assert_close(x.grad.double(), expected_grad, atol=atol, rtol=rtol)
 
 
 # --- real shapes on the GPU ------------------------------------------------------------------------
