@@ -44,6 +44,8 @@ CHUNK_ROWS = (1024, 1536, 2048, 4096)
 GEMM_HIDDEN = (1536, 2048, 4096)
 GEMM_VOCABS = (32000, 128256, 151936, 256000)
 GEMM_ROWS = (256, 384, 512, 640, 768, 832, 896, 1024, 1152, 1216, 1280, 1536, 2048, 3072, 4096)
+# Part "chunk-rows": the default chunking against others of the same tokens (chunk rows aligned to 256 or 512,
+# fixed 1024- or 2048-row chunks) and Liger-Kernel, at the --shapes (see chunking_cases).
 # Part "sweep-profile": kernel profiles (fusetune's and torch.compile's) at sweep shapes where fusetune trails
 # torch.compile.
 PROFILE_SHAPES = (
@@ -145,6 +147,36 @@ def linear_case(shape, impl: str, reps: Repetitions, **options) -> dict:
         result = {"error": "out of memory"}
     torch._dynamo.reset()
     return result
+
+
+def chunking_cases(shape) -> list[dict]:
+    """Fused linear CE at ``shape`` (with Liger-Kernel's in the same process) under other chunkings of the
+    same tokens: the default, its chunk rows aligned to 256 or 512 instead of 128 (the module's
+    _CHUNK_ROW_ALIGNMENT), and every chunk of 1024 or 2048 rows (2048: Liger-Kernel's at T=65536, H=4096,
+    V=128256; over the memory budget where it is larger than the default's)."""
+    from fusetune.kernels import fused_linear_cross_entropy as flce
+
+    tokens, hidden_size, vocab, _ = shape
+    rows = [{"impl": "liger"}, {"impl": "fusetune"}, {"impl": "fusetune", "alignment": 256},
+            {"impl": "fusetune", "alignment": 512}, {"impl": "fusetune", "chunk_rows": 1024},
+            {"impl": "fusetune", "chunk_rows": 2048}]  # fmt: skip
+    results = []
+    default_alignment = flce._CHUNK_ROW_ALIGNMENT
+    for case in rows:
+        options = {}
+        if "chunk_rows" in case:
+            options["logits_chunk_bytes"] = case["chunk_rows"] * vocab * 2
+        flce._CHUNK_ROW_ALIGNMENT = case.get("alignment", default_alignment)
+        try:
+            sizes = flce.fused_linear_cross_entropy_chunk_sizes(
+                tokens, hidden_size, vocab, torch.bfloat16, options.get("logits_chunk_bytes")
+            )
+            result = linear_case(shape, case["impl"], SWEEP, **options)
+        finally:
+            flce._CHUNK_ROW_ALIGNMENT = default_alignment
+        chunks = sorted(set(sizes)) if case["impl"] == "fusetune" else None
+        results.append({"op": "flce-chunking", "shape": shape, **case, "chunks": chunks, **result})
+    return results
 
 
 def ce_case(tokens: int, vocab: int, impl: str, setting=None) -> dict:
@@ -590,6 +622,11 @@ def main() -> int:
     if "gaps" in parts:
         for gap_shape in ((1024, 4096, 32000, None), (1024, 4096, 151936, None), LINEAR_SHAPES[0]):
             emit(idle_gaps(gap_shape))
+    if "chunk-rows" in parts:
+        for chunking_shape in sweep_shapes:
+            if time.time() < deadline:
+                for row in chunking_cases(chunking_shape):
+                    emit(row)
     if "sweep-profile" in parts:
         for profile_shape in profile_shapes:
             for impl in impls:
