@@ -149,11 +149,15 @@ def linear_case(shape, impl: str, reps: Repetitions, **options) -> dict:
     return result
 
 
-def chunking_cases(shape) -> list[dict]:
+CHUNKING = Repetitions(warmup_ms=100, rep_ms=1500)
+
+
+def chunking_cases(shape, rounds: int = 3) -> list[dict]:
     """Fused linear CE at ``shape`` (with Liger-Kernel's in the same process) under other chunkings of the
     same tokens: the default, its chunk rows aligned to 256 or 512 instead of 128 (the module's
     _CHUNK_ROW_ALIGNMENT), and every chunk of 1024 or 2048 rows (2048: Liger-Kernel's at T=65536, H=4096,
-    V=128256; over the memory budget where it is larger than the default's)."""
+    V=128256; over the memory budget where it is larger than the default's), each ``rounds`` times in turn,
+    with enough repetitions for calls of 300 ms."""
     from fusetune.kernels import fused_linear_cross_entropy as flce
 
     tokens, hidden_size, vocab, _ = shape
@@ -162,7 +166,7 @@ def chunking_cases(shape) -> list[dict]:
             {"impl": "fusetune", "chunk_rows": 2048}]  # fmt: skip
     results = []
     default_alignment = flce._CHUNK_ROW_ALIGNMENT
-    for case in rows:
+    for case in [dict(case, round=i) for i in range(rounds) for case in rows]:
         options = {}
         if "chunk_rows" in case:
             options["logits_chunk_bytes"] = case["chunk_rows"] * vocab * 2
@@ -171,7 +175,7 @@ def chunking_cases(shape) -> list[dict]:
             sizes = flce.fused_linear_cross_entropy_chunk_sizes(
                 tokens, hidden_size, vocab, torch.bfloat16, options.get("logits_chunk_bytes")
             )
-            result = linear_case(shape, case["impl"], SWEEP, **options)
+            result = linear_case(shape, case["impl"], CHUNKING, **options)
         finally:
             flce._CHUNK_ROW_ALIGNMENT = default_alignment
         chunks = sorted(set(sizes)) if case["impl"] == "fusetune" else None
