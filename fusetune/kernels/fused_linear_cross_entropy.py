@@ -85,7 +85,11 @@ DEFAULT_EXTRA_CHUNK_BYTES = 252 * 2**20
 # Chunks are balanced (the last is not a sliver), and their rows a multiple of this when the budget allows.
 # cuBLAS's Hopper kernels take 128- to 320-row tiles: measured on H100 (benchmarks/loss_launch_settings.py
 # --parts gemms), chunks of 832 rows (13 x 64) cost 6.1 us a row at H=4096, V=151936 where 768 and 896
-# cost 5.5 and 5.6 (the logits matmul and dh alike), and the same at every H and V of the sweep.
+# cost 5.5 and 5.6 (the logits matmul and dh alike), and the same at every H and V of the sweep. Coarser units
+# measured within about 2% either way, not kept (--parts chunk-rows, H100, 2026-11-27, median of 3 rounds, ms,
+# 128 / 256 / 512 / Liger-Kernel): T=65536, H=4096, V=128256 320 / 315 / 313 / 316; T=65536, H=2048 162.8 /
+# 161.7 / 160.3 / 159.4; T=16384, H=4096 82.4 / 80.4 / 80.2; T=8192, H=4096 39.6 / 39.8 / 40.1 (8 chunks of
+# 1024); T=16384, H=1536, V=256000 77.2 / 80.1 / 80.6 (one round; 32 chunks of 512 instead of 27).
 _CHUNK_ROW_ALIGNMENT = 128
 # Default of ``skip_threshold``: 16 times below bfloat16's resolution at 1 (2**-8), because the skipped
 # entries add up over the vocabulary: at a mean entropy of 2 nats the skipped probability mass per token
