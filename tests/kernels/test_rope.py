@@ -417,15 +417,12 @@ def test_mutated_kernel_fails(old, new, path, tmp_path, monkeypatch, device):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# GPU: torch.compile and real sizes
+# torch.compile (the registered ops and their fake implementations); GPU: Inductor and real sizes
 # ----------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("path", ["projection", "leaf"])
-def test_compiled_fullgraph(path, device):
+def _check_compiled(path, device, dtype, backend):
     batch, seq_len, n_q, n_kv, head_dim, rotary_dim = 2, 33, 8, 2, 128, 64
-    dtype = torch.bfloat16
     cos, sin = _angles(batch, seq_len, rotary_dim, "random", dtype, device)
     q_proj = _projection(batch, seq_len, n_q, head_dim, dtype, device, seed=1)
     k_proj = _projection(batch, seq_len, n_kv, head_dim, dtype, device, seed=2)
@@ -436,13 +433,25 @@ def test_compiled_fullgraph(path, device):
         torch.randn(batch, n_kv, seq_len, head_dim, device=device, dtype=dtype),
     )
     torch._dynamo.reset()
-    compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True)
+    compiled = torch.compile(apply_rotary_pos_emb, fullgraph=True, backend=backend)
     q_embed, k_embed = _run_rope(compiled, q_proj, k_proj, n_q, n_kv, cos, sin, path, grads)
     q_ref, k_ref = _run_rope(rope_reference, q_ref_proj, k_ref_proj, n_q, n_kv, cos, sin, path, grads)
     _assert_matches(q_embed, q_ref, dtype)
     _assert_matches(k_embed, k_ref, dtype)
     _assert_matches(q_proj.grad, q_ref_proj.grad, dtype)
     _assert_matches(k_proj.grad, k_ref_proj.grad, dtype)
+
+
+@pytest.mark.parametrize("path", ["projection", "leaf"])
+def test_traces_with_fullgraph_aot_eager(path, device):
+    """Dynamo + AOTAutograd through the registered ops and their fake implementations (CPU-safe backend)."""
+    _check_compiled(path, device, torch.float32, "aot_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["projection", "leaf"])
+def test_compiled_fullgraph(path, device):
+    _check_compiled(path, device, torch.bfloat16, "inductor")
 
 
 @pytest.mark.gpu
