@@ -237,6 +237,7 @@ def _check_mlp(
     seed=0,
     fused_module=None,
     compile_module=False,
+    compile_backend="inductor",
 ):
     """Fused module vs (1) the transformers class's projections around the activation reference, in the same
     dtype (rounds where the kernels round: TOLERANCES), and (2) the transformers class itself in fp32 on the
@@ -261,7 +262,7 @@ def _check_mlp(
 
     x = _randn((*batch_shape, config.hidden_size), dtype, device, seed=seed + 1)
     grad = _randn((*batch_shape, config.hidden_size), dtype, device, seed=seed + 2)
-    runner = torch.compile(fused, fullgraph=True) if compile_module else fused
+    runner = torch.compile(fused, fullgraph=True, backend=compile_backend) if compile_module else fused
     results = {}
     for name, module, forward, run_dtype in (
         ("fused", fused, runner, dtype),
@@ -490,6 +491,30 @@ def test_compiled_fullgraph(approximate, device):
     _check_gated(compiled, lambda a, b: reference(a * 1, b * 1), (64, 1000), torch.bfloat16, device, True)
 
 
+def test_compiled_mlp_traces_with_aot_eager(device):
+    """Dynamo + AOTAutograd through the registered ops (the projections as modules around the activation),
+    their fake implementations and the backward that overwrites its incoming gradient (CPU-safe backend)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch._dynamo.reset()
+    config = _llama_config(hidden=32, intermediate=48)
+    _check_mlp(
+        FusedSwiGLUMLP, LlamaMLP, config, torch.float32, device, (2, 5), compile_module=True,
+        compile_backend="aot_eager",
+    )  # fmt: skip
+
+
+def test_registered_op_backward_leaves_the_incoming_gradient_alone(device):
+    # The op's backward writes one gradient over a buffer: its own copy of the incoming gradient, which
+    # autograd may share with the caller (here the tensor passed to backward).
+    a = _randn((3, 40), torch.float32, device, seed=1).requires_grad_(True)
+    b = _randn((3, 40), torch.float32, device, seed=2).requires_grad_(True)
+    grad = _randn((3, 40), torch.float32, device, seed=3)
+    kept = grad.clone()
+    torch.ops.fusetune.gated_act(a, b, "silu").backward(grad)
+    assert torch.equal(grad, kept)
+
+
 @pytest.mark.gpu
 def test_compiled_mlp_fullgraph(device):
     from transformers.models.llama.modeling_llama import LlamaMLP
@@ -695,8 +720,8 @@ def test_add_rms_norm_gated_mlp_tolerance_catches_a_wrong_recomputed_product(dev
     grads = (_randn((2, 3, 8), torch.float32, device, 90), _randn((2, 3, 8), torch.float32, device, 91))
     real = swiglu_module._launch_gated_backward
 
-    def without_product(grad, a, b, grad_a, grad_b, hidden, activation, traced=False):
-        return real(grad, a, b, grad_a, grad_b, None, activation, traced)
+    def without_product(grad, a, b, grad_a, grad_b, hidden, activation):
+        return real(grad, a, b, grad_a, grad_b, None, activation)
 
     monkeypatch.setattr(swiglu_module, "_launch_gated_backward", without_product)
     _, _, actual = _run_mlp_node(t, "silu", "llama", 0.0, 1e-6, grads)
