@@ -1009,10 +1009,17 @@ def _forward_impl(
     softcap: float,
     compute_accuracy: bool,
     grad_out: Tensor | None,
+    upstream: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """Loss and accuracy; with ``grad_out`` the gradient of the loss, times ``upstream`` when given (the
+    backward's incoming gradient: one value, or one per token for reduction "none")."""
     n_rows, n_cols = logits.shape
     device = logits.device
     stats = launch_cross_entropy_stats(labels, class_weight, n_cols, ignore_index, mean=reduction == "mean")
+    grad_scale = stats[1:2]
+    if upstream is not None:
+        upstream = upstream.to(torch.float32).reshape(-1)
+        grad_scale = upstream.contiguous() if reduction == "none" else upstream * grad_scale
     loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     correct = torch.empty(n_rows, dtype=torch.float32, device=device) if compute_accuracy else None
     launch_cross_entropy_forward(
@@ -1020,7 +1027,7 @@ def _forward_impl(
         labels,
         loss_out=loss_rows,
         grad_out=grad_out,
-        grad_scale=stats[1:2],
+        grad_scale=grad_scale,
         correct_out=correct,
         class_weight=class_weight,
         stats=stats,
@@ -1133,23 +1140,11 @@ def _cross_entropy_backward_eager(
 ) -> Tensor:
     """The gradient of ``grad_loss`` * the loss, recomputed from the logits into a new tensor, the upstream
     gradient folded into the kernel's scale (the backward under torch.compile, see _CrossEntropyFunction)."""
-    n_rows, n_cols = logits.shape
-    stats = launch_cross_entropy_stats(labels, class_weight, n_cols, ignore_index, mean=reduction == "mean")
-    upstream = grad_loss.to(torch.float32).reshape(-1)
     grad = torch.empty_like(logits)
-    launch_cross_entropy_forward(
-        logits,
-        labels,
-        loss_out=torch.empty(n_rows, dtype=torch.float32, device=logits.device),
-        grad_out=grad,
-        grad_scale=upstream.contiguous() if reduction == "none" else upstream * stats[1:2],
-        class_weight=class_weight,
-        stats=stats,
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-    )
+    _forward_impl(
+        logits, labels, class_weight, ignore_index, reduction, label_smoothing, z_loss_scale, softcap, False,
+        grad, upstream=grad_loss,
+    )  # fmt: skip
     return grad
 
 
