@@ -230,8 +230,7 @@ def _launch_gated_backward(
     hidden: torch.Tensor | None,
     activation: str,
 ) -> None:
-    """All [rows, cols] with unit column stride; grad_a/grad_b may be a/b (or grad_a grad) and hidden may be
-    grad (in place)."""
+    """All [rows, cols] with unit column stride; grad_a/grad_b may be a/b and hidden may be grad (in place)."""
     if a.numel() == 0:
         return
     hidden_arg = grad if hidden is None else hidden
