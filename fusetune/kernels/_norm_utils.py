@@ -5,10 +5,11 @@ Both ops normalise each row of a [rows, hidden] view and share the same two kern
 - forward: one program per tile of `rows_per_tile` rows; when the row fits the register-resident block the
   whole row lives in registers, otherwise the kernel loops over column blocks twice (statistics, then output;
   the second read of a row hits L2).
-- backward: a persistent grid of about `programs_per_sm` programs per SM walks the row tiles; each program
-  keeps its share of dW (and dB) in fp32 registers and writes it once to a [programs, hidden] fp32 buffer that
-  one small `sum(0)` reduces. Rows wider than the register-resident block take the two streaming kernels of
-  _norm_wide_rows.py instead (row terms, then column blocks), with the same `sum(0)` at the end.
+- backward, one kernel for both norms (_norm_row_tiles.py): a persistent grid of about `programs_per_sm`
+  programs per SM walks the row tiles; each program keeps its share of dW (and dB) in fp32 registers and
+  writes it once to a [programs, hidden] fp32 buffer that one small `sum(0)` reduces. Rows wider than the
+  register-resident block take the two streaming kernels of _norm_wide_rows.py instead (row terms, then column
+  blocks), with the same `sum(0)` at the end.
 """
 
 import contextlib

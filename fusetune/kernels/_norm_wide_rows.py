@@ -1,5 +1,5 @@
-"""Backward of RMSNorm and LayerNorm for rows wider than the register-resident kernels hold (rms_norm.py,
-layer_norm.py): two streaming kernels instead of one program looping over a row twice.
+"""Backward of RMSNorm and LayerNorm for rows wider than the register-resident kernel holds
+(_norm_row_tiles.py): two streaming kernels instead of one program looping over a row twice.
 
 Both norms share the same form. With xhat = (x - mean) * rstd (mean = 0 for RMSNorm), g = dy * w_eff (the
 weight as the forward applied it, fp32; g = dy without a weight) and n the row width:

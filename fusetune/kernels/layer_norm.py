@@ -16,11 +16,11 @@ import triton.language as tl
 from torch import nn
 
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._norm_row_tiles import launch_row_tile_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     norm_launch_settings,
-    persistent_grid_size,
 )
 from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
@@ -124,81 +124,6 @@ def _layer_norm_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
-@triton.jit
-def _layer_norm_bwd_kernel(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    mean_ptr,
-    rstd_ptr,
-    dx_ptr,
-    dx_row_stride,
-    dw_partial_ptr,
-    db_partial_ptr,
-    n_rows,
-    n_cols,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    SOFTWARE_BF16_ROUNDING: tl.constexpr,
-):
-    """Backward of LayerNorm; a persistent program walks row tiles pid, pid + P, pid + 2P, ...
-
-    With xhat = (x - mean) * rstd and g = dy * w (g = dy without a weight), per row:
-
-        dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-        dw = sum over rows of dy * xhat,    db = sum over rows of dy
-
-    Masked columns load dy = 0, so g and every product with it vanish there without a select.
-    Each program holds whole rows (rows wider than that take _norm_wide_rows.py), accumulates dw and db over
-    its rows in fp32 and stores one row of dw_partial / db_partial [P, n_cols]; the launcher sums the P rows.
-    """
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    n_row_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    dw_partial_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
-    db_partial_row = db_partial_ptr + pid.to(tl.int64) * n_cols
-
-    col_mask = cols < n_cols
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
-        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
-        if HAS_WEIGHT:
-            g = dy * w[None, :]
-        else:
-            g = dy
-        mean_g = tl.sum(g, axis=1) / n_cols
-        mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
-        dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-        dx_ptrs = dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :]
-        tl.store(dx_ptrs, round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask)
-        if HAS_WEIGHT:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if HAS_BIAS:
-            db_acc += tl.sum(dy, axis=0)
-    if HAS_WEIGHT:
-        tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
-    if HAS_BIAS:
-        tl.store(db_partial_row + cols, db_acc, mask=col_mask)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------------------
@@ -266,7 +191,6 @@ def _launch_backward(
     """Run the backward kernel, writing dx (which may be dy itself); returns (dw, db), each fp32 or None."""
     n_cols = x.shape[-1]
     x_rows = as_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
     dy_rows = as_rows(dy, n_cols)
     dx_rows = dx.view(-1, n_cols)
     if settings is None:
@@ -276,47 +200,9 @@ def _launch_backward(
         return launch_wide_row_backward(
             dy_rows, x_rows, w_eff, mean, rstd, None, dx_rows, settings, has_bias=has_bias, traced=traced
         )
-    n_row_tiles = (n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile
-    num_programs = persistent_grid_size(n_row_tiles, settings, x.device)
-    dw_partial = (
-        torch.empty((num_programs, n_cols), dtype=torch.float32, device=x.device)
-        if weight is not None
-        else None
+    return launch_row_tile_backward(
+        dy_rows, x_rows, weight, mean, rstd, None, dx_rows, settings, has_bias=has_bias, traced=traced
     )
-    db_partial = (
-        torch.empty((num_programs, n_cols), dtype=torch.float32, device=x.device) if has_bias else None
-    )
-    if n_rows > 0:
-        kernel = torch.library.wrap_triton(_layer_norm_bwd_kernel) if traced else _layer_norm_bwd_kernel
-        kernel[(num_programs,)](
-            dy_rows,
-            dy_rows.stride(0),
-            x_rows,
-            x_rows.stride(0),
-            weight if weight is not None else x_rows,
-            mean,
-            rstd,
-            dx_rows,
-            dx_rows.stride(0),
-            dw_partial if dw_partial is not None else rstd,
-            db_partial if db_partial is not None else rstd,
-            n_rows,
-            n_cols,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=has_bias,
-            BLOCK_ROWS=settings.rows_per_tile,
-            BLOCK_N=settings.block_n,
-            NUM_STAGES=settings.num_stages,
-            SOFTWARE_BF16_ROUNDING=interpreted(),
-            num_warps=settings.num_warps,
-        )
-    elif dw_partial is not None or db_partial is not None:
-        # no rows: the gradients are zero
-        dw_partial = dw_partial.zero_() if dw_partial is not None else None
-        db_partial = db_partial.zero_() if db_partial is not None else None
-    dw = dw_partial.sum(0) if dw_partial is not None else None
-    db = db_partial.sum(0) if db_partial is not None else None
-    return dw, db
 
 
 # ------------------------------------------------------------------------------------------------------------

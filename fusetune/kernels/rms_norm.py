@@ -29,12 +29,12 @@ import triton.language as tl
 from torch import nn
 
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._norm_row_tiles import _effective_weight, launch_row_tile_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     check_casting_mode,
     norm_launch_settings,
-    persistent_grid_size,
 )
 from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
@@ -50,15 +50,6 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _effective_weight(w, offset, CAST_BEFORE_WEIGHT: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.constexpr):
-    """offset + w in fp32; in llama mode rounded to the weight dtype first, as HF's `(offset + weight)` is."""
-    w_eff = w.to(tl.float32) + offset
-    if CAST_BEFORE_WEIGHT:
-        w_eff = round_to_dtype(w_eff, w.dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
-    return w_eff
 
 
 @triton.jit
@@ -183,94 +174,6 @@ def _rms_norm_fwd_kernel(
             )
 
 
-@triton.jit
-def _rms_norm_bwd_kernel(
-    dy_ptr,
-    dy_row_stride,
-    x_ptr,
-    x_row_stride,
-    weight_ptr,
-    rstd_ptr,
-    d_residual_ptr,
-    d_residual_row_stride,
-    dx_ptr,
-    dx_row_stride,
-    dw_partial_ptr,
-    n_rows,
-    n_cols,
-    offset,
-    HAS_D_RESIDUAL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    SOFTWARE_BF16_ROUNDING: tl.constexpr,
-):
-    """Backward of (add +) RMSNorm; a persistent program walks row tiles pid, pid + P, pid + 2P, ...
-
-    With xhat = x * rstd, w_eff = offset + w and g = dy * w_eff (g = dy without a weight), per row:
-
-        dx = rstd * (g - xhat * mean(g * xhat))
-        dw = sum over rows of dy * xhat          (llama mode: xhat rounded to the input dtype first,
-                                                  since that rounded value is what multiplied w)
-
-    The rounding of xhat in llama mode has zero derivative almost everywhere and is passed straight through,
-    as autograd does. For the fused add the normalised row is the new residual h = x + residual, and the
-    gradient reaching both x and residual is dh = dx_from_norm + d_new_residual (HAS_D_RESIDUAL).
-
-    Each program holds whole rows (rows wider than that take _norm_wide_rows.py), accumulates dw over its
-    rows in fp32 and stores one row of dw_partial [P, n_cols]; the launcher sums the P rows.
-    """
-    input_dtype = x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    n_row_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    dw_partial_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
-
-    col_mask = cols < n_cols
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
-        w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
-        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        xhat = x * rstd[:, None]
-        if HAS_WEIGHT:
-            g = dy * w_eff[None, :]
-        else:
-            g = dy
-        mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
-        dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-        if HAS_D_RESIDUAL:
-            d_residual = tl.load(
-                d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :],
-                mask=mask,
-                other=0.0,
-            )
-            dx += d_residual.to(tl.float32)
-        tl.store(
-            dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
-            round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-            mask=mask,
-        )
-        if HAS_WEIGHT:
-            if CAST_BEFORE_WEIGHT:
-                xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
-            dw_acc += tl.sum(dy * xhat, axis=0)
-    if HAS_WEIGHT:
-        tl.store(dw_partial_row + cols, dw_acc, mask=col_mask)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Launchers
 # ------------------------------------------------------------------------------------------------------------
@@ -357,10 +260,9 @@ def _launch_backward(
     """Run the backward kernel, writing dx (which may be dy itself); returns dw or None."""
     n_cols = x.shape[-1]
     x_rows = as_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
     dy_rows = as_rows(dy, n_cols)
     dx_rows = dx.view(-1, n_cols)
-    d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else dy_rows
+    d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else None
     if settings is None:
         settings = norm_launch_settings(n_cols, backward=True)
     if settings.loop_columns(n_cols):
@@ -371,47 +273,15 @@ def _launch_backward(
             if casting_mode == "llama":
                 w_eff = w_eff.to(weight.dtype).float()
         dw, _ = launch_wide_row_backward(
-            dy_rows, x_rows, w_eff, None, rstd, d_residual_rows if d_residual is not None else None, dx_rows,
-            settings, round_xhat_for_dw=casting_mode == "llama", traced=traced,
+            dy_rows, x_rows, w_eff, None, rstd, d_residual_rows, dx_rows, settings,
+            round_xhat_for_dw=casting_mode == "llama", traced=traced,
         )  # fmt: skip
         return dw.to(weight.dtype) if weight is not None else None
-    n_row_tiles = (n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile
-    num_programs = persistent_grid_size(n_row_tiles, settings, x.device)
-    if weight is not None:
-        dw_partial = torch.empty((num_programs, n_cols), dtype=torch.float32, device=x.device)
-    else:
-        dw_partial = rstd  # unused by the kernel
-    if n_rows > 0:
-        kernel = torch.library.wrap_triton(_rms_norm_bwd_kernel) if traced else _rms_norm_bwd_kernel
-        kernel[(num_programs,)](
-            dy_rows,
-            dy_rows.stride(0),
-            x_rows,
-            x_rows.stride(0),
-            weight if weight is not None else x_rows,
-            rstd,
-            d_residual_rows,
-            d_residual_rows.stride(0),
-            dx_rows,
-            dx_rows.stride(0),
-            dw_partial,
-            n_rows,
-            n_cols,
-            offset,
-            HAS_D_RESIDUAL=d_residual is not None,
-            HAS_WEIGHT=weight is not None,
-            CAST_BEFORE_WEIGHT=casting_mode == "llama",
-            BLOCK_ROWS=settings.rows_per_tile,
-            BLOCK_N=settings.block_n,
-            NUM_STAGES=settings.num_stages,
-            SOFTWARE_BF16_ROUNDING=interpreted(),
-            num_warps=settings.num_warps,
-        )
-    if weight is None:
-        return None
-    if n_rows == 0:
-        return torch.zeros_like(weight)
-    return dw_partial.sum(0).to(weight.dtype)
+    dw, _ = launch_row_tile_backward(
+        dy_rows, x_rows, weight, None, rstd, d_residual_rows, dx_rows, settings, offset=offset,
+        cast_before_weight=casting_mode == "llama", traced=traced,
+    )  # fmt: skip
+    return dw.to(weight.dtype) if weight is not None else None
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from fusetune.kernels import _norm_row_tiles as norm_row_tiles_module
 from fusetune.kernels import _norm_wide_rows as norm_wide_rows_module
 from fusetune.kernels import layer_norm as layer_norm_module
 from fusetune.kernels._norm_utils import NormLaunchSettings, force_column_block
@@ -298,7 +299,7 @@ KERNEL_MUTATIONS = [
         id="fwd-block-merge-term-dropped",
     ),
     pytest.param(
-        "_layer_norm_bwd_kernel",
+        "_row_tiles_backward_kernel",
         "dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]",
         "dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]",
         1,
@@ -306,7 +307,7 @@ KERNEL_MUTATIONS = [
         id="bwd-mean-term-dropped",
     ),
     pytest.param(
-        "_layer_norm_bwd_kernel",
+        "_row_tiles_backward_kernel",
         "db_acc += tl.sum(dy, axis=0)",
         "db_acc += tl.sum(dy * xhat, axis=0)",
         1,
@@ -367,8 +368,10 @@ def test_mutated_kernel_fails_the_comparison(
             _check(x, weight, bias, dy, dtype)
 
     run_check()
-    kernel = getattr(layer_norm_module, kernel_name)
-    monkeypatch.setattr(layer_norm_module, kernel_name, _mutant(kernel, old, new, count, tmp_path))
+    # The backward kernel is the one both norms share.
+    module = norm_row_tiles_module if kernel_name == "_row_tiles_backward_kernel" else layer_norm_module
+    kernel = getattr(module, kernel_name)
+    monkeypatch.setattr(module, kernel_name, _mutant(kernel, old, new, count, tmp_path))
     with pytest.raises(AssertionError):
         run_check()
 

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from fusetune.kernels import _norm_row_tiles as norm_row_tiles_module
 from fusetune.kernels import _norm_wide_rows as norm_wide_rows_module
 from fusetune.kernels import rms_norm as rms_norm_module
 from fusetune.kernels._norm_utils import NormLaunchSettings, force_column_block
@@ -442,7 +443,7 @@ KERNEL_MUTATIONS = [
         id="fwd-eps-dropped",
     ),
     pytest.param(
-        "_rms_norm_bwd_kernel",
+        "_row_tiles_backward_kernel",
         "dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]",
         "dx = (g + xhat * mean_g_xhat[:, None]) * rstd[:, None]",
         1,
@@ -450,7 +451,7 @@ KERNEL_MUTATIONS = [
         id="bwd-sign-flip",
     ),
     pytest.param(
-        "_rms_norm_bwd_kernel",
+        "_row_tiles_backward_kernel",
         "dw_acc += tl.sum(dy * xhat, axis=0)",
         "dw_acc += tl.sum(dy, axis=0)",
         1,
@@ -458,7 +459,7 @@ KERNEL_MUTATIONS = [
         id="bwd-dw-without-xhat",
     ),
     pytest.param(
-        "_rms_norm_bwd_kernel",
+        "_row_tiles_backward_kernel",
         "dx += d_residual.to(tl.float32)",
         "dx += 0.5 * d_residual.to(tl.float32)",
         1,
@@ -512,8 +513,10 @@ def test_mutated_kernel_fails_the_comparison(
             _check_rms_norm(x, weight, dy, 1e-6, 0.0, "llama", dtype)
 
     run_check()
-    kernel = getattr(rms_norm_module, kernel_name)
-    monkeypatch.setattr(rms_norm_module, kernel_name, _mutant(kernel, old, new, count, tmp_path))
+    # The backward kernel is the one both norms share.
+    module = norm_row_tiles_module if kernel_name == "_row_tiles_backward_kernel" else rms_norm_module
+    kernel = getattr(module, kernel_name)
+    monkeypatch.setattr(module, kernel_name, _mutant(kernel, old, new, count, tmp_path))
     with pytest.raises(AssertionError):
         run_check()
 

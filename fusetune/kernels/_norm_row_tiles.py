@@ -1,0 +1,180 @@
+"""Backward of RMSNorm and LayerNorm for rows that fit in registers (rows wider than that take
+_norm_wide_rows.py): one persistent kernel, each program walking row tiles pid, pid + P, pid + 2P, ...
+
+Both norms share the same form. With xhat = (x - mean) * rstd (mean = 0 for RMSNorm, CENTERED off), the weight
+as the forward applied it w_eff = offset + w (RMSNorm's llama mode: rounded to the weight's dtype first, as
+HF's ``(offset + weight)`` is), g = dy * w_eff (g = dy without a weight) and n the row width, per row:
+
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))     (RMSNorm: no mean(g) term), + d_residual
+    dw = sum over rows of dy * xhat   (RMSNorm llama mode: xhat rounded to the input dtype first, since that
+                                       rounded value is what multiplied w)
+    db = sum over rows of dy
+
+The rounding of xhat in llama mode has zero derivative almost everywhere and is passed straight through, as
+autograd does. For RMSNorm's fused add the normalised row is the new residual h = x + residual, and the
+gradient reaching both x and residual is dh = dx_from_norm + d_new_residual (HAS_D_RESIDUAL). Masked columns
+load dy = 0, so g and every product with it vanish there without a select. Each program accumulates dw and db
+over its rows in fp32 and stores one row of dw_partial / db_partial [P, n]; the launcher sums the P rows.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._norm_utils import NormLaunchSettings, persistent_grid_size
+
+__all__ = ["launch_row_tile_backward"]
+
+
+@triton.jit
+def _effective_weight(w, offset, CAST_BEFORE_WEIGHT: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.constexpr):
+    """offset + w in fp32; in llama mode rounded to the weight dtype first, as HF's `(offset + weight)` is."""
+    w_eff = w.to(tl.float32) + offset
+    if CAST_BEFORE_WEIGHT:
+        w_eff = round_to_dtype(w_eff, w.dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+    return w_eff
+
+
+@triton.jit
+def _row_tiles_backward_kernel(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    weight_ptr,
+    mean_ptr,
+    rstd_ptr,
+    d_residual_ptr,
+    d_residual_row_stride,
+    dx_ptr,
+    dx_row_stride,
+    dw_partial_ptr,
+    db_partial_ptr,
+    n_rows,
+    n_cols,
+    offset,
+    CENTERED: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_D_RESIDUAL: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """dx of every row tile of this program, and its dw / db partial sums (see the module docstring)."""
+    input_dtype = x_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    n_row_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
+        w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
+        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
+        dy = dy.to(tl.float32)
+        x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        if CENTERED:
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            xhat = (x - mean[:, None]) * rstd[:, None]
+        else:
+            xhat = x * rstd[:, None]
+        if HAS_WEIGHT:
+            g = dy * w_eff[None, :]
+        else:
+            g = dy
+        mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
+        if CENTERED:
+            mean_g = tl.sum(g, axis=1) / n_cols
+            dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        else:
+            dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        if HAS_D_RESIDUAL:
+            d_residual = tl.load(
+                d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :],
+                mask=mask,
+                other=0.0,
+            )
+            dx += d_residual.to(tl.float32)
+        tl.store(
+            dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
+            round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+            mask=mask,
+        )
+        if HAS_WEIGHT:
+            if CAST_BEFORE_WEIGHT:
+                xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dy, axis=0)
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_partial_ptr + pid.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+
+
+def launch_row_tile_backward(
+    dy_rows: torch.Tensor,
+    x_rows: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    d_residual_rows: torch.Tensor | None,
+    dx_rows: torch.Tensor,
+    settings: NormLaunchSettings,
+    *,
+    has_bias: bool = False,
+    offset: float = 0.0,
+    cast_before_weight: bool = False,
+    traced: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The kernel over [rows, n] views with unit column stride (dx_rows may be dy_rows: each element is read
+    before it is written, by the same program); returns (dw, db) in fp32, each None when absent.
+
+    `weight`: the norm's weight as stored (the kernel adds `offset` and, with `cast_before_weight`, rounds as
+    the forward did). `mean`: LayerNorm's row means, None for RMSNorm. `traced`: the launch goes through
+    wrap_triton, for the torch.library ops that torch.compile traces.
+    """
+    n_rows, n_cols = x_rows.shape
+    device = x_rows.device
+    n_row_tiles = -(-n_rows // settings.rows_per_tile)
+    num_programs = persistent_grid_size(n_row_tiles, settings, device)
+    dw_partial = (
+        torch.empty((num_programs, n_cols), dtype=torch.float32, device=device)
+        if weight is not None
+        else None
+    )
+    db_partial = torch.empty((num_programs, n_cols), dtype=torch.float32, device=device) if has_bias else None
+    if n_rows == 0:
+        zeros = torch.zeros(n_cols, dtype=torch.float32, device=device)
+        return (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
+    kernel = torch.library.wrap_triton(_row_tiles_backward_kernel) if traced else _row_tiles_backward_kernel
+    placeholder = rstd  # for pointers a configuration does not use
+    d_residual = d_residual_rows if d_residual_rows is not None else dy_rows
+    kernel[(num_programs,)](
+        dy_rows, dy_rows.stride(0), x_rows, x_rows.stride(0),
+        weight if weight is not None else placeholder, mean if mean is not None else placeholder, rstd,
+        d_residual, d_residual.stride(0), dx_rows, dx_rows.stride(0),
+        dw_partial if dw_partial is not None else placeholder,
+        db_partial if db_partial is not None else placeholder,
+        n_rows, n_cols, offset,
+        CENTERED=mean is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
+        HAS_D_RESIDUAL=d_residual_rows is not None, CAST_BEFORE_WEIGHT=cast_before_weight,
+        BLOCK_ROWS=settings.rows_per_tile, BLOCK_N=settings.block_n, NUM_STAGES=settings.num_stages,
+        SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=settings.num_warps,
+    )  # fmt: skip
+    dw = dw_partial.sum(0) if dw_partial is not None else None
+    db = db_partial.sum(0) if db_partial is not None else None
+    return dw, db
