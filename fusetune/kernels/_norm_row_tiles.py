@@ -15,6 +15,9 @@ autograd does. For RMSNorm's fused add the normalised row is the new residual h 
 gradient reaching both x and residual is dh = dx_from_norm + d_new_residual (HAS_D_RESIDUAL). Masked columns
 load dy = 0, so g and every product with it vanish there without a select. Each program accumulates dw and db
 over its rows in fp32 and stores one row of dw_partial / db_partial [P, n]; the launcher sums the P rows.
+
+`launch_norm_backward` is the entry both norms call: it hands rows wider than registers hold to
+_norm_wide_rows.py, with the effective weight computed once on the host for its two kernels.
 """
 
 import torch
@@ -22,9 +25,15 @@ import triton
 import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
-from fusetune.kernels._norm_utils import NormLaunchSettings, persistent_grid_size
+from fusetune.kernels._norm_utils import (
+    NormLaunchSettings,
+    as_rows,
+    norm_launch_settings,
+    persistent_grid_size,
+)
+from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
-__all__ = ["launch_row_tile_backward"]
+__all__ = ["launch_norm_backward"]
 
 
 @triton.jit
@@ -178,3 +187,47 @@ def launch_row_tile_backward(
     dw = dw_partial.sum(0) if dw_partial is not None else None
     db = db_partial.sum(0) if db_partial is not None else None
     return dw, db
+
+
+def launch_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    d_residual: torch.Tensor | None,
+    dx: torch.Tensor,
+    settings: NormLaunchSettings | None = None,
+    *,
+    has_bias: bool = False,
+    offset: float = 0.0,
+    cast_before_weight: bool = False,
+    traced: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Backward of either norm over [..., n] tensors, writing dx (which may be dy itself): the row-tile kernel,
+    or the wide-row kernels where `settings` loop over columns. Returns (dw, db) in fp32, each None when absent.
+    Arguments as for :func:`launch_row_tile_backward`; `mean` None for RMSNorm."""
+    n_cols = x.shape[-1]
+    x_rows = as_rows(x, n_cols)
+    dy_rows = as_rows(dy, n_cols)
+    dx_rows = dx.view(-1, n_cols)
+    d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else None
+    if settings is None:
+        settings = norm_launch_settings(n_cols, backward=True)
+    if not settings.loop_columns(n_cols):
+        return launch_row_tile_backward(
+            dy_rows, x_rows, weight, mean, rstd, d_residual_rows, dx_rows, settings, has_bias=has_bias,
+            offset=offset, cast_before_weight=cast_before_weight, traced=traced,
+        )  # fmt: skip
+    w_eff = None
+    if weight is not None:
+        # offset + w as the forward applied it (_effective_weight): rounded to the weight dtype in llama mode
+        w_eff = weight.float()
+        if offset:
+            w_eff = w_eff + offset
+        if cast_before_weight:
+            w_eff = w_eff.to(weight.dtype).float()
+    return launch_wide_row_backward(
+        dy_rows, x_rows, w_eff, mean, rstd, d_residual_rows, dx_rows, settings, has_bias=has_bias,
+        round_xhat_for_dw=cast_before_weight, traced=traced,
+    )  # fmt: skip

@@ -1101,32 +1101,6 @@ def _(
     return loss, accuracy, grad
 
 
-def _cross_entropy_forward_inplace_eager(
-    logits: Tensor,
-    labels: Tensor,
-    class_weight: Tensor | None,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
-    compute_accuracy: bool,
-) -> tuple[Tensor, Tensor]:
-    """Like cross_entropy_forward, but the gradient overwrites ``logits``."""
-    return _forward_impl(
-        logits,
-        labels,
-        class_weight,
-        ignore_index,
-        reduction,
-        label_smoothing,
-        z_loss_scale,
-        softcap,
-        compute_accuracy,
-        logits,
-    )
-
-
 def _cross_entropy_backward_eager(
     logits: Tensor,
     labels: Tensor,
@@ -1195,9 +1169,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(logits, labels, class_weight)
             ctx.options = options
         elif inplace:
-            loss, accuracy = _cross_entropy_forward_inplace_eager(
-                logits, labels, class_weight, *options, compute_accuracy
-            )
+            # The gradient overwrites the logits.
+            loss, accuracy = _forward_impl(logits, labels, class_weight, *options, compute_accuracy, logits)
             ctx.save_for_backward(logits)
         else:
             loss, accuracy, grad = _cross_entropy_forward_eager(

@@ -16,13 +16,12 @@ import triton.language as tl
 from torch import nn
 
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
-from fusetune.kernels._norm_row_tiles import launch_row_tile_backward
+from fusetune.kernels._norm_row_tiles import launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     norm_launch_settings,
 )
-from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
 __all__ = ["FusedLayerNorm", "layer_norm", "layer_norm_reference"]
 
@@ -189,19 +188,8 @@ def _launch_backward(
     traced: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Run the backward kernel, writing dx (which may be dy itself); returns (dw, db), each fp32 or None."""
-    n_cols = x.shape[-1]
-    x_rows = as_rows(x, n_cols)
-    dy_rows = as_rows(dy, n_cols)
-    dx_rows = dx.view(-1, n_cols)
-    if settings is None:
-        settings = norm_launch_settings(n_cols, backward=True)
-    if settings.loop_columns(n_cols):
-        w_eff = weight.float() if weight is not None else None
-        return launch_wide_row_backward(
-            dy_rows, x_rows, w_eff, mean, rstd, None, dx_rows, settings, has_bias=has_bias, traced=traced
-        )
-    return launch_row_tile_backward(
-        dy_rows, x_rows, weight, mean, rstd, None, dx_rows, settings, has_bias=has_bias, traced=traced
+    return launch_norm_backward(
+        dy, x, weight, mean, rstd, None, dx, settings, has_bias=has_bias, traced=traced
     )
 
 

@@ -29,14 +29,13 @@ import triton.language as tl
 from torch import nn
 
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
-from fusetune.kernels._norm_row_tiles import _effective_weight, launch_row_tile_backward
+from fusetune.kernels._norm_row_tiles import _effective_weight, launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     check_casting_mode,
     norm_launch_settings,
 )
-from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
 __all__ = [
     "FusedRMSNorm",
@@ -258,27 +257,8 @@ def _launch_backward(
     traced: bool = False,
 ) -> torch.Tensor | None:
     """Run the backward kernel, writing dx (which may be dy itself); returns dw or None."""
-    n_cols = x.shape[-1]
-    x_rows = as_rows(x, n_cols)
-    dy_rows = as_rows(dy, n_cols)
-    dx_rows = dx.view(-1, n_cols)
-    d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else None
-    if settings is None:
-        settings = norm_launch_settings(n_cols, backward=True)
-    if settings.loop_columns(n_cols):
-        w_eff = None
-        if weight is not None:
-            # offset + w as the forward applied it (_effective_weight): rounded to the weight dtype in llama mode
-            w_eff = weight.float() + offset
-            if casting_mode == "llama":
-                w_eff = w_eff.to(weight.dtype).float()
-        dw, _ = launch_wide_row_backward(
-            dy_rows, x_rows, w_eff, None, rstd, d_residual_rows, dx_rows, settings,
-            round_xhat_for_dw=casting_mode == "llama", traced=traced,
-        )  # fmt: skip
-        return dw.to(weight.dtype) if weight is not None else None
-    dw, _ = launch_row_tile_backward(
-        dy_rows, x_rows, weight, None, rstd, d_residual_rows, dx_rows, settings, offset=offset,
+    dw, _ = launch_norm_backward(
+        dy, x, weight, None, rstd, d_residual, dx, settings, offset=offset,
         cast_before_weight=casting_mode == "llama", traced=traced,
     )  # fmt: skip
     return dw.to(weight.dtype) if weight is not None else None
