@@ -1,6 +1,7 @@
 """The cross-entropy kernel of this checkout against other versions of its file (an earlier commit's, or
-variants under trial), all in one process: fwd+bwd through torch.autograd.grad, do_bench medians, each
-version timed twice in turn so that drift shows.
+variants under trial), all in one process: fwd+bwd through torch.autograd.grad (the gradient written over
+the logits, as benchmarks/kernels.py times it) and the loss alone (no gradient: the kernel's first sweep),
+do_bench medians, each version timed twice in turn so that drift shows.
 
     git show REV:fusetune/kernels/cross_entropy.py > /tmp/ce_before.py
     PYTHONPATH=. python3 benchmarks/cross_entropy_ab.py /tmp/ce_before.py [/tmp/ce_variant.py ...] [--out DIR]
@@ -56,24 +57,40 @@ def main() -> int:
         labels = torch.randint(0, vocab, (tokens,), device="cuda")
         floor_ms = 2 * logits.numel() * logits.element_size() / 3.0e9  # read once, written once, at 3 TB/s
         for softcap in softcaps:
-            times: dict[str, list[float]] = {name: [] for name in versions}
-            for _ in range(2):
-                for name, module in versions.items():
-                    x = logits.clone().requires_grad_()
+            for mode in ("fwd+bwd", "loss"):
+                times: dict[str, list[float]] = {name: [] for name in versions}
+                for _ in range(2):
+                    for name, module in versions.items():
+                        x = logits.clone().requires_grad_(mode == "fwd+bwd")
 
-                    def fwd_bwd(module=module, x=x, labels=labels, softcap=softcap):
-                        return torch.autograd.grad([module.cross_entropy(x, labels, softcap=softcap)], [x])
+                        def fwd_bwd(module=module, x=x, labels=labels, softcap=softcap):
+                            loss = module.cross_entropy(x, labels, softcap=softcap, inplace_backward=True)
+                            return torch.autograd.grad([loss], [x])
 
-                    try:
-                        times[name].append(do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median"))
-                    except Exception as error:  # a variant under trial that does not compile: say so, go on
-                        print(f"  {name}: {type(error).__name__}: {str(error)[:200]}")
-                        times[name].append(float("nan"))
-                    del x
-            print(f"T={tokens} V={vocab} softcap={softcap} (floor at 3 TB/s {floor_ms:.3f} ms):")
-            for name, measured in times.items():
-                print(f"  {name:40s} " + "  ".join(f"{ms:.3f}" for ms in measured) + " ms")
-                rows.append({"T": tokens, "V": vocab, "softcap": softcap, "version": name, "ms": measured})
+                        def loss_only(module=module, x=x, labels=labels, softcap=softcap):
+                            return module.cross_entropy(x, labels, softcap=softcap)
+
+                        try:
+                            fn = fwd_bwd if mode == "fwd+bwd" else loss_only
+                            times[name].append(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+                        except Exception as error:  # a variant under trial that does not compile: say so
+                            print(f"  {name}: {type(error).__name__}: {str(error)[:200]}")
+                            times[name].append(float("nan"))
+                        del x
+                floor = floor_ms if mode == "fwd+bwd" else floor_ms / 2
+                print(f"T={tokens} V={vocab} softcap={softcap} {mode} (floor at 3 TB/s {floor:.3f} ms):")
+                for name, measured in times.items():
+                    print(f"  {name:40s} " + "  ".join(f"{ms:.3f}" for ms in measured) + " ms")
+                    rows.append(
+                        {
+                            "T": tokens,
+                            "V": vocab,
+                            "softcap": softcap,
+                            "mode": mode,
+                            "version": name,
+                            "ms": measured,
+                        }
+                    )
     with open(os.path.join(args.out, "cross-entropy-ab.json"), "w") as handle:
         json.dump(rows, handle, indent=1)
     return 0

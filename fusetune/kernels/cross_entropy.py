@@ -1,8 +1,8 @@
 """Cross-entropy over given logits, with the gradient written during the forward.
 
 One persistent Triton kernel walks each row of ``logits [N, V]`` twice: a first sweep keeps an online
-max / sum-of-exponentials per lane (never the whole row in registers, so vocabularies of 32k-262k
-cost the same per element), a second sweep, in reverse order so that it starts on the lines the first
+max / sum-of-exponentials per group of neighbouring columns (never the whole row in registers, so
+vocabularies of 32k-262k cost the same per element), a second sweep, in reverse order so that it starts on the lines the first
 sweep touched last and are most likely still in L2, writes the gradient of the per-token loss. The
 backward is then only a multiplication by the upstream gradient, skipped on the device when that
 gradient is exactly 1 (the usual ``loss.backward()``). Under torch.compile the forward runs the first
@@ -55,6 +55,9 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # overflowing float32 on the way.
 _LOWEST: tl.constexpr = tl.constexpr(-1.0e30)
 _INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
+# Columns of the row kernel's first sweep that share a running max: one thread's 16-byte load of bfloat16
+# (see _cross_entropy_forward_kernel); blocks are at least this wide.
+_COLUMN_GROUP = 8
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,7 +148,7 @@ def _entry_gradient(
 ):  # fmt: skip
     """The gradient at logit entries s (t = tanh(x / softcap) with a softcap): coef_p * p - coef_label at the
     label - uniform (coef_uniform * w_j) with smoothing, times the softcap's derivative 1 - t**2. (The kernels
-    over [V, N] logits; the row kernel has the same lines inline.)"""
+    over [V, N] logits; the row kernel keeps one max per group of columns instead.)"""
     p = tl.exp2((s - row_max) * LOG2E - log2_sum)
     g = coef_p * p - tl.where(is_label, coef_label, 0.0)
     if HAS_SMOOTHING:
@@ -184,6 +187,7 @@ def _cross_entropy_forward_kernel(
     WRITE_GRAD: tl.constexpr,
     COUNT_LIVE: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
     FIRST_SWEEP_EVICTION: tl.constexpr,
     SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
@@ -230,22 +234,24 @@ def _cross_entropy_forward_kernel(
         else:
             label32 = label.to(tl.int32)
             logits_row = logits_ptr + row64 * logits_row_stride
-            # Sweep 1: per-lane online max m and sum of exp(s - m). Updating with e = exp(-|s - m|)
-            # needs one exponential per element, not two. Differences are taken before scaling to
-            # base 2, so logits of magnitude 1e4 keep their float32 precision.
-            running_max = tl.full([BLOCK_V], _LOWEST, dtype=tl.float32)
-            running_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
-            weighted_logit_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
-            best_logit = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-            best_col = tl.zeros([BLOCK_V], dtype=tl.int32)
+            # Sweep 1: online max m and sum of exp(s - m), one pair per group of GROUP neighbouring
+            # columns, the group a thread loads in one 16-byte access, so that each block's group max is
+            # taken within the thread. Differences are taken before scaling to base 2, so logits of
+            # magnitude 1e4 keep their float32 precision.
+            groups = tl.arange(0, BLOCK_V // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            running_max = tl.full([BLOCK_V // GROUP], _LOWEST, dtype=tl.float32)
+            running_sum = tl.zeros([BLOCK_V // GROUP], dtype=tl.float32)
+            weighted_logit_sum = tl.zeros([BLOCK_V // GROUP, GROUP], dtype=tl.float32)
+            best_logit = tl.full([BLOCK_V // GROUP, GROUP], float("-inf"), dtype=tl.float32)
+            best_col = tl.zeros([BLOCK_V // GROUP, GROUP], dtype=tl.int32)
             next_x = tl.load(
-                logits_row + lanes,
-                mask=lanes < n_cols,
+                logits_row + groups,
+                mask=groups < n_cols,
                 other=float("-inf"),
                 eviction_policy=FIRST_SWEEP_EVICTION,
             )
             for block in range(0, n_blocks):
-                cols = block * BLOCK_V + lanes
+                cols = block * BLOCK_V + groups
                 mask = cols < n_cols
                 x = next_x.to(tl.float32)
                 # Issue the next block's load before this block's arithmetic, so it is in flight.
@@ -260,13 +266,17 @@ def _cross_entropy_forward_kernel(
                     s = tl.where(mask, softcap * _tanh(x * inv_softcap), float("-inf"))
                 else:
                     s = x
-                # Inline rather than through _online_update (as the other sweeps below): through the
-                # helpers this kernel measured 3% slower on H100 (1.775 against 1.728 ms, T=8192, V=128256).
-                delta = s - running_max
-                e = tl.exp2(tl.abs(delta) * -LOG2E)
-                grows = delta > 0.0
-                running_sum = tl.where(grows, running_sum * e + 1.0, running_sum + e)
-                running_max = tl.where(grows, s, running_max)
+                # Per group rather than per lane (as _online_update, which needs one exponential but
+                # a compare and two selects per element): fwd+bwd at T=8192 1.706 against 1.732 ms for
+                # V=128256, 3.727 against 3.756 for V=256000 and 4.50 against 4.61 with softcap 30
+                # (H100, benchmarks/cross_entropy_ab.py, 2026-11-27). The loss alone (this sweep) is not
+                # faster, 0.816 / 1.508 ms either way and with the exponentials left out: its bound is
+                # the row-by-row stream of loads, not the arithmetic.
+                new_max = tl.maximum(running_max, tl.max(s, axis=1))
+                running_sum = running_sum * tl.exp2((running_max - new_max) * LOG2E) + tl.sum(
+                    tl.exp2((s - new_max[:, None]) * LOG2E), axis=1
+                )
+                running_max = new_max
                 if HAS_SMOOTHING:
                     s_or_zero = tl.where(mask, s, 0.0)
                     if HAS_CLASS_WEIGHT:
@@ -300,15 +310,15 @@ def _cross_entropy_forward_kernel(
                     class_weight_sum = tl.load(stats_ptr + 2)
             logit_sum = 0.0
             if HAS_SMOOTHING:
-                logit_sum = tl.sum(weighted_logit_sum, axis=0)
+                logit_sum = tl.sum(tl.sum(weighted_logit_sum, axis=1), axis=0)
             loss = _token_loss(
                 nll_coef, row_max, s_label, log2_sum, lse, logit_sum, class_weight_sum, label_smoothing,
                 inv_n_cols, z_loss_scale, HAS_SMOOTHING, HAS_Z_LOSS,
             )  # fmt: skip
             tl.store(loss_ptr + row64, loss)
             if COMPUTE_ACCURACY:
-                top = tl.max(best_logit, axis=0)
-                predicted = tl.min(tl.where(best_logit == top, best_col, _INT32_MAX), axis=0)
+                top = tl.max(tl.max(best_logit, axis=1), axis=0)
+                predicted = tl.min(tl.min(tl.where(best_logit == top, best_col, _INT32_MAX), axis=1), axis=0)
                 tl.store(correct_ptr + row64, (predicted == label32).to(tl.float32))
 
             if WRITE_GRAD:
@@ -721,7 +731,7 @@ def cross_entropy_launch_config(
     """
     if interpreted() or device.type != "cuda":
         return CrossEntropyLaunchConfig(
-            block_v=min(512, triton.next_power_of_2(n_cols)),
+            block_v=max(_COLUMN_GROUP, min(512, triton.next_power_of_2(n_cols))),
             num_warps=1,
             programs_per_processor=1,
             first_sweep_eviction="",
@@ -733,7 +743,7 @@ def cross_entropy_launch_config(
     else:
         block_v, num_warps = 4096, 16
     return CrossEntropyLaunchConfig(
-        block_v=min(block_v, triton.next_power_of_2(n_cols)),
+        block_v=max(_COLUMN_GROUP, min(block_v, triton.next_power_of_2(n_cols))),
         num_warps=num_warps,
         programs_per_processor=1,
         first_sweep_eviction="evict_last",
@@ -853,6 +863,7 @@ def launch_cross_entropy_forward(
         WRITE_GRAD=write_grad,
         COUNT_LIVE=live_counts_out is not None,
         BLOCK_V=config.block_v,
+        GROUP=_COLUMN_GROUP,
         FIRST_SWEEP_EVICTION=config.first_sweep_eviction,
         SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=config.num_warps,
