@@ -725,6 +725,16 @@ def cross_entropy_launch_config(
     Triton's software pipelining (tl.range with 3 or 4 stages) of the first sweep 1.89 / 4.05, of both
     sweeps 1.97 / 4.15; the gradient stored with an evict-first hint or as streaming (.cs) 1.75 / 3.76.
     At V=32000 (4096 columns / 16 warps / 2 per SM 0.469 against 0.491 here) runs differed by up to 30%.
+    Where the time goes (H100, T=8192, V=128256, 2026-11-27): Nsight Compute counts 2.36 GB read from
+    memory (the second sweep finds 88% of its lines in L2) and 2.07 GB written in 1.68 ms, 78.5% of the
+    peak memory throughput, where a copy of the logits moves 2.10 GB each way in 1.39 ms at 90%; the loss
+    alone (first sweep) 0.79 ms at 79%, where a kernel that only reads them takes 0.69-0.74 ms and one
+    that only writes 0.66 (benchmarks/cross_entropy_bounds.py). The first sweep takes as long with its
+    exponentials left out, so the bound is the row-by-row stream of loads, not the arithmetic. Reading
+    each logit once needs the row on chip, 256 KB at V=128256, more than one SM holds (64 registers a
+    thread at 32 warps); splitting each row over 4-8 co-resident programs (a cooperative launch) that
+    keep their slice in registers and exchange (max, sum) through global memory took 2.02-2.49 ms
+    (same script): the exchange's round trip every row costs more than the second read saves.
     Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.
