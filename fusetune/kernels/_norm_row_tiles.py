@@ -29,7 +29,11 @@ from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     norm_launch_settings,
+    partial_sum_buffers,
     persistent_grid_size,
+    store_dx_and_accumulate,
+    store_partial_sums,
+    summed_partials,
 )
 from fusetune.kernels._norm_wide_rows import launch_wide_row_backward
 
@@ -74,7 +78,6 @@ def _row_tiles_backward_kernel(
     SOFTWARE_BF16_ROUNDING: tl.constexpr,
 ):
     """dx of every row tile of this program, and its dw / db partial sums (see the module docstring)."""
-    input_dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     n_row_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
@@ -110,28 +113,14 @@ def _row_tiles_backward_kernel(
             dx = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
         else:
             dx = (g - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-        if HAS_D_RESIDUAL:
-            d_residual = tl.load(
-                d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :],
-                mask=mask,
-                other=0.0,
-            )
-            dx += d_residual.to(tl.float32)
-        tl.store(
-            dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
-            round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-            mask=mask,
-        )
-        if HAS_WEIGHT:
-            if CAST_BEFORE_WEIGHT:
-                xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if HAS_BIAS:
-            db_acc += tl.sum(dy, axis=0)
-    if HAS_WEIGHT:
-        tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
-    if HAS_BIAS:
-        tl.store(db_partial_ptr + pid.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+        dw_acc, db_acc = store_dx_and_accumulate(
+            dx, dy, xhat, rows64, cols, mask, x_ptr, d_residual_ptr, d_residual_row_stride, dx_ptr,
+            dx_row_stride, dw_acc, db_acc, HAS_WEIGHT, HAS_BIAS, HAS_D_RESIDUAL, CAST_BEFORE_WEIGHT,
+            SOFTWARE_BF16_ROUNDING,
+        )  # fmt: skip
+    store_partial_sums(
+        dw_partial_ptr, db_partial_ptr, pid, cols, col_mask, n_cols, dw_acc, db_acc, HAS_WEIGHT, HAS_BIAS
+    )
 
 
 def launch_row_tile_backward(
@@ -160,12 +149,7 @@ def launch_row_tile_backward(
     device = x_rows.device
     n_row_tiles = -(-n_rows // settings.rows_per_tile)
     num_programs = persistent_grid_size(n_row_tiles, settings, device)
-    dw_partial = (
-        torch.empty((num_programs, n_cols), dtype=torch.float32, device=device)
-        if weight is not None
-        else None
-    )
-    db_partial = torch.empty((num_programs, n_cols), dtype=torch.float32, device=device) if has_bias else None
+    dw_partial, db_partial = partial_sum_buffers(num_programs, n_cols, weight is not None, has_bias, device)
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=device)
         return (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
@@ -184,9 +168,7 @@ def launch_row_tile_backward(
         BLOCK_ROWS=settings.rows_per_tile, BLOCK_N=settings.block_n, NUM_STAGES=settings.num_stages,
         SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=settings.num_warps,
     )  # fmt: skip
-    dw = dw_partial.sum(0) if dw_partial is not None else None
-    db = db_partial.sum(0) if db_partial is not None else None
-    return dw, db
+    return summed_partials(dw_partial, db_partial)
 
 
 def launch_norm_backward(

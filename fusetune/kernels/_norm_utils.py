@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
+
+from fusetune.kernels._interpreter import round_to_dtype
 
 # Largest row held in registers, in elements, forward and backward (the kernels compute in fp32, so this does
 # not depend on the input dtype); wider rows loop over column blocks. H100, bf16, each kernel's GPU time alone
@@ -164,3 +167,87 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
 def check_casting_mode(casting_mode: str) -> None:
     if casting_mode not in ("llama", "gemma"):
         raise ValueError(f"casting_mode must be 'llama' or 'gemma', got {casting_mode!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The backward's tile tail and partial sums, shared by _norm_row_tiles.py and _norm_wide_rows.py
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def store_dx_and_accumulate(
+    dx,
+    dy,
+    xhat,
+    rows64,
+    cols,
+    mask,
+    x_ptr,
+    d_residual_ptr,
+    d_residual_row_stride,
+    dx_ptr,
+    dx_row_stride,
+    dw_acc,
+    db_acc,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_D_RESIDUAL: tl.constexpr,
+    ROUND_XHAT_FOR_DW: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Stores a [rows, columns] tile of dx (plus d_residual) and returns (dw_acc, db_acc) with the tile's
+    column sums added: dy * xhat (xhat rounded to x's dtype first with ROUND_XHAT_FOR_DW, since that rounded
+    value is what multiplied the weight) and dy."""
+    if HAS_D_RESIDUAL:
+        d_residual = tl.load(
+            d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :], mask=mask, other=0.0
+        )
+        dx += d_residual.to(tl.float32)
+    tl.store(
+        dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
+        round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+        mask=mask,
+    )
+    if HAS_WEIGHT:
+        if ROUND_XHAT_FOR_DW:
+            xhat = round_to_dtype(xhat, x_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING).to(tl.float32)
+        dw_acc += tl.sum(dy * xhat, axis=0)
+    if HAS_BIAS:
+        db_acc += tl.sum(dy, axis=0)
+    return dw_acc, db_acc
+
+
+@triton.jit
+def store_partial_sums(
+    dw_partial_ptr,
+    db_partial_ptr,
+    slot,
+    cols,
+    col_mask,
+    n_cols,
+    dw_acc,
+    db_acc,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """A program's dw / db sums over its rows, as row ``slot`` of the [slots, n] fp32 partial buffers."""
+    if HAS_WEIGHT:
+        tl.store(dw_partial_ptr + slot.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+    if HAS_BIAS:
+        tl.store(db_partial_ptr + slot.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+
+
+def partial_sum_buffers(
+    slots: int, n_cols: int, has_weight: bool, has_bias: bool, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The [slots, n] fp32 buffers :func:`store_partial_sums` writes (None for an absent weight or bias)."""
+
+    def buffer(present: bool) -> torch.Tensor | None:
+        return torch.empty((slots, n_cols), dtype=torch.float32, device=device) if present else None
+
+    return buffer(has_weight), buffer(has_bias)
+
+
+def summed_partials(*partials: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each partial buffer summed over its slots (None stays None)."""
+    return tuple(partial.sum(0) if partial is not None else None for partial in partials)

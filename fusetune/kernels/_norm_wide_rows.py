@@ -24,8 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype
-from fusetune.kernels._norm_utils import NormLaunchSettings, multiprocessor_count
+from fusetune.kernels._interpreter import interpreted
+from fusetune.kernels._norm_utils import (
+    NormLaunchSettings,
+    multiprocessor_count,
+    partial_sum_buffers,
+    store_dx_and_accumulate,
+    store_partial_sums,
+    summed_partials,
+)
 
 __all__ = ["launch_wide_row_backward"]
 
@@ -99,7 +106,6 @@ def _columns_kernel(
 ):
     """dx of every row tile g, g + G, ... in column block b = program_id(0), g = program_id(1), and this
     program's dw / db partial sums of that block, stored to row g of the partial buffers."""
-    input_dtype = x_ptr.dtype.element_ty
     group = tl.program_id(1)
     n_groups = tl.num_programs(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,26 +137,14 @@ def _columns_kernel(
         if CENTERED:
             inner -= tl.load(terms_ptr + n_rows + rows, mask=row_mask, other=0.0)[:, None]
         dx = inner * rstd[:, None]
-        if HAS_D_RESIDUAL:
-            d_residual = tl.load(
-                d_residual_ptr + rows64[:, None] * d_residual_row_stride + cols[None, :], mask=mask, other=0.0
-            )
-            dx += d_residual.to(tl.float32)
-        tl.store(
-            dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :],
-            round_to_dtype(dx, dx_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-            mask=mask,
-        )
-        if HAS_WEIGHT:
-            if ROUND_XHAT_FOR_DW:
-                xhat = round_to_dtype(xhat, input_dtype, SOFTWARE_BF16_ROUNDING).to(tl.float32)
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if HAS_BIAS:
-            db_acc += tl.sum(dy, axis=0)
-    if HAS_WEIGHT:
-        tl.store(dw_partial_ptr + group.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
-    if HAS_BIAS:
-        tl.store(db_partial_ptr + group.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+        dw_acc, db_acc = store_dx_and_accumulate(
+            dx, dy, xhat, rows64, cols, mask, x_ptr, d_residual_ptr, d_residual_row_stride, dx_ptr,
+            dx_row_stride, dw_acc, db_acc, HAS_WEIGHT, HAS_BIAS, HAS_D_RESIDUAL, ROUND_XHAT_FOR_DW,
+            SOFTWARE_BF16_ROUNDING,
+        )  # fmt: skip
+    store_partial_sums(
+        dw_partial_ptr, db_partial_ptr, group, cols, col_mask, n_cols, dw_acc, db_acc, HAS_WEIGHT, HAS_BIAS
+    )
 
 
 def launch_wide_row_backward(
@@ -183,10 +177,7 @@ def launch_wide_row_backward(
     groups = max(
         1, min(n_row_tiles, -(-settings.programs_per_sm * multiprocessor_count(device) // n_col_blocks))
     )
-    dw_partial = (
-        torch.empty((groups, n_cols), dtype=torch.float32, device=device) if w_eff is not None else None
-    )
-    db_partial = torch.empty((groups, n_cols), dtype=torch.float32, device=device) if has_bias else None
+    dw_partial, db_partial = partial_sum_buffers(groups, n_cols, w_eff is not None, has_bias, device)
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=device)
         return (zeros if w_eff is not None else None), (zeros.clone() if has_bias else None)
@@ -211,6 +202,4 @@ def launch_wide_row_backward(
         CENTERED=centered, ROUND_XHAT_FOR_DW=round_xhat_for_dw, BLOCK_ROWS=settings.rows_per_tile,
         BLOCK_N=block_n, SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=settings.num_warps,
     )  # fmt: skip
-    dw = dw_partial.sum(0) if dw_partial is not None else None
-    db = db_partial.sum(0) if db_partial is not None else None
-    return dw, db
+    return summed_partials(dw_partial, db_partial)

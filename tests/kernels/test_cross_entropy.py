@@ -7,14 +7,13 @@ Tests marked gpu run real shapes and torch.compile with Inductor.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fusetune.kernels import cross_entropy as ce_module
 from fusetune.kernels.cross_entropy import FusedCrossEntropyLoss, cross_entropy, cross_entropy_reference
+from tests.kernels.mutation import mutated_kernel
 
 # Gradients come back in the logits' dtype (computed in float32, rounded to nearest once in the forward
 # and once more when the backward scales by a non-unit upstream gradient); losses are float32.
@@ -27,21 +26,6 @@ TOLERANCES = {
     torch.float16: (2.5e-7, 2e-3),
 }
 LOSS_TOLERANCE = TOLERANCES[torch.float32]
-
-
-def mutated_kernel(kernel, old: str, new: str, tmp_path, name: str):
-    """A copy of the Triton kernel ``kernel`` with ``old`` replaced by ``new`` in its source.
-
-    The copy lives in a file of its own (Triton reads kernel sources from files) and runs with the
-    original module's globals, so it calls the same helpers.
-    """
-    source = inspect.getsource(kernel.fn)
-    assert source.count(old) == 1, f"mutation anchor not found exactly once: {old!r}"
-    path = tmp_path / f"{name}.py"
-    path.write_text(source.replace(old, new))
-    namespace = dict(kernel.fn.__globals__)
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace[kernel.fn.__name__]
 
 
 def make_inputs(n_rows, vocab, dtype, device, *, scale=3.0, ignored_every=5, seed=0):

@@ -19,7 +19,7 @@ from fusetune.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy_chunk_sizes,
     fused_linear_cross_entropy_reference,
 )
-from tests.kernels.test_cross_entropy import mutated_kernel
+from tests.kernels.mutation import mutated_kernel
 
 # Gradients are matmul outputs: their error scales with the operands, not with each element, so the
 # absolute part of the tolerance is relative to the largest reference magnitude of that tensor:

@@ -21,7 +21,7 @@ from fusetune.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
-from tests.kernels.test_cross_entropy import mutated_kernel
+from tests.kernels.mutation import mutated_kernel
 from tests.kernels.test_fused_linear_cross_entropy import assert_close_scaled, chunk_bytes, run
 
 HIDDEN = 48

@@ -2,7 +2,6 @@
 and against torch.nn.LayerNorm as a drop-in. Outputs and every gradient are checked with TOLERANCES."""
 
 import contextlib
-import inspect
 import math
 
 import pytest
@@ -13,6 +12,7 @@ from fusetune.kernels import _norm_wide_rows as norm_wide_rows_module
 from fusetune.kernels import layer_norm as layer_norm_module
 from fusetune.kernels._norm_utils import NormLaunchSettings, force_column_block
 from fusetune.kernels.layer_norm import FusedLayerNorm, layer_norm, layer_norm_reference
+from tests.kernels.mutation import mutated_kernel
 
 # (atol, rtol) per dtype. The kernel and the reference both compute in fp32 and round once at the end, so they
 # differ by about one unit in the last place of the dtype (bf16: 2^-7 = 0.0078, fp16: 2^-10).
@@ -268,18 +268,6 @@ def test_kernel_that_drops_columns_fails_the_comparison(device, dtype, monkeypat
         _check(x, weight, bias, dy, dtype)
 
 
-def _mutant(kernel, old: str, new: str, count: int, tmp_path):
-    """A copy of the Triton kernel with `old` replaced by `new` (`count` times) in its source, in a file of
-    its own (Triton reads kernel sources from files) and with the original module's globals."""
-    source = inspect.getsource(kernel.fn)
-    assert source.count(old) == count, f"mutation anchor found {source.count(old)} times: {old!r}"
-    path = tmp_path / f"{kernel.fn.__name__}_mutant.py"
-    path.write_text(source.replace(old, new))
-    namespace = dict(kernel.fn.__globals__)
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace[kernel.fn.__name__]
-
-
 KERNEL_MUTATIONS = [
     # (kernel, source before, source after, occurrences, column block forced or None)
     pytest.param(
@@ -349,7 +337,7 @@ def test_mutated_wide_row_kernel_fails_the_comparison(
 
     run_check()
     kernel = getattr(norm_wide_rows_module, kernel_name)
-    monkeypatch.setattr(norm_wide_rows_module, kernel_name, _mutant(kernel, old, new, 1, tmp_path))
+    monkeypatch.setattr(norm_wide_rows_module, kernel_name, mutated_kernel(kernel, old, new, tmp_path))
     with pytest.raises(AssertionError):
         run_check()
 
@@ -371,7 +359,7 @@ def test_mutated_kernel_fails_the_comparison(
     # The backward kernel is the one both norms share.
     module = norm_row_tiles_module if kernel_name == "_row_tiles_backward_kernel" else layer_norm_module
     kernel = getattr(module, kernel_name)
-    monkeypatch.setattr(module, kernel_name, _mutant(kernel, old, new, count, tmp_path))
+    monkeypatch.setattr(module, kernel_name, mutated_kernel(kernel, old, new, tmp_path, count=count))
     with pytest.raises(AssertionError):
         run_check()
 

@@ -8,7 +8,6 @@ HF_BACKWARD_TOLERANCES instead.
 """
 
 import contextlib
-import inspect
 import math
 
 import pytest
@@ -25,6 +24,7 @@ from fusetune.kernels.rms_norm import (
     rms_norm,
     rms_norm_reference,
 )
+from tests.kernels.mutation import mutated_kernel
 
 # (atol, rtol) per dtype. rtol is about one unit in the last place of the dtype (bf16 keeps 8 significant
 # bits: 2^-7 = 0.0078; fp16 11: 2^-10), for a final rounding that fp32 sums in another order can flip.
@@ -409,21 +409,6 @@ def test_kernel_that_drops_columns_fails_the_comparison(device, dtype, monkeypat
         _check_rms_norm(x, weight, dy, 1e-6, 0.0, "llama", dtype)
 
 
-def _mutant(kernel, old: str, new: str, count: int, tmp_path):
-    """A copy of the Triton kernel with `old` replaced by `new` (`count` times) in its source.
-
-    Written to a file of its own (Triton reads kernel sources from files) and run with the original module's
-    globals, so it calls the same helpers.
-    """
-    source = inspect.getsource(kernel.fn)
-    assert source.count(old) == count, f"mutation anchor found {source.count(old)} times: {old!r}"
-    path = tmp_path / f"{kernel.fn.__name__}_mutant.py"
-    path.write_text(source.replace(old, new))
-    namespace = dict(kernel.fn.__globals__)
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace[kernel.fn.__name__]
-
-
 KERNEL_MUTATIONS = [
     # (kernel, source before, source after, occurrences, the check that must catch it)
     pytest.param(
@@ -516,7 +501,7 @@ def test_mutated_kernel_fails_the_comparison(
     # The backward kernel is the one both norms share.
     module = norm_row_tiles_module if kernel_name == "_row_tiles_backward_kernel" else rms_norm_module
     kernel = getattr(module, kernel_name)
-    monkeypatch.setattr(module, kernel_name, _mutant(kernel, old, new, count, tmp_path))
+    monkeypatch.setattr(module, kernel_name, mutated_kernel(kernel, old, new, tmp_path, count=count))
     with pytest.raises(AssertionError):
         run_check()
 
@@ -541,7 +526,7 @@ def test_mutated_wide_row_kernel_fails_the_comparison(
 
     run_check()
     kernel = getattr(norm_wide_rows_module, kernel_name)
-    monkeypatch.setattr(norm_wide_rows_module, kernel_name, _mutant(kernel, old, new, 1, tmp_path))
+    monkeypatch.setattr(norm_wide_rows_module, kernel_name, mutated_kernel(kernel, old, new, tmp_path))
     with pytest.raises(AssertionError):
         run_check()
 
