@@ -28,6 +28,7 @@ from fusetune.kernels._interpreter import interpreted, round_to_dtype
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
+    load_normalized_tile,
     norm_launch_settings,
     partial_sum_buffers,
     persistent_grid_size,
@@ -86,6 +87,8 @@ def _row_tiles_backward_kernel(
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0)
         w_eff = _effective_weight(w, offset, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING)
+    else:
+        w_eff = tl.full([BLOCK_N], 1.0, dtype=tl.float32)  # unused: g = dy
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for tile in tl.range(pid, n_row_tiles, num_programs, num_stages=NUM_STAGES):
@@ -93,20 +96,10 @@ def _row_tiles_backward_kernel(
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        if CENTERED:
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            xhat = (x - mean[:, None]) * rstd[:, None]
-        else:
-            xhat = x * rstd[:, None]
-        if HAS_WEIGHT:
-            g = dy * w_eff[None, :]
-        else:
-            g = dy
+        dy, xhat, g, rstd = load_normalized_tile(
+            dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_eff, mean_ptr, rstd_ptr, rows, rows64, row_mask, cols,
+            mask, HAS_WEIGHT, CENTERED,
+        )  # fmt: skip
         mean_g_xhat = tl.sum(g * xhat, axis=1) / n_cols
         if CENTERED:
             mean_g = tl.sum(g, axis=1) / n_cols

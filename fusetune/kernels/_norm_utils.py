@@ -175,6 +175,42 @@ def check_casting_mode(casting_mode: str) -> None:
 
 
 @triton.jit
+def load_normalized_tile(
+    dy_ptr,
+    dy_row_stride,
+    x_ptr,
+    x_row_stride,
+    w_eff,
+    mean_ptr,
+    rstd_ptr,
+    rows,
+    rows64,
+    row_mask,
+    cols,
+    mask,
+    HAS_WEIGHT: tl.constexpr,
+    CENTERED: tl.constexpr,
+):
+    """A [rows, columns] tile's dy (fp32), xhat = (x - mean) * rstd (mean = 0 without CENTERED), g = dy *
+    w_eff (dy without a weight) and the rows' rstd; masked entries load 0."""
+    dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    if CENTERED:
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+    else:
+        xhat = x * rstd[:, None]
+    if HAS_WEIGHT:
+        g = dy * w_eff[None, :]
+    else:
+        g = dy
+    return dy, xhat, g, rstd
+
+
+@triton.jit
 def store_dx_and_accumulate(
     dx,
     dy,

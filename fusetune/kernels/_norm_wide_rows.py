@@ -27,6 +27,7 @@ import triton.language as tl
 from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
+    load_normalized_tile,
     multiprocessor_count,
     partial_sum_buffers,
     store_dx_and_accumulate,
@@ -112,6 +113,8 @@ def _columns_kernel(
     col_mask = cols < n_cols
     if HAS_WEIGHT:
         w_eff = tl.load(w_eff_ptr + cols, mask=col_mask, other=0.0)
+    else:
+        w_eff = tl.full([BLOCK_N], 1.0, dtype=tl.float32)  # unused: g = dy
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for tile in range(group, tl.cdiv(n_rows, BLOCK_ROWS), n_groups):
@@ -119,20 +122,11 @@ def _columns_kernel(
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)
         mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows64[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-        dy = dy.to(tl.float32)
-        x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        dy, xhat, g, rstd = load_normalized_tile(
+            dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_eff, mean_ptr, rstd_ptr, rows, rows64, row_mask, cols,
+            mask, HAS_WEIGHT, CENTERED,
+        )  # fmt: skip
         mean_g_xhat = tl.load(terms_ptr + rows, mask=row_mask, other=0.0)
-        if CENTERED:
-            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-            xhat = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
-        else:
-            xhat = x.to(tl.float32) * rstd[:, None]
-        if HAS_WEIGHT:
-            g = dy * w_eff[None, :]
-        else:
-            g = dy
         inner = g - xhat * mean_g_xhat[:, None]
         if CENTERED:
             inner -= tl.load(terms_ptr + n_rows + rows, mask=row_mask, other=0.0)[:, None]
