@@ -22,7 +22,13 @@ from pathlib import Path
 import torch
 
 # (T, V, softcaps)
-SHAPES = ((8192, 128256, (None,)), (8192, 256000, (None, 30.0)), (8192, 32000, (None,)))
+SHAPES = (
+    (8192, 128256, (None,)),
+    (8192, 256000, (None, 30.0)),
+    (8192, 151936, (None,)),
+    (16384, 65536, (None,)),
+    (8192, 32000, (None,)),
+)
 
 
 def load_version(path: Path, index: int):

@@ -159,6 +159,12 @@ def _entry_gradient(
 
 
 @triton.jit
+def _first_sweep_load(logits_row, cols, n_cols, EVICTION: tl.constexpr):
+    """The row kernel's first-sweep load: columns past the row read as -inf (exp(-inf) = 0)."""
+    return tl.load(logits_row + cols, mask=cols < n_cols, other=float("-inf"), eviction_policy=EVICTION)
+
+
+@triton.jit
 def _cross_entropy_forward_kernel(
     logits_ptr,
     logits_row_stride,
@@ -244,24 +250,22 @@ def _cross_entropy_forward_kernel(
             weighted_logit_sum = tl.zeros([BLOCK_V // GROUP, GROUP], dtype=tl.float32)
             best_logit = tl.full([BLOCK_V // GROUP, GROUP], float("-inf"), dtype=tl.float32)
             best_col = tl.zeros([BLOCK_V // GROUP, GROUP], dtype=tl.int32)
-            next_x = tl.load(
-                logits_row + groups,
-                mask=groups < n_cols,
-                other=float("-inf"),
-                eviction_policy=FIRST_SWEEP_EVICTION,
-            )
+            # The loads run four blocks ahead of the arithmetic. In fwd+bwd, where other programs' second
+            # sweeps write at the same time, fewer loads in flight leave the memory idle: H100, fwd+bwd ms,
+            # one block ahead / two / three / four (benchmarks/cross_entropy_ab.py, 2026-11-27): T=8192
+            # V=128256 1.71 / 1.65 / 1.63 / 1.62; V=151936 2.09 / 2.06 / 2.03 / 2.03; V=256000 3.73 /
+            # 3.71 / 3.71 / 3.71, softcap 30 4.53 / 4.48 / 4.56 / 4.49; T=16384 V=65536 1.86 / 1.72 / 1.55 /
+            # 1.56. The loss alone (this sweep by itself) takes the same time at every depth.
+            ahead1 = _first_sweep_load(logits_row, groups, n_cols, FIRST_SWEEP_EVICTION)
+            ahead2 = _first_sweep_load(logits_row, BLOCK_V + groups, n_cols, FIRST_SWEEP_EVICTION)
+            ahead3 = _first_sweep_load(logits_row, 2 * BLOCK_V + groups, n_cols, FIRST_SWEEP_EVICTION)
+            ahead4 = _first_sweep_load(logits_row, 3 * BLOCK_V + groups, n_cols, FIRST_SWEEP_EVICTION)
             for block in range(0, n_blocks):
                 cols = block * BLOCK_V + groups
                 mask = cols < n_cols
-                x = next_x.to(tl.float32)
-                # Issue the next block's load before this block's arithmetic, so it is in flight.
-                next_cols = cols + BLOCK_V
-                next_x = tl.load(
-                    logits_row + next_cols,
-                    mask=next_cols < n_cols,
-                    other=float("-inf"),
-                    eviction_policy=FIRST_SWEEP_EVICTION,
-                )
+                x = ahead1.to(tl.float32)
+                ahead1, ahead2, ahead3 = ahead2, ahead3, ahead4
+                ahead4 = _first_sweep_load(logits_row, cols + 4 * BLOCK_V, n_cols, FIRST_SWEEP_EVICTION)
                 if HAS_SOFTCAP:
                     s = tl.where(mask, softcap * _tanh(x * inv_softcap), float("-inf"))
                 else:
@@ -721,7 +725,9 @@ def cross_entropy_launch_config(
     Tried on H100 against this kernel in one process (benchmarks/cross_entropy_ab.py, 2026-11-26; ms at
     T=8192 for V=128256 / V=256000, this kernel 1.73 / 3.80), none kept: rows pipelined (the next row's
     label and first block, and each row's label logit and scale, loaded ahead) 1.72 / 3.85; the first
-    sweep's loads two blocks ahead 1.76 / 3.87, or three ahead on 8192-column blocks 1.86 / 4.19;
+    sweep's loads two blocks ahead 1.76 / 3.87, or three ahead on 8192-column blocks 1.86 / 4.19
+    (with the per-lane first sweep of then: on the grouped one four ahead is faster, see the kernel;
+    the second sweep's loads two ahead there took 1.90 / 3.74, 2026-11-27);
     Triton's software pipelining (tl.range with 3 or 4 stages) of the first sweep 1.89 / 4.05, of both
     sweeps 1.97 / 4.15; the gradient stored with an evict-first hint or as streaming (.cs) 1.75 / 3.76.
     At V=32000 (4096 columns / 16 warps / 2 per SM 0.469 against 0.491 here) runs differed by up to 30%.

@@ -199,7 +199,7 @@ def test_mutant_without_softcap_derivative_fails(device, tmp_path, monkeypatch):
 
 def test_mutant_with_off_by_one_column_mask_fails(device, tmp_path, monkeypatch):
     # The first sweep forgets the last vocabulary column.
-    old = "                mask = cols < n_cols\n                x = next_x.to(tl.float32)\n                # Issue"
+    old = "                mask = cols < n_cols\n                x = ahead1.to(tl.float32)"
     mutant = mutated_kernel(
         ce_module._cross_entropy_forward_kernel, old, old.replace("cols < n_cols", "cols < n_cols - 1"),
         tmp_path, "off_by_one",
