@@ -255,7 +255,9 @@ def _cross_entropy_forward_kernel(
             # one block ahead / two / three / four (benchmarks/cross_entropy_ab.py, 2026-11-27): T=8192
             # V=128256 1.71 / 1.65 / 1.63 / 1.62; V=151936 2.09 / 2.06 / 2.03 / 2.03; V=256000 3.73 /
             # 3.71 / 3.71 / 3.71, softcap 30 4.53 / 4.48 / 4.56 / 4.49; T=16384 V=65536 1.86 / 1.72 / 1.55 /
-            # 1.56. The loss alone (this sweep by itself) takes the same time at every depth.
+            # 1.56. The loss alone (this sweep by itself) takes the same time at every depth. Deeper is much
+            # slower, past what the 32-warp program's 64 registers a thread hold: five ahead (with the next
+            # row's label loaded a row early) 2.19 ms and six 2.88 at V=128256; the label alone 1.62.
             ahead1 = _first_sweep_load(logits_row, groups, n_cols, FIRST_SWEEP_EVICTION)
             ahead2 = _first_sweep_load(logits_row, BLOCK_V + groups, n_cols, FIRST_SWEEP_EVICTION)
             ahead3 = _first_sweep_load(logits_row, 2 * BLOCK_V + groups, n_cols, FIRST_SWEEP_EVICTION)
@@ -731,16 +733,17 @@ def cross_entropy_launch_config(
     Triton's software pipelining (tl.range with 3 or 4 stages) of the first sweep 1.89 / 4.05, of both
     sweeps 1.97 / 4.15; the gradient stored with an evict-first hint or as streaming (.cs) 1.75 / 3.76.
     At V=32000 (4096 columns / 16 warps / 2 per SM 0.469 against 0.491 here) runs differed by up to 30%.
-    Where the time goes (H100, T=8192, V=128256, 2026-11-27): Nsight Compute counts 2.36 GB read from
-    memory (the second sweep finds 88% of its lines in L2) and 2.07 GB written in 1.68 ms, 78.5% of the
-    peak memory throughput, where a copy of the logits moves 2.10 GB each way in 1.39 ms at 90%; the loss
-    alone (first sweep) 0.79 ms at 79%, where a kernel that only reads them takes 0.69-0.74 ms and one
-    that only writes 0.66 (benchmarks/cross_entropy_bounds.py). The first sweep takes as long with its
-    exponentials left out, so the bound is the row-by-row stream of loads, not the arithmetic. Reading
-    each logit once needs the row on chip, 256 KB at V=128256, more than one SM holds (64 registers a
-    thread at 32 warps); splitting each row over 4-8 co-resident programs (a cooperative launch) that
-    keep their slice in registers and exchange (max, sum) through global memory took 2.02-2.49 ms
-    (same script): the exchange's round trip every row costs more than the second read saves.
+    Where the time goes (H100, T=8192, V=128256, 2026-11-27, bab792e): Nsight Compute counts 2.42 GB read
+    from memory (the second sweep finds 85% of its lines in L2) and 2.07 GB written in 1.59 ms, 84.5% of
+    the peak memory throughput, where a copy of the logits moves 2.10 GB each way in 1.39 ms at 90%; the
+    loss alone (first sweep) 0.78 ms at 80%, where a kernel that only reads them takes 0.69-0.74 ms and
+    one that only writes 0.66 (benchmarks/cross_entropy_bounds.py). The first sweep took as long with its
+    exponentials left out, so the bound is the row-by-row stream of loads, not the arithmetic (the
+    registers hold four blocks in flight, see the kernel). Reading each logit once needs the row on chip,
+    256 KB at V=128256, more than one SM holds (64 registers a thread at 32 warps); splitting each row
+    over 4-8 co-resident programs (a cooperative launch) that keep their slice in registers and exchange
+    (max, sum) through global memory took 2.02-2.49 ms (same script, against 1.71 for this kernel then):
+    the exchange's round trip every row costs more than the second read saves.
     Interpreter (CPU tests): 512-column blocks and 4 programs, so that test vocabularies of 600-1000
     still walk two blocks with a ragged tail and each program handles several rows; the interpreter's
     cost is per operation, not per element, so smaller blocks only make the tests slower.
