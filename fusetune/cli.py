@@ -7,6 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +18,7 @@ import typer
 from fusetune.config import Settings
 
 app = typer.Typer(help="fusetune: a self-hosted fine-tuning service.", no_args_is_help=True)
+log = logging.getLogger(__name__)
 
 
 def _settings(data_dir: Path | None) -> Settings:
@@ -85,19 +89,68 @@ def serve(
     _check_storage(settings)
     if migrate_db:
         upgrade(settings.database_url)
-    worker_process = None
+    from fusetune.queue import declare_jobs_queue, make_celery_app
+
+    # The queue exists before the worker and the API first use it, so that they cannot race to create it.
+    declare_jobs_queue(make_celery_app(settings))
+    worker = None
     if settings.embedded_worker:
         env = {**os.environ, **settings.subprocess_env()}
-        worker_process = subprocess.Popen([sys.executable, "-m", "fusetune.cli", "worker"], env=env)
+        worker = EmbeddedWorker([sys.executable, "-m", "fusetune.cli", "worker"], env)
+        worker.start()
     try:
         run_api(settings)
     finally:
-        if worker_process is not None and worker_process.poll() is None:
-            worker_process.send_signal(signal.SIGTERM)
+        if worker is not None:
+            worker.stop()
+
+
+class EmbeddedWorker:
+    """The worker process `serve` runs beside the API, started again whenever it exits on its own: a worker
+    that died (at start, say) would otherwise leave every job queued while the API keeps accepting them.
+    Restarts wait 1 s, doubling to 30 s while the worker keeps dying within a minute of its start."""
+
+    def __init__(self, command: Sequence[str], env: dict[str, str], first_delay_s: float = 1.0):
+        self._command = list(command)
+        self._env = env
+        self._first_delay_s = first_delay_s
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        self._thread = threading.Thread(target=self._supervise, name="fusetune-embedded-worker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _supervise(self) -> None:
+        delay = self._first_delay_s
+        while True:
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self._process = subprocess.Popen(self._command, env=self._env)
+                process = self._process
+            started = time.monotonic()
+            code = process.wait()
+            if self._stopping.is_set():
+                return
+            if time.monotonic() - started > 60:
+                delay = self._first_delay_s
+            log.error("the embedded worker exited with code %s; starting it again in %.0f s", code, delay)
+            self._stopping.wait(delay)
+            delay = min(2 * delay, 30.0)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            process = self._process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
             try:
-                worker_process.wait(timeout=30)
+                process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                worker_process.kill()
+                process.kill()
+        self._thread.join(timeout=5)
 
 
 keys_app = typer.Typer(help="Create, list and revoke API keys (each key belongs to one tenant).")

@@ -6,7 +6,10 @@ same Settings with this one function, so the broker options cannot drift apart.
 
 from __future__ import annotations
 
+import time
+
 from celery import Celery
+from sqlalchemy.exc import SQLAlchemyError
 
 from fusetune.config import Settings
 
@@ -40,6 +43,34 @@ class JobQueue:
 
     def __init__(self, celery_app: Celery):
         self._celery = celery_app
+        self._declared = False
 
     def enqueue(self, job_id: str) -> None:
+        if not self._declared:  # an API process without `fusetune serve` before it may race a worker
+            declare_jobs_queue(self._celery)
+            self._declared = True
         self._celery.send_task(RUN_JOB_TASK, args=[job_id], queue=JOBS_QUEUE)
+
+
+def declare_jobs_queue(celery_app: Celery, attempts: int = 5) -> None:
+    """Create the jobs queue on an SQLAlchemy broker (the default, SQLite in data_dir) now, once.
+
+    kombu's SQLAlchemy transport creates a queue's row on first use by a select and then an insert, atomic
+    between threads but not between processes: when a starting worker declares its queue while the API
+    publishes its first job (both find no row, both insert), the loser gets an IntegrityError. For the API
+    that fails the job (queue_unavailable); for the worker it is an "Unrecoverable error" at start and it
+    exits, leaving every job queued for ever. `fusetune serve` calls this before it starts its worker and API,
+    a worker before it consumes, and the API before its first enqueue; a try that loses the race is retried
+    and then finds the row. Other brokers declare queues idempotently and are left alone.
+    """
+    if not str(celery_app.conf.broker_url).startswith("sqla+"):
+        return
+    for attempt in range(attempts):
+        try:
+            with celery_app.connection_for_write() as connection:
+                celery_app.amqp.queues[JOBS_QUEUE](connection.default_channel).declare()
+            return
+        except SQLAlchemyError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1 * (attempt + 1))

@@ -11,7 +11,7 @@ from celery import Celery
 from celery.signals import worker_ready
 
 from fusetune.config import Settings
-from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, JobQueue, make_celery_app
+from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, JobQueue, declare_jobs_queue, make_celery_app
 from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ def make_worker_app(settings: Settings) -> Celery:
 def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
     """Blocks, consuming jobs one at a time (a worker owns its GPUs for the whole job)."""
     app = make_worker_app(settings)
+    declare_jobs_queue(app)  # before the consumer declares it, which would exit on a lost race
     app.worker_main(
         [
             "worker",
