@@ -131,8 +131,8 @@ def launch_row_tile_backward(
     cast_before_weight: bool = False,
     traced: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The kernel over [rows, n] views with unit column stride (dx_rows may be dy_rows: each element is read
-    before it is written, by the same program); returns (dw, db) in fp32, each None when absent.
+    """The kernel over [rows, n] views (at least one row) with unit column stride (dx_rows may be dy_rows: each
+    element is read before it is written, by the same program); returns (dw, db) in fp32, each None when absent.
 
     `weight`: the norm's weight as stored (the kernel adds `offset` and, with `cast_before_weight`, rounds as
     the forward did). `mean`: LayerNorm's row means, None for RMSNorm. `traced`: the launch goes through
@@ -143,9 +143,6 @@ def launch_row_tile_backward(
     n_row_tiles = -(-n_rows // settings.rows_per_tile)
     num_programs = persistent_grid_size(n_row_tiles, settings, device)
     dw_partial, db_partial = partial_sum_buffers(num_programs, n_cols, weight is not None, has_bias, device)
-    if n_rows == 0:
-        zeros = torch.zeros(n_cols, dtype=torch.float32, device=device)
-        return (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
     kernel = torch.library.wrap_triton(_row_tiles_backward_kernel) if traced else _row_tiles_backward_kernel
     placeholder = rstd  # for pointers a configuration does not use
     d_residual = d_residual_rows if d_residual_rows is not None else dy_rows
@@ -187,6 +184,9 @@ def launch_norm_backward(
     dy_rows = as_rows(dy, n_cols)
     dx_rows = dx.view(-1, n_cols)
     d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else None
+    if x_rows.shape[0] == 0:  # no rows: zero sums, no launch
+        zeros = torch.zeros(n_cols, dtype=torch.float32, device=x.device)
+        return (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
     if settings is None:
         settings = norm_launch_settings(n_cols, backward=True)
     if not settings.loop_columns(n_cols):

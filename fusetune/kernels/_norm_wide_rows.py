@@ -154,8 +154,9 @@ def launch_wide_row_backward(
     round_xhat_for_dw: bool = False,
     traced: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The two kernels over [rows, n] views with unit column stride (dx_rows may be dy_rows: each element
-    is read before it is written, by the same program); returns (dw, db) in fp32, each None when absent.
+    """The two kernels over [rows, n] views (at least one row) with unit column stride (dx_rows may be dy_rows:
+    each element is read before it is written, by the same program); returns (dw, db) in fp32, each None when
+    absent.
 
     `w_eff`: the weight as the forward applied it, fp32 [n] (RMSNorm's offset added, rounded in llama mode).
     `mean`: LayerNorm's row means, None for RMSNorm. `settings`: the column block of both kernels, the rows
@@ -172,9 +173,6 @@ def launch_wide_row_backward(
         1, min(n_row_tiles, -(-settings.programs_per_sm * multiprocessor_count(device) // n_col_blocks))
     )
     dw_partial, db_partial = partial_sum_buffers(groups, n_cols, w_eff is not None, has_bias, device)
-    if n_rows == 0:
-        zeros = torch.zeros(n_cols, dtype=torch.float32, device=device)
-        return (zeros if w_eff is not None else None), (zeros.clone() if has_bias else None)
     terms = torch.empty((2 if centered else 1, n_rows), dtype=torch.float32, device=device)
     wrap = torch.library.wrap_triton if traced else (lambda kernel: kernel)
     placeholder = rstd  # for pointers a configuration does not use
