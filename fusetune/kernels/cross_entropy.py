@@ -2,12 +2,12 @@
 
 One persistent Triton kernel walks each row of ``logits [N, V]`` twice: a first sweep keeps an online
 max / sum-of-exponentials per group of neighbouring columns (never the whole row in registers, so
-vocabularies of 32k-262k cost the same per element), a second sweep, in reverse order so that it starts on the lines the first
-sweep touched last and are most likely still in L2, writes the gradient of the per-token loss. The
-backward is then only a multiplication by the upstream gradient, skipped on the device when that
-gradient is exactly 1 (the usual ``loss.backward()``). Under torch.compile the forward runs the first
-sweep only and the backward both, with the upstream gradient in the kernel's scale (see
-``_CrossEntropyFunction``).
+vocabularies of 32k-262k cost the same per element), a second sweep, in reverse order so that it
+starts on the lines the first sweep touched last and are most likely still in L2, writes the gradient of
+the per-token loss. The backward is then only a multiplication by the upstream gradient, skipped on
+the device when that gradient is exactly 1 (the usual ``loss.backward()``). Under torch.compile the
+forward runs the first sweep only and the backward both, with the upstream gradient in the kernel's
+scale (see ``_CrossEntropyFunction``).
 
 Logits laid out [V, N] (token n's logits a column, as ``W @ h^T`` writes them: the fused linear loss's
 chunk held in its weight gradient) take two other kernels with the same arithmetic (shared @triton.jit
