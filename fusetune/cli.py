@@ -89,10 +89,6 @@ def serve(
     _check_storage(settings)
     if migrate_db:
         upgrade(settings.database_url)
-    from fusetune.queue import declare_jobs_queue, make_celery_app
-
-    # The queue exists before the worker and the API first use it, so that they cannot race to create it.
-    declare_jobs_queue(make_celery_app(settings))
     worker = None
     if settings.embedded_worker:
         env = {**os.environ, **settings.subprocess_env()}

@@ -59,9 +59,9 @@ def declare_jobs_queue(celery_app: Celery, attempts: int = 5) -> None:
     between threads but not between processes: when a starting worker declares its queue while the API
     publishes its first job (both find no row, both insert), the loser gets an IntegrityError. For the API
     that fails the job (queue_unavailable); for the worker it is an "Unrecoverable error" at start and it
-    exits, leaving every job queued for ever. `fusetune serve` calls this before it starts its worker and API,
-    a worker before it consumes, and the API before its first enqueue; a try that loses the race is retried
-    and then finds the row. Other brokers declare queues idempotently and are left alone.
+    exits, leaving every job queued for ever. A worker calls this before it consumes and the API before its
+    first enqueue; a try that loses the race is retried and then finds the row. Other brokers declare queues
+    idempotently and are left alone.
     """
     if not str(celery_app.conf.broker_url).startswith("sqla+"):
         return
