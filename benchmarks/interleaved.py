@@ -1,0 +1,377 @@
+"""fwd+bwd of every implementation of an op called in turn, so that all of them run in the same power state.
+
+kernels.py times one implementation after another, each for about a second. Under sustained matmul load an
+H100 reaches its 700 W cap within about a second and the SM clock then falls from 1,980 MHz to
+1,170-1,700 MHz (nvidia-smi's clock-event reason 0x4, SW power cap; H100, 2026-11-27): whichever
+implementation starts after an idle spell takes part of its samples at the full clock, and a matmul-bound
+call is timed faster or slower depending on what ran before it. Here each round calls every implementation
+once (L2 flushed before each call, timed between CUDA events), the order rotating from round to round, so
+each median is taken over the same stretch of clocks; the SM clock, power draw and clock-event reasons are
+sampled through the run (nvidia-smi) and reported with it. Under that cap a call's time follows the energy
+it spends, memory traffic included, not only its kernels' durations at full clock.
+
+    PYTHONPATH=. python3 benchmarks/interleaved.py                                   # the main shapes
+    PYTHONPATH=. python3 benchmarks/interleaved.py --ops fused_linear_cross_entropy \\
+        --shape T=8192,H=1536,V=256000,softcap=30 --shape T=4096,H=2048,V=151936
+    PYTHONPATH=. python3 benchmarks/interleaved.py --device cpu --ops cross_entropy --impls hf,fusetune
+
+Writes ``<gpu>-interleaved.json`` (rows in the format of the kernel results, plus ``ms_p10`` / ``ms_p90``
+and the clocks of the op's stretch) and its markdown twin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (
+    DEFAULT_RESULTS_DIR,
+    GIB,
+    collect_versions,
+    free_device_memory,
+    gpu_slug,
+    load_results,
+    markdown_table,
+    measure_ceilings,
+    short_error,
+    utc_date,
+    write_json,
+    write_text,
+)
+from benchmarks.kernels import (
+    OP_IMPLS,
+    OPS,
+    Case,
+    Env,
+    Unavailable,
+    build_workload,
+    estimated_bytes,
+    main_shapes,
+    measured_row,
+    run_backward,
+)
+
+DEFAULT_OPS = ("fused_linear_cross_entropy", "swiglu_mlp", "cross_entropy")
+# nvidia-smi's clock-event bit for the software power cap.
+POWER_CAP_REASON = 0x4
+SAMPLE_PERIOD_MS = 100
+
+
+class ClockSampler:
+    """nvidia-smi sampling the SM clock, power draw and clock-event reasons every SAMPLE_PERIOD_MS in the
+    background; no samples where nvidia-smi is missing (the CPU smoke test)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float, int]] = []  # (time, SM MHz, watts, reasons)
+        self._process: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def __enter__(self) -> ClockSampler:
+        executable = shutil.which("nvidia-smi")
+        if executable is None:
+            return self
+        query = "clocks.sm,power.draw,clocks_event_reasons.active"
+        self._process = subprocess.Popen(
+            [executable, f"--query-gpu={query}", "--format=csv,noheader,nounits", f"-lms={SAMPLE_PERIOD_MS}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            fields = [field.strip() for field in line.split(",")]
+            with contextlib.suppress(ValueError, IndexError):
+                self.samples.append((time.time(), float(fields[0]), float(fields[1]), int(fields[2], 16)))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+
+    def summary(self, start: float, end: float) -> dict[str, float] | None:
+        """The SM clock and power draw between two times, and the share of samples at the power cap."""
+        inside = [sample for sample in self.samples if start <= sample[0] <= end]
+        if not inside:
+            return None
+        clocks = [sample[1] for sample in inside]
+        return {
+            "samples": len(inside),
+            "sm_mhz_median": statistics.median(clocks),
+            "sm_mhz_min": min(clocks),
+            "sm_mhz_max": max(clocks),
+            "power_w_median": statistics.median(sample[2] for sample in inside),
+            "power_capped_share": round(sum(bool(s[3] & POWER_CAP_REASON) for s in inside) / len(inside), 3),
+        }
+
+
+def parse_shape(text: str) -> dict[str, float | int]:
+    """'T=8192,H=1536,V=256000,softcap=30' -> {'T': 8192, 'H': 1536, 'V': 256000, 'softcap': 30}."""
+    shape: dict[str, float | int] = {}
+    for item in text.split(","):
+        key, separator, value = item.partition("=")
+        if not separator or not key.strip():
+            raise argparse.ArgumentTypeError(f"--shape {text!r}: expected KEY=VALUE pairs, got {item!r}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shape {text!r}: {key.strip()} is not a number") from None
+        shape[key.strip()] = int(number) if number.is_integer() else number
+    return shape
+
+
+def _percentile(sorted_values: list[float], fraction: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
+
+
+def measure_shape(
+    op: str, shape: dict, impls: list[str], env: Env, rounds: int, ceilings: dict | None, device: str
+) -> list[dict]:
+    """Rows for one op and shape: every implementation built at once, then ``rounds`` rounds of one call
+    each; implementations that do not fit beside the others are skipped, largest first."""
+    import torch
+
+    cases = [Case(op, shape, impl, "interleaved") for impl in impls if impl in OP_IMPLS[op]]
+    rows: list[dict] = []
+    if device == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        while cases and sum(estimated_bytes(case) for case in cases) > 0.85 * free:
+            largest = max(cases, key=estimated_bytes)
+            cases.remove(largest)
+            rows.append(_skipped(largest, f"does not fit beside the others ({free / GIB:.1f} GiB free)"))
+    calls: dict[str, Any] = {}
+    for case in cases:
+        try:
+            workload = build_workload(case, env)
+        except Unavailable as reason:
+            rows.append(_skipped(case, str(reason)))
+            continue
+
+        def fwd_bwd(workload=workload):
+            return run_backward(workload, workload.forward())
+
+        try:
+            for _ in range(3):  # compiles Triton kernels and torch.compile graphs, then settles
+                fwd_bwd()
+        except Exception as error:  # noqa: BLE001 - a failing implementation becomes its row's error
+            rows.append(_skipped(case, short_error(error), skipped=False))
+            continue
+        calls[case.impl] = (case, fwd_bwd)
+    if not calls:
+        return rows
+    timings: dict[str, list[float]] = {impl: [] for impl in calls}
+    order = list(calls)
+    if device == "cuda":
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        events = {impl: [] for impl in calls}
+        for index in range(rounds):
+            for impl in order[index % len(order) :] + order[: index % len(order)]:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                flush.zero_()
+                start.record()
+                calls[impl][1]()
+                end.record()
+                events[impl].append((start, end))
+        torch.cuda.synchronize()
+        for impl, pairs in events.items():
+            timings[impl] = [start.elapsed_time(end) for start, end in pairs]
+    else:
+        for index in range(rounds):
+            for impl in order[index % len(order) :] + order[: index % len(order)]:
+                started = time.perf_counter()
+                calls[impl][1]()
+                timings[impl].append((time.perf_counter() - started) * 1e3)
+    for impl, samples in timings.items():
+        samples = sorted(samples)
+        row = measured_row(calls[impl][0], "fwd+bwd", statistics.median(samples), ceilings)
+        row["ms_p10"] = round(_percentile(samples, 0.1), 4)
+        row["ms_p90"] = round(_percentile(samples, 0.9), 4)
+        row["rounds"] = rounds
+        rows.append(row)
+    return rows
+
+
+def _skipped(case: Case, message: str, skipped: bool = True) -> dict:
+    return {
+        "op": case.op,
+        "mode": "fwd+bwd",
+        "impl": case.impl,
+        "dtype": "bfloat16",
+        "shape": dict(case.shape),
+        "set": case.set_name,
+        "error": ("skipped: " if skipped else "") + message,
+        **({"skipped": True} if skipped else {}),
+    }
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    versions = ", ".join(f"{key} {value}" for key, value in payload["versions"].items() if value)
+    lines = [
+        f"# Interleaved fwd+bwd: {payload['gpu']}, {payload['date']}",
+        "",
+        f"Versions: {versions}.",
+        "",
+        "Method: benchmarks/interleaved.py. Every implementation of an op is built at once, warmed up three "
+        "times, then called once per round (L2 flushed before each call, timed between CUDA events), the "
+        "order rotating each round, so that all see the same power and thermal state; median and 10th / "
+        "90th percentile of the rounds. Clocks: nvidia-smi samples through the op's rounds (SM clock, power "
+        "draw, share of samples with the SW power cap as clock-event reason).",
+        "",
+    ]
+    for group in payload["groups"]:
+        shape = ", ".join(f"{key}={value}" for key, value in group["shape"].items())
+        lines += [f"## {group['op']}: {shape}", ""]
+        rows = [row for row in payload["rows"] if row["op"] == group["op"] and row["shape"] == group["shape"]]
+        by_impl = {row["impl"]: row.get("ms") for row in rows}
+        table = []
+        for row in rows:
+            if "ms" not in row:
+                table.append([row["impl"], None, None, None, None, None, row.get("error")])
+                continue
+            compile_ms, liger_ms = by_impl.get("compile"), by_impl.get("liger")
+            table.append(
+                [
+                    row["impl"],
+                    row["ms"],
+                    row["ms_p10"],
+                    row["ms_p90"],
+                    round(row["ms"] / compile_ms, 3) if compile_ms else None,
+                    round(row["ms"] / liger_ms, 3) if liger_ms else None,
+                    "",
+                ]
+            )
+        lines.append(
+            markdown_table(["impl", "median ms", "p10", "p90", "÷ compile", "÷ liger", "note"], table)
+        )
+        clocks = group.get("clocks")
+        if clocks:
+            lines += [
+                "",
+                f"Clocks over its {group['rounds']} rounds ({clocks['samples']} samples): SM "
+                f"{clocks['sm_mhz_median']:.0f} MHz median ({clocks['sm_mhz_min']:.0f}-"
+                f"{clocks['sm_mhz_max']:.0f}), power {clocks['power_w_median']:.0f} W median, "
+                f"{clocks['power_capped_share']:.0%} of samples at the power cap.",
+            ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--ops", default=",".join(DEFAULT_OPS), help=f"comma-separated subset of: {', '.join(OPS)}"
+    )
+    parser.add_argument("--impls", default="hf,compile,liger,cce,fusetune,fusetune+compile")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        type=parse_shape,
+        default=None,
+        help="KEY=VALUE,... (repeatable): these shapes instead of each op's main shape",
+    )
+    parser.add_argument("--rounds", type=int, default=30, help="calls of each implementation")
+    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
+    parser.add_argument("--gpu-slug", default=None, help="file-name prefix; default from the device name")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results file's groups (op and shape) that this run does not measure again",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu smoke-tests the script at tiny shapes under TRITON_INTERPRET=1 (numbers mean nothing; "
+        "writes to a temporary folder unless --out is given)",
+    )
+    args = parser.parse_args(argv)
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = [op for op in args.ops if op not in OPS]
+    if unknown:
+        parser.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
+    args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if args.out == DEFAULT_RESULTS_DIR:
+            args.out = Path(tempfile.mkdtemp(prefix="fusetune-interleaved-cpu-"))
+    import torch
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("no CUDA device: run on a GPU machine, or pass --device cpu to smoke-test", file=sys.stderr)
+            return 2
+        gpu_name, ceilings = torch.cuda.get_device_name(), measure_ceilings()
+    else:
+        gpu_name, ceilings = "cpu (smoke test, TRITON_INTERPRET=1)", None
+    slug = args.gpu_slug or (gpu_slug(gpu_name) if args.device == "cuda" else "cpu")
+    payload: dict[str, Any] = {
+        "gpu": gpu_name,
+        "date": utc_date(),
+        "versions": collect_versions(),
+        "ceilings": ceilings,
+        "rows": [],
+        "groups": [],
+    }
+    env = Env(device=args.device, dtype=torch.bfloat16)
+    with ClockSampler() as sampler:
+        for op in args.ops:
+            for shape in args.shape or main_shapes(op, tiny=args.device == "cpu"):
+                started = time.time()
+                rows = measure_shape(op, shape, args.impls, env, args.rounds, ceilings, args.device)
+                clocks = sampler.summary(started, time.time())
+                payload["rows"] += rows
+                payload["groups"].append({"op": op, "shape": shape, "rounds": args.rounds, "clocks": clocks})
+                for row in rows:
+                    print(f"{op} {shape} {row['impl']}: {row.get('ms', row.get('error'))}", flush=True)
+                if clocks:
+                    print(f"  clocks: {clocks}", flush=True)
+                if args.device == "cuda":
+                    torch._dynamo.reset()
+                free_device_memory()
+    json_path = args.out / f"{slug}-interleaved.json"
+    previous = load_results(json_path) if args.merge else None
+    if previous:
+        measured = {(group["op"], json.dumps(group["shape"], sort_keys=True)) for group in payload["groups"]}
+
+        def kept(item: dict) -> bool:
+            return (item["op"], json.dumps(item["shape"], sort_keys=True)) not in measured
+
+        payload["groups"] = [group for group in previous["groups"] if kept(group)] + payload["groups"]
+        payload["rows"] = [row for row in previous["rows"] if kept(row)] + payload["rows"]
+    write_json(json_path, payload)
+    write_text(args.out / f"{slug}-interleaved.md", render_markdown(payload))
+    print(f"wrote {json_path} and its markdown twin")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
