@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import e2e, interleaved, kernels
+from benchmarks import e2e, kernels, sustained
 from benchmarks._common import gpu_slug
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -201,36 +201,37 @@ def test_dpo_benchmark_arguments_are_checked():
             dpo.parse_args(bad)
 
 
-def test_interleaved_help_runs_without_a_gpu():
+def test_sustained_help_runs_without_a_gpu():
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "interleaved.py"), "--help"],
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "sustained.py"), "--help"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO_ROOT,
     )
     assert completed.returncode == 0, completed.stderr
-    assert "--shape" in completed.stdout and "--rounds" in completed.stdout
+    assert "--shape" in completed.stdout and "--settle-s" in completed.stdout
 
 
-def test_interleaved_shapes_are_parsed_and_bad_ones_named():
-    assert interleaved.parse_shape("T=8192,H=1536,V=256000,softcap=30") == {
+def test_sustained_shapes_are_parsed_and_bad_ones_named():
+    assert sustained.parse_shape("T=8192,H=1536,V=256000,softcap=30") == {
         "T": 8192,
         "H": 1536,
         "V": 256000,
         "softcap": 30,
     }
-    assert interleaved.parse_shape("T=16,softcap=7.5")["softcap"] == 7.5
+    assert sustained.parse_shape("T=16,softcap=7.5")["softcap"] == 7.5
     with pytest.raises(argparse.ArgumentTypeError, match="H is not a number"):
-        interleaved.parse_shape("T=16,H=big")
+        sustained.parse_shape("T=16,H=big")
     with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=VALUE"):
-        interleaved.parse_shape("T=16,4096")
-    with pytest.raises(SystemExit):
-        interleaved.parse_args(["--ops", "cross_entropy,not_an_op"])
+        sustained.parse_shape("T=16,4096")
+    for bad in (["--ops", "cross_entropy,not_an_op"], ["--calls", "0"], ["--settle-s", "-1"]):
+        with pytest.raises(SystemExit):
+            sustained.parse_args(bad)
 
 
-def test_interleaved_clock_summary_counts_power_capped_samples_in_the_window():
-    sampler = interleaved.ClockSampler()
+def test_sustained_clock_summary_counts_power_capped_samples_in_the_window():
+    sampler = sustained.ClockSampler()
     sampler.samples = [
         (1.0, 1980.0, 130.0, 0x0),  # before the window
         (2.0, 1980.0, 300.0, 0x0),
@@ -246,12 +247,23 @@ def test_interleaved_clock_summary_counts_power_capped_samples_in_the_window():
     assert sampler.summary(5.0, 6.0) is None
 
 
-def test_interleaved_smoke_on_cpu_writes_rows_in_the_kernel_format_and_merges(tmp_path):
-    common = ["--device", "cpu", "--ops", "cross_entropy", "--impls", "hf,fusetune", "--rounds", "2"]
+def test_sustained_smoke_on_cpu_writes_rows_in_the_kernel_format_and_merges(tmp_path):
+    common = [
+        "--device",
+        "cpu",
+        "--ops",
+        "cross_entropy",
+        "--impls",
+        "hf,fusetune",
+        "--calls",
+        "2",
+        "--settle-s",
+        "0",
+    ]
     common += ["--out", str(tmp_path), "--gpu-slug", "test"]
-    assert interleaved.main([*common, "--shape", "T=8,V=600"]) == 0
-    assert interleaved.main([*common, "--shape", "T=8,V=700", "--merge"]) == 0
-    payload = json.loads((tmp_path / "test-interleaved.json").read_text())
+    assert sustained.main([*common, "--shape", "T=8,V=600"]) == 0
+    assert sustained.main([*common, "--shape", "T=8,V=700", "--merge"]) == 0
+    payload = json.loads((tmp_path / "test-sustained.json").read_text())
     assert [group["shape"] for group in payload["groups"]] == [{"T": 8, "V": 600}, {"T": 8, "V": 700}]
     rows = payload["rows"]
     assert sorted((row["shape"]["V"], row["impl"]) for row in rows) == [
@@ -262,5 +274,6 @@ def test_interleaved_smoke_on_cpu_writes_rows_in_the_kernel_format_and_merges(tm
     ]
     for row in rows:
         assert row["mode"] == "fwd+bwd" and row["ms"] > 0 and row["ms_p10"] <= row["ms_p90"]
-    markdown = (tmp_path / "test-interleaved.md").read_text()
+        assert len(row["ms_by_pass"]) == 2 and row["calls"] == 4
+    markdown = (tmp_path / "test-sustained.md").read_text()
     assert "## cross_entropy: T=8, V=700" in markdown

@@ -1,22 +1,27 @@
-"""fwd+bwd of every implementation of an op called in turn, so that all of them run in the same power state.
+"""fwd+bwd of each implementation of an op timed in its own steady power state, with the clocks it ran at.
 
-kernels.py times one implementation after another, each for about a second. Under sustained matmul load an
-H100 reaches its 700 W cap within about a second and the SM clock then falls from 1,980 MHz to
-1,170-1,700 MHz (nvidia-smi's clock-event reason 0x4, SW power cap; H100, 2026-11-27): whichever
-implementation starts after an idle spell takes part of its samples at the full clock, and a matmul-bound
-call is timed faster or slower depending on what ran before it. Here each round calls every implementation
-once (L2 flushed before each call, timed between CUDA events), the order rotating from round to round, so
-each median is taken over the same stretch of clocks; the SM clock, power draw and clock-event reasons are
-sampled through the run (nvidia-smi) and reported with it. Under that cap a call's time follows the energy
-it spends, memory traffic included, not only its kernels' durations at full clock.
+Under sustained matmul load an H100 reaches its 700 W cap within about a second and the SM clock then
+falls from 1,980 MHz to 1,170-1,700 MHz (nvidia-smi's clock-event reason 0x4, SW power cap; H100,
+2026-11-27), so a matmul-bound call's time depends on what ran before it. kernels.py times each
+implementation for about a second after the previous one: whichever follows an idle spell or a light
+implementation takes part of its samples at the full clock. Calling the implementations in turn does not
+cure it either: each call then runs in the power state its predecessor left (measured on H100 at the fused
+linear loss's main shape, one call of six implementations a round in rotating order: fusetune 36.6 ms and
+fusetune+compile, the same kernels, 40.3). Here each implementation first runs back to back for
+``--settle-s`` seconds, so that the clocks reach the state its own load holds them at, and is then timed
+over ``--calls`` calls (L2 flushed before each, CUDA events); all implementations in order and then in
+reverse order, so that drift shows as a difference between the two passes. The SM clock, power draw and
+clock-event reasons are sampled through the timed calls (nvidia-smi) and reported with each: under the
+cap a call's time follows the energy it spends, its memory traffic included, not only its kernels'
+durations at the full clock.
 
-    PYTHONPATH=. python3 benchmarks/interleaved.py                                   # the main shapes
-    PYTHONPATH=. python3 benchmarks/interleaved.py --ops fused_linear_cross_entropy \\
-        --shape T=8192,H=1536,V=256000,softcap=30 --shape T=4096,H=2048,V=151936
-    PYTHONPATH=. python3 benchmarks/interleaved.py --device cpu --ops cross_entropy --impls hf,fusetune
+    PYTHONPATH=. python3 benchmarks/sustained.py                                   # the main shapes
+    PYTHONPATH=. python3 benchmarks/sustained.py --ops fused_linear_cross_entropy \\
+        --shape T=8192,H=1536,V=256000,softcap=30 --shape T=4096,H=2048,V=151936 --merge
+    PYTHONPATH=. python3 benchmarks/sustained.py --device cpu --ops cross_entropy --impls hf,fusetune
 
-Writes ``<gpu>-interleaved.json`` (rows in the format of the kernel results, plus ``ms_p10`` / ``ms_p90``
-and the clocks of the op's stretch) and its markdown twin.
+Writes ``<gpu>-sustained.json`` (rows in the format of the kernel results, plus ``ms_p10`` / ``ms_p90``,
+each pass's median and the clocks of the timed calls) and its markdown twin.
 """
 
 from __future__ import annotations
@@ -144,14 +149,51 @@ def _percentile(sorted_values: list[float], fraction: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
 
 
-def measure_shape(
-    op: str, shape: dict, impls: list[str], env: Env, rounds: int, ceilings: dict | None, device: str
-) -> list[dict]:
-    """Rows for one op and shape: every implementation built at once, then ``rounds`` rounds of one call
-    each; implementations that do not fit beside the others are skipped, largest first."""
+def _timed_calls(fn: Any, calls: int, settle_s: float, device: str) -> tuple[list[float], float, float]:
+    """(ms of each call, wall time the timed calls began, ended) after ``settle_s`` of back-to-back calls."""
     import torch
 
-    cases = [Case(op, shape, impl, "interleaved") for impl in impls if impl in OP_IMPLS[op]]
+    if device != "cuda":
+        samples = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - started) * 1e3)
+        return samples, 0.0, 0.0
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    settle_until = time.time() + settle_s
+    while time.time() < settle_until:
+        flush.zero_()
+        fn()
+        torch.cuda.synchronize()  # the host waits each call, so the settling time is the device's
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)
+    ]
+    began = time.time()
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events], began, time.time()
+
+
+def measure_shape(
+    op: str,
+    shape: dict,
+    impls: list[str],
+    env: Env,
+    options: argparse.Namespace,
+    ceilings: dict | None,
+    sampler: ClockSampler,
+) -> list[dict]:
+    """Rows for one op and shape: every implementation built at once (those that do not fit beside the
+    others skipped, largest first), then timed in order and again in reverse order."""
+    import torch
+
+    device = options.device
+    cases = [Case(op, shape, impl, "sustained") for impl in impls if impl in OP_IMPLS[op]]
     rows: list[dict] = []
     if device == "cuda":
         free, _total = torch.cuda.mem_get_info()
@@ -171,42 +213,32 @@ def measure_shape(
             return run_backward(workload, workload.forward())
 
         try:
-            for _ in range(3):  # compiles Triton kernels and torch.compile graphs, then settles
-                fwd_bwd()
+            fwd_bwd()  # compiles Triton kernels and torch.compile graphs before any timing
         except Exception as error:  # noqa: BLE001 - a failing implementation becomes its row's error
             rows.append(_skipped(case, short_error(error), skipped=False))
             continue
         calls[case.impl] = (case, fwd_bwd)
-    if not calls:
-        return rows
-    timings: dict[str, list[float]] = {impl: [] for impl in calls}
-    order = list(calls)
-    if device == "cuda":
-        flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-        events = {impl: [] for impl in calls}
-        for index in range(rounds):
-            for impl in order[index % len(order) :] + order[: index % len(order)]:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                flush.zero_()
-                start.record()
-                calls[impl][1]()
-                end.record()
-                events[impl].append((start, end))
-        torch.cuda.synchronize()
-        for impl, pairs in events.items():
-            timings[impl] = [start.elapsed_time(end) for start, end in pairs]
-    else:
-        for index in range(rounds):
-            for impl in order[index % len(order) :] + order[: index % len(order)]:
-                started = time.perf_counter()
-                calls[impl][1]()
-                timings[impl].append((time.perf_counter() - started) * 1e3)
-    for impl, samples in timings.items():
-        samples = sorted(samples)
+    passes: dict[str, list[tuple[list[float], float, float]]] = {impl: [] for impl in calls}
+    for order in (list(calls), list(reversed(calls))):
+        for impl in order:
+            passes[impl].append(_timed_calls(calls[impl][1], options.calls, options.settle_s, device))
+    for impl, timed in passes.items():
+        samples = sorted(ms for pass_samples, _began, _ended in timed for ms in pass_samples)
         row = measured_row(calls[impl][0], "fwd+bwd", statistics.median(samples), ceilings)
         row["ms_p10"] = round(_percentile(samples, 0.1), 4)
         row["ms_p90"] = round(_percentile(samples, 0.9), 4)
-        row["rounds"] = rounds
+        row["ms_by_pass"] = [round(statistics.median(pass_samples), 4) for pass_samples, _b, _e in timed]
+        row["calls"] = len(samples)
+        clocks = [sampler.summary(began, ended) for _samples, began, ended in timed]
+        clocks = [summary for summary in clocks if summary]
+        if clocks:
+            row["clocks"] = {
+                "sm_mhz_median": statistics.median(summary["sm_mhz_median"] for summary in clocks),
+                "power_w_median": statistics.median(summary["power_w_median"] for summary in clocks),
+                "power_capped_share": round(
+                    statistics.mean(summary["power_capped_share"] for summary in clocks), 3
+                ),
+            }
         rows.append(row)
     return rows
 
@@ -227,15 +259,16 @@ def _skipped(case: Case, message: str, skipped: bool = True) -> dict:
 def render_markdown(payload: dict[str, Any]) -> str:
     versions = ", ".join(f"{key} {value}" for key, value in payload["versions"].items() if value)
     lines = [
-        f"# Interleaved fwd+bwd: {payload['gpu']}, {payload['date']}",
+        f"# Sustained fwd+bwd: {payload['gpu']}, {payload['date']}",
         "",
         f"Versions: {versions}.",
         "",
-        "Method: benchmarks/interleaved.py. Every implementation of an op is built at once, warmed up three "
-        "times, then called once per round (L2 flushed before each call, timed between CUDA events), the "
-        "order rotating each round, so that all see the same power and thermal state; median and 10th / "
-        "90th percentile of the rounds. Clocks: nvidia-smi samples through the op's rounds (SM clock, power "
-        "draw, share of samples with the SW power cap as clock-event reason).",
+        "Method: benchmarks/sustained.py. Every implementation of an op is built at once; each runs back to "
+        f"back for {payload['settle_s']} s (its own steady power state), then {payload['calls']} calls are "
+        "timed between CUDA events (L2 flushed before each); all implementations in order, then again in "
+        "reverse order. `median ms` is over both passes' calls, `pass 1` / `pass 2` each pass's median. "
+        "Clocks: nvidia-smi samples during the timed calls, medians of the two passes: SM clock, power "
+        "draw, and the share of samples with the SW power cap among the clock-event reasons.",
         "",
     ]
     for group in payload["groups"]:
@@ -243,36 +276,30 @@ def render_markdown(payload: dict[str, Any]) -> str:
         lines += [f"## {group['op']}: {shape}", ""]
         rows = [row for row in payload["rows"] if row["op"] == group["op"] and row["shape"] == group["shape"]]
         by_impl = {row["impl"]: row.get("ms") for row in rows}
+        compile_ms, liger_ms = by_impl.get("compile"), by_impl.get("liger")
         table = []
         for row in rows:
             if "ms" not in row:
-                table.append([row["impl"], None, None, None, None, None, row.get("error")])
+                table.append([row["impl"], *([None] * 10), row.get("error")])
                 continue
-            compile_ms, liger_ms = by_impl.get("compile"), by_impl.get("liger")
+            clocks = row.get("clocks") or {}
             table.append(
                 [
                     row["impl"],
                     row["ms"],
+                    *row["ms_by_pass"],
                     row["ms_p10"],
                     row["ms_p90"],
+                    clocks.get("sm_mhz_median"),
+                    clocks.get("power_w_median"),
+                    f"{clocks['power_capped_share']:.0%}" if clocks else None,
                     round(row["ms"] / compile_ms, 3) if compile_ms else None,
                     round(row["ms"] / liger_ms, 3) if liger_ms else None,
                     "",
                 ]
             )
-        lines.append(
-            markdown_table(["impl", "median ms", "p10", "p90", "÷ compile", "÷ liger", "note"], table)
-        )
-        clocks = group.get("clocks")
-        if clocks:
-            lines += [
-                "",
-                f"Clocks over its {group['rounds']} rounds ({clocks['samples']} samples): SM "
-                f"{clocks['sm_mhz_median']:.0f} MHz median ({clocks['sm_mhz_min']:.0f}-"
-                f"{clocks['sm_mhz_max']:.0f}), power {clocks['power_w_median']:.0f} W median, "
-                f"{clocks['power_capped_share']:.0%} of samples at the power cap.",
-            ]
-        lines.append("")
+        header = ["impl", "median ms", "pass 1", "pass 2", "p10", "p90", "SM MHz", "power W", "capped"]
+        lines += [markdown_table([*header, "÷ compile", "÷ liger", "note"], table), ""]
     return "\n".join(lines)
 
 
@@ -291,7 +318,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="KEY=VALUE,... (repeatable): these shapes instead of each op's main shape",
     )
-    parser.add_argument("--rounds", type=int, default=30, help="calls of each implementation")
+    parser.add_argument("--calls", type=int, default=20, help="timed calls of each implementation per pass")
+    parser.add_argument(
+        "--settle-s", type=float, default=3.0, help="seconds of back-to-back calls before each timing"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
     parser.add_argument("--gpu-slug", default=None, help="file-name prefix; default from the device name")
     parser.add_argument(
@@ -312,8 +342,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
     args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    if args.calls < 1:
+        parser.error("--calls must be at least 1")
+    if args.settle_s < 0:
+        parser.error("--settle-s must not be negative")
     return args
 
 
@@ -322,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if args.out == DEFAULT_RESULTS_DIR:
-            args.out = Path(tempfile.mkdtemp(prefix="fusetune-interleaved-cpu-"))
+            args.out = Path(tempfile.mkdtemp(prefix="fusetune-sustained-cpu-"))
     import torch
 
     if args.device == "cuda":
@@ -338,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": utc_date(),
         "versions": collect_versions(),
         "ceilings": ceilings,
+        "settle_s": args.settle_s,
+        "calls": args.calls,
         "rows": [],
         "groups": [],
     }
@@ -345,19 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     with ClockSampler() as sampler:
         for op in args.ops:
             for shape in args.shape or main_shapes(op, tiny=args.device == "cpu"):
-                started = time.time()
-                rows = measure_shape(op, shape, args.impls, env, args.rounds, ceilings, args.device)
-                clocks = sampler.summary(started, time.time())
+                rows = measure_shape(op, shape, args.impls, env, args, ceilings, sampler)
                 payload["rows"] += rows
-                payload["groups"].append({"op": op, "shape": shape, "rounds": args.rounds, "clocks": clocks})
+                payload["groups"].append({"op": op, "shape": shape})
                 for row in rows:
-                    print(f"{op} {shape} {row['impl']}: {row.get('ms', row.get('error'))}", flush=True)
-                if clocks:
-                    print(f"  clocks: {clocks}", flush=True)
+                    measured = row.get("ms", row.get("error"))
+                    print(
+                        f"{op} {shape} {row['impl']}: {measured} {row.get('ms_by_pass', '')} {row.get('clocks', '')}"
+                    )
                 if args.device == "cuda":
                     torch._dynamo.reset()
                 free_device_memory()
-    json_path = args.out / f"{slug}-interleaved.json"
+    json_path = args.out / f"{slug}-sustained.json"
     previous = load_results(json_path) if args.merge else None
     if previous:
         measured = {(group["op"], json.dumps(group["shape"], sort_keys=True)) for group in payload["groups"]}
@@ -368,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         payload["groups"] = [group for group in previous["groups"] if kept(group)] + payload["groups"]
         payload["rows"] = [row for row in previous["rows"] if kept(row)] + payload["rows"]
     write_json(json_path, payload)
-    write_text(args.out / f"{slug}-interleaved.md", render_markdown(payload))
+    write_text(args.out / f"{slug}-sustained.md", render_markdown(payload))
     print(f"wrote {json_path} and its markdown twin")
     return 0
 
