@@ -640,7 +640,9 @@ class Repetitions:
     rep_ms: int
     # At least this many timed calls: do_bench's 100 ms makes a 40 ms call's median one of 2, and the same
     # fused linear loss call then measured 38.8-44.2 ms from run to run where 1,000 ms gave 40.4-40.7 (H100,
-    # 2026-11-27).
+    # 2026-11-27). Longer runs are slower because matmul-bound calls reach the 700 W power cap within about
+    # a second and the SM clock falls to ~1,390 MHz: benchmarks/sustained.py times each implementation in
+    # that steady state.
     min_calls: int = 1
 
 
