@@ -264,9 +264,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"Versions: {versions}.",
         "",
         "Method: benchmarks/sustained.py. Every implementation of an op is built at once; each runs back to "
-        f"back for {payload['settle_s']} s (its own steady power state), then {payload['calls']} calls are "
-        "timed between CUDA events (L2 flushed before each); all implementations in order, then again in "
-        "reverse order. `median ms` is over both passes' calls, `pass 1` / `pass 2` each pass's median. "
+        "back for a few seconds (its own steady power state), then a number of calls are timed between CUDA "
+        "events (L2 flushed before each; both given under each table); all implementations in order, then "
+        "again in reverse order. `median ms` is over both passes' calls, `pass 1` / `pass 2` each pass's "
+        "median. "
         "Clocks: nvidia-smi samples during the timed calls, medians of the two passes: SM clock, power "
         "draw, and the share of samples with the SW power cap among the clock-event reasons.",
         "",
@@ -300,6 +301,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
             )
         header = ["impl", "median ms", "pass 1", "pass 2", "p10", "p90", "SM MHz", "power W", "capped"]
         lines += [markdown_table([*header, "÷ compile", "÷ liger", "note"], table), ""]
+        timed = [row["calls"] // 2 for row in rows if "calls" in row]
+        if timed:
+            settle_s = group.get("settle_s", payload["settle_s"])
+            lines += [f"Settled {settle_s} s, then {max(timed)} timed calls per pass.", ""]
     return "\n".join(lines)
 
 
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             for shape in args.shape or main_shapes(op, tiny=args.device == "cpu"):
                 rows = measure_shape(op, shape, args.impls, env, args, ceilings, sampler)
                 payload["rows"] += rows
-                payload["groups"].append({"op": op, "shape": shape})
+                payload["groups"].append({"op": op, "shape": shape, "settle_s": args.settle_s})
                 for row in rows:
                     measured = row.get("ms", row.get("error"))
                     print(
