@@ -85,12 +85,18 @@ DEFAULT_EXTRA_CHUNK_BYTES = 252 * 2**20
 # Chunks are balanced (the last is not a sliver), and their rows a multiple of this when the budget allows.
 # cuBLAS's Hopper kernels take 128- to 320-row tiles: measured on H100 (benchmarks/loss_launch_settings.py
 # --parts gemms), chunks of 832 rows (13 x 64) cost 6.1 us a row at H=4096, V=151936 where 768 and 896
-# cost 5.5 and 5.6 (the logits matmul and dh alike), and the same at every H and V of the sweep. Coarser units
-# measured within about 2% either way, not kept (--parts chunk-rows, H100, 2026-11-27, median of 3 rounds, ms,
-# 128 / 256 / 512 / Liger-Kernel): T=65536, H=4096, V=128256 320 / 315 / 313 / 316; T=65536, H=2048 162.8 /
-# 161.7 / 160.3 / 159.4; T=16384, H=4096 82.4 / 80.4 / 80.2; T=8192, H=4096 39.6 / 39.8 / 40.1 (8 chunks of
-# 1024); T=16384, H=1536, V=256000 77.2 / 80.1 / 80.6 (one round; 32 chunks of 512 instead of 27).
+# cost 5.5 and 5.6 (the logits matmul and dh alike), and the same at every H and V of the sweep. Where the
+# budget holds chunks of _LARGE_CHUNK_ROWS or more, 512-row units: measured on H100, each variant in its own
+# steady power state (3 s of calls, then 8 timed, twice; a scratch script over benchmarks/sustained.py's
+# timing, 2026-11-27), fwd+bwd ms with 128 / 512 / 2048-row units / Liger-Kernel: T=65536, H=2048,
+# V=128256 165.5 / 163.5 / 162.1 / 163.6; T=65536, H=4096, V=151936 382.7 / 375.7 / 377.2 / 380.7;
+# T=65536, H=4096, V=128256 318.0 / 311.3 / 317.8 / 318.0. Below that size the 512 unit costs chunks
+# (do_bench, 2026-11-27, 128 / 256 / 512: T=8192, H=4096 39.6 / 39.8 / 40.1 with 8 chunks of 1024 instead
+# of 7; T=16384, H=1536, V=256000 77.2 / 80.1 / 80.6 with 32 chunks of 512 instead of 27), though
+# T=16384, H=4096 measured 82.4 / 80.4 / 80.2: not taken there.
 _CHUNK_ROW_ALIGNMENT = 128
+_LARGE_CHUNK_ROW_ALIGNMENT = 512
+_LARGE_CHUNK_ROWS = 2048
 # Default of ``skip_threshold``: 16 times below bfloat16's resolution at 1 (2**-8), because the skipped
 # entries add up over the vocabulary: at a mean entropy of 2 nats the skipped probability mass per token
 # is 7% at 2**-8 and 1.6% at 2**-12 (random peaked logits, V=128256), while a token keeps 16 and 71 entries.
@@ -122,7 +128,8 @@ def fused_linear_cross_entropy_chunk_sizes(
     an allocation of the chunk failed: asking the allocator for its cached bytes on every call cost
     0.32 ms of host time on H200, a fifth of the whole call at T=1024, V=32000). The rows are then cut into
     the fewest chunks that fit, of balanced sizes in whole 128-row units where the rows allow (cuBLAS's Hopper
-    tiles; the remainder spread a unit at a time, the last chunk taking what is under a unit), so that no
+    tiles; 512-row units where 2048 rows or more fit, see _LARGE_CHUNK_ROWS; the remainder spread a unit at
+    a time, the last chunk taking what is under a unit), so that no
     chunk is a sliver: a chunk under ~470 rows (2 x matmul rate / memory bandwidth on H100) makes the dW
     GEMM, K = its rows, read and write all of dW at a memory-bound pace, and before this rule T=8192 at
     V=151936 ran as 9 x 896 + 128 rows.
@@ -171,12 +178,13 @@ def _default_chunk_budget_bytes(n_tokens: int, hidden_size: int, vocab_size: int
 
 
 def _balanced_chunk_sizes(rows_to_chunk: int, max_rows: int) -> list[int]:
-    """The fewest chunks of at most ``max_rows`` rows, each a whole number of _CHUNK_ROW_ALIGNMENT units but
-    the last (which also takes the remainder under a unit), their sizes differing by at most one unit."""
+    """The fewest chunks of at most ``max_rows`` rows, each a whole number of units (_CHUNK_ROW_ALIGNMENT
+    rows, or _LARGE_CHUNK_ROW_ALIGNMENT when ``max_rows`` >= _LARGE_CHUNK_ROWS) but the last (which also takes
+    the remainder under a unit), their sizes differing by at most one unit."""
     n_chunks = triton.cdiv(rows_to_chunk, max_rows)
     if n_chunks <= 1:
         return [int(max(1, rows_to_chunk))]
-    unit = _CHUNK_ROW_ALIGNMENT
+    unit = _LARGE_CHUNK_ROW_ALIGNMENT if max_rows >= _LARGE_CHUNK_ROWS else _CHUNK_ROW_ALIGNMENT
     while True:
         base = rows_to_chunk // n_chunks // unit * unit
         if base == 0:  # chunks under one unit: plain balanced sizes

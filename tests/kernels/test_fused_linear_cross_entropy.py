@@ -419,17 +419,22 @@ def test_chunk_sizes_are_whole_units_and_never_a_sliver():
     assert fused_linear_cross_entropy_chunk_sizes(8192, 4096, 128256, bf16) == [1280] + [1152] * 6
     # 997 rows fit at V=151936: 10 chunks, not 9 x 896 + 128.
     assert fused_linear_cross_entropy_chunk_sizes(8192, 2048, 151936, bf16) == [896] * 4 + [768] * 6
+    # A budget of 2048 rows or more takes 512-row units: at T=65536, H=4096, V=151936 2877 rows fit, so
+    # 24 chunks of 2560 and 2 of 2048, where 128-row units gave 24 of 2688-2816.
+    assert fused_linear_cross_entropy_chunk_sizes(65536, 4096, 151936, bf16) == [2560] * 24 + [2048] * 2
     # Below one 128-row unit a chunk: plain balanced sizes.
     assert fused_linear_cross_entropy_chunk_sizes(100, 64, 1000, torch.float32, 8 * 4000) == [8] * 9 + [7] * 4
     for tokens, hidden, vocab, rows_to_chunk in [(8192, 4096, 256000, 8192), (65536, 2048, 151936, 60001),
-                                                 (4097, 1536, 32000, 3000), (16384, 896, 151936, 16383)]:  # fmt: skip
+                                                 (4097, 1536, 32000, 3000), (16384, 896, 151936, 16383),
+                                                 (65536, 2048, 128256, 50001)]:  # fmt: skip
         sizes = fused_linear_cross_entropy_chunk_sizes(
             tokens, hidden, vocab, bf16, rows_to_chunk=rows_to_chunk
         )
         most = fused_linear_cross_entropy_chunk_rows(tokens, hidden, vocab, bf16, rows_to_chunk=rows_to_chunk)
         assert sum(sizes) == rows_to_chunk and max(sizes) == most
-        assert all(size % 128 == 0 for size in sizes[:-1])
-        assert max(sizes) - min(sizes) < 2 * 128
+        unit = 512 if most >= 2048 else 128
+        assert all(size % unit == 0 for size in sizes[:-1])
+        assert max(sizes) - min(sizes) < 2 * unit
 
 
 def test_chunk_that_does_not_fit_is_cut_to_half_the_free_memory(device, monkeypatch):
