@@ -44,8 +44,9 @@ CHUNK_ROWS = (1024, 1536, 2048, 4096)
 GEMM_HIDDEN = (1536, 2048, 4096)
 GEMM_VOCABS = (32000, 128256, 151936, 256000)
 GEMM_ROWS = (256, 384, 512, 640, 768, 832, 896, 1024, 1152, 1216, 1280, 1536, 2048, 3072, 4096)
-# Part "chunk-rows": the default chunking against others of the same tokens (chunk rows aligned to 256 or 512,
-# fixed 1024- or 2048-row chunks) and Liger-Kernel, at the --shapes (see chunking_cases).
+# Part "chunk-rows": the default chunking against others of the same tokens (chunk rows in units of 128, 512 or
+# 2048, fixed 1024- or 2048-row chunks) and Liger-Kernel, at the --shapes, each in its own steady power state
+# (see chunking_cases).
 # Part "sweep-profile": kernel profiles (fusetune's and torch.compile's) at sweep shapes where fusetune trails
 # torch.compile.
 PROFILE_SHAPES = (
@@ -149,37 +150,64 @@ def linear_case(shape, impl: str, reps: Repetitions, **options) -> dict:
     return result
 
 
-CHUNKING = Repetitions(warmup_ms=100, rep_ms=1500)
-
-
-def chunking_cases(shape, rounds: int = 3) -> list[dict]:
+def chunking_cases(shape, calls: int = 8, settle_s: float = 3.0) -> list[dict]:
     """Fused linear CE at ``shape`` (with Liger-Kernel's in the same process) under other chunkings of the
-    same tokens: the default, its chunk rows aligned to 256 or 512 instead of 128 (the module's
-    _CHUNK_ROW_ALIGNMENT), and every chunk of 1024 or 2048 rows (2048: Liger-Kernel's at T=65536, H=4096,
-    V=128256; over the memory budget where it is larger than the default's), each ``rounds`` times in turn,
-    with enough repetitions for calls of 300 ms."""
+    same tokens: the default, its chunk rows in units of 128, 512 or 2048 at every size (the module picks
+    _CHUNK_ROW_ALIGNMENT or, where 2048 rows fit, _LARGE_CHUNK_ROW_ALIGNMENT), and every chunk of 1024 or
+    2048 rows (2048: Liger-Kernel's at T=65536, H=4096, V=128256; over the memory budget where it is larger
+    than the default's). Each variant is timed in its own steady power state (benchmarks/sustained.py's
+    timing: ``settle_s`` of back-to-back calls, then ``calls`` timed), all in order and again in reverse
+    order; ``ms`` is the mean of the two passes' medians."""
+    import statistics
+
+    from benchmarks.sustained import _timed_calls
     from fusetune.kernels import fused_linear_cross_entropy as flce
 
     tokens, hidden_size, vocab, _ = shape
-    rows = [{"impl": "liger"}, {"impl": "fusetune"}, {"impl": "fusetune", "alignment": 256},
-            {"impl": "fusetune", "alignment": 512}, {"impl": "fusetune", "chunk_rows": 1024},
-            {"impl": "fusetune", "chunk_rows": 2048}]  # fmt: skip
-    results = []
-    default_alignment = flce._CHUNK_ROW_ALIGNMENT
-    for case in [dict(case, round=i) for i in range(rounds) for case in rows]:
-        options = {}
-        if "chunk_rows" in case:
-            options["logits_chunk_bytes"] = case["chunk_rows"] * vocab * 2
-        flce._CHUNK_ROW_ALIGNMENT = case.get("alignment", default_alignment)
+    variants = [{"impl": "liger"}, {"impl": "fusetune"}, {"impl": "fusetune", "alignment": 128},
+                {"impl": "fusetune", "alignment": 512}, {"impl": "fusetune", "alignment": 2048},
+                {"impl": "fusetune", "chunk_rows": 1024}, {"impl": "fusetune", "chunk_rows": 2048}]  # fmt: skip
+    defaults = (flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT)
+
+    def aligned(variant: dict) -> tuple[int, int]:
+        return (variant["alignment"],) * 2 if "alignment" in variant else defaults
+
+    free_device_memory()
+    hidden, weight, labels, _ = linear_inputs(shape)
+    calls_by_variant = []
+    for variant in variants:
+        options = {"logits_chunk_bytes": variant["chunk_rows"] * vocab * 2} if "chunk_rows" in variant else {}
+        loss_fn = linear_loss(variant["impl"], shape[3], **options)
+
+        def fwd_bwd(loss_fn=loss_fn, variant=variant):
+            flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = aligned(variant)
+            try:
+                return torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
+            finally:
+                flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = defaults
+
+        flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = aligned(variant)
         try:
             sizes = flce.fused_linear_cross_entropy_chunk_sizes(
                 tokens, hidden_size, vocab, torch.bfloat16, options.get("logits_chunk_bytes")
             )
-            result = linear_case(shape, case["impl"], CHUNKING, **options)
         finally:
-            flce._CHUNK_ROW_ALIGNMENT = default_alignment
-        chunks = sorted(set(sizes)) if case["impl"] == "fusetune" else None
-        results.append({"op": "flce-chunking", "shape": shape, **case, "chunks": chunks, **result})
+            flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = defaults
+        fwd_bwd()
+        peak = CudaTimer().peak_extra_bytes(fwd_bwd, [hidden, weight]) / MIB
+        calls_by_variant.append((variant, fwd_bwd, sizes, peak))
+    medians: dict[int, list[float]] = {index: [] for index in range(len(variants))}
+    order = list(range(len(variants)))
+    for indices in (order, order[::-1]):
+        for index in indices:
+            samples, _began, _ended = _timed_calls(calls_by_variant[index][1], calls, settle_s, "cuda")
+            medians[index].append(statistics.median(samples))
+    results = []
+    for index, (variant, _fn, sizes, peak) in enumerate(calls_by_variant):
+        chunks = sorted(set(sizes)) if variant["impl"] == "fusetune" else None
+        results.append({"op": "flce-chunking", "shape": shape, **variant, "chunks": chunks,
+                        "n_chunks": len(sizes) if chunks else None, "ms": round(statistics.mean(medians[index]), 3),
+                        "ms_by_pass": [round(ms, 3) for ms in medians[index]], "peak_extra_mb": round(peak, 1)})  # fmt: skip
     return results
 
 
