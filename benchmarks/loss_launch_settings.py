@@ -160,7 +160,7 @@ def chunking_cases(shape, calls: int = 8, settle_s: float = 3.0) -> list[dict]:
     order; ``ms`` is the mean of the two passes' medians."""
     import statistics
 
-    from benchmarks.sustained import _timed_calls
+    from benchmarks.sustained import timed_in_steady_state
     from fusetune.kernels import fused_linear_cross_entropy as flce
 
     tokens, hidden_size, vocab, _ = shape
@@ -200,7 +200,9 @@ def chunking_cases(shape, calls: int = 8, settle_s: float = 3.0) -> list[dict]:
     order = list(range(len(variants)))
     for indices in (order, order[::-1]):
         for index in indices:
-            samples, _began, _ended = _timed_calls(calls_by_variant[index][1], calls, settle_s, "cuda")
+            samples, _began, _ended = timed_in_steady_state(
+                calls_by_variant[index][1], calls, settle_s, "cuda"
+            )
             medians[index].append(statistics.median(samples))
     results = []
     for index, (variant, _fn, sizes, peak) in enumerate(calls_by_variant):

@@ -149,7 +149,9 @@ def _percentile(sorted_values: list[float], fraction: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(fraction * len(sorted_values)))]
 
 
-def _timed_calls(fn: Any, calls: int, settle_s: float, device: str) -> tuple[list[float], float, float]:
+def timed_in_steady_state(
+    fn: Any, calls: int, settle_s: float, device: str
+) -> tuple[list[float], float, float]:
     """(ms of each call, wall time the timed calls began, ended) after ``settle_s`` of back-to-back calls."""
     import torch
 
@@ -221,7 +223,9 @@ def measure_shape(
     passes: dict[str, list[tuple[list[float], float, float]]] = {impl: [] for impl in calls}
     for order in (list(calls), list(reversed(calls))):
         for impl in order:
-            passes[impl].append(_timed_calls(calls[impl][1], options.calls, options.settle_s, device))
+            passes[impl].append(
+                timed_in_steady_state(calls[impl][1], options.calls, options.settle_s, device)
+            )
     for impl, timed in passes.items():
         samples = sorted(ms for pass_samples, _began, _ended in timed for ms in pass_samples)
         row = measured_row(calls[impl][0], "fwd+bwd", statistics.median(samples), ceilings)
