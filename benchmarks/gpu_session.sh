@@ -8,6 +8,8 @@
 #   benchmarks/gpu_session.sh estimate [CONFIGS]   # benchmarks/memory_estimate.py
 #   benchmarks/gpu_session.sh scaling ARGS...      # benchmarks/scaling.py ARGS (e.g. --nproc 1,2,4)
 #   benchmarks/gpu_session.sh optimizer [IMPLS]    # benchmarks/optimizer.py (AdamW step at the 1B parameter set)
+#   benchmarks/gpu_session.sh sustained ARGS...    # benchmarks/sustained.py ARGS (each implementation in its own
+#                                                  # steady power state); MERGE_FROM=<results json> keeps its groups
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -42,6 +44,11 @@ case "$1" in
   scaling)
     shift
     timeout "$budget" python3 benchmarks/scaling.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/scaling.log" | tail -20 ;;
+  sustained)
+    shift
+    if [ -n "${MERGE_FROM:-}" ]; then cp "$MERGE_FROM" "$OUT/"; fi
+    timeout "$budget" python3 benchmarks/sustained.py --out "$OUT" ${MERGE_FROM:+--merge} "$@" 2>&1 \
+      | tee -a "$OUT/sustained.log" | grep -v -i warn | tail -30 ;;
   optimizer)
     timeout "$budget" python3 benchmarks/optimizer.py ${2:+--impls "$2"} --out "$OUT" 2>&1 \
       | tee -a "$OUT/optimizer.log" | tail -15 ;;
