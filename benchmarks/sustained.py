@@ -271,7 +271,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "back for a few seconds (its own steady power state), then a number of calls are timed between CUDA "
         "events (L2 flushed before each; both given under each table); all implementations in order, then "
         "again in reverse order. `median ms` is over both passes' calls, `pass 1` / `pass 2` each pass's "
-        "median. "
+        "median. A merged file's tables may come from different runs: each names its fusetune commit. "
         "Clocks: nvidia-smi samples during the timed calls, medians of the two passes: SM clock, power "
         "draw, and the share of samples with the SW power cap among the clock-event reasons.",
         "",
@@ -308,7 +308,11 @@ def render_markdown(payload: dict[str, Any]) -> str:
         timed = [row["calls"] // 2 for row in rows if "calls" in row]
         if timed:
             settle_s = group.get("settle_s", payload["settle_s"])
-            lines += [f"Settled {settle_s} s, then {max(timed)} timed calls per pass.", ""]
+            version = group.get("fusetune", payload["versions"].get("fusetune"))
+            lines += [
+                f"Settled {settle_s} s, then {max(timed)} timed calls per pass; fusetune {version}.",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -390,7 +394,14 @@ def main(argv: list[str] | None = None) -> int:
             for shape in args.shape or main_shapes(op, tiny=args.device == "cpu"):
                 rows = measure_shape(op, shape, args.impls, env, args, ceilings, sampler)
                 payload["rows"] += rows
-                payload["groups"].append({"op": op, "shape": shape, "settle_s": args.settle_s})
+                payload["groups"].append(
+                    {
+                        "op": op,
+                        "shape": shape,
+                        "settle_s": args.settle_s,
+                        "fusetune": payload["versions"]["fusetune"],
+                    }
+                )
                 for row in rows:
                     measured = row.get("ms", row.get("error"))
                     print(
