@@ -64,6 +64,7 @@ from benchmarks.kernels import (
     Env,
     Unavailable,
     build_workload,
+    error_rows,
     estimated_bytes,
     main_shapes,
     measured_row,
@@ -202,13 +203,15 @@ def measure_shape(
         while cases and sum(estimated_bytes(case) for case in cases) > 0.85 * free:
             largest = max(cases, key=estimated_bytes)
             cases.remove(largest)
-            rows.append(_skipped(largest, f"does not fit beside the others ({free / GIB:.1f} GiB free)"))
+            rows += error_rows(
+                largest, f"does not fit beside the others ({free / GIB:.1f} GiB free)", ceilings, True
+            )
     calls: dict[str, Any] = {}
     for case in cases:
         try:
             workload = build_workload(case, env)
         except Unavailable as reason:
-            rows.append(_skipped(case, str(reason)))
+            rows += error_rows(case, str(reason), ceilings, skipped=True)
             continue
 
         def fwd_bwd(workload=workload):
@@ -217,7 +220,7 @@ def measure_shape(
         try:
             fwd_bwd()  # compiles Triton kernels and torch.compile graphs before any timing
         except Exception as error:  # noqa: BLE001 - a failing implementation becomes its row's error
-            rows.append(_skipped(case, short_error(error), skipped=False))
+            rows += error_rows(case, short_error(error), ceilings)
             continue
         calls[case.impl] = (case, fwd_bwd)
     passes: dict[str, list[tuple[list[float], float, float]]] = {impl: [] for impl in calls}
@@ -245,19 +248,6 @@ def measure_shape(
             }
         rows.append(row)
     return rows
-
-
-def _skipped(case: Case, message: str, skipped: bool = True) -> dict:
-    return {
-        "op": case.op,
-        "mode": "fwd+bwd",
-        "impl": case.impl,
-        "dtype": "bfloat16",
-        "shape": dict(case.shape),
-        "set": case.set_name,
-        "error": ("skipped: " if skipped else "") + message,
-        **({"skipped": True} if skipped else {}),
-    }
 
 
 def render_markdown(payload: dict[str, Any]) -> str:

@@ -265,3 +265,41 @@ def test_sustained_smoke_on_cpu_writes_rows_in_the_kernel_format_and_merges(tmp_
         assert len(row["ms_by_pass"]) == 2 and row["calls"] == 4
     markdown = (tmp_path / "test-sustained.md").read_text()
     assert "## cross_entropy: T=8, V=700" in markdown
+
+
+def test_sustained_records_unavailable_and_failing_implementations_and_times_the_rest(monkeypatch):
+    import dataclasses
+
+    import torch
+
+    real_build = sustained.build_workload
+
+    def build(case, env):
+        if case.impl == "liger":
+            raise kernels.Unavailable("liger-kernel not installed")
+        workload = real_build(case, env)
+        if case.impl == "compile":  # built, but its call fails
+
+            def broken():
+                raise RuntimeError("the call failed here")
+
+            return dataclasses.replace(workload, forward=broken)
+        return workload
+
+    monkeypatch.setattr(sustained, "build_workload", build)
+    args = sustained.parse_args(["--device", "cpu", "--calls", "2", "--settle-s", "0"])
+    env = kernels.Env(device="cpu", dtype=torch.bfloat16)
+    rows = sustained.measure_shape(
+        "cross_entropy",
+        {"T": 4, "V": 50},
+        ["hf", "compile", "liger"],
+        env,
+        args,
+        None,
+        sustained.ClockSampler(),
+    )
+    by_impl = {row["impl"]: row for row in rows}
+    assert by_impl["liger"]["skipped"] and "liger-kernel not installed" in by_impl["liger"]["error"]
+    assert "the call failed here" in by_impl["compile"]["error"] and "skipped" not in by_impl["compile"]
+    assert "ms" not in by_impl["compile"] and "ms" not in by_impl["liger"]
+    assert by_impl["hf"]["ms"] > 0 and by_impl["hf"]["calls"] == 4
