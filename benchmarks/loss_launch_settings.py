@@ -12,6 +12,7 @@ kernels at the same shapes, for an old-against-new table from one machine sessio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -169,8 +170,15 @@ def chunking_cases(shape, calls: int = 8, settle_s: float = 3.0) -> list[dict]:
                 {"impl": "fusetune", "chunk_rows": 1024}, {"impl": "fusetune", "chunk_rows": 2048}]  # fmt: skip
     defaults = (flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT)
 
-    def aligned(variant: dict) -> tuple[int, int]:
-        return (variant["alignment"],) * 2 if "alignment" in variant else defaults
+    @contextlib.contextmanager
+    def chunk_units(variant: dict):
+        """The variant's chunk-row unit at every size, or the module's own rule."""
+        units = (variant["alignment"],) * 2 if "alignment" in variant else defaults
+        flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = units
+        try:
+            yield
+        finally:
+            flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = defaults
 
     free_device_memory()
     hidden, weight, labels, _ = linear_inputs(shape)
@@ -180,19 +188,13 @@ def chunking_cases(shape, calls: int = 8, settle_s: float = 3.0) -> list[dict]:
         loss_fn = linear_loss(variant["impl"], shape[3], **options)
 
         def fwd_bwd(loss_fn=loss_fn, variant=variant):
-            flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = aligned(variant)
-            try:
+            with chunk_units(variant):
                 return torch.autograd.grad([loss_fn(hidden, weight, labels)], [hidden, weight])
-            finally:
-                flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = defaults
 
-        flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = aligned(variant)
-        try:
+        with chunk_units(variant):
             sizes = flce.fused_linear_cross_entropy_chunk_sizes(
                 tokens, hidden_size, vocab, torch.bfloat16, options.get("logits_chunk_bytes")
             )
-        finally:
-            flce._CHUNK_ROW_ALIGNMENT, flce._LARGE_CHUNK_ROW_ALIGNMENT = defaults
         fwd_bwd()
         peak = CudaTimer().peak_extra_bytes(fwd_bwd, [hidden, weight]) / MIB
         calls_by_variant.append((variant, fwd_bwd, sizes, peak))
