@@ -3,7 +3,8 @@
 # call can do everything that belongs together. Logs and results go to $OUT (default ./gpu-out).
 #   benchmarks/gpu_session.sh tests [PATHS]   # kernel and model tests on the GPU (gpu-marked ones included)
 #   benchmarks/gpu_session.sh kernels [OPS]   # benchmarks/kernels.py, main shapes, all implementations
-#   benchmarks/gpu_session.sh sweeps       # the shape sweeps, fusetune against torch.compile and Liger
+#   benchmarks/gpu_session.sh sweeps [ARGS]  # the shape sweeps, fusetune against torch.compile and Liger; ARGS go
+#                                          # to kernels.py (--ops fused_linear_cross_entropy --sweep-tokens 65536)
 #   benchmarks/gpu_session.sh e2e MODELS IMPLS
 #   benchmarks/gpu_session.sh estimate [CONFIGS]   # benchmarks/memory_estimate.py
 #   benchmarks/gpu_session.sh scaling ARGS...      # benchmarks/scaling.py ARGS (e.g. --nproc 1,2,4)
@@ -31,7 +32,8 @@ case "$1" in
       --out "$OUT" --time-budget-s "$budget" 2>&1 | tee -a "$OUT/kernels.log" | tail -60 ;;
   sweeps)
     # Rows of the main shapes from an earlier call (committed results) are kept beside the sweep's.
-    python3 benchmarks/kernels.py --sweeps only --sweep-impls compile,liger,fusetune \
+    shift
+    python3 benchmarks/kernels.py --sweeps only --sweep-impls compile,liger,fusetune "$@" \
       ${MERGE_FROM:+--merge-from "$MERGE_FROM"} --out "$OUT" --time-budget-s "$budget" 2>&1 \
       | tee "$OUT/sweeps.log" | tail -30 ;;
   e2e)
