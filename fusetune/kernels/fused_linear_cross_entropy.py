@@ -87,13 +87,14 @@ DEFAULT_EXTRA_CHUNK_BYTES = 252 * 2**20
 # --parts gemms), chunks of 832 rows (13 x 64) cost 6.1 us a row at H=4096, V=151936 where 768 and 896
 # cost 5.5 and 5.6 (the logits matmul and dh alike), and the same at every H and V of the sweep. Where the
 # budget holds chunks of _LARGE_CHUNK_ROWS or more, 512-row units: measured on H100, each variant in its own
-# steady power state (3 s of calls, then 8 timed, twice: the method of benchmarks/loss_launch_settings.py
-# --parts chunk-rows, run from a scratch copy of it, 2026-11-27), fwd+bwd ms with 128 / 512 / 2048-row units / Liger-Kernel: T=65536, H=2048,
-# V=128256 165.5 / 163.5 / 162.1 / 163.6; T=65536, H=4096, V=151936 382.7 / 375.7 / 377.2 / 380.7;
-# T=65536, H=4096, V=128256 318.0 / 311.3 / 317.8 / 318.0. Below that size the 512 unit costs chunks
-# (do_bench, 2026-11-27, 128 / 256 / 512: T=8192, H=4096 39.6 / 39.8 / 40.1 with 8 chunks of 1024 instead
-# of 7; T=16384, H=1536, V=256000 77.2 / 80.1 / 80.6 with 32 chunks of 512 instead of 27), though
-# T=16384, H=4096 measured 82.4 / 80.4 / 80.2: not taken there.
+# steady power state (benchmarks/loss_launch_settings.py --parts chunk-rows --shapes ..., at e29d48b,
+# 2026-11-27), fwd+bwd ms with 128 / 512 / 2048-row units / Liger-Kernel: T=65536, H=2048, V=128256 167.9 /
+# 164.3 / 163.4 / 164.2; T=65536, H=4096, V=151936 384.8 / 377.3 / 378.8 / 381.6; T=65536, H=4096, V=256000,
+# softcap 30 653.2 / 648.5 / 648.7 / 658.9 (every chunk of 1024 rows: 172.9 / 388.2 / 665.6); a scratch run
+# of the same method, T=65536, H=4096, V=128256: 318.0 / 311.3 / 317.8 / 318.0. Below that size the 512
+# unit costs chunks (do_bench, 2026-11-27, 128 / 256 / 512: T=8192, H=4096 39.6 / 39.8 / 40.1 with 8 chunks
+# of 1024 instead of 7; T=16384, H=1536, V=256000 77.2 / 80.1 / 80.6 with 32 chunks of 512 instead of 27),
+# though T=16384, H=4096 measured 82.4 / 80.4 / 80.2: not taken there.
 _CHUNK_ROW_ALIGNMENT = 128
 _LARGE_CHUNK_ROW_ALIGNMENT = 512
 _LARGE_CHUNK_ROWS = 2048
