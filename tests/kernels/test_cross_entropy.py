@@ -227,6 +227,17 @@ def test_mutant_counting_ignored_tokens_in_mean_fails(device, tmp_path, monkeypa
 # --- compile ---------------------------------------------------------------------------------------
 
 
+def assert_same_loss_from_another_build(actual, expected):
+    """Losses of the loss-only and the gradient-writing builds of one kernel source. Bitwise equal under the
+    interpreter; on the GPU Triton fuses multiply-adds (enable_fp_fusion) differently in each build, so they
+    differ by up to 2 float32 ulps (H100, 2026-11-27: and by none with TRITON_DEFAULT_FP_FUSION=0): allowed
+    4 ulps there."""
+    if actual.is_cuda:
+        torch.testing.assert_close(actual, expected, atol=0.0, rtol=4 * 2.0**-23)
+    else:
+        torch.testing.assert_close(actual, expected, atol=0.0, rtol=0.0)
+
+
 def test_traces_with_fullgraph_aot_eager(device):
     """Dynamo + AOTAutograd trace through the custom ops with no graph break (CPU-safe backend)."""
     logits, labels = make_inputs(8, 600, torch.float32, device)
@@ -239,7 +250,7 @@ def test_traces_with_fullgraph_aot_eager(device):
     x = logits.clone().requires_grad_()
     loss = compiled(x, labels)
     loss.backward()
-    torch.testing.assert_close(loss, expected_loss, atol=0.0, rtol=0.0)
+    assert_same_loss_from_another_build(loss, expected_loss)  # compiled: the forward computes the loss only
     torch.testing.assert_close(x.grad, expected_grad, atol=0.0, rtol=0.0)
 
 
@@ -326,7 +337,8 @@ def test_columns_without_gradient_give_the_same_loss(device):
     ce_module.launch_cross_entropy_columns(
         logits_t, labels, loss_out=loss, grad_out=None, grad_scale=scale, correct_out=correct
     )
-    assert torch.equal(loss, expected) and torch.equal(correct, expected_correct)
+    assert_same_loss_from_another_build(loss, expected)
+    assert torch.equal(correct, expected_correct)
     assert torch.equal(logits_t, logits.t())
 
 

@@ -168,10 +168,8 @@ def test_held_logits_width():
     assert flce_module._held_logits_width(47, 47) == 47  # 48 would not fit
 
 
-@pytest.mark.parametrize(("width", "bounce_rows"), [(16, 129), (40, 129), (48, 129), (48, 1000), (1, 1)])
-def test_weight_gradient_over_its_transposed_logits(device, width, bounce_rows):
-    # dW = logits_t @ h with logits_t at the start of dW's own memory: rows clear of the unread logits in
-    # one matmul, the others through the bounce buffer (all of them when the width is H), any buffer size.
+def assert_weight_gradient_over_its_logits(write_weight_gradient, device, width, bounce_rows):
+    """dW = logits_t @ h through ``write_weight_gradient``, with logits_t at the start of dW's own memory."""
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(width, HIDDEN, generator=generator).to(device)
     logits_t = torch.randn(VOCAB, width, generator=generator).to(device)
@@ -180,8 +178,17 @@ def test_weight_gradient_over_its_transposed_logits(device, width, bounce_rows):
     held = flce_module._transposed_logits_in(grad_weight, width, width)
     held.copy_(logits_t)
     bounce = torch.empty(bounce_rows * HIDDEN, device=device)
-    flce_module._weight_gradient_over_its_transposed_logits(grad_weight, held, hidden, bounce)
+    write_weight_gradient(grad_weight, held, hidden, bounce)
     assert_close_scaled(grad_weight, expected, torch.float32)
+
+
+@pytest.mark.parametrize(("width", "bounce_rows"), [(16, 129), (40, 129), (48, 129), (48, 1000), (1, 1)])
+def test_weight_gradient_over_its_transposed_logits(device, width, bounce_rows):
+    # Rows clear of the unread logits in one matmul, the others through the bounce buffer (all of them when
+    # the width is H), any buffer size.
+    assert_weight_gradient_over_its_logits(
+        flce_module._weight_gradient_over_its_transposed_logits, device, width, bounce_rows
+    )
 
 
 # (tokens, dtype, options, ignored_every, bias) against an 8-row budget, H = 48: all tokens (ignored ones too,
@@ -244,16 +251,28 @@ def _no_bounce(grad_weight, logits_t, hidden, bounce):
         torch.mm(logits_t[low:top], hidden, out=grad_weight[low:top])
 
 
+def _matmul_by_column_panels(a, b, *, out, panel=16):
+    """out = a @ b as a tiled matmul may run it: column panel by column panel, each output row written as soon
+    as it is computed and ``a`` read again for every panel. Whether a real matmul whose ``out`` overlaps
+    ``a`` reads a row before another tile writes over it depends on the order its tiles run in (at the
+    test's sizes cuBLAS happens to read everything first; a CPU BLAS that packs ``a`` first does too); this
+    order shows every such overlap."""
+    for start in range(0, b.shape[1], panel):
+        for row in range(a.shape[0]):
+            out[row, start : start + panel] = a[row] @ b[:, start : start + panel]
+    return out
+
+
 @pytest.mark.parametrize("mutant", [_one_matmul, _no_bounce], ids=["one-matmul", "no-bounce"])
-def test_mutant_writing_the_weight_gradient_over_its_logits_fails(device, monkeypatch, mutant):
+@pytest.mark.parametrize("width", [16, 40, 48])
+def test_mutant_writing_the_weight_gradient_over_its_logits_fails(monkeypatch, mutant, width):
     # Writing dW's rows before the logits under them are read (at once, or block by block from the last
-    # without the bounce buffer) corrupts it.
-    hidden, weight, labels, _ = make_inputs(40, torch.float32, device)
-    options = {"reduction": "sum", "logits_chunk_bytes": chunk_bytes(8, torch.float32)}
-    assert_matches_reference(hidden, weight, labels, **options)
-    monkeypatch.setattr(flce_module, "_weight_gradient_over_its_transposed_logits", mutant)
-    with pytest.raises((AssertionError, RuntimeError)):
-        assert_matches_reference(hidden, weight, labels, **options)
+    # without the bounce buffer) corrupts it, with matmuls that write as they go (the real function passes).
+    monkeypatch.setattr(torch, "mm", _matmul_by_column_panels)
+    write = flce_module._weight_gradient_over_its_transposed_logits
+    assert_weight_gradient_over_its_logits(write, "cpu", width, bounce_rows=129)
+    with pytest.raises(AssertionError, match="not close"):
+        assert_weight_gradient_over_its_logits(mutant, "cpu", width, bounce_rows=129)
 
 
 def test_loss_can_be_divided_in_place(device):
@@ -479,9 +498,10 @@ def test_rejects_bad_arguments():
 # --- mutation tests ---------------------------------------------------------------------------------
 
 
-# (kernel whose source is mutated, tokens): 16 tokens are held in dW's memory (the kernels over [V, N]
-# logits, through _entry_gradient), 80 run in chunks (the row kernel).
-SOFTCAP_MUTANTS = [("_entry_gradient", 16), ("_cross_entropy_forward_kernel", 80)]
+# (kernel whose source is mutated, tokens): 16 tokens are held in dW's memory (the kernel over [V, N]
+# logits, whose helper _entry_gradient has the anchor: a copy of the kernel with the mutated helper, since a
+# compiled kernel keeps the helper it was built with), 80 run in chunks (the row kernel).
+SOFTCAP_MUTANTS = [("_cross_entropy_columns_kernel", 16), ("_cross_entropy_forward_kernel", 80)]
 
 
 @pytest.mark.parametrize(("kernel", "n_tokens"), SOFTCAP_MUTANTS, ids=["held", "chunks"])

@@ -179,8 +179,8 @@ def test_skip_ignored_tokens_never_reach_a_gather(device):
     assert torch.equal(grad_hidden[ignored], torch.zeros_like(grad_hidden[ignored]))
 
 
-def test_skip_refuses_label_smoothing_and_bad_thresholds():
-    hidden, weight, labels, _ = peaked_inputs(4, torch.float32, "cpu")
+def test_skip_refuses_label_smoothing_and_bad_thresholds(device):
+    hidden, weight, labels, _ = peaked_inputs(4, torch.float32, device)
     with pytest.raises(ValueError, match="label_smoothing"):
         fused_linear_cross_entropy(hidden, weight, labels, skip_small_gradients=True, label_smoothing=0.1)
     with pytest.raises(ValueError, match="label_smoothing"):
@@ -199,18 +199,21 @@ def test_skip_refuses_label_smoothing_and_bad_thresholds():
 @pytest.mark.parametrize("factor", [16.0, 4.0])
 def test_mutant_skipping_entries_above_the_threshold_fails(device, tmp_path, monkeypatch, factor):
     # A mask that also skips entries up to `factor` times above the threshold (2**-8 and 2**-10 instead
-    # of 2**-12) must fail the same comparison that the real mask passes.
-    mutant = mutated_kernel(
-        ce_module.is_live_gradient, "tl.abs(g) > limit", f"tl.abs(g) > {factor} * limit", tmp_path,
-        f"skip_above_threshold_{int(factor)}",
-    )  # fmt: skip
+    # of 2**-12) must fail the same comparison that the real mask passes. The judge is shared by the
+    # counting (cross-entropy) kernel and the collecting kernel: both run with the mutated judge, as copies
+    # of themselves (a compiled kernel keeps the helper it was built with, so replacing the helper alone
+    # changes nothing on the GPU).
+    old, new = "tl.abs(g) > limit", f"tl.abs(g) > {factor} * limit"
+    counting = mutated_kernel(
+        ce_module._cross_entropy_forward_kernel, old, new, tmp_path, f"count_{factor:g}"
+    )
+    collecting = mutated_kernel(flce_module._collect_live_kernel, old, new, tmp_path, f"collect_{factor:g}")
     hidden, weight, labels, _ = peaked_inputs(32, torch.bfloat16, device)
     options = {"reduction": "mean", "logits_chunk_bytes": chunk_bytes(8, torch.bfloat16)}
     assert DEFAULT_SKIP_THRESHOLD == 2.0**-12
     assert_skip_matches_reference(hidden, weight, labels, **options)  # the real mask passes
-    # The judge is shared by the counting (cross-entropy kernel) and the collecting kernel.
-    monkeypatch.setattr(ce_module, "is_live_gradient", mutant)
-    monkeypatch.setattr(flce_module, "is_live_gradient", mutant)
+    monkeypatch.setattr(ce_module, "_cross_entropy_forward_kernel", counting)
+    monkeypatch.setattr(flce_module, "_collect_live_kernel", collecting)
     with pytest.raises(AssertionError, match="not close"):
         assert_skip_matches_reference(hidden, weight, labels, **options)
 
