@@ -1,57 +1,85 @@
 #!/usr/bin/env bash
-# Runs on a GPU machine from the repository root: the GPU tests and the benchmarks, in stages, so one batched
-# call can do everything that belongs together. Logs and results go to $OUT (default ./gpu-out).
-#   benchmarks/gpu_session.sh tests [PATHS]   # kernel and model tests on the GPU (gpu-marked ones included)
-#   benchmarks/gpu_session.sh kernels [OPS]   # benchmarks/kernels.py, main shapes, all implementations
-#   benchmarks/gpu_session.sh sweeps [ARGS]  # the shape sweeps, fusetune against torch.compile and Liger; ARGS go
-#                                          # to kernels.py (--ops fused_linear_cross_entropy --sweep-tokens 65536)
-#   benchmarks/gpu_session.sh e2e MODELS IMPLS
-#   benchmarks/gpu_session.sh estimate [CONFIGS]   # benchmarks/memory_estimate.py
-#   benchmarks/gpu_session.sh scaling ARGS...      # benchmarks/scaling.py ARGS (e.g. --nproc 1,2,4)
-#   benchmarks/gpu_session.sh optimizer [IMPLS]    # benchmarks/optimizer.py (AdamW step at the 1B parameter set)
-#   benchmarks/gpu_session.sh sustained ARGS...    # benchmarks/sustained.py ARGS (each implementation in its own
-#                                                  # steady power state); MERGE_FROM=<results json> keeps its groups
+# Runs on a GPU machine from the repository root: the GPU tests and the benchmarks, in stages, so that one
+# batched call does everything that belongs together, e.g.
+#   benchmarks/gpu_session.sh tests; benchmarks/gpu_session.sh kernels; benchmarks/gpu_session.sh e2e M I
+# Logs and results go to $OUT (default ./gpu-out); after every stage the markdown of the results there is
+# regenerated. Back on the development machine, `python3 -m benchmarks.summary --merge-in gpu-out/*-*.json`
+# takes the sections a session wrote into benchmarks/results/. BUDGET_S (default 300) bounds each stage;
+# MERGE_FROM=<results json> keeps an earlier run's rows beside this one's (kernels, sweeps, sustained, e2e,
+# scaling).
+#   tests [PATHS]              kernel and model tests on the GPU (gpu-marked ones included)
+#   kernels [OPS]              benchmarks.kernels.ops, main shapes, all implementations
+#   sweeps [ARGS...]           the shape sweeps, fusetune against torch.compile and Liger; ARGS go to
+#                              benchmarks.kernels.ops (--ops fused_linear_cross_entropy --sweep-tokens 65536)
+#   sustained [ARGS...]        benchmarks.kernels.sustained (each implementation in its own steady power state)
+#   optimizer [IMPLS]          benchmarks.kernels.optimizer (AdamW step at the 1B parameter set)
+#   loss-skip                  benchmarks.kernels.loss_skip
+#   e2e MODELS IMPLS [ARGS...] benchmarks.step.e2e
+#   trainer-step [ARGS...]     benchmarks.step.trainer_step
+#   dpo [ARGS...]              benchmarks.step.dpo
+#   estimate [CONFIGS]         benchmarks.step.memory_estimate
+#   service [ARGS...]          benchmarks.service.jobs
+#   scaling [ARGS...]          benchmarks.scaling.gpus (e.g. --nproc 1,2,4)
+#   quality [ARGS...]          benchmarks.quality.precision
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:.
+  export PYTHONPATH=/tmp/site:$PWD
 else
-  export PYTHONPATH=.
+  export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
 budget=${BUDGET_S:-300}
+merge=()
+if [ -n "${MERGE_FROM:-}" ]; then merge=(--merge-from "$MERGE_FROM"); fi
 
-case "$1" in
+# stage LOG LINES COMMAND...: the command's output appended to $OUT/LOG.log, its last LINES lines shown.
+stage() {
+  local log=$1 lines=$2
+  shift 2
+  "$@" 2>&1 | tee -a "$OUT/$log.log" | grep -v -i "warn" | tail -"$lines"
+}
+
+name=${1:-}
+shift || true
+case "$name" in
   tests)
-    timeout "$budget" python3 -m pytest -q -rfE -p no:cacheprovider ${2:-tests/kernels tests/models} 2>&1 \
-      | tee -a "$OUT/gpu-tests.log" | tail -25 ;;
+    stage gpu-tests 25 timeout "$budget" python3 -m pytest -q -rfE -p no:cacheprovider ${1:-tests/kernels tests/models} ;;
   kernels)
-    python3 benchmarks/kernels.py --sweeps none ${2:+--ops "$2"} ${MERGE_FROM:+--merge-from "$MERGE_FROM"} \
-      --out "$OUT" --time-budget-s "$budget" 2>&1 | tee -a "$OUT/kernels.log" | tail -60 ;;
+    stage kernels 60 python3 -m benchmarks.kernels.ops --sweeps none ${1:+--ops "$1"} "${merge[@]}" \
+      --out "$OUT" --time-budget-s "$budget" ;;
   sweeps)
     # Rows of the main shapes from an earlier call (committed results) are kept beside the sweep's.
-    shift
-    python3 benchmarks/kernels.py --sweeps only --sweep-impls compile,liger,fusetune "$@" \
-      ${MERGE_FROM:+--merge-from "$MERGE_FROM"} --out "$OUT" --time-budget-s "$budget" 2>&1 \
-      | tee "$OUT/sweeps.log" | tail -30 ;;
-  e2e)
-    python3 benchmarks/e2e.py --models "$2" --impls "$3" --out "$OUT" --time-budget-s "$budget" \
-      ${MERGE_FROM:+--merge-from "$MERGE_FROM"} 2>&1 \
-      | tee -a "$OUT/e2e.log" | tail -30 ;;
-  estimate)
-    timeout "$budget" python3 benchmarks/memory_estimate.py ${2:+--configs "$2"} --out "$OUT" 2>&1 \
-      | tee -a "$OUT/estimate.log" | tail -20 ;;
-  scaling)
-    shift
-    timeout "$budget" python3 benchmarks/scaling.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/scaling.log" | tail -20 ;;
+    stage sweeps 30 python3 -m benchmarks.kernels.ops --sweeps only --sweep-impls compile,liger,fusetune "$@" \
+      "${merge[@]}" --out "$OUT" --time-budget-s "$budget" ;;
   sustained)
-    shift
-    if [ -n "${MERGE_FROM:-}" ]; then cp "$MERGE_FROM" "$OUT/"; fi
-    timeout "$budget" python3 benchmarks/sustained.py --out "$OUT" ${MERGE_FROM:+--merge} "$@" 2>&1 \
-      | tee -a "$OUT/sustained.log" | grep -v -i warn | tail -30 ;;
+    stage sustained 30 timeout "$budget" python3 -m benchmarks.kernels.sustained --out "$OUT" "${merge[@]}" "$@" ;;
   optimizer)
-    timeout "$budget" python3 benchmarks/optimizer.py ${2:+--impls "$2"} --out "$OUT" 2>&1 \
-      | tee -a "$OUT/optimizer.log" | tail -15 ;;
+    stage optimizer 15 timeout "$budget" python3 -m benchmarks.kernels.optimizer ${1:+--impls "$1"} --out "$OUT" ;;
+  loss-skip)
+    stage loss-skip 20 timeout "$budget" python3 -m benchmarks.kernels.loss_skip --out "$OUT" \
+      --budget-s "$((budget - 60))" ;;
+  e2e)
+    models=$1 impls=$2
+    shift 2
+    stage e2e 30 python3 -m benchmarks.step.e2e --models "$models" --impls "$impls" --out "$OUT" \
+      --time-budget-s "$budget" "${merge[@]}" "$@" ;;
+  trainer-step)
+    stage trainer-step 30 timeout "$budget" python3 -m benchmarks.step.trainer_step --out "$OUT" "$@" ;;
+  dpo)
+    stage dpo 30 timeout "$budget" python3 -m benchmarks.step.dpo --out "$OUT" "$@" ;;
+  estimate)
+    stage estimate 20 timeout "$budget" python3 -m benchmarks.step.memory_estimate ${1:+--configs "$1"} --out "$OUT" ;;
+  service)
+    stage service 20 timeout "$budget" python3 -m benchmarks.service.jobs --out "$OUT" "$@" ;;
+  scaling)
+    stage scaling 20 timeout "$budget" python3 -m benchmarks.scaling.gpus --out "$OUT" "${merge[@]}" "$@" ;;
+  quality)
+    stage quality 20 timeout "$budget" python3 -m benchmarks.quality.precision --out "$OUT" "$@" ;;
+  *)
+    echo "usage: benchmarks/gpu_session.sh STAGE [ARGS...]; the stages are listed at the top of this file" >&2
+    exit 2 ;;
 esac
+python3 -m benchmarks.summary --results "$OUT" >/dev/null

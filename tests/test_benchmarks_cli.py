@@ -1,4 +1,5 @@
-"""The benchmark scripts answer --help without a GPU, and their floors agree with shared/ANCHORS.md."""
+"""Every benchmark script answers --help without a GPU (run as `python -m benchmarks.<topic>.<script>`, as
+gpu_session.sh runs it), and the kernel floors agree with shared/ANCHORS.md."""
 
 import argparse
 import json
@@ -8,28 +9,60 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import e2e, kernels, sustained
-from benchmarks._common import gpu_slug
+from benchmarks import workloads
+from benchmarks.harness import gpu_slug
+from benchmarks.kernels import ops, sustained
+from benchmarks.step import e2e
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO_ROOT / "benchmarks"
+# Every script, by module, with options its --help must name.
+SCRIPT_OPTIONS = {
+    "benchmarks.kernels.ops": ("--impls", "--out", "--merge", "--section"),
+    "benchmarks.kernels.sustained": ("--impls", "--out", "--merge"),
+    "benchmarks.kernels.optimizer": ("--impls", "--out"),
+    "benchmarks.kernels.loss_skip": ("--budget-s", "--out"),
+    "benchmarks.kernels.loss_launch_settings": ("--parts", "--tag"),
+    "benchmarks.kernels.norm_launch_settings": ("--ops", "--shapes"),
+    "benchmarks.kernels.cross_entropy_ab": ("others",),
+    "benchmarks.kernels.cross_entropy_bounds": ("--out",),
+    "benchmarks.kernels.host_profile": ("--cases",),
+    "benchmarks.step.e2e": ("--impls", "--out", "--merge", "--section"),
+    "benchmarks.step.trainer_step": ("--variants", "--tiny", "--out"),
+    "benchmarks.step.dpo": ("--impls", "--tiny", "--pairs", "--out"),
+    "benchmarks.step.memory_estimate": ("--configs", "--out"),
+    "benchmarks.service.jobs": ("--variants", "--out"),
+    "benchmarks.service.load": ("--clients", "--out"),
+    "benchmarks.service.object_store_clients": ("--endpoint",),
+    "benchmarks.scaling.gpus": ("--nproc", "--cpu-smoke", "--out"),
+    "benchmarks.quality.precision": ("--tiny", "--lrs", "--out"),
+    "benchmarks.summary": ("--results", "--merge-in"),
+}
 
 
-@pytest.mark.parametrize("script", ["kernels.py", "e2e.py", "sustained.py"])
-def test_help_runs_without_a_gpu(script):
+def test_every_script_is_covered():
+    scripts = {
+        ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        for path in BENCHMARKS.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    library = {"benchmarks.harness", "benchmarks.workloads"}
+    assert scripts - library == set(SCRIPT_OPTIONS)
+
+
+@pytest.mark.parametrize("module", sorted(SCRIPT_OPTIONS))
+def test_help_runs_without_a_gpu(module):
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / script), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
     )
     assert completed.returncode == 0, completed.stderr
-    assert "--impls" in completed.stdout and "--out" in completed.stdout
+    for option in SCRIPT_OPTIONS[module]:
+        assert option in completed.stdout, (module, option)
 
 
 def test_unknown_op_is_refused():
     with pytest.raises(SystemExit):
-        kernels.parse_args(["--ops", "rms_norm,not_an_op"])
+        ops.parse_args(["--ops", "rms_norm,not_an_op"])
 
 
 @pytest.mark.parametrize(
@@ -55,12 +88,12 @@ ANCHOR_CEILINGS = {"copy_GBps": 3012.0, "bf16_matmul_TFLOPs": 723.0}
     ],
 )
 def test_floors_match_anchors(op, shape, anchor_floor_ms):
-    floor = kernels.floor_ms(op, shape, "fwd+bwd", ANCHOR_CEILINGS)
+    floor = ops.floor_ms(op, shape, "fwd+bwd", ANCHOR_CEILINGS)
     assert floor == pytest.approx(anchor_floor_ms, rel=0.01)
 
 
 def test_cases_cover_the_required_shapes():
-    cases = kernels.enumerate_cases(list(kernels.OPS), list(kernels.IMPLS), "all", tiny=False)
+    cases = ops.enumerate_cases(list(ops.OPS), list(ops.IMPLS), "all", tiny=False)
     keys = {(case.op, json.dumps(case.shape, sort_keys=True), case.impl) for case in cases}
     assert ("rms_norm", json.dumps({"H": 32768, "T": 65536}, sort_keys=True), "compile") in keys
     assert ("cross_entropy", json.dumps({"T": 65536, "V": 256000}, sort_keys=True), "liger") in keys
@@ -69,34 +102,32 @@ def test_cases_cover_the_required_shapes():
         json.dumps({"H": 4096, "T": 1024, "V": 151936}, sort_keys=True),
         "hf",
     ) in keys
-    quick = kernels.enumerate_cases(list(kernels.OPS), list(kernels.IMPLS), "none", tiny=False)
+    quick = ops.enumerate_cases(list(ops.OPS), list(ops.IMPLS), "none", tiny=False)
     assert {case.set_name for case in quick} == {"main"}
 
 
 def test_results_file_keeps_the_anchor_format_and_renders():
-    case = kernels.Case("rms_norm", {"T": 16384, "H": 4096}, "fusetune", "main")
-    rows = [kernels.measured_row(case, mode, 0.2, ANCHOR_CEILINGS) for mode in kernels.MODES]
+    case = ops.Case("rms_norm", {"T": 16384, "H": 4096}, "fusetune", "main")
+    rows = [ops.measured_row(case, mode, 0.2, ANCHOR_CEILINGS) for mode in ops.MODES]
     rows[-1]["peak_extra_mb"] = 128.0
-    rows += kernels.error_rows(
-        kernels.Case("rms_norm", case.shape, "liger", "main"), "not installed", None, True
-    )
+    rows += ops.error_rows(ops.Case("rms_norm", case.shape, "liger", "main"), "not installed", None, True)
     meta = {
         "gpu": "NVIDIA H100 80GB HBM3",
         "date": "2026-11-23",
         "versions": {"fusetune": "abc"},
         "ceilings": ANCHOR_CEILINGS,
     }
-    payload = kernels.results_payload(meta, rows, None, ["rms_norm"])
+    payload = ops.results_payload(meta, rows, None, ["rms_norm"])
     assert {"gpu", "date", "versions", "ceilings", "rows"} <= payload.keys()
     total = next(row for row in payload["rows"] if row["mode"] == "fwd+bwd" and row["impl"] == "fusetune")
     assert {"op", "mode", "impl", "dtype", "shape", "ms", "peak_extra_mb", "floor_ms"} <= total.keys()
     assert total["floor_ratio"] == pytest.approx(0.2 / total["floor_ms"], rel=1e-3)
-    markdown = kernels.render_markdown(payload)
+    markdown = ops.render_markdown(payload)
     assert "## rms_norm: T=16384, H=4096" in markdown and "skipped: not installed" in markdown
 
 
 def test_e2e_configs_have_the_stated_shapes():
-    family, fields = e2e.MODEL_SHAPES["llama-3.2-1b-shape"]
+    family, fields = workloads.MODEL_SHAPES["llama-3.2-1b-shape"]
     assert family == "llama"
     assert (fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"]) == (
         2048,
@@ -114,48 +145,47 @@ def test_e2e_configs_have_the_stated_shapes():
 def test_merge_keeps_rows_of_ops_not_rerun():
     meta = {"gpu": "g", "date": "d", "versions": {"fusetune": "new"}, "ceilings": ANCHOR_CEILINGS}
     old_rows = [
-        kernels.measured_row(kernels.Case(op, {"T": 8, "H": 8}, "hf", "main"), "fwd", 1.0, ANCHOR_CEILINGS)
+        ops.measured_row(ops.Case(op, {"T": 8, "H": 8}, "hf", "main"), "fwd", 1.0, ANCHOR_CEILINGS)
         for op in ("rms_norm", "layer_norm")
     ]
-    previous = kernels.results_payload(
+    previous = ops.results_payload(
         {**meta, "versions": {"fusetune": "old"}}, old_rows, None, ["rms_norm", "layer_norm"]
     )
-    new_row = kernels.measured_row(
-        kernels.Case("layer_norm", {"T": 8, "H": 8}, "hf", "main"), "fwd", 2.0, ANCHOR_CEILINGS
+    new_row = ops.measured_row(
+        ops.Case("layer_norm", {"T": 8, "H": 8}, "hf", "main"), "fwd", 2.0, ANCHOR_CEILINGS
     )
-    merged = kernels.results_payload(meta, [new_row], previous, ["layer_norm"])
+    merged = ops.results_payload(meta, [new_row], previous, ["layer_norm"])
     assert [(row["op"], row["ms"]) for row in merged["rows"]] == [("rms_norm", 1.0), ("layer_norm", 2.0)]
     assert [run["ops"] for run in merged["runs"]] == [["rms_norm"], ["layer_norm"]]
 
     # a sweep of an op replaces its earlier sweep rows only: the main-shape rows stay
-    sweep_row = kernels.measured_row(
-        kernels.Case("rms_norm", {"T": 16, "H": 8}, "hf", "sweep"), "fwd+bwd", 3.0, ANCHOR_CEILINGS
+    sweep_row = ops.measured_row(
+        ops.Case("rms_norm", {"T": 16, "H": 8}, "hf", "sweep"), "fwd+bwd", 3.0, ANCHOR_CEILINGS
     )
-    swept = kernels.results_payload(meta, [sweep_row], merged, ["rms_norm"])
+    swept = ops.results_payload(meta, [sweep_row], merged, ["rms_norm"])
     assert [(row["op"], row["set"], row["ms"]) for row in swept["rows"]] == [
         ("rms_norm", "main", 1.0), ("layer_norm", "main", 2.0), ("rms_norm", "sweep", 3.0)
     ]  # fmt: skip
 
 
 def test_service_benchmark_variants_are_checked():
-    from benchmarks import service
+    from benchmarks.service import jobs
 
-    args = service.parse_args(["--variants", "kernels=on,precision=bf16-mixed; kernels=off,batch_size=auto"])
+    args = jobs.parse_args(["--variants", "kernels=on,precision=bf16-mixed; kernels=off,batch_size=auto"])
     assert args.variant_hyper == [
         ("kernels=on,precision=bf16-mixed", {"kernels": True, "precision": "bf16-mixed"}),
         ("kernels=off,batch_size=auto", {"kernels": False, "batch_size": "auto"}),
     ]
     with pytest.raises(SystemExit):
-        service.parse_args(["--variants", "kernel=on"])
+        jobs.parse_args(["--variants", "kernel=on"])
     with pytest.raises(SystemExit):
-        service.parse_args(["--variants", "kernels=maybe"])
+        jobs.parse_args(["--variants", "kernels=maybe"])
 
 
 def test_service_benchmark_data_has_the_asked_length_spread():
-    from benchmarks import service
     from fusetune.demo.assets import build_tokenizer
 
-    _, lengths = service.chat_examples(200, 620, seed=0, tokenizer=build_tokenizer())
+    _, lengths = workloads.chat_examples(200, 620, seed=0, tokenizer=build_tokenizer())
     mean = sum(lengths) / len(lengths)
     assert 0.85 * 620 < mean < 1.15 * 620 and max(lengths) <= 3 * 620 + 64 and min(lengths) < 0.6 * 620
 
@@ -176,20 +206,8 @@ def test_e2e_profile_summary_counts_busy_time_once_and_finds_the_idle_gaps():
     assert "## Profile of one step: m" in "\n".join(e2e.render_profiles(rows))
 
 
-def test_dpo_benchmark_help_runs_without_a_gpu():
-    completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "dpo.py"), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-    )
-    assert completed.returncode == 0, completed.stderr
-    assert "--impls" in completed.stdout and "--tiny" in completed.stdout and "--pairs" in completed.stdout
-
-
 def test_dpo_benchmark_arguments_are_checked():
-    from benchmarks import dpo
+    from benchmarks.step import dpo
 
     args = dpo.parse_args(["--impls", "fusetune, trl+liger"])
     assert args.impl_list == ["fusetune", "trl+liger"] and (args.pairs, args.seq) == (4, 2048)
@@ -251,7 +269,7 @@ def test_sustained_smoke_on_cpu_writes_rows_in_the_kernel_format_and_merges(tmp_
     common += ["--out", str(tmp_path), "--gpu-slug", "test"]
     assert sustained.main([*common, "--shape", "T=8,V=600"]) == 0
     assert sustained.main([*common, "--shape", "T=8,V=700", "--merge"]) == 0
-    payload = json.loads((tmp_path / "test-sustained.json").read_text())
+    payload = json.loads((tmp_path / "test-kernels.json").read_text())["sections"]["sustained"]
     assert [group["shape"] for group in payload["groups"]] == [{"T": 8, "V": 600}, {"T": 8, "V": 700}]
     rows = payload["rows"]
     assert sorted((row["shape"]["V"], row["impl"]) for row in rows) == [
@@ -263,7 +281,7 @@ def test_sustained_smoke_on_cpu_writes_rows_in_the_kernel_format_and_merges(tmp_
     for row in rows:
         assert row["mode"] == "fwd+bwd" and row["ms"] > 0 and row["ms_p10"] <= row["ms_p90"]
         assert len(row["ms_by_pass"]) == 2 and row["calls"] == 4
-    markdown = (tmp_path / "test-sustained.md").read_text()
+    markdown = sustained.render_markdown(payload)
     assert "## cross_entropy: T=8, V=700" in markdown
 
 
@@ -276,7 +294,7 @@ def test_sustained_records_unavailable_and_failing_implementations_and_times_the
 
     def build(case, env):
         if case.impl == "liger":
-            raise kernels.Unavailable("liger-kernel not installed")
+            raise ops.Unavailable("liger-kernel not installed")
         workload = real_build(case, env)
         if case.impl == "compile":  # built, but its call fails
 
@@ -288,7 +306,7 @@ def test_sustained_records_unavailable_and_failing_implementations_and_times_the
 
     monkeypatch.setattr(sustained, "build_workload", build)
     args = sustained.parse_args(["--device", "cpu", "--calls", "2", "--settle-s", "0"])
-    env = kernels.Env(device="cpu", dtype=torch.bfloat16)
+    env = ops.Env(device="cpu", dtype=torch.bfloat16)
     rows = sustained.measure_shape(
         "cross_entropy",
         {"T": 4, "V": 50},

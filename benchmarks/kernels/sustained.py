@@ -2,7 +2,7 @@
 
 Under sustained matmul load an H100 reaches its 700 W cap within about a second and the SM clock then
 falls from 1,980 MHz to 1,170-1,700 MHz (nvidia-smi's clock-event reason 0x4, SW power cap; H100,
-2026-11-27), so a matmul-bound call's time depends on what ran before it. kernels.py times each
+2026-11-27), so a matmul-bound call's time depends on what ran before it. ops.py times each
 implementation for about a second after the previous one: whichever follows an idle spell or a light
 implementation takes part of its samples at the full clock. Calling the implementations in turn does not
 cure it either: each call then runs in the power state its predecessor left (measured on H100 at the fused
@@ -15,13 +15,13 @@ clock-event reasons are sampled through the timed calls (nvidia-smi) and reporte
 cap a call's time follows the energy it spends, its memory traffic included, not only its kernels'
 durations at the full clock.
 
-    PYTHONPATH=. python3 benchmarks/sustained.py                                   # the main shapes
-    PYTHONPATH=. python3 benchmarks/sustained.py --ops fused_linear_cross_entropy \\
+    python3 -m benchmarks.kernels.sustained                                   # the main shapes
+    python3 -m benchmarks.kernels.sustained --ops fused_linear_cross_entropy \\
         --shape T=8192,H=1536,V=256000,softcap=30 --shape T=4096,H=2048,V=151936 --merge
-    PYTHONPATH=. python3 benchmarks/sustained.py --device cpu --ops cross_entropy --impls hf,fusetune
+    python3 -m benchmarks.kernels.sustained --device cpu --ops cross_entropy --impls hf,fusetune
 
-Writes ``<gpu>-sustained.json`` (rows in the format of the kernel results, plus ``ms_p10`` / ``ms_p90``,
-each pass's median and the clocks of the timed calls) and its markdown twin.
+Writes the section "sustained" of ``<gpu>-kernels.json``: rows in the format of ops.py's, plus ``ms_p10`` /
+``ms_p90``, each pass's median and the clocks of the timed calls.
 """
 
 from __future__ import annotations
@@ -34,30 +34,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import (
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    collect_versions,
-    free_device_memory,
-    gpu_slug,
-    load_results,
-    markdown_table,
-    measure_ceilings,
-    short_error,
-    utc_date,
-    write_json,
-    write_text,
-)
-from benchmarks.kernels import (
+from benchmarks import harness
+from benchmarks.harness import GIB, markdown_table, short_error
+from benchmarks.kernels.ops import (
     OP_IMPLS,
     OPS,
     Case,
@@ -70,6 +53,8 @@ from benchmarks.kernels import (
     measured_row,
     run_backward,
 )
+
+RESULTS = harness.Benchmark("sustained", topic="kernels")
 
 DEFAULT_OPS = ("fused_linear_cross_entropy", "swiglu_mlp", "cross_entropy")
 # nvidia-smi's clock-event bit for the software power cap.
@@ -257,7 +242,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         f"Versions: {versions}.",
         "",
-        "Method: benchmarks/sustained.py. Every implementation of an op is built at once; each runs back to "
+        "Method: benchmarks/kernels/sustained.py. Every implementation of an op is built at once; each runs back to "
         "back for a few seconds (its own steady power state), then a number of calls are timed between CUDA "
         "events (L2 flushed before each; both given under each table); all implementations in order, then "
         "again in reverse order. `median ms` is over both passes' calls, `pass 1` / `pass 2` each pass's "
@@ -325,12 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--settle-s", type=float, default=3.0, help="seconds of back-to-back calls before each timing"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
-    parser.add_argument("--gpu-slug", default=None, help="file-name prefix; default from the device name")
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="keep the results file's groups (op and shape) that this run does not measure again",
+    harness.add_results_arguments(
+        parser, RESULTS, merge="the groups (op and shape) this run does not measure"
     )
     parser.add_argument(
         "--device",
@@ -340,11 +321,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "writes to a temporary folder unless --out is given)",
     )
     args = parser.parse_args(argv)
-    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    args.ops = harness.comma_list(args.ops)
     unknown = [op for op in args.ops if op not in OPS]
     if unknown:
         parser.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
-    args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
+    args.impls = harness.comma_list(args.impls)
     if args.calls < 1:
         parser.error("--calls must be at least 1")
     if args.settle_s < 0:
@@ -356,22 +337,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        if args.out == DEFAULT_RESULTS_DIR:
-            args.out = Path(tempfile.mkdtemp(prefix="fusetune-sustained-cpu-"))
+        harness.smoke_out(args, "fusetune-sustained-cpu-")
     import torch
 
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("no CUDA device: run on a GPU machine, or pass --device cpu to smoke-test", file=sys.stderr)
             return 2
-        gpu_name, ceilings = torch.cuda.get_device_name(), measure_ceilings()
+        gpu_name, ceilings = torch.cuda.get_device_name(), harness.measure_ceilings()
     else:
         gpu_name, ceilings = "cpu (smoke test, TRITON_INTERPRET=1)", None
-    slug = args.gpu_slug or (gpu_slug(gpu_name) if args.device == "cuda" else "cpu")
+    slug = harness.results_slug(args, gpu_name, on_gpu=args.device == "cuda")
     payload: dict[str, Any] = {
         "gpu": gpu_name,
-        "date": utc_date(),
-        "versions": collect_versions(),
+        "date": harness.utc_date(),
+        "versions": harness.collect_versions(),
         "ceilings": ceilings,
         "settle_s": args.settle_s,
         "calls": args.calls,
@@ -399,9 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 if args.device == "cuda":
                     torch._dynamo.reset()
-                free_device_memory()
-    json_path = args.out / f"{slug}-sustained.json"
-    previous = load_results(json_path) if args.merge else None
+                harness.free_device_memory()
+    previous = RESULTS.previous(args, slug)
     if previous:
         measured = {(group["op"], json.dumps(group["shape"], sort_keys=True)) for group in payload["groups"]}
 
@@ -410,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
 
         payload["groups"] = [group for group in previous["groups"] if kept(group)] + payload["groups"]
         payload["rows"] = [row for row in previous["rows"] if kept(row)] + payload["rows"]
-    write_json(json_path, payload)
-    write_text(args.out / f"{slug}-sustained.md", render_markdown(payload))
-    print(f"wrote {json_path} and its markdown twin")
+    path = RESULTS.write(args.out, slug, payload, args.section)
+    print(render_markdown(payload))
+    print(f"wrote {path} ({args.section})")
     return 0
 
 

@@ -1,8 +1,8 @@
 """The service's training step taken apart: where a job's step spends time and memory that the step of
-`benchmarks/e2e.py` does not.
+`benchmarks/step/e2e.py` does not.
 
-`benchmarks/service.py` measures a job through the HTTP API; this script builds the same job's `Trainer` in
-process (the model of `benchmarks/service.py` saved in bf16 and loaded as the worker loads it, its generated
+`benchmarks/service/jobs.py` measures a job through the HTTP API; this script builds the same job's `Trainer` in
+process (the model of `benchmarks/service/jobs.py` saved in bf16 and loaded as the worker loads it, its generated
 chat file, packing, batch 8 x 2048, the GPU default precision) and times variants of its step that differ from
 the one before by one thing, each in a fresh subprocess:
 
@@ -11,15 +11,15 @@ the one before by one thing, each in a fresh subprocess:
     torch-adamw      the same, with torch.optim.AdamW(fused=True) on the bf16 weights (e2e's optimizer)
     random-tokens    the job's model and torch AdamW on e2e's batches (random ids, labels = ids, rows of
                      documents of --packed-length tokens)
-    e2e              benchmarks/e2e.py's fusetune row (its own model, built from the config)
+    e2e              e2e.py's fusetune row (its own model, built from the config)
 
 Per variant: the median step time, the median of the per-step allocated peaks, the memory held between steps,
 and for one more step the peak of each phase (forward, backward, optimizer) and a profile of GPU time by
-kernel category. Results go to `benchmarks/results/<gpu-slug>-trainer-step.json` (the format of
-shared/ANCHORS.md) and a markdown twin.
+kernel category. Results go to the section "trainer-step" of `benchmarks/results/<gpu-slug>-step.json` (the
+format of shared/ANCHORS.md).
 
-    PYTHONPATH=. python3 benchmarks/trainer_step.py
-    PYTHONPATH=. python3 benchmarks/trainer_step.py --variants trainer,e2e --steps 10
+    python3 -m benchmarks.step.trainer_step
+    python3 -m benchmarks.step.trainer_step --variants trainer,e2e --steps 10
 """
 
 from __future__ import annotations
@@ -27,31 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, markdown_table, short_error
+from benchmarks.step.e2e import summarize_trace, train_one
+from benchmarks.workloads import build_model, chat_examples
 
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    REPO_ROOT,
-    collect_versions,
-    gpu_slug,
-    markdown_table,
-    short_error,
-    utc_date,
-    write_json,
-    write_text,
-)
-
+RESULTS = harness.Benchmark("trainer-step", topic="step")
 VARIANTS = ("trainer", "no-clip", "torch-adamw", "random-tokens", "e2e")
-RESULT_MARKER = "TRAINER_STEP_RESULT "
 
 
 # ------------------------------------------------------------------------------------------- one variant
@@ -92,8 +80,6 @@ def job_batches(trainer, count: int) -> list[list[dict[str, Any]]]:
 def run_variant(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant in this process: timed steps, per-step peaks, phase peaks and a profile of one step."""
     import torch
-
-    from benchmarks.e2e import summarize_trace, train_one
 
     variant = spec["variant"]
     cuda = spec["device"] == "cuda"
@@ -262,24 +248,10 @@ def _tied(model) -> bool | None:
     return output.weight is embedding.weight
 
 
-def _worker_main(spec_json: str) -> int:
-    spec = json.loads(spec_json)
-    try:
-        row = run_variant(spec)
-    except Exception as error:  # the parent records the row's error and goes on with the next variant
-        import traceback
-
-        traceback.print_exc()
-        row = {"variant": spec["variant"], "error": short_error(error, 400)}
-    print(RESULT_MARKER + json.dumps(row), flush=True)
-    return 0
-
-
 # ------------------------------------------------------------------------------------------- main
 
 
 def prepare_inputs(args, folder: Path) -> tuple[Path, Path, dict[str, Any]]:
-    from benchmarks.service import build_model, chat_examples
     from fusetune.demo.assets import build_tokenizer
 
     model_path = build_model(folder / "models", args.model, tiny=args.tiny)
@@ -337,7 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llama-3.2-1b-shape", help="a model shape of benchmarks/e2e.py")
+    parser.add_argument(
+        "--model", default="llama-3.2-1b-shape", help="a model shape of benchmarks/workloads.py"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS}")
     parser.add_argument("--examples", type=int, default=600)
     parser.add_argument("--mean-tokens", type=int, default=620)
@@ -346,15 +320,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
+    harness.add_results_arguments(parser, RESULTS)
     parser.add_argument(
         "--tiny",
         action="store_true",
         help="a tiny model of the same family, on the CPU without a GPU (a smoke run)",
     )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.variant_list = harness.comma_list(args.variants)
     unknown = [v for v in args.variant_list if v not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
@@ -363,14 +337,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return _worker_main(args.worker)
+    if args._worker:
+        return harness.run_as_worker(
+            run_variant, args._worker, lambda spec, _error: {"variant": spec["variant"]}
+        )
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
-        print("benchmarks/trainer_step.py measures a GPU step; no CUDA device here (--tiny runs on CPU)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{__spec__.name} measures a GPU step; no CUDA device here (--tiny runs on CPU)", file=sys.stderr
+        )
         return 2
     folder = Path(tempfile.mkdtemp(prefix="fusetune-trainer-step-"))
     model_path, training_file, data = prepare_inputs(args, folder)
@@ -383,32 +360,20 @@ def main(argv: list[str] | None = None) -> int:
             "device": device, "tiny": args.tiny,
         }  # fmt: skip
         print(f"variant {variant} ...", flush=True)
-        completed = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            capture_output=True, text=True, cwd=REPO_ROOT, timeout=900,
-        )  # fmt: skip
-        found = [line for line in completed.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-        row = json.loads(found[-1][len(RESULT_MARKER):]) if found else {
-            "variant": variant, "error": short_error((completed.stdout + completed.stderr)[-800:], 600)
-        }  # fmt: skip
-        if row.get("error"):
-            print(completed.stderr[-3000:], file=sys.stderr)
+        run = harness.run_worker(__spec__.name, ["--_worker", json.dumps(spec)], timeout_s=900)
+        row = run.results[-1] if run.results else {"variant": variant, "error": short_error(run.failure, 600)}
         print(f"  {json.dumps({k: v for k, v in row.items() if k != 'profile'})}", flush=True)
         rows.append(row)
 
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    slug = gpu_slug(device_name)
     payload = {
-        "benchmark": "trainer-step", "gpu": device_name, "date": utc_date(), "versions": collect_versions(),
-        "command": "python3 benchmarks/trainer_step.py " + " ".join(sys.argv[1:]),
+        "gpu": device_name, "date": harness.utc_date(), "versions": harness.collect_versions(),
+        "command": f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:]),
         "model": args.model, "batch": args.batch, "seq": args.seq, "data": data,
         "rows": [{"impl": r["variant"], **r} for r in rows],
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / f"{slug}-trainer-step.json", payload)
-    markdown = render_markdown(payload)
-    write_text(args.out / f"{slug}-trainer-step.md", markdown)
-    print(markdown)
+    print(render_markdown(payload))
+    print(f"wrote {RESULTS.write(args.out, harness.results_slug(args, device_name), payload, args.section)}")
     return 0
 
 

@@ -7,14 +7,14 @@ job it records, from the job's own metrics: the median per-step `tokens_per_seco
 tokens), `trained_tokens_per_second`, `padding_fraction`, step time and MFU, the peak allocated memory, and
 from the client's side: time from job creation to the first reported step, the time from the last step to
 the final checkpoint's row (the save), and the checkpoint download's time and size. In the same call it runs
-the fusetune row of `benchmarks/e2e.py` (bf16 weights and AdamW state, random tokens, no service) for
+the fusetune row of `benchmarks/step/e2e.py` (bf16 weights and AdamW state, random tokens, no service) for
 comparison, so the two are measured on the same machine on the same day.
 
-    PYTHONPATH=. python3 benchmarks/service.py                     # the default variants, results/ files
-    PYTHONPATH=. python3 benchmarks/service.py --variants "kernels=on,precision=bf16-mixed;kernels=off"
+    python3 -m benchmarks.service.jobs                     # the default variants, results/ files
+    python3 -m benchmarks.service.jobs --variants "kernels=on,precision=bf16-mixed;kernels=off"
 
-Results go to `benchmarks/results/<gpu-slug>-service.json` (the format of shared/ANCHORS.md: one row per job,
-`impl` = "service", plus the e2e row) and a markdown twin.
+Results go to the section "jobs" of `benchmarks/results/<gpu-slug>-service.json` (the format of
+shared/ANCHORS.md: one row per job, `impl` = "service", plus the e2e row).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import socket
 import statistics
@@ -33,21 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, REPO_ROOT, format_cell, markdown_table
+from benchmarks.step import e2e
+from benchmarks.workloads import build_model, chat_examples
 
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    REPO_ROOT,
-    collect_versions,
-    format_cell,
-    gpu_slug,
-    markdown_table,
-    utc_date,
-    write_json,
-    write_text,
-)
+RESULTS = harness.Benchmark("jobs", topic="service")
 
 MODEL_NAME = "llama-3.2-1b-shape"
 DEFAULT_VARIANTS = "kernels=on,precision=auto;kernels=on,precision=bf16-mixed;kernels=off,precision=auto"
@@ -55,58 +45,6 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 # ------------------------------------------------------------------------------------------- inputs
-
-
-def chat_examples(n_examples: int, mean_tokens: int, seed: int, tokenizer) -> tuple[list[dict], list[int]]:
-    """Chat examples whose templated lengths are spread around `mean_tokens` (log-normal, as real chat data
-    is), and those lengths. Text is made of digit groups and words the demo tokenizer knows."""
-    rng = random.Random(seed)
-    words = ["What", "is", "the", "sum", "answer", "plus", "minus", "of", "and", "Reply"]
-
-    def text(n_pieces: int) -> str:
-        return " ".join(
-            rng.choice(words) if rng.random() < 0.5 else str(rng.randrange(10, 10_000))
-            for _ in range(n_pieces)
-        )
-
-    examples, lengths = [], []
-    for _ in range(n_examples):
-        target = max(32, min(int(rng.lognormvariate(-0.1, 0.45) * mean_tokens), 3 * mean_tokens))
-        # About 3.5 tokens per piece with this tokenizer; the real length is measured below.
-        question_pieces = max(4, int(target * 0.3 / 3.5))
-        answer_pieces = max(4, int(target * 0.7 / 3.5))
-        example = {
-            "messages": [
-                {"role": "system", "content": "You are a precise assistant."},
-                {"role": "user", "content": text(question_pieces)},
-                {"role": "assistant", "content": text(answer_pieces)},
-            ]
-        }
-        examples.append(example)
-        ids = tokenizer.apply_chat_template(example["messages"], tokenize=True, return_dict=True)["input_ids"]
-        lengths.append(len(ids))
-    return examples, lengths
-
-
-def build_model(models_dir: Path, model_name: str, tiny: bool = False) -> Path:
-    """The model shape of benchmarks/e2e.py (its tiny version with `tiny`) with random weights and the demo
-    tokenizer, saved in bf16."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks.e2e import build_config
-    from fusetune.demo.assets import build_tokenizer
-
-    out = models_dir / model_name
-    tokenizer = build_tokenizer()
-    config = build_config(model_name, tiny=tiny)
-    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def parse_variant(text: str) -> dict[str, Any]:
@@ -293,10 +231,11 @@ def run_job(service: Service, model: str, file_id: str, hyper: dict[str, Any], a
 
 
 def e2e_row(args, out_dir: Path) -> dict[str, Any]:
-    """The fusetune row of benchmarks/e2e.py at the same model and batch, run here and now."""
+    """The fusetune row of e2e.py at the same model and batch, run here and now."""
     command = [
         sys.executable,
-        str(REPO_ROOT / "benchmarks" / "e2e.py"),
+        "-m",
+        e2e.__spec__.name,
         "--models",
         args.model,
         "--impls",
@@ -309,10 +248,10 @@ def e2e_row(args, out_dir: Path) -> dict[str, Any]:
         str(out_dir),
     ]
     completed = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=900)
-    files = list(out_dir.glob("*-e2e.json"))
+    files = list(out_dir.glob(f"*-{e2e.RESULTS.topic}.json"))
     if completed.returncode != 0 or not files:
         return {"impl": "fusetune", "error": (completed.stdout + completed.stderr)[-600:]}
-    rows = json.loads(files[0].read_text())["rows"]
+    rows = harness.read_section(files[0], e2e.RESULTS.name)["rows"]
     return next(r for r in rows if r.get("impl") == "fusetune" and r.get("model") == args.model)
 
 
@@ -347,7 +286,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
             ])  # fmt: skip
         else:
             rows.append([
-                "benchmarks/e2e.py fusetune (bf16 weights, random tokens)", "", "bf16", True,
+                "e2e.py fusetune (bf16 weights, random tokens)", "", "bf16", True,
                 row.get("tokens_per_s"), "", 0.0, (row.get("step_ms") or 0) / 1e3, row.get("peak_alloc_gb"),
                 row.get("mfu"), "", "", row.get("error", ""),
             ])  # fmt: skip
@@ -363,7 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Jobs through fusetune serve's HTTP API on this GPU, beside the e2e benchmark's row.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=MODEL_NAME, help="a model shape of benchmarks/e2e.py")
+    parser.add_argument("--model", default=MODEL_NAME, help="a model shape of benchmarks/workloads.py")
     parser.add_argument(
         "--variants", default=DEFAULT_VARIANTS, help="';'-separated, e.g. kernels=on,precision=bf16"
     )
@@ -371,9 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mean-tokens", type=int, default=620)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--no-e2e", action="store_true", help="skip the benchmarks/e2e.py row")
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
-    parser.add_argument("--gpu-slug", default=None)
+    parser.add_argument("--no-e2e", action="store_true", help="skip the e2e.py row")
+    harness.add_results_arguments(parser, RESULTS)
     args = parser.parse_args(argv)
     try:
         args.variant_hyper = [(v.strip(), parse_variant(v)) for v in args.variants.split(";") if v.strip()]
@@ -389,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     from fusetune.demo.assets import build_tokenizer
 
     if not torch.cuda.is_available():
-        print("benchmarks/service.py measures a GPU service; no CUDA device here", file=sys.stderr)
+        print(f"{__spec__.name} measures a GPU service; no CUDA device here", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name(0)
     data_dir = Path(tempfile.mkdtemp(prefix="fusetune-service-bench-"))
@@ -425,15 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         service.close()
     if not args.no_e2e:
-        print("benchmarks/e2e.py fusetune row ...", flush=True)
-        e2e = e2e_row(args, Path(tempfile.mkdtemp(prefix="fusetune-service-e2e-")))
-        rows.append({**e2e, "impl": "fusetune", "source": "benchmarks/e2e.py"})
+        print("e2e.py fusetune row ...", flush=True)
+        reference = e2e_row(args, Path(tempfile.mkdtemp(prefix="fusetune-service-e2e-")))
+        rows.append({**reference, "impl": "fusetune", "source": "benchmarks/step/e2e.py"})
 
     payload: dict[str, Any] = {
         "gpu": device_name,
-        "date": utc_date(),
-        "versions": collect_versions(),
-        "command": "python3 benchmarks/service.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": harness.utc_date(),
+        "versions": harness.collect_versions(),
+        "command": f"python3 -m {__spec__.name} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model,
         "batch": args.batch,
         "seq": args.seq,
@@ -448,11 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens/s {first['tokens_per_s'] / reference['tokens_per_s']:.3f} x (goal >= 0.95), peak memory "
             f"{first['peak_alloc_gb'] / reference['peak_alloc_gb']:.3f} x (goal <= 1.05)"
         )
-    slug = args.gpu_slug or gpu_slug(device_name)
-    write_json(args.out / f"{slug}-service.json", payload)
-    text = render_markdown(payload)
-    write_text(args.out / f"{slug}-service.md", text)
-    print(text)
+    print(render_markdown(payload))
+    print(f"wrote {RESULTS.write(args.out, harness.results_slug(args, device_name), payload, args.section)}")
     return 0
 
 

@@ -2,7 +2,7 @@
 real `Trainer`, TRL's `DPOTrainer` with its defaults, and TRL with Liger-Kernel's fused DPO loss.
 
 Setup, made once by the parent process: a model of a public architecture's shape (random weights, seed 0,
-bf16, the demo tokenizer; `benchmarks/service.py`'s `build_model`) saved as the *reference*, and a *policy*
+bf16, the demo tokenizer; `benchmarks/workloads.py`'s `build_model`) saved as the *reference*, and a *policy*
 that is the reference plus Gaussian noise of `--perturbation` times each weight tensor's standard deviation
 (seed 1), saved beside it; and a preference file in the OpenAI DPO format whose pairs share a prompt and
 differ in their answers, each side (prompt + answer through the chat template) `--seq` tokens or a little
@@ -40,13 +40,13 @@ process, `exact`, computes the same quantities in float32 weights with float64 l
 fusetune's tokenization; each row's `first_pairs` carries its differences from it, and the number of scored
 tokens each implementation saw per side, so a difference of tokenization shows as such.
 
-    PYTHONPATH=. python3 benchmarks/dpo.py
-    PYTHONPATH=. python3 benchmarks/dpo.py --impls fusetune,trl+liger --steps 5
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/dpo.py --tiny     # CPU smoke run, numbers mean nothing
+    python3 -m benchmarks.step.dpo
+    python3 -m benchmarks.step.dpo --impls fusetune,trl+liger --steps 5
+    TRITON_INTERPRET=1 python3 -m benchmarks.step.dpo --tiny     # CPU smoke run, numbers mean nothing
 
-TRL (with `datasets`) is imported only by its rows: without it they are recorded as skipped. Results go to
-`benchmarks/results/<gpu-slug>-dpo.json` (the format of shared/ANCHORS.md; `impl` is fusetune / trl /
-trl+liger) and a markdown twin.
+TRL (with `datasets`) is imported only by its rows: without it they are recorded as skipped. Results go to the
+section "dpo" of `benchmarks/results/<gpu-slug>-step.json` (the format of shared/ANCHORS.md; `impl` is
+fusetune / trl / trl+liger).
 """
 
 from __future__ import annotations
@@ -56,32 +56,19 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, markdown_table, short_error
+from benchmarks.step.trainer_step import job_batches
+from benchmarks.workloads import build_model
 
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    REPO_ROOT,
-    collect_versions,
-    gpu_slug,
-    markdown_table,
-    package_version,
-    short_error,
-    utc_date,
-    write_json,
-    write_text,
-)
-
+RESULTS = harness.Benchmark("dpo", topic="step")
 IMPLS = ("fusetune", "fusetune+gc", "trl", "trl+liger")
-RESULT_MARKER = "DPO_RESULT "
 FIRST_PAIR_METRICS = (
     "loss",
     "chosen_reward",
@@ -175,7 +162,6 @@ def build_policy(reference_path: Path, policy_path: Path, perturbation: float, s
 
 
 def prepare_inputs(args, folder: Path) -> dict[str, Any]:
-    from benchmarks.service import build_model
     from fusetune.demo.assets import build_tokenizer
 
     reference_path = build_model(folder / "reference", args.model, tiny=args.tiny)
@@ -258,8 +244,7 @@ def _copy_weights_in_place(model, path: str) -> None:
 def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from benchmarks.trainer_step import job_batches
-    from fusetune.jobspec import DpoSpec, MethodSpec
+    from fusetune.spec.methods import method_spec
     from fusetune.worker.train.config import TrainConfig
     from fusetune.worker.train.data import IGNORE_INDEX
     from fusetune.worker.train.distributed import DistInfo
@@ -276,7 +261,7 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
         max_seq_length=spec["seq"],
         packing=False,
         seed=0,
-        method=MethodSpec(type="dpo", dpo=DpoSpec(beta=spec["beta"])),
+        method=method_spec("dpo", beta=spec["beta"]),
         gradient_checkpointing=bool(spec.get("gradient_checkpointing")),
     )
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -361,7 +346,10 @@ def run_trl(spec: dict[str, Any], liger: bool) -> dict[str, Any]:
     if liger:
         import trl.trainer.dpo_trainer as dpo_module
 
-        if package_version("liger-kernel") is None and package_version("liger_kernel") is None:
+        if (
+            harness.package_version("liger-kernel") is None
+            and harness.package_version("liger_kernel") is None
+        ):
             return {"error": "skipped: liger-kernel not installed", "skipped": True}
         if "use_liger_loss" in config_fields:
             liger_options["use_liger_loss"] = True
@@ -369,7 +357,7 @@ def run_trl(spec: dict[str, Any], liger: bool) -> dict[str, Any]:
             liger_options["use_liger_kernel"] = True
         else:
             return {
-                "error": f"skipped: TRL {package_version('trl')} has no Liger DPO loss (TRL <= 1.12 has it)",
+                "error": f"skipped: TRL {harness.package_version('trl')} has no Liger DPO loss (TRL <= 1.12 has it)",
                 "skipped": True,
             }
         if spec["device"] == "cpu":
@@ -467,8 +455,8 @@ def run_trl(spec: dict[str, Any], liger: bool) -> dict[str, Any]:
         "reference_model_held": True,
         "gradient_checkpointing": bool(args.gradient_checkpointing),
         "liger_options": liger_options or None,
-        "trl": package_version("trl"),
-        "datasets": package_version("datasets"),
+        "trl": harness.package_version("trl"),
+        "datasets": harness.package_version("datasets"),
         "first_pairs": first_pairs,
     }
 
@@ -479,7 +467,7 @@ def run_exact(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fusetune.jobspec import DpoSpec, MethodSpec
+    from fusetune.spec.methods import method_spec
     from fusetune.worker.train.config import TrainConfig
     from fusetune.worker.train.methods.dpo import DirectPreferenceOptimization
 
@@ -487,7 +475,7 @@ def run_exact(spec: dict[str, Any]) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(spec["reference_path"])
     config = TrainConfig(
         model_path=spec["reference_path"], training_file=spec["training_file"], output_dir=tempfile.mkdtemp(),
-        max_seq_length=spec["seq"], method=MethodSpec(type="dpo", dpo=DpoSpec(beta=spec["beta"])),
+        max_seq_length=spec["seq"], method=method_spec("dpo", beta=spec["beta"]),
     )  # fmt: skip
     method = DirectPreferenceOptimization(config, tokenizer, tokenizer.pad_token_id or 0)
     pairs = method.load_data(spec["training_file"], packing=False).sequences[: spec["pairs"]]
@@ -546,19 +534,6 @@ def run_impl(spec: dict[str, Any]) -> dict[str, Any]:
     if impl == "exact":
         return run_exact(spec)
     raise ValueError(f"unknown impl {impl!r}")
-
-
-def _worker_main(spec_json: str) -> int:
-    spec = json.loads(spec_json)
-    try:
-        row = run_impl(spec)
-    except Exception as error:  # the parent records the row's error and goes on with the next implementation
-        import traceback
-
-        traceback.print_exc()
-        row = {"error": short_error(error, 400)}
-    print(RESULT_MARKER + json.dumps(row), flush=True)
-    return 0
 
 
 # ------------------------------------------------------------------------------------------- comparison
@@ -679,7 +654,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llama-3.2-1b-shape", help="a model shape of benchmarks/e2e.py")
+    parser.add_argument(
+        "--model", default="llama-3.2-1b-shape", help="a model shape of benchmarks/workloads.py"
+    )
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {IMPLS}")
     parser.add_argument("--pairs", type=int, default=4, help="preference pairs per optimizer step")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per side of a pair (prompt + answer)")
@@ -694,15 +671,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reward-atol", type=float, default=DEFAULT_REWARD_ATOL)
     parser.add_argument("--logp-rtol", type=float, default=DEFAULT_LOGP_RTOL)
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
+    harness.add_results_arguments(parser, RESULTS)
     parser.add_argument(
         "--tiny",
         action="store_true",
         help="a tiny model of the same family and 64-token sides, on the CPU without a GPU (a smoke run)",
     )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.impl_list = [i.strip() for i in args.impls.split(",") if i.strip()]
+    args.impl_list = harness.comma_list(args.impls)
     unknown = [i for i in args.impl_list if i not in IMPLS]
     if unknown:
         parser.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
@@ -728,14 +705,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        return _worker_main(args.worker)
+    if args._worker:
+        return harness.run_as_worker(run_impl, args._worker, lambda _spec, _error: {})
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
         print(
-            "benchmarks/dpo.py measures a GPU step; no CUDA device here (--tiny runs on CPU)", file=sys.stderr
+            f"{__spec__.name} measures a GPU step; no CUDA device here (--tiny runs on CPU)", file=sys.stderr
         )
         return 2
     folder = Path(tempfile.mkdtemp(prefix="fusetune-dpo-bench-"))
@@ -749,23 +726,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_subprocess(impl: str) -> dict[str, Any]:
         print(f"{impl} ...", flush=True)
-        completed = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps({**base_spec, "impl": impl})],
-            capture_output=True, text=True, cwd=REPO_ROOT, timeout=1800,
-        )  # fmt: skip
-        found = [line for line in completed.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-        row = json.loads(found[-1][len(RESULT_MARKER) :]) if found else {
-            "error": short_error((completed.stdout + completed.stderr)[-800:], 600)
-        }  # fmt: skip
-        if row.get("error") and not row.get("skipped"):
-            print(completed.stderr[-3000:], file=sys.stderr)
+        run = harness.run_worker(__spec__.name, ["--_worker", json.dumps({**base_spec, "impl": impl})], 1800)
+        row = run.results[-1] if run.results else {"error": short_error(run.failure, 600)}
         print(f"  {json.dumps(row)}", flush=True)
         return row
 
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    versions = collect_versions()
-    versions.update(trl=package_version("trl"), datasets=package_version("datasets"))
-    slug = gpu_slug(device_name) if device == "cuda" else "cpu"
+    versions = harness.collect_versions()
+    versions.update(trl=harness.package_version("trl"), datasets=harness.package_version("datasets"))
+    slug = harness.results_slug(args, device_name, on_gpu=device == "cuda")
     exact = run_subprocess("exact")
     exact_first = exact.get("first_pairs")
     rows: list[dict[str, Any]] = []
@@ -773,20 +742,17 @@ def main(argv: list[str] | None = None) -> int:
     def write_results() -> str:
         # After every implementation, so that a run cut short keeps the rows it finished.
         payload = {
-            "benchmark": "dpo", "gpu": device_name, "date": utc_date(), "versions": versions,
-            "command": "python3 benchmarks/dpo.py " + " ".join(sys.argv[1:]),
+            "gpu": device_name, "date": harness.utc_date(), "versions": versions,
+            "command": f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:]),
             "model": args.model, "pairs": args.pairs, "seq": args.seq, "beta": args.beta,
             "perturbation": args.perturbation, "warmup_steps": args.warmup_steps, "steps": args.steps,
             "data": inputs["data"], "exact_first_pairs": exact_first, "exact_error": exact.get("error"),
             "tolerances": {"reward_atol": args.reward_atol, "logp_rtol": args.logp_rtol},
             "rows": rows, "goals": goals(rows),
         }  # fmt: skip
-        write_json(args.out / f"{slug}-dpo.json", payload)
-        markdown = render_markdown(payload)
-        write_text(args.out / f"{slug}-dpo.md", markdown)
-        return markdown
+        RESULTS.write(args.out, slug, payload, args.section)
+        return render_markdown(payload)
 
-    args.out.mkdir(parents=True, exist_ok=True)
     for impl in args.impl_list:
         row = {
             "model": args.model,

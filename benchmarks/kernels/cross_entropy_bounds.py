@@ -5,7 +5,7 @@ co-resident programs (a cooperative launch) that keep their slice in registers a
 (max, sum of exponentials) through global memory before writing the gradient. All in one process,
 do_bench medians (L2 flushed), at T=8192 for several vocabularies.
 
-    PYTHONPATH=. python3 benchmarks/cross_entropy_bounds.py [--out DIR]
+    python3 -m benchmarks.kernels.cross_entropy_bounds [--out DIR]
 
 The split-row kernel is a measurement, not a product path: loss and gradient of the plain mean
 cross-entropy only (no options), checked here against torch in float32 before it is timed. For the DRAM

@@ -1,12 +1,16 @@
 """Chunking of the fused linear cross-entropy and launch settings of the cross-entropy kernel, against
 torch.compile and Liger-Kernel in one run: the measurements behind `fused_linear_cross_entropy_chunk_rows`
-and `cross_entropy_launch_config`. Times and peak extra memory are taken as in benchmarks/kernels.py
-(do_bench median of fwd+bwd through torch.autograd.grad; peak includes the returned gradients).
+and `cross_entropy_launch_config`. Times and peak extra memory are taken as in benchmarks/kernels/ops.py
+(do_bench median of fwd+bwd through torch.autograd.grad; peak includes the returned gradients). Rows go to
+`loss-<tag>.json` in `--out`: a measurement to read, not a committed results file.
 
-    PYTHONPATH=. python3 benchmarks/loss_launch_settings.py [--impls ...] [--tag NAME] [--budget-s S]
+    python3 -m benchmarks.kernels.loss_launch_settings [--impls ...] [--tag NAME] [--budget-s S]
 
-With ``--impls fusetune --tag old`` and PYTHONPATH pointing at another checkout it measures that checkout's
-kernels at the same shapes, for an old-against-new table from one machine session.
+With ``--impls fusetune --tag old`` it measures another version's kernels at the same shapes, for an
+old-against-new table from one machine session: that version's `fusetune` folder alone first on PYTHONPATH,
+and `-P` so that this checkout's own is not put before it (``git archive REV fusetune | tar -x -C /tmp/old``,
+then ``PYTHONPATH=/tmp/old:. python3 -P -m benchmarks.kernels.loss_launch_settings --impls fusetune --tag
+old``).
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import profile_kernels
-from benchmarks.kernels import MIB, CudaTimer, Repetitions, free_device_memory
+from benchmarks import harness
+from benchmarks.harness import MIB, free_device_memory, profile_kernels
+from benchmarks.kernels.ops import CudaTimer, Repetitions
+from benchmarks.kernels.sustained import timed_in_steady_state
 
 MAIN = Repetitions(warmup_ms=25, rep_ms=100)
 SWEEP = Repetitions(warmup_ms=5, rep_ms=30)
@@ -156,12 +163,11 @@ def chunking_cases(shape, calls: int = 8, settle_s: float = 3.0) -> list[dict]:
     same tokens: the default, its chunk rows in units of 128, 512 or 2048 at every size (the module picks
     _CHUNK_ROW_ALIGNMENT or, where 2048 rows fit, _LARGE_CHUNK_ROW_ALIGNMENT), and every chunk of 1024 or
     2048 rows (2048: Liger-Kernel's at T=65536, H=4096, V=128256; over the memory budget where it is larger
-    than the default's). Each variant is timed in its own steady power state (benchmarks/sustained.py's
+    than the default's). Each variant is timed in its own steady power state (benchmarks/kernels/sustained.py's
     timing: ``settle_s`` of back-to-back calls, then ``calls`` timed), all in order and again in reverse
     order; ``ms`` is the mean of the two passes' medians."""
     import statistics
 
-    from benchmarks.sustained import timed_in_steady_state
     from fusetune.kernels import fused_linear_cross_entropy as flce
 
     tokens, hidden_size, vocab, _ = shape
@@ -570,7 +576,7 @@ def profile_case(shape, impl: str = "fusetune") -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--impls", default="compile,liger,fusetune")
     parser.add_argument("--tag", default="new")
     parser.add_argument("--budget-s", type=float, default=240.0)
@@ -678,8 +684,7 @@ def main() -> int:
                     emit({"op": "flce", "shape": shape, "impl": impl, "error": "skipped (memory)"})
                     continue
                 emit({"op": "flce", "shape": shape, "impl": impl, **linear_case(shape, impl, SWEEP)})
-    with open(os.path.join(args.out, f"loss-{args.tag}.json"), "w") as handle:
-        json.dump(rows, handle, indent=1)
+    harness.write_json(Path(args.out) / f"loss-{args.tag}.json", rows)
     return 0
 
 

@@ -1,10 +1,10 @@
 """The cross-entropy kernel of this checkout against other versions of its file (an earlier commit's, or
 variants under trial), all in one process: fwd+bwd through torch.autograd.grad (the gradient written over
-the logits, as benchmarks/kernels.py times it) and the loss alone (no gradient: the kernel's first sweep),
+the logits, as benchmarks/kernels/ops.py times it) and the loss alone (no gradient: the kernel's first sweep),
 do_bench medians, each version timed twice in turn so that drift shows.
 
     git show REV:fusetune/kernels/cross_entropy.py > /tmp/ce_before.py
-    PYTHONPATH=. python3 benchmarks/cross_entropy_ab.py /tmp/ce_before.py [/tmp/ce_variant.py ...] [--out DIR]
+    python3 -m benchmarks.kernels.cross_entropy_ab /tmp/ce_before.py [/tmp/ce_variant.py ...] [--out DIR]
 
 Each other file's custom ops are renamed on load so that every version can be registered at once.
 """

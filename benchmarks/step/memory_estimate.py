@@ -1,4 +1,4 @@
-"""The job estimate's peak GPU memory (fusetune.estimate, what `POST /v1/fine_tuning/jobs` with `dry_run`
+"""The job estimate's peak GPU memory (fusetune.spec.estimate, what `POST /v1/fine_tuning/jobs` with `dry_run`
 returns) against the peak the trainer measures on a GPU, for a few job settings.
 
 Each configuration is one torchrun launch of the trainer (fusetune.worker.train, the worker's own code) with the
@@ -6,10 +6,11 @@ job's GPU defaults: precision bf16-mixed, the default micro-batch, AdamW; a mode
 shape with random weights, random token ids filling every sequence to `seq` tokens (so the estimate's padded
 length is exactly `seq`). The measured number is the largest `torch.cuda.max_memory_reserved` over the steps
 (what the allocator took from the GPU, which is what must fit); allocated is shown beside it. The goal: every
-estimate within 25% of the measured peak.
+estimate within 25% of the measured peak. Results go to the section "memory-estimate" of
+`benchmarks/results/<gpu-slug>-step.json`.
 
-    PYTHONPATH=. python3 benchmarks/memory_estimate.py               # all configurations (one GPU)
-    PYTHONPATH=. python3 benchmarks/memory_estimate.py --configs full-fused,lora-fused
+    python3 -m benchmarks.step.memory_estimate               # all configurations (one GPU)
+    python3 -m benchmarks.step.memory_estimate --configs full-fused,lora-fused
 """
 
 from __future__ import annotations
@@ -17,24 +18,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, markdown_table
+from benchmarks.scaling import gpus
+from benchmarks.workloads import build_config
+from fusetune.spec.estimate import ModelShape, estimate_job
 
-from benchmarks import e2e, scaling  # noqa: E402
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    gpu_slug,
-    markdown_table,
-    utc_date,
-    write_json,
-    write_text,
-)
-from fusetune.estimate import ModelShape, estimate_job  # noqa: E402
-
+RESULTS = harness.Benchmark("memory-estimate", topic="step")
 TOLERANCE = 0.25
 LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
 
@@ -71,7 +63,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 METHOD = (
-    "estimate: fusetune.estimate.estimate_job for the configuration (example_count = batch x steps, every "
+    "estimate: fusetune.spec.estimate.estimate_job for the configuration (example_count = batch x steps, every "
     "example seq tokens long, n_gpus 1). measured: the trainer under torchrun on one GPU, precision bf16-mixed "
     "(the job default on a GPU: fp32 weights and AdamW state, bf16 autocast), micro-batch = batch (the "
     "default up to 16384 tokens), 3 steps; peak = max over steps of torch.cuda.max_memory_reserved (and "
@@ -80,7 +72,7 @@ METHOD = (
 
 
 def _estimate(config: dict[str, Any], steps: int) -> dict[str, Any]:
-    shape = ModelShape.from_config_dict(e2e.build_config(config["model"], tiny=False).to_dict())
+    shape = ModelShape.from_config_dict(build_config(config["model"], tiny=False).to_dict())
     estimate = estimate_job(
         shape,
         example_count=config["batch"] * steps,
@@ -106,7 +98,7 @@ def measure(name: str, config: dict[str, Any], steps: int, timeout_s: float) -> 
         "ddp_bucket_cap_mb": None, "gradient_checkpointing": config.get("gradient_checkpointing", False),
         "precision": "bf16-mixed", "lora": config.get("lora"), "peak_tflops": None,
     }  # fmt: skip
-    measured = scaling._run_torchrun(spec, 1, timeout_s, cpu=False)
+    measured = gpus.run_torchrun(spec, 1, timeout_s, cpu=False)
     row: dict[str, Any] = {
         "config": name,
         "model": config["model"],
@@ -155,14 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated: {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
+    harness.add_results_arguments(parser, RESULTS)
     parser.add_argument("--run-timeout-s", type=float, default=300)
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
-    info = scaling._device_info()
+    info = harness.device_info_in_subprocess()
     if info is None:
         print("could not read the device", file=sys.stderr)
         return 2
@@ -171,12 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         rows.append(measure(name, CONFIGS[name], args.steps, args.run_timeout_s))
         print(f"{name}: {rows[-1]} ({time.monotonic() - started:.0f} s)", flush=True)
-    payload = {"gpu": info["gpu"], "date": utc_date(), "versions": info["versions"], "method": METHOD,
+    payload = {"gpu": info["gpu"], "date": harness.utc_date(), "versions": info["versions"], "method": METHOD,
                "tolerance": TOLERANCE, "rows": rows}  # fmt: skip
-    slug = gpu_slug(info["gpu"])
-    write_json(args.out / f"{slug}-estimate.json", payload)
-    write_text(args.out / f"{slug}-estimate.md", render_markdown(payload))
     print(render_markdown(payload))
+    print(f"wrote {RESULTS.write(args.out, harness.results_slug(args, info['gpu']), payload, args.section)}")
     return 0 if all(r.get("within_tolerance") for r in rows) else 1
 
 

@@ -2,14 +2,14 @@
 
 For every op and shape it times fwd, bwd and fwd+bwd (median ms), measures the peak extra memory of one
 fwd+bwd, and compares each time with the floor set by the measured device ceilings (copy bandwidth and bf16
-matmul rate, both measured at the start of the run). Results go to
-`benchmarks/results/<gpu-slug>-kernels.json` in the format of shared/ANCHORS.md, with a markdown twin.
+matmul rate, both measured at the start of the run). Results go to the section "ops" of
+`benchmarks/results/<gpu-slug>-kernels.json`, rows in the format of shared/ANCHORS.md.
 
 Run on a GPU machine from the repository root:
 
-    PYTHONPATH=. python3 benchmarks/kernels.py                 # everything, sweeps included
-    PYTHONPATH=. python3 benchmarks/kernels.py --quick         # main shapes only, fewer repetitions
-    PYTHONPATH=. python3 benchmarks/kernels.py --ops rms_norm,rope --impls fusetune,liger
+    python3 -m benchmarks.kernels.ops                 # everything, sweeps included
+    python3 -m benchmarks.kernels.ops --quick         # main shapes only, fewer repetitions
+    python3 -m benchmarks.kernels.ops --ops rms_norm,rope --impls fusetune,liger
 
 An implementation that cannot run (not installed, import error, OOM, kernel error) becomes a row with an
 "error" key; the run goes on.
@@ -21,37 +21,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, MIB, format_cell, markdown_table, short_error
 
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    MIB,
-    collect_versions,
-    format_cell,
-    free_device_memory,
-    gpu_slug,
-    load_results,
-    markdown_table,
-    measure_ceilings,
-    profile_kernels,
-    short_error,
-    utc_date,
-    write_json,
-    write_text,
-)
-
+RESULTS = harness.Benchmark("ops", topic="kernels")
 IMPLS = ("hf", "compile", "liger", "cce", "fusetune", "fusetune+compile")
 MODES = ("fwd", "bwd", "fwd+bwd")
 BF16_BYTES = 2
@@ -721,7 +701,7 @@ class CudaTimer:
         import torch
 
         flush = torch.empty(self.flush_bytes, dtype=torch.int8, device="cuda")
-        kernels = profile_kernels(
+        kernels = harness.profile_kernels(
             fn, top=None, reps=calls, before_each=flush.bitwise_not_, exclude="bitwise_not"
         )
         return sum(ms for _name, ms, _launches in kernels) / calls
@@ -731,7 +711,7 @@ class CudaTimer:
 
         for tensor in grad_inputs:
             tensor.grad = None
-        free_device_memory()
+        harness.free_device_memory()
         torch.cuda.reset_peak_memory_stats()
         allocated_before = torch.cuda.memory_allocated()
         result = fwd_bwd()
@@ -926,7 +906,7 @@ def run_cases(cases: list[Case], config: dict[str, Any], emit: Callable[[dict], 
                 rows = error_rows(case, short_error(error), config["ceilings"])
             if case.impl in ("compile", "fusetune+compile"):
                 torch._dynamo.reset()
-            free_device_memory()
+            harness.free_device_memory()
             print(f"  ({case.op} {case.impl} {_shape_text(case.shape)}: {time.time() - case_started:.1f} s)")
         for row in rows:
             emit(row)
@@ -1215,43 +1195,19 @@ def summary_table(rows: list[dict]) -> str:
 # monkey-patch cannot spoil the ops after it.
 
 
-def _worker_main(config_path: str) -> int:
-    with open(config_path) as handle:
-        config = json.load(handle)
+def _worker_main(config_json: str) -> int:
+    config = json.loads(config_json)
     cases = [Case(c["op"], c["shape"], c["impl"], c["set_name"]) for c in config["cases"]]
-    with open(config["rows_path"], "a") as rows_file:
-
-        def emit(row: dict) -> None:
-            rows_file.write(json.dumps(row) + "\n")
-            rows_file.flush()
-
-        run_cases(cases, config, emit)
+    run_cases(cases, config, harness.report)
     return 0
 
 
 def _run_op_in_worker(op: str, cases: list[Case], config: dict, timeout_s: float | None) -> list[dict]:
-    with tempfile.TemporaryDirectory(prefix="fusetune-bench-") as scratch:
-        rows_path = Path(scratch) / "rows.jsonl"
-        rows_path.touch()
-        config_path = Path(scratch) / "config.json"
-        worker_config = dict(config, rows_path=str(rows_path), cases=[c.__dict__ for c in cases])
-        config_path.write_text(json.dumps(worker_config))
-        command = [sys.executable, str(Path(__file__).resolve()), "--_worker", str(config_path)]
-        failure = None
-        try:
-            completed = subprocess.run(
-                command, timeout=timeout_s, stdout=None, stderr=subprocess.PIPE, text=True
-            )
-            if completed.returncode != 0:
-                tail = " | ".join(completed.stderr.strip().splitlines()[-3:])
-                failure = f"worker for {op} exited with code {completed.returncode}: {tail}"
-                sys.stderr.write(completed.stderr[-4000:])
-            elif completed.stderr:
-                sys.stderr.write(completed.stderr[-2000:])
-        except subprocess.TimeoutExpired:
-            failure = f"worker for {op} ran past its {timeout_s:.0f} s limit and was stopped"
-        rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
-    if failure:
+    worker_config = dict(config, cases=[c.__dict__ for c in cases])
+    run = harness.run_worker(__spec__.name, ["--_worker", json.dumps(worker_config)], timeout_s)
+    rows = run.results
+    if run.failure:
+        failure = f"worker for {op} {run.failure}"
         done = {
             (r["op"], r["impl"], json.dumps(r["shape"], sort_keys=True), r.get("set", "main")) for r in rows
         }
@@ -1301,20 +1257,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="comma-separated T values: run only the sweep shapes of those (with --merge)",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
-    parser.add_argument(
-        "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
-    )
-    parser.add_argument(
-        "--merge-from",
-        type=Path,
-        default=None,
-        help="like --merge, but take the earlier rows from this file (for a run whose --out starts empty)",
-    )
-    parser.add_argument(
-        "--merge",
-        action="store_true",
-        help="keep the rows of other ops already in the results file (a full run split over several calls)",
+    harness.add_results_arguments(
+        parser,
+        RESULTS,
+        merge="the rows of the ops and shapes this run does not measure (a run split over calls)",
     )
     parser.add_argument(
         "--time-budget-s",
@@ -1335,9 +1281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--list-cases", action="store_true", help="print the cases that would run and exit")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    args.impls = [impl.strip() for impl in args.impls.split(",") if impl.strip()]
-    args.sweep_impls = [impl.strip() for impl in args.sweep_impls.split(",") if impl.strip()]
+    args.ops, args.impls = harness.comma_list(args.ops), harness.comma_list(args.impls)
+    args.sweep_impls = harness.comma_list(args.sweep_impls)
     for option in ("sweep_hidden", "sweep_vocab", "sweep_tokens"):
         try:
             setattr(args, option, [int(value) for value in getattr(args, option).split(",") if value.strip()])
@@ -1379,8 +1324,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        if args.out == DEFAULT_RESULTS_DIR:
-            args.out = Path(tempfile.mkdtemp(prefix="fusetune-bench-cpu-"))
+        harness.smoke_out(args, "fusetune-bench-cpu-")
 
     import torch
 
@@ -1391,15 +1335,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         gpu_name = torch.cuda.get_device_name()
         print(f"Measuring ceilings on {gpu_name} ...", flush=True)
-        ceilings = measure_ceilings()
+        ceilings = harness.measure_ceilings()
     else:
         gpu_name, ceilings = "cpu (smoke test, TRITON_INTERPRET=1)", None
-    slug = args.gpu_slug or (gpu_slug(gpu_name) if args.device == "cuda" else "cpu")
-    meta = {"gpu": gpu_name, "date": utc_date(), "versions": collect_versions(), "ceilings": ceilings}
+    slug = harness.results_slug(args, gpu_name, on_gpu=args.device == "cuda")
+    meta = {
+        "gpu": gpu_name,
+        "date": harness.utc_date(),
+        "versions": harness.collect_versions(),
+        "ceilings": ceilings,
+    }
     print(f"ceilings: {ceilings}\nversions: {meta['versions']}", flush=True)
-    json_path = args.out / f"{slug}-kernels.json"
-    markdown_path = args.out / f"{slug}-kernels.md"
-    previous = load_results(args.merge_from or json_path) if (args.merge or args.merge_from) else None
+    previous = RESULTS.previous(args, slug)
     config = {
         "device": args.device,
         "quick": args.quick,
@@ -1414,8 +1361,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> dict[str, Any]:
         payload = results_payload(meta, rows, previous, args.ops, current_shapes)
-        write_json(json_path, payload)
-        write_text(markdown_path, render_markdown(payload))
+        RESULTS.write(args.out, slug, payload, args.section)
         return payload
 
     for op in args.ops:
@@ -1432,7 +1378,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += _run_op_in_worker(op, op_cases, config, timeout)
         save()
     payload = save()
-    print(f"\nwrote {json_path} and {markdown_path} in {time.time() - started:.0f} s\n")
+    print(f"\nwrote {RESULTS.path(args.out, slug)} ({args.section}) in {time.time() - started:.0f} s\n")
     print(summary_table([row for row in payload["rows"] if row["op"] in args.ops]))
     return 0
 

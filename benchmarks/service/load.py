@@ -1,11 +1,11 @@
 """Load on the API while a job trains: N concurrent clients poll job, events and metrics for a while.
 
-    python benchmarks/load.py --clients 50 --seconds 60 --api-processes 2 --runs 3
+    python -m benchmarks.service.load --clients 50 --seconds 60 --api-processes 2 --runs 3
 
 Starts the embedded service (`fusetune serve`: API + worker + SQLite) on a temporary data directory, starts a
-long training job of the bundled tiny model, then measures every request's latency. Writes
-benchmarks/results/<machine>-load.json and a markdown twin: the latency of every request of every run pooled, and
-each run's own numbers (runs on a shared 2-core machine vary by 10-20%). Goal: 0 errors and p99 < 100 ms on the
+long training job of the bundled tiny model, then measures every request's latency. Writes the section "load" of
+benchmarks/results/<machine>-service.json: the latency of every request of every run pooled, and each run's own
+numbers (runs on a shared 2-core machine vary by 10-20%). Goal: 0 errors and p99 < 100 ms on the
 CPU machine.
 
 Each client keeps one connection and sends its next request as soon as the last one is answered (no pause), so
@@ -22,25 +22,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
-import httpx
-import psutil
+from benchmarks import harness
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fusetune.demo.assets import TRAIN_FILE, build_tiny_model  # noqa: E402
-from tests.services import running_service  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.Benchmark("load", topic="service")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -56,23 +50,41 @@ def _paths(job_id: str) -> list[tuple[str, str]]:
             ("metrics", f"/v1/fine_tuning/jobs/{job_id}/metrics")]  # fmt: skip
 
 
+async def _poll(
+    get: Callable[[str], Awaitable[int]],
+    failures: tuple[type[BaseException], ...],
+    job_id: str,
+    stop_at: float,
+    latencies: dict,
+    errors: list,
+) -> None:
+    """One client: the job's routes in turn, the next request as soon as the last is answered."""
+    routes = _paths(job_id)
+    i = 0
+    while time.monotonic() < stop_at:
+        name, path = routes[i % len(routes)]
+        i += 1
+        start = time.perf_counter()
+        try:
+            status = await get(path)
+            latencies[name].append(time.perf_counter() - start)
+            if status != 200:
+                errors.append(f"{path}: {status}")
+        except failures as exc:
+            errors.append(f"{path}: {type(exc).__name__}")
+
+
 async def _httpx_client(
     base_url: str, headers: dict, job_id: str, stop_at: float, latencies: dict, errors: list
 ) -> None:
-    routes = _paths(job_id)
+    import httpx
+
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=30) as client:
-        i = 0
-        while time.monotonic() < stop_at:
-            name, path = routes[i % len(routes)]
-            i += 1
-            start = time.perf_counter()
-            try:
-                response = await client.get(path)
-                latencies[name].append(time.perf_counter() - start)
-                if response.status_code != 200:
-                    errors.append(f"{path}: {response.status_code}")
-            except httpx.HTTPError as exc:
-                errors.append(f"{path}: {type(exc).__name__}")
+
+        async def get(path: str) -> int:
+            return (await client.get(path)).status_code
+
+        await _poll(get, (httpx.HTTPError,), job_id, stop_at, latencies, errors)
 
 
 async def _aiohttp_client(
@@ -80,26 +92,19 @@ async def _aiohttp_client(
 ) -> None:
     import aiohttp
 
-    routes = _paths(job_id)
     # One connection per client, as with httpx: each client is one user polling its job.
     connector = aiohttp.TCPConnector(limit=1)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(
         base_url, headers=headers, connector=connector, timeout=timeout
     ) as client:
-        i = 0
-        while time.monotonic() < stop_at:
-            name, path = routes[i % len(routes)]
-            i += 1
-            start = time.perf_counter()
-            try:
-                async with client.get(path) as response:
-                    await response.read()
-                latencies[name].append(time.perf_counter() - start)
-                if response.status != 200:
-                    errors.append(f"{path}: {response.status}")
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                errors.append(f"{path}: {type(exc).__name__}")
+
+        async def get(path: str) -> int:
+            async with client.get(path) as response:
+                await response.read()
+            return response.status
+
+        await _poll(get, (aiohttp.ClientError, TimeoutError), job_id, stop_at, latencies, errors)
 
 
 CLIENTS = {"aiohttp": _aiohttp_client, "httpx": _httpx_client}
@@ -116,14 +121,14 @@ async def _load(client_kind: str, base_url: str, headers: dict, job_id: str, cli
     return latencies, errors
 
 
-def _cpu_seconds(process: psutil.Process) -> float:
+def _cpu_seconds(process: Any) -> float:
     times = process.cpu_times()
     return times.user + times.system
 
 
-def _service_processes(server: psutil.Process) -> dict[str, list[psutil.Process]]:
+def _service_processes(server: Any) -> dict[str, list[Any]]:
     """The server (with any API worker processes), its embedded worker and the training processes, by role."""
-    roles: dict[str, list[psutil.Process]] = {"server": [server], "worker": [], "training": []}
+    roles: dict[str, list[Any]] = {"server": [server], "worker": [], "training": []}
     for child in server.children(recursive=True):
         command = " ".join(child.cmdline())
         if "fusetune.worker.train" in command or "torch.distributed.run" in command:
@@ -135,7 +140,9 @@ def _service_processes(server: psutil.Process) -> dict[str, list[psutil.Process]
     return roles
 
 
-def _cpu_by_role(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
+def _cpu_by_role(roles: dict[str, list[Any]]) -> dict[str, float]:
+    import psutil
+
     totals = {}
     for role, processes in roles.items():
         total = 0.0
@@ -148,13 +155,14 @@ def _cpu_by_role(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
     return totals
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--machine", default="cpu", help="slug for the results file name")
+    parser.add_argument("--out", type=Path, default=harness.RESULTS_DIR, help="folder of the results file")
     parser.add_argument(
         "--api-processes",
         type=int,
@@ -167,7 +175,7 @@ def main() -> None:
     parser.add_argument(
         "--client", choices=sorted(CLIENTS), default="aiohttp", help="HTTP client of the load"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     runs, latencies, errors = [], {name: [] for name in ROUTES}, []
     for _ in range(args.runs):
@@ -182,7 +190,9 @@ def main() -> None:
         errors += run_errors
         for name in ROUTES:
             latencies[name] += run_latencies[name]
-    _write(args, _summary(args, runs, latencies, errors))
+    result = _summary(args, runs, latencies, errors)
+    print(render_markdown(result))
+    print(f"wrote {RESULTS.write(args.out, args.machine, result)}")
 
 
 def _rows(latencies: dict[str, list[float]]) -> list[dict]:
@@ -195,6 +205,11 @@ def _rows(latencies: dict[str, list[float]]) -> list[dict]:
 
 
 def _run(args: argparse.Namespace, root: Path) -> tuple[dict, dict[str, list[float]], list[str]]:
+    import psutil
+
+    from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
+    from tests.services import running_service
+
     build_tiny_model(root / "data" / "models" / "tiny-llama")
     with running_service(
         root / "data", extra_env={"FUSETUNE_API_PROCESSES": str(args.api_processes)}
@@ -245,20 +260,18 @@ def _summary(args: argparse.Namespace, runs: list[dict], latencies: dict, errors
         "api_processes": args.api_processes, "errors": len(errors), "error_samples": errors[:10],
         "requests_per_s": statistics.mean(run["requests_per_s"] for run in runs),
         "rows": _rows(latencies), "runs": runs,
-        "command": f"python benchmarks/load.py --clients {args.clients} --seconds {args.seconds:g}"
+        "command": f"python -m benchmarks.service.load --clients {args.clients} --seconds {args.seconds:g}"
                    + (f" --client {args.client}" if args.client != "aiohttp" else "")
                    + (f" --api-processes {args.api_processes}" if args.api_processes != 1 else "")
                    + (f" --runs {len(runs)}" if len(runs) != 1 else ""),
     }  # fmt: skip
 
 
-def _write(args: argparse.Namespace, result: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.machine}-load.json").write_text(json.dumps(result, indent=2) + "\n")
-    processes = f"{args.api_processes} API process{'es' if args.api_processes > 1 else ''}"
+def render_markdown(result: dict[str, Any]) -> str:
+    processes = f"{result['api_processes']} API process{'es' if result['api_processes'] > 1 else ''}"
     runs = result["runs"]
-    lines = [f"# API under load while a job trains ({args.machine}, {os.cpu_count()} cores, {result['date']})", "",
-             f"`{result['command']}` — {args.clients} {args.client} clients for {args.seconds:g} s against "
+    lines = [f"# API under load while a job trains ({result['machine']}, {result['cpu_count']} cores, {result['date']})", "",
+             f"`{result['command']}` — {result['clients']} {result['client']} clients for {result['seconds']:g} s against "
              f"{processes}, {len(runs)} run{'s' if len(runs) > 1 else ''} (each a fresh service and job), "
              f"{result['requests_per_s']:.0f} requests/s, errors: {result['errors']}", "",
              "Latency of every request of every run:", "",
@@ -273,8 +286,7 @@ def _write(args: argparse.Namespace, result: dict) -> None:
         lines.append(f"| {i} | {run['requests_per_s']:.0f} | {run['all']['p50_ms']:.1f} | {run['all']['p99_ms']:.1f} "
                      f"| {run['load_average_at_load_start'][0]} | {cores['server']:.2f}, {cores['training']:.2f}, "
                      f"{cores['clients']:.2f} | {run['server_cpu_ms_per_request']:.2f} | {run['metric_points_at_end']} |")  # fmt: skip
-    (RESULTS / f"{args.machine}-load.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

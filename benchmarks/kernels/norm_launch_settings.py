@@ -5,27 +5,23 @@ Every setting is timed by the profiler's kernel durations (mean of several calls
 flush not counted), so the host's launch overhead, which exceeds these kernels' GPU time at many shapes, is
 not in the numbers. The backward's dW reduction (`sum(0)` of the partial rows) is counted with it.
 
-    PYTHONPATH=. python3 benchmarks/norm_launch_settings.py [--ops rms_norm,layer_norm] [--shapes 16384x4096]
+    python3 -m benchmarks.kernels.norm_launch_settings [--ops rms_norm,layer_norm] [--shapes 16384x4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from benchmarks._common import profile_kernels  # noqa: E402
-from fusetune.kernels import layer_norm, rms_norm  # noqa: E402
-from fusetune.kernels._norm_utils import NormLaunchSettings, norm_launch_settings  # noqa: E402
+from benchmarks.harness import profile_kernels, write_json
+from fusetune.kernels import layer_norm, rms_norm
+from fusetune.kernels._norm_utils import NormLaunchSettings, norm_launch_settings
 
 SHAPES = ((16384, 4096), (65536, 1024), (16384, 1024), (16384, 16384), (65536, 16384), (16384, 32768))
 LOOPED_BACKWARD = ((2048, 2, 8, 2), (1024, 4, 8, 4), (2048, 4, 8, 2), (1024, 8, 8, 2), (4096, 2, 8, 2), (2048, 4, 8, 4),
@@ -153,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += sweep_shape(op, tokens, hidden, args.directions.split(","), flush, stages)
             torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows)
     return 0
 
 

@@ -12,11 +12,11 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+compile  the same, then torch.compile(model)
 
 Every (model, impl) pair runs in a fresh subprocess, so no monkey-patch or compiled graph leaks into the
-next. Results go to `benchmarks/results/<gpu-slug>-e2e.json` (format of shared/ANCHORS.md) and a markdown
-twin.
+next. Results go to the section "e2e" of `benchmarks/results/<gpu-slug>-step.json` (rows in the format of
+shared/ANCHORS.md; `--section` keeps a variant's run beside it, e2e-packed say).
 
-    PYTHONPATH=. python3 benchmarks/e2e.py
-    PYTHONPATH=. python3 benchmarks/e2e.py --models llama-3.2-1b-shape --impls hf,liger,fusetune --steps 10
+    python3 -m benchmarks.step.e2e
+    python3 -m benchmarks.step.e2e --models llama-3.2-1b-shape --impls hf,liger,fusetune --steps 10
 """
 
 from __future__ import annotations
@@ -25,128 +25,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, format_cell, markdown_table, short_error
+from benchmarks.workloads import MODEL_SHAPES, SINGLE_GPU_MODELS, build_config
 
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    REPO_ROOT,
-    collect_versions,
-    format_cell,
-    gpu_slug,
-    load_results,
-    markdown_table,
-    measure_ceilings,
-    short_error,
-    utc_date,
-    write_json,
-    write_text,
-)
-
+RESULTS = harness.Benchmark("e2e", topic="step")
 IMPLS = ("hf", "compile", "liger", "fusetune", "fusetune+compile")
-RESULT_MARKER = "E2E_RESULT "
 
-# Architecture shapes of public checkpoints; weights are random. Keys are transformers config fields.
-MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-3.2-1b-shape": (
-        "llama",
-        {
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 64,
-            "vocab_size": 128256,
-            "tie_word_embeddings": True,
-            "rope_theta": 500000.0,
-            "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 131072,
-            "hidden_act": "silu",
-        },
-    ),
-    "qwen2.5-1.5b-shape": (
-        "qwen2",
-        {
-            "hidden_size": 1536,
-            "intermediate_size": 8960,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 2,
-            "vocab_size": 151936,
-            "tie_word_embeddings": True,
-            "rope_theta": 1000000.0,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 32768,
-            "hidden_act": "silu",
-        },
-    ),
-    "gemma-2-2b-shape": (
-        "gemma2",
-        {
-            "hidden_size": 2304,
-            "intermediate_size": 9216,
-            "num_hidden_layers": 26,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 4,
-            "head_dim": 256,
-            "vocab_size": 256000,
-            "tie_word_embeddings": True,
-            "rope_theta": 10000.0,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 8192,
-            "hidden_activation": "gelu_pytorch_tanh",
-            "final_logit_softcapping": 30.0,
-            "attn_logit_softcapping": 50.0,
-            "query_pre_attn_scalar": 256,
-            "sliding_window": 4096,
-        },
-    ),
-    # For multi-GPU runs (benchmarks/scaling.py with FSDP2): too large to train in full on one GPU at 8 x 2048.
-    "llama-3-8b-shape": (
-        "llama",
-        {
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "vocab_size": 128256,
-            "tie_word_embeddings": False,
-            "rope_theta": 500000.0,
-            "rms_norm_eps": 1e-5,
-            "max_position_embeddings": 8192,
-            "hidden_act": "silu",
-        },
-    ),
-}
-
-# The shapes that train in full on one 80 GB GPU at 8 x 2048 (the default of this script).
-SINGLE_GPU_MODELS = ("llama-3.2-1b-shape", "qwen2.5-1.5b-shape", "gemma-2-2b-shape")
-
-# For smoke tests on a CPU: the same families, a few thousand parameters.
-TINY_OVERRIDES = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-}
-
-CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "gemma2": "Gemma2Config"}
 LIGER_PATCHES = {
     "llama": ("apply_liger_kernel_to_llama", "swiglu"),
     "qwen2": ("apply_liger_kernel_to_qwen2", "swiglu"),
@@ -168,17 +59,6 @@ METHOD = (
     "peak_alloc_gb = torch.cuda.max_memory_allocated() over the whole process (weights, gradients, optimizer "
     "state, activations) / 2**30 (GiB; peak_alloc_bytes has the exact count). Each (model, impl) runs in a fresh process."
 )
-
-
-def build_config(model: str, tiny: bool) -> Any:
-    import transformers
-
-    family, fields = MODEL_SHAPES[model]
-    if tiny:
-        fields = {**fields, **TINY_OVERRIDES}
-        if family == "gemma2":
-            fields["query_pre_attn_scalar"] = fields["head_dim"]
-    return getattr(transformers, CONFIG_CLASSES[family])(**fields)
 
 
 def attention_implementation(requested: str, family: str, device: str) -> str:
@@ -530,65 +410,13 @@ def _finite(value: float) -> bool:
     return value == value and abs(value) != float("inf")
 
 
-def _worker_main(spec_json: str) -> int:
-    spec = json.loads(spec_json)
-    try:
-        row = train_one(spec)
-    except Exception as error:  # noqa: BLE001 - every failure becomes the row's error
-        traceback.print_exc()
-        row = {"model": spec["model"], "impl": spec["impl"], "batch": spec["batch"], "seq": spec["seq"]}
+def _failed_row(spec: dict[str, Any], error: BaseException) -> dict[str, Any]:
+    row = {"model": spec["model"], "impl": spec["impl"], "batch": spec["batch"], "seq": spec["seq"]}
+    if type(error).__name__ == "OutOfMemoryError":
         import torch
 
-        if isinstance(error, torch.cuda.OutOfMemoryError):
-            row["error"] = "OOM: " + short_error(error)
-            if torch.cuda.is_available():
-                row["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
-        else:
-            row["error"] = short_error(error)
-    print(RESULT_MARKER + json.dumps(row), flush=True)
-    return 0
-
-
-def _device_info_main() -> int:
-    """Run in a subprocess so that the parent never holds a CUDA context while models train."""
-    import torch
-
-    info = {
-        "gpu": torch.cuda.get_device_name(),
-        "ceilings": measure_ceilings(),
-        "versions": collect_versions(),
-    }
-    print(RESULT_MARKER + json.dumps(info), flush=True)
-    return 0
-
-
-def _run_subprocess(arguments: list[str], timeout_s: float) -> tuple[dict | None, str]:
-    command = [sys.executable, str(Path(__file__).resolve()), *arguments]
-    environment = dict(os.environ)
-    environment["PYTHONPATH"] = os.pathsep.join(
-        [p for p in (environment.get("PYTHONPATH", ""), str(REPO_ROOT)) if p]
-    )
-    try:
-        completed = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, env=environment
-        )
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stdout or ""
-        output = output.decode() if isinstance(output, bytes) else output
-        return None, f"ran past its {timeout_s:.0f} s limit and was stopped; last output: {output[-300:]}"
-    result = None
-    for line in completed.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = json.loads(line[len(RESULT_MARKER) :])
-        else:
-            print(line, flush=True)
-    if result is None:
-        tail = " | ".join(completed.stderr.strip().splitlines()[-3:])
-        sys.stderr.write(completed.stderr[-4000:])
-        return None, f"exited with code {completed.returncode} and no result: {tail}"
-    if completed.returncode != 0 or "error" in result:
-        sys.stderr.write(completed.stderr[-3000:])
-    return result, ""
+        row["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    return row
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -766,19 +594,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="attention implementation; auto = sdpa, or flex_attention for Gemma 2 (which refuses sdpa)",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
-    parser.add_argument(
-        "--gpu-slug", default=None, help="file-name prefix; default from the device name (h100)"
-    )
-    parser.add_argument(
-        "--merge-from",
-        type=Path,
-        default=None,
-        help="like --merge, but take the earlier rows from this file (for a run whose --out starts empty)",
-    )
-    parser.add_argument(
-        "--merge", action="store_true", help="keep rows of other (model, impl) pairs in the file"
-    )
+    harness.add_results_arguments(parser, RESULTS, merge="the rows of other (model, impl) pairs")
     parser.add_argument(
         "--impl-timeout-s",
         type=float,
@@ -799,10 +615,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "to a temporary folder unless --out is given",
     )
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
-    parser.add_argument("--_device-info", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    args.models, args.impls = harness.comma_list(args.models), harness.comma_list(args.impls)
     for name, chosen, known in (("--models", args.models, MODEL_SHAPES), ("--impls", args.impls, IMPLS)):
         unknown = [value for value in chosen if value not in known]
         if unknown:
@@ -813,35 +627,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args._worker:
-        return _worker_main(args._worker)
-    if args._device_info:
-        return _device_info_main()
+        return harness.run_as_worker(train_one, args._worker, _failed_row)
 
     started = time.time()
     tiny = args.device == "cpu"
     if tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        if args.out == DEFAULT_RESULTS_DIR:
-            args.out = Path(tempfile.mkdtemp(prefix="fusetune-e2e-cpu-"))
+        harness.smoke_out(args, "fusetune-e2e-cpu-")
         if (args.batch, args.seq) == (8, 2048):
             args.batch, args.seq = 2, 32
         info = {
             "gpu": "cpu (smoke test, TRITON_INTERPRET=1)",
             "ceilings": None,
-            "versions": collect_versions(),
+            "versions": harness.collect_versions(),
         }
     else:
         print("Measuring ceilings ...", flush=True)
-        info, failure = _run_subprocess(["--_device-info"], timeout_s=300)
+        info = harness.device_info_in_subprocess()
         if info is None:
-            print(f"could not read the device: {failure}", file=sys.stderr)
+            print("could not read the device", file=sys.stderr)
             return 2
-    meta = {**info, "date": utc_date()}
+    meta = {**info, "date": harness.utc_date()}
     print(f"{meta['gpu']}: ceilings {meta['ceilings']}\nversions: {meta['versions']}", flush=True)
-    slug = args.gpu_slug or (gpu_slug(meta["gpu"]) if not tiny else "cpu")
-    json_path = args.out / f"{slug}-e2e.json"
-    markdown_path = args.out / f"{slug}-e2e.md"
-    previous = load_results(args.merge_from or json_path) if (args.merge or args.merge_from) else None
+    slug = harness.results_slug(args, meta["gpu"], on_gpu=not tiny)
+    previous = RESULTS.previous(args, slug)
     peak_tflops = (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs")
 
     rows: list[dict] = []
@@ -869,21 +678,17 @@ def main(argv: list[str] | None = None) -> int:
             timeout = args.impl_timeout_s
             if args.time_budget_s is not None:
                 timeout = min(timeout, max(60.0, args.time_budget_s - (time.time() - started) + 60))
-            row, failure = _run_subprocess(["--_worker", json.dumps(spec)], timeout_s=timeout)
-            row = row if row is not None else {**base, "error": short_error(failure, 400)}
+            run = harness.run_worker(__spec__.name, ["--_worker", json.dumps(spec)], timeout)
+            row = run.results[-1] if run.results else {**base, "error": short_error(run.failure, 400)}
             rows.append(row)
             outcome = row.get("error") or (
                 f"{row['tokens_per_s']:,.0f} tokens/s, {format_cell(row['peak_alloc_gb'])} GB, "
                 f"MFU {format_cell(row['mfu'])}"
             )
             print(f"  -> {outcome}", flush=True)
-            payload = results_payload(meta, rows, previous, args.models)
-            write_json(json_path, payload)
-            write_text(markdown_path, render_markdown(payload))
-    payload = results_payload(meta, rows, previous, args.models)
-    write_json(json_path, payload)
-    write_text(markdown_path, render_markdown(payload))
-    print(f"\nwrote {json_path} and {markdown_path} in {time.time() - started:.0f} s\n")
+            RESULTS.write(args.out, slug, results_payload(meta, rows, previous, args.models), args.section)
+    path = RESULTS.write(args.out, slug, results_payload(meta, rows, previous, args.models), args.section)
+    print(f"\nwrote {path} ({args.section}) in {time.time() - started:.0f} s\n")
     summary = [
         [r["model"], r["impl"], r.get("tokens_per_s"), r.get("peak_alloc_gb"), r.get("mfu"), r.get("error")]
         for r in rows

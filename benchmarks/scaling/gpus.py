@@ -10,12 +10,12 @@ fused AdamW, DDP over NCCL (or FSDP2 with `--distributed fsdp`). Implementations
 The trainer's own per-step metrics give the numbers: the median step time of `--steps` steps after
 `--warmup-steps`, the peak allocated memory (max over steps and ranks) and MFU against the bf16 matmul rate
 measured at the start of the run. Scaling efficiency = tokens/s on N GPUs / (N x tokens/s on 1 GPU).
-Results: `benchmarks/results/<gpu-slug>-scaling.json` (format of shared/ANCHORS.md, rows with `n_gpus`) and a
-markdown twin.
+Results: the section "gpus" of `benchmarks/results/<gpu-slug>-scaling.json` (format of shared/ANCHORS.md, rows
+with `n_gpus`).
 
-    PYTHONPATH=. python3 benchmarks/scaling.py                               # 1 and 2 GPUs, both impls
-    PYTHONPATH=. python3 benchmarks/scaling.py --nproc 2 --impls fusetune --ddp-bucket-cap-mb 50
-    PYTHONPATH=. python3 benchmarks/scaling.py --cpu-smoke                   # tiny shape, gloo, < 1 minute
+    python3 -m benchmarks.scaling.gpus                               # 1 and 2 GPUs, both impls
+    python3 -m benchmarks.scaling.gpus --nproc 2 --impls fusetune --ddp-bucket-cap-mb 50
+    python3 -m benchmarks.scaling.gpus --cpu-smoke                   # tiny shape, gloo, < 1 minute
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,26 +31,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, markdown_table, short_error
+from benchmarks.step.e2e import MFU_FORMULA
+from benchmarks.workloads import MODEL_SHAPES, build_config
 
-from benchmarks import e2e  # noqa: E402
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    REPO_ROOT,
-    collect_versions,
-    gpu_slug,
-    load_results,
-    markdown_table,
-    short_error,
-    utc_date,
-    write_json,
-    write_text,
-)
-
+RESULTS = harness.Benchmark("gpus", topic="scaling")
 IMPLS = ("fusetune", "hf")
-RESULT_MARKER = "SCALING_RESULT "
 # Scaling-efficiency goals by GPU count: 2 GPUs at the 1B shape (HF + Liger-Kernel under plain DDP measured
 # 0.946 on H200s), 4 or 8 GPUs for the 1B (DDP) and 8B (FSDP2) shapes.
 GOAL_EFFICIENCY = 0.95
@@ -178,7 +164,7 @@ def _worker_main(spec_json: str) -> int:
             )
             reporter = Collector()
             trainer = _synthetic_trainer_class()(
-                config, dist_info, reporter, e2e.build_config(spec["model"], spec["tiny"])
+                config, dist_info, reporter, build_config(spec["model"], spec["tiny"])
             )
             trainer.train()
             flops_per_token = training_flops_per_token(trainer.model, spec["seq"])
@@ -216,12 +202,12 @@ def _worker_main(spec_json: str) -> int:
         traceback.print_exc()
         row["error"] = ("OOM: " if "out of memory" in str(error).lower() else "") + short_error(error)
         if dist_info.is_main:
-            print(RESULT_MARKER + json.dumps(row), flush=True)
+            harness.report(row)
         # Exit at once: the other ranks may wait in a collective, and torchrun stops them when one rank fails.
         sys.stdout.flush()
         os._exit(1)
     if dist_info.is_main:
-        print(RESULT_MARKER + json.dumps(row), flush=True)
+        harness.report(row)
     shutdown()
     return 0
 
@@ -230,49 +216,11 @@ def _worker_main(spec_json: str) -> int:
 # Parent: one torchrun launch per (impl, n_gpus).
 
 
-def _child_env(cpu: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if cpu:
-        env["OMP_NUM_THREADS"] = "1"
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
-
-
-def _run_torchrun(spec: dict[str, Any], nproc: int, timeout_s: float, cpu: bool) -> dict[str, Any]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(Path(__file__).resolve()), "--_worker", json.dumps(spec),
-    ]  # fmt: skip
-    base = _row_base(spec, nproc)
-    try:
-        completed = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, env=_child_env(cpu), cwd=REPO_ROOT
-        )
-    except subprocess.TimeoutExpired:
-        return {**base, "error": f"ran past its {timeout_s:.0f} s limit and was stopped"}
-    for line in completed.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER) :])
-    sys.stderr.write(completed.stdout[-2000:] + completed.stderr[-4000:])
-    tail = " | ".join(completed.stderr.strip().splitlines()[-3:])
-    return {**base, "error": f"torchrun exited with code {completed.returncode} and no result: {tail}"}
-
-
-def _device_info() -> dict[str, Any] | None:
-    """GPU name, measured ceilings and versions, from e2e.py's probe in a subprocess (the parent never holds a
-    CUDA context while models train)."""
-    completed = subprocess.run(
-        [sys.executable, str(Path(e2e.__file__).resolve()), "--_device-info"],
-        capture_output=True, text=True, timeout=300, env=_child_env(cpu=False),
-    )  # fmt: skip
-    for line in completed.stdout.splitlines():
-        if line.startswith(e2e.RESULT_MARKER):
-            return json.loads(line[len(e2e.RESULT_MARKER) :])
-    sys.stderr.write(completed.stderr[-3000:])
-    return None
+def run_torchrun(spec: dict[str, Any], nproc: int, timeout_s: float, cpu: bool) -> dict[str, Any]:
+    run = harness.run_worker(__spec__.name, ["--_worker", json.dumps(spec)], timeout_s, nproc=nproc, cpu=cpu)
+    if run.results:
+        return run.results[0]
+    return {**_row_base(spec, nproc), "error": f"torchrun {run.failure}"}
 
 
 def _series_key(row: dict[str, Any]) -> tuple[Any, ...]:
@@ -317,7 +265,7 @@ def results_payload(meta: dict[str, Any], rows: list[dict[str, Any]]) -> dict[st
         "versions": meta["versions"],
         "ceilings": meta["ceilings"],
         "method": METHOD,
-        "mfu_formula": e2e.MFU_FORMULA,
+        "mfu_formula": MFU_FORMULA,
         "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
         "goal": f"scaling efficiency >= {GOAL_EFFICIENCY} on 2 GPUs and >= {GOAL_EFFICIENCY_MANY_GPUS} on 4 or 8, "
         "with the kernels on (HF + Liger-Kernel under plain DDP, 1 -> 2 GPUs: "
@@ -367,7 +315,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Tokens/s of the trainer on 1 and N GPUs under torchrun, kernels on and off; scaling efficiency.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default="llama-3.2-1b-shape", choices=sorted(e2e.MODEL_SHAPES))
+    parser.add_argument("--model", default="llama-3.2-1b-shape", choices=sorted(MODEL_SHAPES))
     parser.add_argument(
         "--nproc", default="1,2", help="comma-separated GPU counts (1 is needed for efficiency)"
     )
@@ -381,16 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ddp-bucket-cap-mb", type=int, default=None, help="DDP bucket size (default: the trainer's)"
     )
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR, help="folder for the results files")
-    parser.add_argument(
-        "--gpu-slug", default=None, help="file-name prefix; default from the device name (h200)"
-    )
-    parser.add_argument(
-        "--merge-from",
-        type=Path,
-        default=None,
-        help="keep the rows of this earlier results file that this run does not measure again",
-    )
+    harness.add_results_arguments(parser, RESULTS, merge="the rows this run does not measure again")
     parser.add_argument("--run-timeout-s", type=float, default=540, help="limit of one torchrun launch")
     parser.add_argument(
         "--cpu-smoke",
@@ -406,9 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for name, value in smoke.items():
             if getattr(args, name) == defaults[name]:
                 setattr(args, name, value)
-        if args.out == DEFAULT_RESULTS_DIR:
-            args.out = Path(tempfile.mkdtemp(prefix="fusetune-scaling-cpu-"))
-    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+        harness.smoke_out(args, "fusetune-scaling-cpu-")
+    args.impls = harness.comma_list(args.impls)
     unknown = [impl for impl in args.impls if impl not in IMPLS]
     if unknown:
         parser.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
@@ -425,14 +363,14 @@ def main(argv: list[str] | None = None) -> int:
         return _worker_main(args._worker)
 
     if args.cpu_smoke:
-        info = {"gpu": "cpu (smoke test, gloo)", "ceilings": None, "versions": collect_versions()}
+        info = {"gpu": "cpu (smoke test, gloo)", "ceilings": None, "versions": harness.collect_versions()}
     else:
         print("Measuring ceilings ...", flush=True)
-        info = _device_info()
+        info = harness.device_info_in_subprocess()
         if info is None:
             print("could not read the device", file=sys.stderr)
             return 2
-    meta = {**info, "date": utc_date()}
+    meta = {**info, "date": harness.utc_date()}
     rows = []
     for impl in args.impls:
         for nproc in args.nproc:
@@ -444,18 +382,16 @@ def main(argv: list[str] | None = None) -> int:
             }  # fmt: skip
             started = time.monotonic()
             print(f"{args.model} / {impl} / {nproc} process(es) ...", flush=True)
-            row = _run_torchrun(spec, nproc, args.run_timeout_s, cpu=args.cpu_smoke)
+            row = run_torchrun(spec, nproc, args.run_timeout_s, cpu=args.cpu_smoke)
             print(f"  {json.dumps(row)} ({time.monotonic() - started:.0f} s)", flush=True)
             rows.append(row)
-    previous = load_results(args.merge_from) if args.merge_from else None
+    slug = harness.results_slug(args, meta["gpu"], on_gpu=not args.cpu_smoke)
+    previous = RESULTS.previous(args, slug)
     if previous is not None:
         rows = merge_rows(previous["rows"], rows)
     payload = results_payload(meta, rows)
-    slug = args.gpu_slug or ("cpu" if args.cpu_smoke else gpu_slug(meta["gpu"]))
-    json_path, markdown_path = args.out / f"{slug}-scaling.json", args.out / f"{slug}-scaling.md"
-    write_json(json_path, payload)
-    write_text(markdown_path, render_markdown(payload))
-    print(f"wrote {json_path} and {markdown_path}")
+    print(render_markdown(payload))
+    print(f"wrote {RESULTS.write(args.out, slug, payload, args.section)} ({args.section})")
     for entry in payload["scaling"]:
         print(
             f"scaling efficiency {entry['model']} {entry['impl']} ({entry['distributed']}) "

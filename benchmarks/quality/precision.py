@@ -1,7 +1,7 @@
 """Quality of the precision modes at a real model shape: does bf16-sr fine-tune as well as fp32 master weights?
 
 The protocol of tests/kernels/test_adamw_quality.py (which runs it on CPU with a small MLP), here with a
-transformer of one of benchmarks/e2e.py's shapes, random init:
+transformer of one of benchmarks/workloads.py's shapes, random init:
 
 1. Two tasks, each a random bigram teacher over the same `--task-tokens` token ids (a fixed random subset of the
    vocabulary): the first token of a sequence is uniform, each next one is drawn from the teacher's row of the
@@ -30,11 +30,11 @@ bf16-plain's best seed is worse than both other modes' worst seed by more than t
 fail); and fine-tuning moved fp32-master by more than twice the margin from the pretrained model's task-B loss
 (the fine-tuning did something). The script exits 1 when any of these, or the plateau, fails, and says which.
 
-Results go to `benchmarks/results/<gpu-slug>-precision-quality.json` (rows per impl and learning rate) and a
-markdown twin.
+Results go to the section "precision" of `benchmarks/results/<gpu-slug>-quality.json` (rows per impl and
+learning rate).
 
-    PYTHONPATH=. python3 benchmarks/precision_quality.py                 # Llama-3.2-1B shape, one GPU
-    PYTHONPATH=. python3 benchmarks/precision_quality.py --tiny          # CPU smoke run, a few minutes
+    python3 -m benchmarks.quality.precision                 # Llama-3.2-1B shape, one GPU
+    python3 -m benchmarks.quality.precision --tiny          # CPU smoke run, a few minutes
 """
 
 from __future__ import annotations
@@ -45,24 +45,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, format_cell, markdown_table
+from benchmarks.workloads import MODEL_SHAPES, build_config
 
-from benchmarks._common import (  # noqa: E402
-    DEFAULT_RESULTS_DIR,
-    GIB,
-    collect_versions,
-    format_cell,
-    gpu_slug,
-    markdown_table,
-    utc_date,
-    write_json,
-    write_text,
-)
-from benchmarks.e2e import MODEL_SHAPES, build_config  # noqa: E402
+RESULTS = harness.Benchmark("precision", topic="quality")
 
 # impl (the row's name) -> the trainer's precision mode
 IMPLS = {"fp32-master": "bf16-mixed", "bf16-plain": "bf16", "bf16-sr": "bf16-sr"}
@@ -456,7 +445,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lrs", default="1e-5,1e-4")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--out", type=Path, default=DEFAULT_RESULTS_DIR)
+    harness.add_results_arguments(parser, RESULTS)
     args = parser.parse_args(argv)
     which = 1 if args.tiny else 0
     for name, values in DEFAULTS.items():
@@ -481,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         # anything: set it now, before fusetune.kernels is imported.
         os.environ["TRITON_INTERPRET"] = "1"
     kernels = device.type == "cuda" if args.kernels is None else args.kernels
-    command = "python3 benchmarks/precision_quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
 
     model = build_model(args.model, args.tiny, device, kernels)
@@ -516,11 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     start_b = eval_loss(model, eval_sets["b"], policy(PRETRAIN_PRECISION, device).autocast, args.batch)
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    json_path = args.out / f"{gpu_slug(gpu) if device.type == 'cuda' else 'cpu'}-precision-quality.json"
+    slug = harness.results_slug(args, gpu, on_gpu=device.type == "cuda")
     payload: dict[str, Any] = {
         "gpu": gpu,
-        "date": utc_date(),
-        "versions": collect_versions(),
+        "date": harness.utc_date(),
+        "versions": harness.collect_versions(),
         "command": command,
         "setup": {
             "model": args.model,
@@ -567,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         payload.setdefault("verdicts", {})[str(lr)] = verdict(losses, start_b)
         print(f"lr {lr:g}: {payload['verdicts'][str(lr)]}", flush=True)
         # What is done so far, in case the run is cut short; replaced by the full file at the end.
-        write_json(json_path, {**payload, "rows": summary_rows(runs, args), "runs": runs, "partial": True})
+        partial = {**payload, "rows": summary_rows(runs, args), "runs": runs, "partial": True}
+        RESULTS.write(args.out, slug, partial, args.section)
 
     errors = [run for run in runs if run.get("error")]
     failed_lrs = [lr for lr, check in payload["verdicts"].items() if not check["passed"]]
@@ -587,11 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if device.type == "cuda":
         payload["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
-    write_json(json_path, payload)
-    markdown = render_markdown(payload)
-    write_text(json_path.with_suffix(".md"), markdown)
-    print("\n" + markdown)
-    print(f"wrote {json_path} and its .md twin in {payload['seconds']:.0f} s")
+    path = RESULTS.write(args.out, slug, payload, args.section)
+    print("\n" + render_markdown(payload))
+    print(f"wrote {path} ({args.section}) in {payload['seconds']:.0f} s")
     if reasons:
         print(f"FAIL: {payload['verdict_reason']}", file=sys.stderr)
         return 1

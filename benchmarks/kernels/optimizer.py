@@ -18,7 +18,9 @@ memory_allocated after the first step minus before it (the state is created lazi
 peak during a later step minus the allocation before it. Floor: the bytes one step must move (parameters,
 gradients and both moments read, parameters and moments written) over the copy bandwidth measured in the run.
 
-    PYTHONPATH=. python3 benchmarks/optimizer.py [--impls torch-fp32,fusetune] [--sweep] [--out DIR]
+    python3 -m benchmarks.kernels.optimizer [--impls torch-fp32,fusetune] [--sweep] [--out DIR]
+
+Results go to the section "optimizer" of `benchmarks/results/<gpu-slug>-kernels.json`.
 """
 
 from __future__ import annotations
@@ -30,28 +32,22 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
+from benchmarks.harness import GIB, markdown_table, short_error
 
-from benchmarks._common import (  # noqa: E402
-    GIB,
-    collect_versions,
-    free_device_memory,
-    gpu_slug,
-    markdown_table,
-    short_error,
-    utc_date,
-    write_json,
-)
-
+RESULTS = harness.Benchmark("optimizer", topic="kernels")
 IMPLS = ("torch-fp32", "torch-bf16", "torchao-bf16-sr", "fusetune", "fusetune-fp32-state", "fusetune-flat")
 # (block_size, num_warps) tried by --sweep
 SWEEP_SETTINGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
 LR, WEIGHT_DECAY = 1e-5, 0.01
+IMPL_NOTES = (
+    "torch-fp32: torch fused AdamW on fp32 weights (bf16-mixed); torch-bf16: on bf16 weights, rounded to "
+    "nearest (bf16); torchao-bf16-sr: torchao's AdamW with bf16 stochastic rounding; fusetune: FusedAdamW "
+    "(bf16-sr); fusetune-fp32-state: with fp32 moments; fusetune-flat: on one flat tensor."
+)
 
 
 def llama_3_2_1b_shapes() -> list[tuple[int, ...]]:
@@ -163,45 +159,13 @@ def measure(impl: str, shapes, warmup: int, steps: int, copy_gbps: float, settin
         row["error"] = short_error(error)
     finally:
         params = optimizer = None  # noqa: F841
-        free_device_memory()
+        harness.free_device_memory()
     return row
 
 
-def copy_bandwidth_gbps() -> float:
-    import torch
-    from triton.testing import do_bench
-
-    source = torch.empty(GIB // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    destination = torch.empty_like(source)
-    copy_ms = do_bench(lambda: destination.copy_(source), warmup=100, rep=300, return_mode="median")
-    return 2 * source.numel() * source.element_size() / (copy_ms * 1e-3) / 1e9
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--impls", default=",".join(IMPLS))
-    parser.add_argument("--sweep", action="store_true", help="also time fusetune's other launch settings")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=None, help="folder for optimizer.json")
-    args = parser.parse_args(argv)
-
-    import torch
-
-    shapes = llama_3_2_1b_shapes()
-    copy_gbps = copy_bandwidth_gbps()
-    free_device_memory()
-    print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s", flush=True)
-    rows = []
-    for impl in args.impls.split(","):
-        rows.append(measure(impl, shapes, args.warmup, args.steps, copy_gbps))
-        print(json.dumps(rows[-1]), flush=True)
-    if args.sweep:
-        for settings in SWEEP_SETTINGS:
-            rows.append(measure("fusetune", shapes, 2, args.steps, copy_gbps, settings))
-            print(json.dumps(rows[-1]), flush=True)
+def render_markdown(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    sized = next((row for row in rows if "params" in row), {})
     header = [
         "impl",
         "ms",
@@ -212,33 +176,70 @@ def main(argv: list[str] | None = None) -> int:
         "peak extra GiB",
         "weights+grads GiB",
     ]
-    table = markdown_table(
-        header,
+    table = [
+        [r["impl"], r.get("ms"), r.get("floor_ms"), r.get("floor_ratio"), r.get("host_ms"), r.get("state_gib"),
+         r.get("peak_extra_gib"), r.get("weights_and_grads_gib")] if "error" not in r else [r["impl"], r["error"]]
+        + [None] * 6
+        for r in rows
+    ]  # fmt: skip
+    return "\n".join(
         [
-            [r["impl"], r.get("ms"), r.get("floor_ms"), r.get("floor_ratio"), r.get("host_ms"), r.get("state_gib"),
-             r.get("peak_extra_gib"), r.get("weights_and_grads_gib")] if "error" not in r else [r["impl"], r["error"]]
-            + [None] * 6
-            for r in rows
-        ],
-    )  # fmt: skip
-    print(table)
-    if args.out:
-        payload = {
-            "gpu": torch.cuda.get_device_name(),
-            "date": utc_date(),
-            "versions": collect_versions() | {"torchao": _torchao_version()},
-            "ceilings": {"copy_GBps": round(copy_gbps, 1)},
-            "model": "llama-3.2-1b-shape",
-            "rows": rows,
-        }
-        write_json(args.out / f"{gpu_slug(payload['gpu'])}-optimizer.json", payload)
+            f"# Optimizer step: {payload['gpu']}, {payload['date']}",
+            "",
+            f"Versions: {payload['versions']}",
+            "",
+            f"One AdamW step over {sized.get('params', 0):,} parameters in {sized.get('tensors')} tensors (the "
+            f"Llama-3.2-1B shape), median of {payload['steps']} steps after {payload['warmup']} warm-up steps; "
+            f"`{payload['command']}`. {IMPL_NOTES}",
+            "",
+            markdown_table(header, table),
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--impls", default=",".join(IMPLS))
+    parser.add_argument("--sweep", action="store_true", help="also time fusetune's other launch settings")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    harness.add_results_arguments(parser, RESULTS)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    shapes = llama_3_2_1b_shapes()
+    copy_gbps = harness.copy_rate_gbps(GIB, warmup_ms=100, rep_ms=300)
+    harness.free_device_memory()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbps:.0f} GB/s", flush=True)
+    rows = []
+    for impl in harness.comma_list(args.impls):
+        rows.append(measure(impl, shapes, args.warmup, args.steps, copy_gbps))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.sweep:
+        for settings in SWEEP_SETTINGS:
+            rows.append(measure("fusetune", shapes, 2, args.steps, copy_gbps, settings))
+            print(json.dumps(rows[-1]), flush=True)
+    payload = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": harness.utc_date(),
+        "versions": harness.collect_versions() | {"torchao": harness.package_version("torchao")},
+        "ceilings": {"copy_GBps": round(copy_gbps, 1)},
+        "model": "llama-3.2-1b-shape",
+        "command": "python3 -m benchmarks.kernels.optimizer "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": rows,
+    }
+    print(render_markdown(payload))
+    print(
+        f"wrote {RESULTS.write(args.out, harness.results_slug(args, payload['gpu']), payload, args.section)}"
+    )
     return 0
-
-
-def _torchao_version() -> str | None:
-    from benchmarks._common import package_version
-
-    return package_version("torchao")
 
 
 if __name__ == "__main__":

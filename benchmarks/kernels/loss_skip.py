@@ -3,12 +3,13 @@
 Near-uniform logits (random weights at the usual init) make every probability tiny, so skipping would look
 free there and measure nothing; here the weights are scaled until the mean per-token entropy is about
 2 nats, and labels are drawn from the model's own softmax (so the loss is near the entropy, as after
-training). Times and peak extra memory as in benchmarks/kernels.py (do_bench median of fwd+bwd through
+training). Times and peak extra memory as in benchmarks/kernels/ops.py (do_bench median of fwd+bwd through
 torch.autograd.grad; peak includes the returned gradients); exact and skipping in the same run.
 
-    PYTHONPATH=. python3 benchmarks/loss_skip.py [--out DIR] [--budget-s S]
+    python3 -m benchmarks.kernels.loss_skip [--out DIR] [--budget-s S]
 
-Besides the timings it writes, per shape, the mean entropy reached and the entries a token keeps, a kernel
+Results go to the section "loss-skip" of `benchmarks/results/<gpu-slug>-kernels.json`. Besides the timings
+they hold, per shape, the mean entropy reached and the entries a token keeps, a kernel
 profile of one skipping fwd+bwd at the main shape, and the error of exact and skipping against a float64
 reference at a smaller shape (max |error| / max |reference| per tensor, and the largest ratio of error to
 the bfloat16 tolerance of tests/kernels: 4e-3 * max |reference| + 2e-2 * |reference|).
@@ -18,20 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
+from typing import Any
 
 import torch
 
-from benchmarks._common import profile_kernels
-from benchmarks.kernels import free_device_memory
-from benchmarks.loss_launch_settings import MAIN, SWEEP, measure
+from benchmarks import harness
+from benchmarks.harness import markdown_table
+from benchmarks.kernels.loss_launch_settings import MAIN, SWEEP, measure
 from fusetune.kernels import fused_linear_cross_entropy as flce_module
 from fusetune.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
 
+RESULTS = harness.Benchmark("loss-skip", topic="kernels")
 # (T, H, V, softcap); the first is the main shape.
 SHAPES = (
     (8192, 4096, 128256, None),
@@ -200,17 +202,75 @@ def bench_shape(shape, reps, emit, profile: bool) -> None:
                 }
             )
         for name in ("skip-2^-12", "exact"):
-            kernels = profile_kernels(lambda name=name: fwd_bwd(VARIANTS[name]), top=12)
+            kernels = harness.profile_kernels(lambda name=name: fwd_bwd(VARIANTS[name]), top=12)
             emit({"op": "flce-profile", "shape": shape, "variant": name, "kernels": kernels})
         calls = gather_calls(lambda: fwd_bwd(VARIANTS["skip-2^-12"]))
         emit({"op": "flce-skip-calls", "shape": shape, "calls": calls})
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+def render_markdown(payload: dict[str, Any]) -> str:
+    rows = payload["rows"]
+    entropy = {json.dumps(r["shape"]): r["entropy"] for r in rows if r["op"] == "peaked"}
+    timed = [r for r in rows if r["op"] == "flce" and "settings" not in r]
+    settings = [r for r in rows if r["op"] == "flce" and "settings" in r]
+    errors = [r for r in rows if r["op"] == "flce-error"]
+    lines = [
+        f"# skip_small_gradients against the exact fused linear cross-entropy: {payload['gpu']}, {payload['date']}",
+        "",
+        f"Versions: {payload['versions']}.",
+        "",
+        "Peaked logits: weights scaled to a mean entropy of about 2 nats, labels drawn from the softmax. fwd+bwd "
+        "ms (do_bench median) and peak extra MB of one fwd+bwd; `kept` is the gradient entries a token keeps.",
+        "",
+        markdown_table(
+            ["T, H, V, softcap", "entropy", "variant", "ms", "peak extra MB", "kept per token", "÷ exact"],
+            [
+                [
+                    ", ".join(map(str, r["shape"])),
+                    entropy.get(json.dumps(r["shape"])),
+                    r.get("variant"),
+                    r.get("ms"),
+                    r.get("peak_extra_mb"),
+                    r.get("kept_per_token"),
+                    r.get("speedup_vs_exact") or r.get("error"),
+                ]
+                for r in timed
+            ],
+        ),  # fmt: skip
+        "",
+    ]
+    if settings:
+        lines += ["## Launch settings of skip-2^-12 at the main shape", ""]
+        lines += [
+            markdown_table(["settings", "ms"], [[json.dumps(r["settings"]), r["ms"]] for r in settings]),
+            "",
+        ]
+    if errors:
+        lines += [
+            "## Errors against float64 (max |error| / max |reference|; ratio to the bf16 test tolerance)",
+            "",
+        ]
+        lines.append(markdown_table(
+            ["T, H, V", "variant", "loss |error|", "dh max rel", "dh ÷ tolerance", "dW max rel", "dW ÷ tolerance"],
+            [[", ".join(map(str, r["shape"])), r["variant"], r["loss_abs_error"], r["grad_hidden_max_rel"],
+              r["grad_hidden_tol_ratio"], r["grad_weight_max_rel"], r["grad_weight_tol_ratio"]] for r in errors],
+        ))  # fmt: skip
+        lines.append("")
+    for r in rows:
+        if r["op"] == "flce-profile":
+            lines += [
+                f"## Kernels of one fwd+bwd, {r['variant']}, T, H, V = {', '.join(map(str, r['shape'][:3]))}",
+                "",
+            ]
+            lines += [markdown_table(["kernel", "ms", "launches"], r["kernels"]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_results_arguments(parser, RESULTS)
     parser.add_argument("--budget-s", type=float, default=200.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     deadline = time.time() + args.budget_s
     rows: list[dict] = []
 
@@ -222,13 +282,17 @@ def main() -> int:
         if time.time() > deadline:
             emit({"op": "flce", "shape": shape, "error": "time budget used up"})
             continue
-        free_device_memory()
+        harness.free_device_memory()
         bench_shape(shape, MAIN if index == 0 else SWEEP, emit, profile=index == 0)
-    free_device_memory()
+    harness.free_device_memory()
     for row in errors_against_float64(1024, 2048, 128256):
         emit(row)
-    with open(os.path.join(args.out, "loss-skip.json"), "w") as handle:
-        json.dump(rows, handle, indent=1)
+    payload = {"gpu": torch.cuda.get_device_name(), "date": harness.utc_date(), "versions": harness.collect_versions(),
+               "rows": rows}  # fmt: skip
+    print(render_markdown(payload))
+    print(
+        f"wrote {RESULTS.write(args.out, harness.results_slug(args, payload['gpu']), payload, args.section)}"
+    )
     return 0
 
 

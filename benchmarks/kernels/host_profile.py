@@ -1,12 +1,12 @@
 """Where the host's time goes in one fwd+bwd of a kernel benchmark case: the CPU side of launch overhead.
 
-kernels.py reports, per implementation, the wall time, the GPU's own kernel time (device_ms) and the host time
+ops.py reports, per implementation, the wall time, the GPU's own kernel time (device_ms) and the host time
 to issue a call. Where the wall time exceeds the GPU time the host is the bottleneck; this script says why:
 for each case it times the host per call (no synchronisation between calls; the GPU work of these cases is
 shorter than their host work, so the queue never fills and the average is the host's issue time) and prints
 cProfile's functions with the most own time over the same calls.
 
-    PYTHONPATH=. python3 benchmarks/host_profile.py --cases rope:fusetune,rope:liger --calls 300
+    python3 -m benchmarks.kernels.host_profile --cases rope:fusetune,rope:liger --calls 300
 """
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.kernels import Case, CudaTimer, Env, build_workload, main_shapes, run_backward  # noqa: E402
+from benchmarks.harness import write_json
+from benchmarks.kernels.ops import Case, CudaTimer, Env, build_workload, main_shapes, run_backward
 
 DEFAULT_CASES = (
     "rope:fusetune,rope:liger,add_rms_norm:fusetune,add_rms_norm:liger,rms_norm:fusetune,rms_norm:liger"
@@ -61,7 +58,7 @@ def profile_case(op: str, impl: str, calls: int, top: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=DEFAULT_CASES, help="op:impl,... (main shapes of kernels.py)")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="op:impl,... (main shapes of ops.py)")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--top", type=int, default=22)
     parser.add_argument("--json", type=Path, default=None)
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in result["profile"]:
             print("   " + line[:170])
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
     return 0
 
 

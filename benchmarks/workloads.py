@@ -1,0 +1,164 @@
+"""What the benchmarks train on: model shapes of public architectures (random weights, no download) and
+generated chat data."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+# Architecture shapes of public checkpoints; weights are random. Keys are transformers config fields.
+MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-3.2-1b-shape": (
+        "llama",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "hidden_act": "silu",
+        },
+    ),
+    "qwen2.5-1.5b-shape": (
+        "qwen2",
+        {
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "tie_word_embeddings": True,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768,
+            "hidden_act": "silu",
+        },
+    ),
+    "gemma-2-2b-shape": (
+        "gemma2",
+        {
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "vocab_size": 256000,
+            "tie_word_embeddings": True,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 8192,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+        },
+    ),
+    # For multi-GPU runs (benchmarks.scaling.gpus with FSDP2): too large to train in full on one GPU at 8 x 2048.
+    "llama-3-8b-shape": (
+        "llama",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 128256,
+            "tie_word_embeddings": False,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192,
+            "hidden_act": "silu",
+        },
+    ),
+}
+
+# The shapes that train in full on one 80 GB GPU at 8 x 2048 (the default of benchmarks.step.e2e).
+SINGLE_GPU_MODELS = ("llama-3.2-1b-shape", "qwen2.5-1.5b-shape", "gemma-2-2b-shape")
+
+# For smoke tests on a CPU: the same families, a few thousand parameters.
+TINY_OVERRIDES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+}
+
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "gemma2": "Gemma2Config"}
+
+
+def build_config(model: str, tiny: bool) -> Any:
+    """The transformers config of a model shape (its tiny version with `tiny`)."""
+    import transformers
+
+    family, fields = MODEL_SHAPES[model]
+    if tiny:
+        fields = {**fields, **TINY_OVERRIDES}
+        if family == "gemma2":
+            fields["query_pre_attn_scalar"] = fields["head_dim"]
+    return getattr(transformers, CONFIG_CLASSES[family])(**fields)
+
+
+def chat_examples(n_examples: int, mean_tokens: int, seed: int, tokenizer) -> tuple[list[dict], list[int]]:
+    """Chat examples whose templated lengths are spread around `mean_tokens` (log-normal, as real chat data
+    is), and those lengths. Text is made of digit groups and words the demo tokenizer knows."""
+    rng = random.Random(seed)
+    words = ["What", "is", "the", "sum", "answer", "plus", "minus", "of", "and", "Reply"]
+
+    def text(n_pieces: int) -> str:
+        return " ".join(
+            rng.choice(words) if rng.random() < 0.5 else str(rng.randrange(10, 10_000))
+            for _ in range(n_pieces)
+        )
+
+    examples, lengths = [], []
+    for _ in range(n_examples):
+        target = max(32, min(int(rng.lognormvariate(-0.1, 0.45) * mean_tokens), 3 * mean_tokens))
+        # About 3.5 tokens per piece with this tokenizer; the real length is measured below.
+        question_pieces = max(4, int(target * 0.3 / 3.5))
+        answer_pieces = max(4, int(target * 0.7 / 3.5))
+        example = {
+            "messages": [
+                {"role": "system", "content": "You are a precise assistant."},
+                {"role": "user", "content": text(question_pieces)},
+                {"role": "assistant", "content": text(answer_pieces)},
+            ]
+        }
+        examples.append(example)
+        ids = tokenizer.apply_chat_template(example["messages"], tokenize=True, return_dict=True)["input_ids"]
+        lengths.append(len(ids))
+    return examples, lengths
+
+
+def build_model(models_dir: Path, model_name: str, tiny: bool = False) -> Path:
+    """A model shape (its tiny version with `tiny`) with random weights (seed 0) and the demo tokenizer, saved
+    in bf16 as a job's model: the model of the service, trainer-step and DPO benchmarks."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fusetune.demo.assets import build_tokenizer
+
+    out = models_dir / model_name
+    tokenizer = build_tokenizer()
+    config = build_config(model_name, tiny=tiny)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,68 @@
+"""The harness's subprocess per implementation: results are collected from a worker, a crash or a hang becomes
+a failure in one line, and the worker side turns an exception into the row's error."""
+
+import textwrap
+
+import pytest
+
+from benchmarks import harness
+
+
+@pytest.fixture
+def worker_module(tmp_path, monkeypatch):
+    """A module run as a worker: its behaviour is chosen by its first argument."""
+    package = tmp_path / "harness_test_worker"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "worker.py").write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            from benchmarks import harness
+
+            mode = sys.argv[1]
+            print("progress line")
+            harness.report({"row": 1})
+            if mode == "crash":
+                print("a traceback", file=sys.stderr)
+                sys.exit(3)
+            if mode == "hang":
+                time.sleep(60)
+            if mode == "raise":
+                sys.exit(harness.run_as_worker(lambda spec: 1 / 0, '{"model": "m"}', lambda spec, e: spec))
+            harness.report({"row": 2})
+            """
+        )
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return "harness_test_worker.worker"
+
+
+def test_results_are_collected_and_other_output_passed_on(worker_module, capsys):
+    run = harness.run_worker(worker_module, ["ok"], timeout_s=60)
+    assert run.results == [{"row": 1}, {"row": 2}] and run.failure is None
+    assert "progress line" in capsys.readouterr().out
+
+
+def test_a_crash_keeps_the_results_before_it_and_says_why(worker_module):
+    run = harness.run_worker(worker_module, ["crash"], timeout_s=60)
+    assert run.results == [{"row": 1}]
+    assert run.failure == "exited with code 3: a traceback"
+
+
+def test_a_worker_past_its_limit_is_stopped(worker_module):
+    run = harness.run_worker(worker_module, ["hang"], timeout_s=3)
+    assert run.timed_out and run.results == [{"row": 1}]
+    assert run.failure.startswith("ran past its 3 s limit and was stopped; last output: progress line")
+
+
+def test_an_exception_in_the_worker_becomes_the_rows_error(worker_module):
+    run = harness.run_worker(worker_module, ["raise"], timeout_s=60)
+    assert run.results[-1] == {"model": "m", "error": "ZeroDivisionError: division by zero"}
+    assert run.failure is None
+
+
+def test_a_worker_finds_this_checkout_after_the_callers_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert harness.child_env()["PYTHONPATH"] == f"/tmp/site:{harness.REPO_ROOT}"
+    assert harness.child_env(cpu=True)["CUDA_VISIBLE_DEVICES"] == ""
