@@ -25,7 +25,7 @@ from fusetune.kernels._interpreter import round_to_dtype
 
 # Largest row held in registers, in elements, forward and backward (the kernels compute in fp32, so this does
 # not depend on the input dtype); wider rows loop over column blocks. H100, bf16, each kernel's GPU time alone
-# (benchmarks/norm_launch_settings.py, profiler durations, 2026-11-26): at 16384 columns the backward holding
+# (benchmarks/kernels/norm_launch_settings.py, profiler durations, 2026-11-26): at 16384 columns the backward holding
 # the row with 16 warps took 0.654 ms at 16384 rows against 1.031 for the loop over 8192-column blocks
 # (65536 rows: 2.64 against 4.07; LayerNorm 0.94 against 1.26 and 3.63 against 5.02); 32 warps 0.78 (their
 # 64-register cap spills). The forward's 16384-column row: LayerNorm 0.364 ms with 16 warps against 0.504 with
@@ -36,7 +36,7 @@ MAX_REGISTER_ROW_WARPS = 16
 # in the second, 8 warps, 4 programs per SM. H100, bf16, GPU time alone, 2026-11-26, RMSNorm / LayerNorm
 # ms: 16384 x 32768 1.83 / 1.83 (the single looping kernel before: 2.75 / 3.65; copy floor 1.07), 4096 x
 # 32768 0.477 / 0.484, 65536 x 32768 7.22 / 7.27, 16384 x 20480 1.15 / 1.20: each within 2% of the best of the
-# 9 settings tried there (benchmarks/norm_launch_settings.py).
+# 9 settings tried there (benchmarks/kernels/norm_launch_settings.py).
 # Forward: 16384-column blocks with 32 warps (0.78 against 1.02 ms at 16384 x 32768).
 WIDE_ROW_BACKWARD = (2048, 4, 8, 4)  # block_n, rows_per_tile (second kernel), num_warps, programs_per_sm
 WIDE_ROW_FORWARD = (16384, 1, 32, 1)
@@ -90,7 +90,7 @@ def norm_launch_settings(n_cols: int, backward: bool) -> NormLaunchSettings:
 def _norm_launch_settings(n_cols: int, backward: bool, column_block_limit: int | None) -> NormLaunchSettings:
     """Launch settings for a row-wise normalisation of width `n_cols`.
 
-    H100, bf16, each kernel's GPU time alone (benchmarks/norm_launch_settings.py, profiler durations,
+    H100, bf16, each kernel's GPU time alone (benchmarks/kernels/norm_launch_settings.py, profiler durations,
     2026-11-26): at 16384 x 4096 the backward's 1 row x 4096 with 8 warps and 2 programs per SM took 0.157 ms
     (floor 0.134) and the best of 17 settings 0.148; at 65536 x 1024 the default 2 rows x 1024, 4 warps, 4 per
     SM was the best of 35 (0.155 ms), at 16384 x 1024 within 1% of it; the forward at 1024 and 4096 columns

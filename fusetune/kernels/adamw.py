@@ -82,9 +82,10 @@ def adamw_launch_settings() -> AdamWLaunchSettings:
     """The kernel's launch settings.
 
     GPU: one H100, the Llama-3.2-1B parameter set (1.236e9 bf16 params in 146 tensors), median of 10 steps,
-    `benchmarks/optimizer.py --sweep` (2026-11-25, torch 2.11, triton 3.6): 2048 elements with 8 warps 9.01 ms
-    (9.86 when re-measured later in the same run), 1024 with 4 warps 9.08, 2048 with 4 12.1, 4096 with 8 12.5,
-    4096 with 16 10.7, 8192 with 16 21.7; the floor (14 bytes a parameter at the measured 3001 GB/s) is 5.77.
+    `benchmarks/kernels/optimizer.py --sweep` (2026-11-25, torch 2.11, triton 3.6; the sweep's rows are not
+    committed, the default's step is in benchmarks/results/h100-kernels.json, section optimizer): 2048
+    elements with 8 warps 9.01 ms (9.86 when re-measured later in the same run), 1024 with 4 warps 9.08,
+    2048 with 4 12.1, 4096 with 8 12.5, 4096 with 16 10.7, 8192 with 16 21.7; the floor (14 bytes a parameter at the measured 3001 GB/s) is 5.77.
     The same kernel over one flat tensor of that size took 7.83 ms: the address table (a dependent load of the
     block's tensor, then of its row, before the data) costs about 1.2 ms of the 9.0. A flat buffer would need the
     parameters and gradients to live in one allocation, which the model and FSDP own, so the table stays.

@@ -70,7 +70,7 @@ def _tanh(u):
     # One exp2 and one fast division (div.full.f32, within 2 ulp): exact to ~2e-7 absolute and saturating
     # cleanly for large |u|. With the IEEE division (and x / softcap) it replaced, fwd+bwd with softcap 30
     # took 5.08 ms instead of 4.76 at T=8192, V=256000, and 2.51 instead of 2.32 at V=128256 (H100,
-    # benchmarks/cross_entropy_ab.py, 2026-11-26; without a softcap 3.80 and 1.73 both).
+    # benchmarks/kernels/cross_entropy_ab.py, 2026-11-26; without a softcap 3.80 and 1.73 both).
     e = tl.exp2(tl.abs(u) * (-2.0 * LOG2E))
     t = tl.fdiv(1.0 - e, 1.0 + e, ieee_rounding=False)
     return tl.where(u < 0.0, -t, t)
@@ -252,7 +252,7 @@ def _cross_entropy_forward_kernel(
             best_col = tl.zeros([BLOCK_V // GROUP, GROUP], dtype=tl.int32)
             # The loads run four blocks ahead of the arithmetic. In fwd+bwd, where other programs' second
             # sweeps write at the same time, fewer loads in flight leave the memory idle: H100, fwd+bwd ms,
-            # one block ahead / two / three / four (benchmarks/cross_entropy_ab.py, 2026-11-27): T=8192
+            # one block ahead / two / three / four (benchmarks/kernels/cross_entropy_ab.py, 2026-11-27): T=8192
             # V=128256 1.71 / 1.65 / 1.63 / 1.62; V=151936 2.09 / 2.06 / 2.03 / 2.03; V=256000 3.73 /
             # 3.71 / 3.71 / 3.71, softcap 30 4.53 / 4.48 / 4.56 / 4.49; T=16384 V=65536 1.86 / 1.72 / 1.55 /
             # 1.56. The loss alone (this sweep by itself) takes the same time at every depth. Deeper is much
@@ -275,7 +275,7 @@ def _cross_entropy_forward_kernel(
                 # Per group rather than per lane (as _online_update, which needs one exponential but
                 # a compare and two selects per element): fwd+bwd at T=8192 1.706 against 1.732 ms for
                 # V=128256, 3.727 against 3.756 for V=256000 and 4.50 against 4.61 with softcap 30
-                # (H100, benchmarks/cross_entropy_ab.py, 2026-11-27). The loss alone (this sweep) is not
+                # (H100, benchmarks/kernels/cross_entropy_ab.py, 2026-11-27). The loss alone (this sweep) is not
                 # faster, 0.816 / 1.508 ms either way and with the exponentials left out: its bound is
                 # the row-by-row stream of loads, not the arithmetic.
                 new_max = tl.maximum(running_max, tl.max(s, axis=1))
@@ -723,8 +723,8 @@ def cross_entropy_launch_config(
     and 4096 with both. Splitting each row's first sweep over 2, 4 or 8 programs (the last to finish
     combines their partial max/sum through an atomic arrival count and writes the gradient, so fewer
     bytes lie between a line's two reads) was slower, 2.33 / 3.53 / 6.36 ms against 1.74 unsplit
-    (benchmarks/loss_launch_settings.py, one run, 2026-11-25; Liger 2.86, torch.compile 2.88).
-    Tried on H100 against this kernel in one process (benchmarks/cross_entropy_ab.py, 2026-11-26; ms at
+    (benchmarks/kernels/loss_launch_settings.py, one run, 2026-11-25; Liger 2.86, torch.compile 2.88).
+    Tried on H100 against this kernel in one process (benchmarks/kernels/cross_entropy_ab.py, 2026-11-26; ms at
     T=8192 for V=128256 / V=256000, this kernel 1.73 / 3.80), none kept: rows pipelined (the next row's
     label and first block, and each row's label logit and scale, loaded ahead) 1.72 / 3.85; the first
     sweep's loads two blocks ahead 1.76 / 3.87, or three ahead on 8192-column blocks 1.86 / 4.19
@@ -737,7 +737,7 @@ def cross_entropy_launch_config(
     from memory (the second sweep finds 85% of its lines in L2) and 2.07 GB written in 1.59 ms, 84.5% of
     the peak memory throughput, where a copy of the logits moves 2.10 GB each way in 1.39 ms at 90%; the
     loss alone (first sweep) 0.78 ms at 80%, where a kernel that only reads them takes 0.69-0.74 ms and
-    one that only writes 0.66 (benchmarks/cross_entropy_bounds.py). The first sweep took as long with its
+    one that only writes 0.66 (benchmarks/kernels/cross_entropy_bounds.py). The first sweep took as long with its
     exponentials left out, so the bound is the row-by-row stream of loads, not the arithmetic (the
     registers hold four blocks in flight, see the kernel). Reading each logit once needs the row on chip,
     256 KB at V=128256, more than one SM holds (64 registers a thread at 32 warps); splitting each row
@@ -908,7 +908,7 @@ def cross_entropy_columns_launch_config(
     Interpreter: 16 tokens, 512 vocabulary rows and 2 splits, so test shapes walk a ragged last block,
     several token groups and splits. GPU: tiles of 128 tokens (256-byte rows) by 64 vocabulary rows over 16
     warps (32 rows with extra lane state: accuracy, smoothing), and as many vocabulary splits as make 4
-    programs per SM. Measured on H100 (benchmarks/loss_launch_settings.py --parts columns, GPU time, bf16,
+    programs per SM. Measured on H100 (benchmarks/kernels/loss_launch_settings.py --parts columns, GPU time, bf16,
     gradient in place), against the row kernel over the same logits laid out [N, V]: 0.322 / 0.238 ms at
     N=1024, V=128256; 1.001 / 0.926 at 1536 x 256000 with softcap; 0.704 / 0.556 at 2048 x 151936; 1.286 /
     0.921 at 4096 x 128256; 3.08 / 2.38 at 4096 x 256000 with softcap. That setting was the best or within
@@ -1110,7 +1110,7 @@ def _cross_entropy_forward_eager(
 
 
 # The ops are what torch.compile sees; eager calls skip their dispatch (about 50 us a call on H200's host,
-# benchmarks/loss_launch_settings.py --parts host-pieces) and run the same functions.
+# benchmarks/kernels/loss_launch_settings.py --parts host-pieces) and run the same functions.
 _cross_entropy_forward_op = torch.library.custom_op("fusetune::cross_entropy_forward", mutates_args=())(
     _cross_entropy_forward_eager
 )
@@ -1191,8 +1191,9 @@ class _CrossEntropyFunction(torch.autograd.Function):
             # a saved tensor before a kernel writes it, and its multiply reads and writes the whole
             # gradient): the forward computes the loss only, and the backward the gradient with the
             # upstream gradient folded into the kernel's scale. One extra read of the logits instead of a
-            # read and a write of the gradient: H100, T=8192, V=128256, fwd+bwd 2.53 ms, 3.11 before
-            # (benchmarks/kernels.py, fusetune+compile; torch.compile 2.88 in both runs).
+            # read and a write of the gradient: H100, T=8192, V=128256, fwd+bwd 3.11 ms before
+            # (benchmarks/kernels/ops.py, 2026-11-27); now the cross_entropy fusetune+compile row of
+            # benchmarks/results/h100-kernels.json (section ops), beside torch.compile's.
             loss, accuracy, _ = _cross_entropy_forward_op(
                 logits, labels, class_weight, *options, compute_accuracy, False
             )

@@ -42,7 +42,7 @@ the cross-entropy kernels over columns, :func:`~fusetune.kernels.cross_entropy.l
 so that dW's row v depends only on logits row v, which lies at or before it in memory (see
 :func:`_weight_gradient_over_its_transposed_logits`). One pass of the three matmuls, as with the whole
 logits, and no dW re-read per chunk, within the chunks' memory; all tokens run and nothing waits. Measured
-on H100 against the chunks (benchmarks/loss_launch_settings.py, fwd+bwd ms, one run): T=4096, H=4096,
+on H100 against the chunks (benchmarks/kernels/loss_launch_settings.py, fwd+bwd ms, one run): T=4096, H=4096,
 V=256000 with softcap 30, 43.5 -> 39.2; V=151936 24.9 -> 23.9. Holding the first H tokens so when T > H, the
 rest in chunks, measured within +-3% of the chunks alone at V=128256-256000 and 4-9% slower at T=4096,
 H=1536-2048, V=128256-151936 (a copy of dW through the buffer, its width being H, and cross-entropy
@@ -83,11 +83,11 @@ __all__ = [
 # the extra memory stays within 256 MiB of Liger-Kernel's, with 4 MiB left for the loop's per-token buffers.
 DEFAULT_EXTRA_CHUNK_BYTES = 252 * 2**20
 # Chunks are balanced (the last is not a sliver), and their rows a multiple of this when the budget allows.
-# cuBLAS's Hopper kernels take 128- to 320-row tiles: measured on H100 (benchmarks/loss_launch_settings.py
+# cuBLAS's Hopper kernels take 128- to 320-row tiles: measured on H100 (benchmarks/kernels/loss_launch_settings.py
 # --parts gemms), chunks of 832 rows (13 x 64) cost 6.1 us a row at H=4096, V=151936 where 768 and 896
 # cost 5.5 and 5.6 (the logits matmul and dh alike), and the same at every H and V of the sweep. Where the
 # budget holds chunks of _LARGE_CHUNK_ROWS or more, 512-row units: measured on H100, each variant in its own
-# steady power state (benchmarks/loss_launch_settings.py --parts chunk-rows --shapes ..., at e29d48b,
+# steady power state (benchmarks/kernels/loss_launch_settings.py --parts chunk-rows --shapes ..., at e29d48b,
 # 2026-11-27), fwd+bwd ms with 128 / 512 / 2048-row units / Liger-Kernel: T=65536, H=2048, V=128256 167.9 /
 # 164.3 / 163.4 / 164.2; T=65536, H=4096, V=151936 384.8 / 377.3 / 378.8 / 381.6; T=65536, H=4096, V=256000,
 # softcap 30 653.2 / 648.5 / 648.7 / 658.9 (every chunk of 1024 rows: 172.9 / 388.2 / 665.6); a scratch run
@@ -138,7 +138,7 @@ def fused_linear_cross_entropy_chunk_sizes(
     Larger chunks are faster because dW += dlogits_c^T @ h_c (K = C) reads and writes all of dW, 4*V*H
     bytes, once per chunk, and each chunk re-reads W twice. Measured on H100, bf16, fwd+bwd through
     torch.autograd.grad, peak extra memory including the returned gradients (1066 MB here), one run
-    (benchmarks/loss_launch_settings.py, 2026-11-25; matmul floor 35.7 ms; do_bench takes only 2-3
+    (benchmarks/kernels/loss_launch_settings.py, 2026-11-25; matmul floor 35.7 ms; do_bench takes only 2-3
     samples of a 40 ms call, so +-1 ms), T=8192, H=4096, V=128256:
         torch.compile      37.9 ms, 3070 MB          Liger-Kernel 0.8.5   64.5 ms, 1129 MB
         256 rows (Liger's chunk, the earlier default)                    63.3 ms, 1129 MB
@@ -149,14 +149,13 @@ def fused_linear_cross_entropy_chunk_sizes(
     Profile of the default: per 1216-row chunk the three matmuls take 1.73 (h @ W^T), 1.64 (dh) and
     1.83 ms (dW, beta = 1), near the matmul rate; the 896-row last chunk's take 4.6 ms (cuBLAS picks
     split-K and smaller tiles); the cross-entropy kernel 0.34 ms per chunk; and about 4 ms of the measured
-    time is not in any kernel of the profile. At other shapes (default; ms and MB above Liger's memory):
-        T=1024,  H=4096, V=128256   5.5 ms, +243    (compile 4.8, Liger 59.6; earlier default 15.5)
-        T=16384, H=4096, V=128256  79.8 ms, +251    (compile 76.0, Liger 94.8; earlier 93.2)
-        T=8192,  H=4096, V=32000    9.9 ms, +188    (compile 9.5, Liger 11.4; earlier 11.2)
-        T=8192,  H=4096, V=151936  49.3 ms, +223    (compile 44.5, Liger 75.7; earlier 74.3)
-        T=8192,  H=4096, V=256000, softcap 30   95.6 ms, +250  (compile 78.4, Liger 131.8; earlier 129.5)
-        T=16384, H=1536, V=128256  35.3 ms, +252    (compile 32.2, Liger 54.0; earlier 53.7)
-        T=65536, H=4096, V=128256  320.5 ms, +235   (Liger 317.1; earlier 329.4)
+    time is not in any kernel of the profile. At other shapes the default against torch.compile and
+    Liger-Kernel: the fused_linear_cross_entropy sweep rows of benchmarks/results/h100-kernels.json (section
+    ops). The earlier default, Liger-Kernel's chunk, took in the run of the table above:
+        T=1024,  H=4096, V=128256   15.5 ms      T=16384, H=4096, V=128256   93.2 ms
+        T=8192,  H=4096, V=32000    11.2 ms      T=8192,  H=4096, V=151936   74.3 ms
+        T=8192,  H=4096, V=256000, softcap 30   129.5 ms
+        T=16384, H=1536, V=128256   53.7 ms      T=65536, H=4096, V=128256  329.4 ms
     Where the budget leaves small chunks against a large vocabulary (T > H, H = 1536-2048, V = 151936-256000)
     the chunks' dW matmuls bound the call. H100 at T=8192, H=1536, V=256000, softcap 30 (16 chunks of 512;
     kernel durations after 3 s of calls, mean of 5, 2026-11-27): torch.compile 35.1 ms, its three matmuls
@@ -463,7 +462,7 @@ def _gather_row_groups_dot_kernel(
 
 
 # (entries per step, columns per program, warps) of the gather kernel on a GPU. Measured on H200 at T=8192,
-# H=4096, V=128256 on peaked logits, the whole skip-mode fwd+bwd (benchmarks/loss_skip.py, one run,
+# H=4096, V=128256 on peaked logits, the whole skip-mode fwd+bwd (benchmarks/kernels/loss_skip.py, one run,
 # 2026-11-26): (8, 256, 1) with dW by rows 20.1 ms; (16, 512, 4) with dW by rows 26.3, with dW by
 # ("dot", 32, 32, 128, 4) 21.5; (8, 512, 2) with ("dot", 16, 16, 128, 4) 20.3. loss_skip times these again.
 GATHER_LAUNCH = (8, 256, 1)
@@ -593,11 +592,11 @@ def _chunked_linear_cross_entropy(
     # cross-entropy kernel gives them loss 0 and gradient 0), and never waits for the device: waiting for the
     # count of valid tokens stops the host until the device has run everything queued before the loss, and
     # the device then idles while the host issues the loop (on H100 at T=1024, H=2048, V=32000, fwd+bwd
-    # 1.16 ms with the wait, 0.77 without, benchmarks/kernels.py on one machine, 2026-11-26; on another whose
+    # 1.16 ms with the wait, 0.77 without, benchmarks/kernels/ops.py on one machine, 2026-11-26; on another whose
     # host ran the call's Python half as fast, both 1.11 ms, bound by the host). Several chunks first drop
     # the ignored tokens, which saves their matmuls at one wait in a call long beside it. Tried and not kept:
     # running the first chunk as it is before that wait, so that its work keeps the device busy through it
-    # (H100, benchmarks/loss_launch_settings.py --parts sweep, before / after, two runs each, 2026-11-27):
+    # (H100, benchmarks/kernels/loss_launch_settings.py --parts sweep, before / after, two runs each, 2026-11-27):
     # within run-to-run noise with no token ignored (T=8192, H=1536, V=256000: 39.7 / 40.2 against
     # 38.7 / 40.8 ms; T=4096, H=2048, V=151936: 13.3 / 13.1 against 12.9 / 13.5), and slower with 30% of
     # them ignored (--ignored-percent 30), its ignored rows running: 9.08 -> 10.02 ms at T=4096, H=2048,
@@ -863,7 +862,7 @@ def _forward_eager(
 
 
 # The ops below are what torch.compile sees; eager calls skip their dispatch (about 50 us a call on H200's
-# host, measured with benchmarks/loss_launch_settings.py --parts host-pieces) and run the same functions.
+# host, measured with benchmarks/kernels/loss_launch_settings.py --parts host-pieces) and run the same functions.
 _forward_op = torch.library.custom_op("fusetune::fused_linear_cross_entropy_forward", mutates_args=())(
     _forward_eager
 )

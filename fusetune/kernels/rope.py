@@ -10,7 +10,7 @@ split into x_lo = x[:h], x_hi = x[h:R] and the pass-through rest x[R:]:
 which is exactly ``x * cos + rotate_half(x) * sin`` of transformers' ``apply_rotary_pos_emb`` on the first R
 columns.
 
-How the kernel is laid out, and why (bandwidth reasoning, to be confirmed by ``benchmarks/kernels.py --ops
+How the kernel is laid out, and why (bandwidth reasoning, to be confirmed by ``benchmarks/kernels/ops.py --ops
 rope``): the op moves 2 bytes in and 2 out per element of q and k and does 3 flops on each, so only the bytes
 matter. One program owns one token (or a few consecutive tokens of one sequence when a token carries little
 work): it reads that token's cos/sin row once and rotates ALL q heads and ALL kv heads of the token as two 2-D
@@ -332,7 +332,7 @@ def _rope_launch_settings(
     """Cached by shape: this runs on every call, on the host.
 
     NOT YET MEASURED: the values below are reasoning, to be confirmed on the GPU with
-    ``benchmarks/kernels.py --ops rope`` (B=8, S=2048, 32 q / 8 kv heads, D=128 gives one program per token,
+    ``benchmarks/kernels/ops.py --ops rope`` (B=8, S=2048, 32 q / 8 kv heads, D=128 gives one program per token,
     one step of 32 + 8 heads, 4 warps). The reasoning: about 16 rotated pairs per thread per step, i.e. each
     thread reads one 16-byte vector of bf16 from each half of each q head row it owns (8 warps would leave the
     narrower kv tile with 4-byte accesses); a program of 4 warps moving ~20 KB leaves room for many programs per
@@ -488,9 +488,10 @@ def _rope_backward_impl(
 # Opaque custom ops, seen by the compiler through their fake implementations. As triton_ops (the kernel traced
 # into the graph) Inductor cloned the [B, H, S, D] output buffers around the kernel and kept the forward's for
 # the backward's gradients (one allocation of the same shape and strides in each): fwd+bwd took 0.70 ms of
-# GPU time, 0.47 as custom ops, as torch.compile's own rotation (H100, B=8, S=2048, Hq=32, Hkv=8, D=128,
-# benchmarks/kernels.py device_ms, 2026-11-27; both compiled times include AOTAutograd's copy of the
-# transposed incoming gradients, 0.24 ms; eager 0.23).
+# GPU time (H100, B=8, S=2048, Hq=32, Hkv=8, D=128, benchmarks/kernels/ops.py device_ms, 2026-11-27). As
+# custom ops it takes torch.compile's own rotation's GPU time, both including AOTAutograd's copy of the
+# transposed incoming gradients (0.24 ms then): the rope rows' device_ms in benchmarks/results/h100-kernels.json,
+# section ops (fusetune+compile, compile, and eager fusetune).
 _rope_op = torch.library.custom_op("fusetune::rope", mutates_args=())(_rope_forward_impl)
 _rope_backward_op = torch.library.custom_op("fusetune::rope_backward", mutates_args=())(_rope_backward_impl)
 

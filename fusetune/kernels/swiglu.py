@@ -322,10 +322,12 @@ def _gated_activation(a: torch.Tensor, b: torch.Tensor, activation: str) -> torc
     if torch.compiler.is_compiling():
         # Left to Inductor, which fuses the product and its backward into one kernel each and plans the MLP's
         # buffers with its neighbours. Through registered ops running these kernels instead (H100, T=8192,
-        # I=14336, benchmarks/kernels.py fusetune+compile against compile, 2026-11-27): the same GPU time
-        # (0.618 / 0.621 ms swiglu fwd+bwd), but the MLP held 1,296 MB against 1,072, the op's backward
-        # returning both gradients where Inductor's overwrites the incoming one; an op writing over a copy of
-        # it matched the memory but paid that copy (0.773 ms) where the gradient is the caller's.
+        # I=14336, benchmarks/kernels/ops.py fusetune+compile against compile, 2026-11-27): the GPU time of
+        # these kernels in eager mode and of Inductor's (the swiglu rows' device_ms in
+        # benchmarks/results/h100-kernels.json, section ops), but the MLP held 1,296 MB, above the peak of
+        # the swiglu_mlp fusetune+compile row there, the op's backward returning both gradients where
+        # Inductor's overwrites the incoming one; an op writing over a copy of it matched the memory but paid
+        # that copy (0.773 ms) where the gradient is the caller's.
         return _TORCH_ACTIVATIONS[activation](a) * b
     return _GatedActivation.apply(a, b, activation)
 

@@ -3,8 +3,10 @@
 A packed training row holds several examples; Hugging Face's "sdpa" attention keeps them apart with a
 [batch, 1, seq, seq] block-diagonal mask, and scaled_dot_product_attention with an explicit mask computes
 every query-key tile of the row (the masked ones too) and keeps the mask for the backward. On one H100 at the
-Llama-3.2-1B shape, 8 rows of 2048 tokens packed with ~620-token examples, that attention took 67 ms of a
-278 ms step (benchmarks/results/h100-trainer-step.md).
+Llama-3.2-1B shape, 8 rows of 2048 tokens packed with ~620-token examples, that attention was a large part of
+a job's step (benchmarks/step/trainer_step.py, GPU time by kernel category); the step with the implementation
+below is in benchmarks/results/h100-step.json, section trainer-step, and against Liger-Kernel on sdpa in
+section e2e-packed.
 
 The "fusetune_varlen" implementation, registered with transformers' AttentionInterface, runs the
 variable-length flash-attention kernels that ship with PyTorch (`aten::_flash_attention_forward` over

@@ -132,7 +132,7 @@ def test_skip_matches_reference(device, kept_fraction, dtype, options, ignored_e
 @pytest.mark.parametrize("dw_gather", [("rows",), ("dot", 32, 32, 128, 4)], ids=["rows", "row-groups"])
 def test_skip_dw_by_either_gather_kernel(device, monkeypatch, dw_gather):
     """dW from the kept entries through the per-row gather (the default) and the tensor-core kernel over
-    groups of vocabulary rows (selectable with DW_GATHER, timed by benchmarks/loss_skip.py)."""
+    groups of vocabulary rows (selectable with DW_GATHER, timed by benchmarks/kernels/loss_skip.py)."""
     monkeypatch.setattr(flce_module, "DW_GATHER", dw_gather)
     hidden, weight, labels, _ = peaked_inputs(32, torch.bfloat16, device, ignored_every=4)
     assert_skip_matches_reference(
