@@ -1,8 +1,8 @@
 """Checks a training file line by line before anything is stored.
 
-One JSON object per line, checked by the same code the trainer reads the file with: the training method's
-`parse_example` (fusetune/worker/train/methods/; the supervised formats are chat `{"messages": [...]}`,
-`{"prompt", "completion"}` and `{"text"}`). That code imports no torch.
+One JSON object per line, checked by the same code the trainer reads the file with: the line format of the
+file's method (fusetune/spec/examples.py; the supervised formats are chat `{"messages": [...]}`,
+`{"prompt", "completion"}` and `{"text"}`).
 
 A UTF-8 byte order mark at the start of the file is allowed (Windows editors write one). Lines are parsed by
 orjson, which never recurses on the interpreter's stack, and nesting deeper than MAX_NESTING_DEPTH, numbers no
@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import orjson
 
-from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS, method_of_record
+from fusetune.spec.methods import DEFAULT_METHOD, METHODS, method_of_record
 
 MAX_REPORTED_ERRORS = 20
 # A rough count for estimates before tokenisation: about four characters per token in English text.
@@ -86,7 +86,7 @@ def parse_line(raw: bytes) -> object:
 def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
     """Reads the whole stream once, line by line, and reports every problem up to a limit. The file's method
     is the one whose line format its first JSON line is in; every line must be in that format."""
-    method = None
+    example_format = None
     report = FileReport()
     for line_number, raw in enumerate(stream, start=1):
         if line_number == 1:
@@ -98,9 +98,9 @@ def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
         except ValueError as exc:
             report.add_error(line_number, str(exc))
             continue
-        if method is None:
+        if example_format is None:
             report.method = method_of_record(example)
-            method = METHODS[report.method]
+            example_format = METHODS[report.method].example_format
         elif method_of_record(example) != report.method:
             report.add_error(
                 line_number,
@@ -109,12 +109,12 @@ def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
             )
             continue
         try:
-            parsed = method.parse_example(example)
+            parsed = example_format.parse(example)
         except ValueError as exc:
             report.add_error(line_number, str(exc))
             continue
         report.example_count += 1
-        report.token_estimate += max(1, method.example_characters(parsed) // CHARS_PER_TOKEN)
+        report.token_estimate += max(1, example_format.characters(parsed) // CHARS_PER_TOKEN)
     if report.example_count == 0 and not report.errors:
         report.errors.append("the file holds no examples")
     return report

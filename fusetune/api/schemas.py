@@ -4,17 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from fusetune.jobspec import (
-    DpoHyperparametersRequest,
-    DpoSpec,
-    HyperparametersRequest,
-    LoraSpec,
-    MethodSpec,
-    MethodType,
-)
-from fusetune.worker.train.methods import DEFAULT_METHOD
+from fusetune.spec.hyperparameters import HyperparametersRequest
+from fusetune.spec.methods import DEFAULT_METHOD, MethodRequest
 
 
 class _Request(BaseModel):
@@ -55,45 +48,16 @@ class FileDeleted(BaseModel):
 # ---- jobs ------------------------------------------------------------------------------------------------
 
 
-# The hyperparameters and their defaults are the job specification's (fusetune.jobspec), shared with the worker
-# and the trainer.
-LoraHyperparameters = LoraSpec
-Hyperparameters = HyperparametersRequest
-
-
-class MethodSettings(_Request):
-    hyperparameters: Hyperparameters | None = None
-
-
-class DpoMethodSettings(_Request):
-    hyperparameters: DpoHyperparametersRequest | None = None
-
-
-class Method(_Request):
-    """`method` as the OpenAI API has it: `{"type": t, t: {"hyperparameters": {...}}}`, t one of the training
-    methods of fusetune/worker/train/methods/."""
-
-    type: MethodType = DEFAULT_METHOD
-    supervised: MethodSettings | None = None
-    dpo: DpoMethodSettings | None = None
-
-    @model_validator(mode="after")
-    def _settings_under_their_type(self) -> Method:
-        for name in type(self).model_fields:
-            if name != "type" and getattr(self, name) is not None and name != self.type:
-                raise ValueError(f"method.{name} is given but method.type is '{self.type}'")
-        return self
-
-    def settings(self) -> MethodSettings | None:
-        return getattr(self, self.type, None)
+# The hyperparameters, the methods and their settings, with every default and bound, are the job
+# specification's (fusetune/spec/); a request's `method` is derived from its method table.
 
 
 class JobCreate(_Request):
     model: str = Field(min_length=1, max_length=255)
     training_file: str = Field(min_length=1, max_length=64)
     validation_file: str | None = Field(default=None, max_length=64)
-    hyperparameters: Hyperparameters | None = None
-    method: Method | None = None
+    hyperparameters: HyperparametersRequest | None = None
+    method: MethodRequest | None = None
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     metadata: dict[str, str] | None = None
@@ -112,31 +76,6 @@ class JobCreate(_Request):
                         f"key '{key[:64]}': keys are at most 64 and values at most 512 characters"
                     )
         return value
-
-    @model_validator(mode="after")
-    def _one_place_for_hyperparameters(self) -> JobCreate:
-        settings = self.method.settings() if self.method else None
-        if self.hyperparameters is not None and settings and settings.hyperparameters:
-            raise ValueError(
-                f"give hyperparameters either at the top level or in method.{self.method.type}, not both"
-            )
-        return self
-
-    def method_spec(self) -> MethodSpec:
-        if self.method is None:
-            return MethodSpec()
-        settings = self.method.settings()
-        if isinstance(settings, DpoMethodSettings) and settings.hyperparameters is not None:
-            return MethodSpec(type=self.method.type, dpo=settings.hyperparameters.dpo_spec())
-        return MethodSpec(type=self.method.type, dpo=DpoSpec() if self.method.type == "dpo" else None)
-
-    def requested_hyperparameters(self) -> Hyperparameters:
-        if self.hyperparameters is not None:
-            return self.hyperparameters
-        settings = self.method.settings() if self.method else None
-        if settings and settings.hyperparameters:
-            return settings.hyperparameters
-        return Hyperparameters()
 
 
 class JobError(BaseModel):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fusetune.api.app import create_app
 from fusetune.api.file_validation import MAX_NESTING_DEPTH, UTF8_BOM
 from fusetune.db.models import File
-from fusetune.worker.train.methods.sft import CHAT_ROLES
+from fusetune.spec.examples import CHAT_ROLES
 from tests.api.conftest import AUTH
 from tests.api.test_validation import GOOD_LINE, _assert_error_shape, _count, _upload
 

@@ -9,11 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fusetune.demo import assets
+from fusetune.spec.examples import ChatExample, PromptCompletionExample, TextExample
 from fusetune.worker.train.data import (
     IGNORE_INDEX,
-    ChatExample,
-    PromptCompletionExample,
-    TextExample,
     TokenizedSequence,
     TrainingDataError,
     best_fit_decreasing,
@@ -443,10 +441,10 @@ def test_a_carriage_return_inside_a_line_does_not_end_it(tmp_path):
 
 
 def test_a_huge_bad_value_is_quoted_short():
-    from fusetune.worker.train.methods.sft import QUOTED_VALUE_CHARS, parse_example
+    from fusetune.spec.examples import QUOTED_VALUE_CHARS, parse_supervised_example
 
     with pytest.raises(ValueError) as refused:
-        parse_example({"messages": [{"role": "x" * 100_000, "content": "hi"}]})
+        parse_supervised_example({"messages": [{"role": "x" * 100_000, "content": "hi"}]})
     assert len(str(refused.value)) < 2 * QUOTED_VALUE_CHARS + 200 and "100,002 characters" in str(
         refused.value
     )

@@ -9,8 +9,10 @@ import torch
 from fusetune.demo import assets
 from fusetune.models import apply_fusetune, revert_fusetune
 from fusetune.models.fused import has_fused_loss
-from fusetune.worker.train.methods import METHODS, method_of_record
-from fusetune.worker.train.methods.dpo import DirectPreferenceOptimization, parse_preference_example
+from fusetune.spec.examples import parse_preference_example
+from fusetune.spec.methods import method_of_record
+from fusetune.worker.train.methods import TRAINING_METHODS
+from fusetune.worker.train.methods.dpo import DirectPreferenceOptimization
 from fusetune.worker.train.outcome import JobStopped
 from fusetune.worker.train.reporter import StopRequest
 from fusetune.worker.train.trainer import Trainer, load_model, load_tokenizer
@@ -60,7 +62,7 @@ def test_bad_pairs_are_refused_with_the_problem(change, problem):
 def test_a_pair_is_recognised_as_dpo_and_a_chat_as_supervised():
     assert method_of_record(PAIR) == "dpo"
     assert method_of_record({"messages": [{"role": "user", "content": "hi"}]}) == "supervised"
-    assert METHODS["dpo"] is DirectPreferenceOptimization
+    assert TRAINING_METHODS["dpo"] is DirectPreferenceOptimization
 
 
 def test_dpo_learns_the_preference_and_resumes_exactly_without_a_second_reference_pass(
@@ -176,7 +178,7 @@ def test_each_loss_is_its_formula(model_dir, pairs_file, tmp_path, monkeypatch, 
         "shifted_labels": labels,
         "reference_log_probs": torch.tensor([[-5.0, -7.0], [-8.0, -2.5]]),  # (chosen, rejected) per pair
     }
-    losses, chosen_reward, rejected_reward, _ = method._pair_terms(None, batch)
+    losses, chosen_reward, rejected_reward = method._pair_terms(None, batch)
 
     beta = 0.2
     for pair in range(2):

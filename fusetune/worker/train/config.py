@@ -1,6 +1,6 @@
 """The training job's configuration: one validated tree, stored as JSON and handed to the trainer as is.
 
-Its training fields and their defaults are the job specification's (fusetune.jobspec); this module adds the
+Its training fields and their defaults are the job specification's (fusetune/spec/); this module adds the
 run's paths and the settings a service job does not choose. It imports nothing heavier than pydantic so that
 the Celery worker can build and check a config without importing torch.
 """
@@ -11,18 +11,16 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from fusetune.estimate import default_micro_batch_size
-from fusetune.jobspec import LoraSpec, MethodSpec, TrainingHyperparameters
-
-# The spelling the trainer's code has always used for the adapters' settings.
-LoraConfig = LoraSpec
+from fusetune.spec.estimate import default_micro_batch_size
+from fusetune.spec.hyperparameters import TrainingHyperparameters
+from fusetune.spec.methods import MethodSpec, method_spec
 
 
 class TrainConfig(TrainingHyperparameters):
-    """The trainer's configuration: a job's training hyperparameters (fusetune.jobspec, defaults there) plus
+    """The trainer's configuration: a job's training hyperparameters (fusetune/spec/, defaults there) plus
     where the run lives and settings the service does not offer per job."""
 
-    method: MethodSpec = MethodSpec()
+    method: MethodSpec = Field(default_factory=method_spec)
 
     # Where the job lives. `database_url=None` reports to the console instead of SQL (standalone runs, tests).
     job_id: str | None = None
@@ -40,7 +38,7 @@ class TrainConfig(TrainingHyperparameters):
     # Optimisation. `batch_size` is global: sequences per optimizer step summed over all processes;
     # each process runs batch_size / (micro_batch_size * world_size) micro-batches per step. The default
     # micro-batch is the largest divisor of batch_size / world_size that keeps a micro-batch within
-    # fusetune.estimate.DEFAULT_MICRO_BATCH_TOKENS tokens, so memory stays bounded whatever the batch size.
+    # fusetune.spec.estimate.DEFAULT_MICRO_BATCH_TOKENS tokens, so memory stays bounded whatever the batch size.
     seed: int = 0
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
     micro_batch_size: int | None = Field(

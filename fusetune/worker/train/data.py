@@ -1,7 +1,7 @@
 """Training JSONL → token sequences with labels → per-rank micro-batches.
 
-The line formats and their checks belong to the training method (`methods/sft.py` for the formats below); this
-module reads a file with a method's parser and tokenizes the supervised formats.
+The line formats and their checks are the specification's (fusetune/spec/examples.py); this module reads a file
+with a method's parser and tokenizes the supervised formats.
 
 Labels are stored already shifted (`labels[i]` is the token that follows position `i`), so that a sequence's
 last position never predicts the first token of the next one when examples are packed.
@@ -26,13 +26,11 @@ from typing import Any
 
 import torch
 
-# The supervised example types, re-exported: they are defined with their parser in the method's module.
-from fusetune.worker.train.methods.sft import (  # noqa: F401
+from fusetune.spec.examples import (
     ChatExample,
-    Example,
     PromptCompletionExample,
-    TextExample,
-    parse_example,
+    SupervisedExample,
+    parse_supervised_example,
 )
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
@@ -58,7 +56,7 @@ class TokenizedSequence:
         return sum(label != IGNORE_INDEX for label in self.shifted_labels)
 
 
-def read_training_jsonl(path: str | Path, parse: Callable[[Any], Any] = parse_example) -> list[Any]:
+def read_training_jsonl(path: str | Path, parse: Callable[[Any], Any] = parse_supervised_example) -> list[Any]:
     """Every example of a training JSONL file, checked by `parse`; errors name the file and the line."""
     path = Path(path)
     name = path.name
@@ -181,7 +179,7 @@ def _with_eos(tokenizer, ids: list[int]) -> list[int]:
 
 
 def tokenize_example(
-    tokenizer, example: Example, max_seq_length: int, train_on_inputs: bool = False
+    tokenizer, example: SupervisedExample, max_seq_length: int, train_on_inputs: bool = False
 ) -> tuple[TokenizedSequence, int]:
     """Any example as a sequence truncated to `max_seq_length`, and its untruncated length. Plain-text
     formats end with the end-of-sequence token, trained, so the model learns where a completion stops."""

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from fusetune.worker.train.config import LoraConfig
+from fusetune.spec.hyperparameters import LoraSpec
 
 ADAPTER_CONFIG_FILENAME = "adapter_config.json"
 ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"
 HF_CONFIG_FILENAME = "config.json"
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
+def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
     """The model wrapped in LoRA adapters; only the adapters require gradients."""
     import peft
 
@@ -91,7 +91,7 @@ def save_merged(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], dir
     copy.merge_and_unload().save_pretrained(str(directory))
 
 
-def lora_summary(model: torch.nn.Module, lora: LoraConfig) -> dict[str, Any]:
+def lora_summary(model: torch.nn.Module, lora: LoraSpec) -> dict[str, Any]:
     """The LoRA settings and how many layers got an adapter, for the job's "started" event."""
     adapted = sum(1 for module in model.modules() if hasattr(module, "lora_A"))
     return {**lora.model_dump(), "adapted_modules": adapted}

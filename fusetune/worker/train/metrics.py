@@ -129,8 +129,12 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def peak_bf16_flops(device_name: str) -> float | None:
-    for name, flops in PEAK_BF16_FLOPS:
+# The peak tables by the dtype a precision mode divides by (fusetune/spec/precision.py, `mfu_peak_dtype`).
+PEAK_FLOPS = {"bfloat16": PEAK_BF16_FLOPS}
+
+
+def peak_flops(device_name: str, dtype: str = "bfloat16") -> float | None:
+    for name, flops in PEAK_FLOPS[dtype]:
         if name in device_name:
             return flops
     return None

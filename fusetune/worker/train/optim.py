@@ -1,8 +1,9 @@
-"""Optimizers by name: how each is built and how much state it keeps per parameter.
+"""How each optimizer of the specification's table (fusetune/spec/precision.py, `OPTIMIZERS`) is built.
 
-A precision mode (`precision.PRECISIONS`) names the optimizer that updates its weights; the trainer builds it
-with `build_optimizer`, and `fusetune.estimate` counts its state with `states_per_parameter`. Adding one is one
-entry in `OPTIMIZERS`. torch is imported only inside the factories, so the API can read the table.
+A precision mode names the optimizer that updates its weights; the trainer builds it with `build_optimizer`.
+The specification says what an optimizer keeps (its state per parameter, for the estimate); this table says how
+it is made and stepped, one entry per name of the specification's table (tests/test_spec.py checks both have
+the same names).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class OptimizerEntry:
     name: str
-    # Tensors of state per trained parameter, each the size of the parameter (AdamW: exp_avg, exp_avg_sq).
-    states_per_parameter: int
     # (parameter groups, learning rate, device, seed) -> the optimizer.
     factory: Callable[[list[dict[str, Any]], float, torch.device, int], torch.optim.Optimizer]
     # Whether `optimizer.found_inf` (a one-element tensor: 1 = skip) makes `step()` leave parameters and state
@@ -53,11 +52,11 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
     entry.name: entry
     for entry in (
         OptimizerEntry(
-            "adamw", states_per_parameter=2, factory=_adamw,
+            "adamw", factory=_adamw,
             skips_on_found_inf=lambda optimizer: bool(optimizer.defaults.get("fused")),
         ),
         OptimizerEntry(
-            "adamw-stochastic-rounding", states_per_parameter=2, factory=_adamw_stochastic_rounding,
+            "adamw-stochastic-rounding", factory=_adamw_stochastic_rounding,
             skips_on_found_inf=lambda optimizer: False, clips_in_step=True,
         ),
     )

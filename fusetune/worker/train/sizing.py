@@ -1,6 +1,6 @@
 """Micro-batches sized to the GPU: the largest that the memory model says fits the memory free at start.
 
-Used when a job leaves `micro_batch_size` unset on a GPU: the trainer asks `fusetune.estimate.fit_micro_batch`
+Used when a job leaves `micro_batch_size` unset on a GPU: the trainer asks `fusetune.spec.estimate.fit_micro_batch`
 with the model's shape, the loaded data's longest row and the memory free on the tightest GPU of the job, and
 takes the largest divisor of its per-GPU batch that fits (gradient accumulation covers the rest of the batch).
 A job that does not fit even at micro-batch 1 stops here, before the model loads, with its estimate and the
@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from fusetune.estimate import ModelShape, fit_micro_batch
+from fusetune.spec.estimate import DataCounts, ModelShape, fit_micro_batch
+from fusetune.spec.hyperparameters import JobHyperparameters
+from fusetune.spec.job import JobSpec
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import DistInfo, all_reduce
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
@@ -27,12 +29,7 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def fitting_micro_batch(
-    config: TrainConfig,
-    world_size: int,
-    free_bytes: int,
-    row_lengths: list[int],
-    rows_per_example: int,
-    has_reference_pass: bool,
+    config: TrainConfig, world_size: int, free_bytes: int, row_lengths: list[int], rows_per_example: int
 ) -> int | None:
     """Sequences per micro-batch on each GPU; None when the model's shape cannot be read (the config's own
     default applies then). Raises TrainingFailure(out_of_memory) when not even one fits."""
@@ -40,24 +37,15 @@ def fitting_micro_batch(
         shape = ModelShape.from_config_file(Path(config.model_path) / "config.json")
     except (OSError, KeyError, ValueError, TypeError):
         return None
-    fit = fit_micro_batch(
-        shape,
-        free_bytes,
+    # The run as a job of `world_size` GPUs (the config was validated when it was written).
+    hyperparameters = JobHyperparameters.model_construct(**config.training_fields(), n_gpus=world_size)
+    job = JobSpec.model_construct(method=config.method, hyperparameters=hyperparameters)
+    data = DataCounts(
         example_count=len(row_lengths),
         token_estimate=sum(row_lengths),
-        n_epochs=config.n_epochs,
-        batch_size=config.batch_size,
-        max_seq_length=config.max_seq_length,
-        n_gpus=world_size,
-        fused_kernels=config.kernels,
-        lora=config.lora.model_dump() if config.lora is not None else None,
-        gradient_checkpointing=config.gradient_checkpointing,
-        distributed=config.distributed,
-        precision=config.precision,
-        rows_per_example=rows_per_example,
-        reference_pass=has_reference_pass,
         padded_length=max(row_lengths, default=1) // rows_per_example,
     )
+    fit = fit_micro_batch(shape, free_bytes, job, data)
     if not fit.fits:
         raise TrainingFailure(ErrorCode.OUT_OF_MEMORY, fit.refusal(free_bytes))
     return fit.estimate.micro_batch_size
@@ -68,9 +56,7 @@ def micro_batches_for_the_gpu(
 ) -> tuple[int, int, str] | None:
     """(micro-batch size, micro-batches per rank per step, why) sized to the memory free on the job's GPUs."""
     free = free_memory_bytes(dist.device)
-    micro = fitting_micro_batch(
-        config, dist.world_size, free, row_lengths, method.rows_per_example, method.has_reference_pass
-    )
+    micro = fitting_micro_batch(config, dist.world_size, free, row_lengths, method.rows_per_example)
     if micro is None:
         return None
     accumulation = config.batch_size // (micro * dist.world_size)

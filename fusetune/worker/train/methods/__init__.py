@@ -1,28 +1,32 @@
-"""Training methods by the job specification's `method.type`: adding one is one module and one entry here.
+"""The training half of each method of the specification's table (fusetune/spec/methods.py), by `type`.
 
-Importing this package does not import torch (the API validates uploads with `parse_example`).
+Each module of this package holds one `TrainingMethod` subclass; `training_method` finds it by its `type`, so
+adding a method is its module here and its entry in the specification's table, nothing else.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from fusetune.worker.train.methods.base import TrainingMethod
-from fusetune.worker.train.methods.dpo import DirectPreferenceOptimization
-from fusetune.worker.train.methods.sft import SupervisedFineTuning
-
-METHODS: dict[str, type[TrainingMethod]] = {
-    method.type: method
-    for method in (
-        SupervisedFineTuning,
-        DirectPreferenceOptimization,
-    )
-}  # fmt: skip
-METHOD_TYPES: tuple[str, ...] = tuple(METHODS)
-DEFAULT_METHOD = SupervisedFineTuning.type
 
 
-def method_of_record(record: object) -> str:
-    """The method whose line format a decoded JSONL record is in (the default method when none claims it)."""
-    return next((name for name, method in METHODS.items() if method.recognizes(record)), DEFAULT_METHOD)
+def _training_methods() -> dict[str, type[TrainingMethod]]:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    return {method.type: method for method in _subclasses(TrainingMethod)}
 
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "METHOD_TYPES", "TrainingMethod", "method_of_record"]
+def _subclasses(cls: type) -> list[type]:
+    found = []
+    for subclass in cls.__subclasses__():
+        if "type" in vars(subclass):
+            found.append(subclass)
+        found.extend(_subclasses(subclass))
+    return found
+
+
+TRAINING_METHODS: dict[str, type[TrainingMethod]] = _training_methods()
+
+__all__ = ["TRAINING_METHODS", "TrainingMethod"]

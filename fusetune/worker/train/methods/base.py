@@ -1,57 +1,49 @@
 """The interface every training method implements; the trainer calls it and knows no method by name.
 
-What a method decides: how a line of a training file is parsed and checked (the API's upload check runs the
-same code), how examples become rows and rows become micro-batches (rows that belong together, such as a
-preference pair, stay on one rank), the loss of a micro-batch with what it is normalised by and its metrics,
-the evaluation metrics, an optional pass over the data before training (a reference model's log-probabilities,
-say) and any state of its own that a checkpoint must carry. What the loop keeps for itself: precision, the
-optimizer, gradient accumulation and synchronisation, clipping, checkpoints and the reporter.
+What a method decides: how examples become rows and rows become micro-batches (rows that belong together, such
+as a preference pair, stay on one rank), the loss of a micro-batch with what it is normalised by and its
+metrics, the evaluation metrics, an optional pass over the data before training (a reference model's
+log-probabilities, say) and any state of its own that a checkpoint must carry. What the loop keeps for itself:
+precision, the optimizer, gradient accumulation and synchronisation, clipping, checkpoints and the reporter.
 
-The parsing half (`parse_example`, `example_characters`) must not need torch: the API imports it. Methods
-import torch and the data helpers inside their training half.
+What a method is, as data (its line format, its settings, rows per example, packing), is its entry in the
+specification's table (fusetune/spec/methods.py), which `spec` returns.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from fusetune.worker.train.config import TrainConfig
-    from fusetune.worker.train.data import LoadedData
+from fusetune.spec.methods import METHODS, Method
+from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.data import LoadedData, rank_micro_batches, read_training_jsonl
 
 
 class TrainingMethod(ABC):
-    # The job specification's `method.type` that selects this class (see methods.METHODS).
+    # The specification's `method.type` that selects this class (fusetune/spec/methods.py, `METHODS`).
     type: ClassVar[str]
     # What `eval_sums` returns, in order.
     eval_sum_names: ClassVar[tuple[str, ...]]
-    # For the API's checks and estimate: sequences the method makes of one example (a row of the run counts
-    # as one of `batch_size`), whether rows may be packed, whether `before_training` passes over the data.
-    rows_per_example: ClassVar[int] = 1
-    supports_packing: ClassVar[bool] = True
-    has_reference_pass: ClassVar[bool] = False
-
-    # ------------------------------------------------------------------------ examples (no torch needed)
 
     @classmethod
-    def recognizes(cls, record: Any) -> bool:
-        """Whether a decoded JSONL record is in this method's own line format (keys no other method's lines
-        have), so that an uploaded file can say which method it fits; the default method need not."""
-        return False
+    def spec(cls) -> Method:
+        return METHODS[cls.type]
 
-    @classmethod
-    @abstractmethod
-    def parse_example(cls, record: Any) -> Any:
-        """One decoded JSONL record as this method's example; raises ValueError saying what is wrong."""
+    @property
+    def rows_per_example(self) -> int:
+        return self.spec().rows_per_example
 
-    @classmethod
-    @abstractmethod
-    def example_characters(cls, example: Any) -> int:
-        """Characters of text in an example, for the token estimate of an uploaded file."""
+    @property
+    def has_reference_pass(self) -> bool:
+        return self.spec().has_reference_pass
+
+    def read_examples(self, path: str) -> list[Any]:
+        """A training or validation file's examples, parsed by the method's line format."""
+        return read_training_jsonl(path, self.spec().example_format.parse)
 
     # ----------------------------------------------------------------------------------------- training
 
@@ -73,8 +65,6 @@ class TrainingMethod(ABC):
     ) -> list[list[int]]:
         """This rank's micro-batches (lists of row indices) of a global batch. Every rank computes the same
         split, so a method whose rows come in groups keeps each group inside one micro-batch."""
-        from fusetune.worker.train.data import rank_micro_batches
-
         return rank_micro_batches(global_batch, micro_batch_size, rank, world_size)
 
     @abstractmethod

@@ -1,16 +1,29 @@
 """The job estimate's memory model responds to each setting the way the trainer's memory does."""
 
-from fusetune.estimate import ModelShape, estimate_job, lora_parameter_count
+from fusetune.spec.estimate import DataCounts, ModelShape, estimate_job, fit_micro_batch, lora_parameter_count
+from fusetune.spec.hyperparameters import JobHyperparameters
+from fusetune.spec.job import JobSpec
 
 LLAMA_1B = ModelShape(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                       head_dim=64, vocab_size=128256, tied_embeddings=True)  # fmt: skip
 
 
-def _estimate(**overrides):
-    settings = {"example_count": 64, "token_estimate": 64 * 2048, "n_epochs": 1, "batch_size": 8,
-                "max_seq_length": 2048, "n_gpus": 1, "fused_kernels": True, "precision": "bf16-mixed",
-                **overrides}  # fmt: skip
-    return estimate_job(LLAMA_1B, **settings)
+DATA = DataCounts(example_count=64, token_estimate=64 * 2048)
+
+
+def _job(**hyperparameters) -> JobSpec:
+    chosen = {
+        "n_epochs": 1,
+        "batch_size": 8,
+        "max_seq_length": 2048,
+        "precision": "bf16-mixed",
+        **hyperparameters,
+    }
+    return JobSpec(hyperparameters=JobHyperparameters(**chosen))
+
+
+def _estimate(micro_batch_size=None, **hyperparameters):
+    return estimate_job(LLAMA_1B, _job(**hyperparameters), DATA, micro_batch_size=micro_batch_size)
 
 
 def test_lora_parameter_count_matches_peft_arithmetic():
@@ -36,7 +49,7 @@ def test_each_setting_moves_the_terms_it_should():
     assert checkpointed["activations"] < breakdown["activations"] / 4
     assert checkpointed["weights_grads_optimizer"] == 16 * full.parameters  # no bf16 copies kept
 
-    unfused = _estimate(fused_kernels=False).memory_breakdown
+    unfused = _estimate(kernels=False).memory_breakdown
     assert unfused["activations"] > breakdown["activations"] and unfused["logits"] > 20 * breakdown["logits"]
 
     sharded = _estimate(n_gpus=4, batch_size=32, distributed="fsdp").memory_breakdown
@@ -59,8 +72,8 @@ def test_fused_loss_chunk_follows_the_kernel_default():
     import pytest
 
     torch = pytest.importorskip("torch")
-    from fusetune.estimate import fused_loss_chunk_rows
     from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_chunk_rows
+    from fusetune.spec.estimate import fused_loss_chunk_rows
 
     for tokens, hidden, vocab in [(16384, 2048, 128256), (8192, 4096, 128256), (1024, 4096, 128256),
                                   (8192, 1536, 151936), (65536, 4096, 32000), (4096, 2304, 256000)]:  # fmt: skip
@@ -91,31 +104,29 @@ def test_bf16_weights_with_the_fused_mlp_keep_fewer_activations():
     pure = _estimate(precision="bf16-sr").memory_breakdown["activations"]
     assert pure == 8 * 2048 * 16 * (4 * 2048 + 4 * 2048 + 4 * 512 + 4 * 8192)
     assert pure < 0.65 * mixed
-    assert _estimate(precision="bf16-sr", fused_kernels=False).memory_breakdown["activations"] > mixed
+    assert _estimate(precision="bf16-sr", kernels=False).memory_breakdown["activations"] > mixed
 
 
 def test_micro_batch_is_the_largest_that_fits_and_a_job_too_large_says_what_would_fit():
-    from fusetune.estimate import fit_micro_batch
-
-    job = {"example_count": 64, "token_estimate": 64 * 2048, "n_epochs": 1, "batch_size": 8,
-           "max_seq_length": 2048, "n_gpus": 1, "fused_kernels": False, "precision": "bf16-mixed"}  # fmt: skip
+    job = _job(kernels=False)
     peaks = {
-        m: estimate_job(LLAMA_1B, **job, micro_batch_size=m).peak_memory_bytes_per_gpu for m in (1, 2, 4, 8)
+        m: estimate_job(LLAMA_1B, job, DATA, micro_batch_size=m).peak_memory_bytes_per_gpu
+        for m in (1, 2, 4, 8)
     }
     assert peaks[1] < peaks[2] < peaks[4] < peaks[8]
     # Room for micro-batches of 2 but not 4: 2 it is, the rest of the batch by accumulation.
-    fit = fit_micro_batch(LLAMA_1B, (peaks[2] + peaks[4]) // 2, **job)
+    fit = fit_micro_batch(LLAMA_1B, (peaks[2] + peaks[4]) // 2, job, DATA)
     assert (
         fit.fits and fit.estimate.micro_batch_size == 2 and fit.estimate.peak_memory_bytes_per_gpu == peaks[2]
     )
-    assert fit_micro_batch(LLAMA_1B, peaks[8], **job).estimate.micro_batch_size == 8
+    assert fit_micro_batch(LLAMA_1B, peaks[8], job, DATA).estimate.micro_batch_size == 8
     # Not even one sequence fits: refused, with the changes that would fit and their peaks.
-    kernels_on = estimate_job(LLAMA_1B, **{**job, "fused_kernels": True}, micro_batch_size=1)
-    fit = fit_micro_batch(LLAMA_1B, kernels_on.peak_memory_bytes_per_gpu, **job)
+    kernels_on = estimate_job(LLAMA_1B, _job(kernels=True), DATA, micro_batch_size=1)
+    fit = fit_micro_batch(LLAMA_1B, kernels_on.peak_memory_bytes_per_gpu, job, DATA)
     assert not fit.fits and fit.estimate.micro_batch_size == 1
     assert fit.remedies["kernels on"] == kernels_on.peak_memory_bytes_per_gpu
     assert set(fit.remedies) == {"kernels on", "gradient_checkpointing on", "LoRA (r=16)"}
     assert all(peak <= kernels_on.peak_memory_bytes_per_gpu for peak in fit.remedies.values())
     message = fit.refusal(kernels_on.peak_memory_bytes_per_gpu)
     assert "even at micro_batch_size 1" in message and "kernels on" in message
-    assert not fit_micro_batch(LLAMA_1B, 2**30, **job).remedies  # nothing helps on 1 GiB
+    assert not fit_micro_batch(LLAMA_1B, 2**30, job, DATA).remedies  # nothing helps on 1 GiB

@@ -15,13 +15,16 @@ from fusetune.api.app import create_app
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.migrate import upgrade
-from fusetune.jobspec import JobHyperparameters, JobSpec
+from fusetune.spec.hyperparameters import HyperparametersRequest, JobHyperparameters
+from fusetune.spec.job import JobSpec
+from fusetune.spec.methods import METHODS
+from fusetune.spec.precision import OPTIMIZERS, PRECISIONS
 from fusetune.worker.tasks import JobRunner
+from fusetune.worker.train import optim
 from fusetune.worker.train.config import TrainConfig
-from fusetune.worker.train.methods import METHODS
-from fusetune.worker.train.precision import PRECISIONS
+from fusetune.worker.train.methods import TRAINING_METHODS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 AUTH = {"Authorization": f"Bearer {Settings().dev_api_key}"}
 LINE = json.dumps(
     {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}
@@ -118,7 +121,7 @@ def test_names_come_from_the_method_and_precision_tables():
         assert JobHyperparameters(precision=name).precision == name
     with pytest.raises(ValidationError, match="precision"):
         JobHyperparameters(precision="fp8")
-    assert set(METHODS) == {"supervised", "dpo"}
+    assert set(METHODS) >= {"supervised", "dpo"}
     # A row stored before methods and precision were part of the job: supervised, precision auto.
     old_row = {
         "n_epochs": 2,
@@ -132,9 +135,38 @@ def test_names_come_from_the_method_and_precision_tables():
     assert JobSpec.from_row(spec.to_row()) == spec
 
 
-def test_the_api_side_imports_no_torch():
+def test_every_method_and_optimizer_of_the_specification_has_its_worker_half():
+    assert set(TRAINING_METHODS) == set(METHODS)
+    assert set(optim.OPTIMIZERS) == set(OPTIMIZERS)
+    assert {mode.optimizer for mode in PRECISIONS.values()} <= set(OPTIMIZERS)
+
+
+def test_a_learning_rate_and_its_multiplier_are_not_both_taken():
+    with pytest.raises(ValidationError, match="not both"):
+        HyperparametersRequest(learning_rate=0.01, learning_rate_multiplier=2)
+    # A learning rate given alone is reported with the multiplier it amounts to.
+    resolved = HyperparametersRequest(learning_rate=2e-4).resolve(example_count=10, base_learning_rate=1e-4)
+    assert resolved.learning_rate == 2e-4 and resolved.learning_rate_multiplier == pytest.approx(2.0)
+
+
+def test_request_bounds_are_the_specifications():
+    for field, value in (("n_epochs", 101), ("batch_size", 0), ("learning_rate_multiplier", -1)):
+        with pytest.raises(ValidationError, match=field):
+            HyperparametersRequest(**{field: value})
+    assert HyperparametersRequest(n_epochs=100).n_epochs == 100
+
+
+def test_the_api_imports_neither_torch_nor_the_worker():
+    """The API process and the specification load in a fresh interpreter without torch or any module of the
+    worker (the Celery side included)."""
     code = (
-        "import sys, fusetune.api.app, fusetune.jobspec, fusetune.estimate, fusetune.worker.tasks; "
-        "assert 'torch' not in sys.modules, 'torch was imported'"
+        "import sys, fusetune.api.app, fusetune.spec.job, fusetune.spec.estimate\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'fusetune.worker')))\n"
+        "assert not loaded, loaded"
     )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+def test_the_worker_side_imports_no_torch():
+    code = "import sys, fusetune.worker.tasks; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)

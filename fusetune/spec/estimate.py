@@ -3,9 +3,8 @@
 Computed from the model's config.json (no weights loaded), the dataset's counts and the job's settings. The
 memory model follows what the trainer does on a GPU (precision "auto" = bf16-sr: bf16 weights, gradients and
 AdamW state; bf16-mixed: fp32 weights and state, bf16 compute under autocast; activations of one micro-batch
-kept for the backward); the bytes of weights,
-gradients and optimizer state per parameter come from the precision mode and its optimizer
-(fusetune/worker/train/precision.py, optim.py). Each term is
+kept for the backward); the bytes of weights, gradients and optimizer state per parameter come from the
+precision mode and its optimizer (fusetune/spec/precision.py). Each term is
 derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
 against measured peaks on a GPU is benchmarks/memory_estimate.py (results in benchmarks/results/*-estimate.*).
 """
@@ -16,7 +15,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fusetune.worker.train.precision import AUTO, DTYPE_BYTES, PrecisionMode, mode_for
+from fusetune.spec.hyperparameters import LoraSpec
+from fusetune.spec.job import JobSpec
+from fusetune.spec.methods import METHODS
+from fusetune.spec.precision import DTYPE_BYTES, PrecisionMode, mode_for
 
 
 def bytes_per_trained_param(mode: PrecisionMode) -> int:
@@ -169,31 +171,37 @@ def fused_loss_chunk_rows(tokens: int, shape: ModelShape) -> int:
     return max(1, min(tokens, budget_rows))
 
 
+@dataclass(frozen=True)
+class DataCounts:
+    """What the estimate knows of a job's training data: its examples and their token count (estimated from
+    characters at upload, exact once tokenized), and the tokens of a padded row when the data is known (its
+    longest row), else None: max_seq_length when examples come near it and twice the mean if not."""
+
+    example_count: int
+    token_estimate: int
+    padded_length: int | None = None
+
+
 def estimate_job(
     shape: ModelShape,
+    job: JobSpec,
+    data: DataCounts,
     *,
-    example_count: int,
-    token_estimate: int,
-    n_epochs: int,
-    batch_size: int,
-    max_seq_length: int,
-    n_gpus: int,
-    fused_kernels: bool,
-    lora: dict | None = None,
-    gradient_checkpointing: bool = False,
-    distributed: str = "ddp",
-    precision: str = AUTO,
-    measured_tokens_per_second: float | None = None,
-    rows_per_example: int = 1,
-    reference_pass: bool = False,
     micro_batch_size: int | None = None,
-    padded_length: int | None = None,
+    measured_tokens_per_second: float | None = None,
 ) -> Estimate:
-    """`rows_per_example`: sequences the trainer makes of one example (2 for a preference pair, which counts
-    as one of `batch_size`); `reference_pass`: one forward over the data before training (DPO's reference).
-    `micro_batch_size`: default the trainer's default; `padded_length`: tokens of a padded row when the data
-    is known (its longest row), else max_seq_length when examples come near it and twice the mean if not."""
-    mode = mode_for(precision, on_gpu=True)
+    """`micro_batch_size`: sequences per forward on one GPU, the trainer's default when None;
+    `measured_tokens_per_second`: for the duration (earlier jobs of the model on this server)."""
+    hyper, method = job.hyperparameters, METHODS[job.method.type]
+    n_epochs, batch_size, max_seq_length, n_gpus = (
+        hyper.n_epochs, hyper.batch_size, hyper.max_seq_length, hyper.n_gpus,
+    )  # fmt: skip
+    example_count, token_estimate, rows_per_example = (
+        data.example_count,
+        data.token_estimate,
+        method.rows_per_example,
+    )
+    mode = mode_for(hyper.precision, on_gpu=True)
     rows = example_count * rows_per_example
     mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, rows)))
     epoch_tokens = min(token_estimate, rows * max_seq_length)
@@ -203,17 +211,17 @@ def estimate_job(
 
     # Weights, gradients and optimizer state; FSDP shards all three over the GPUs and gathers one layer's
     # weights (in the compute dtype) at a time (two in flight while the next is prefetched).
-    if lora is not None:
-        trained = lora_parameter_count(shape, lora.get("r", 16), lora.get("target_modules", "all-linear"))
+    if hyper.lora is not None:
+        trained = lora_parameter_count(shape, hyper.lora.r, hyper.lora.target_modules)
         frozen = params
     else:
         trained, frozen = params, 0
     # A mixed mode's autocast keeps a compute-dtype copy of each weight for the backward (the input gradient
     # needs it). Under gradient checkpointing the forward saves nothing inside the layers, so the copies are
     # made again, one layer at a time, when the backward recomputes it.
-    copy = 0 if gradient_checkpointing else mode.compute_copy_bytes
+    copy = 0 if hyper.gradient_checkpointing else mode.compute_copy_bytes
     states = trained * (bytes_per_trained_param(mode) + copy) + frozen * (bytes_per_frozen_param(mode) + copy)
-    if distributed == "fsdp" and n_gpus > 1:
+    if hyper.distributed == "fsdp" and n_gpus > 1:
         layer_params = (params - shape.vocab_size * shape.hidden_size) // shape.num_layers
         states = states // n_gpus + 2 * layer_params * DTYPE_BYTES[mode.compute_dtype]
 
@@ -221,12 +229,13 @@ def estimate_job(
     # as max_seq_length when examples come near it, else twice the mean).
     sequences_per_gpu = max(1, batch_size // n_gpus)
     micro_batch = micro_batch_size or default_micro_batch_size(sequences_per_gpu, max_seq_length)
-    row_tokens = padded_length or min(max_seq_length, 2 * mean_tokens)
+    row_tokens = data.padded_length or min(max_seq_length, 2 * mean_tokens)
     tokens = micro_batch * rows_per_example * row_tokens
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     bf16_weights = mode.weight_dtype == "bfloat16"
+    fused_kernels = hyper.kernels
     per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels, bf16_weights)
-    if gradient_checkpointing:
+    if hyper.gradient_checkpointing:
         activations = tokens * (shape.num_layers * (2 if bf16_weights else 4) * h + per_layer)
     else:
         activations = tokens * shape.num_layers * per_layer
@@ -237,7 +246,7 @@ def estimate_job(
     breakdown = {"weights_grads_optimizer": states, "activations": activations, "logits": logits,
                  "overhead": FIXED_OVERHEAD_BYTES}  # fmt: skip
     # A forward is about a third of a training step's compute (forward + backward).
-    timed_tokens = training_tokens + (epoch_tokens / 3 if reference_pass else 0)
+    timed_tokens = training_tokens + (epoch_tokens / 3 if method.has_reference_pass else 0)
     duration = timed_tokens / measured_tokens_per_second if measured_tokens_per_second else None
     return Estimate(
         training_tokens=int(training_tokens),
@@ -256,9 +265,9 @@ def estimate_job(
 
 # What may make a job fit that does not, tried one at a time by `fit_micro_batch`.
 _REMEDIES: tuple[tuple[str, dict], ...] = (
-    ("kernels on", {"fused_kernels": True}),
+    ("kernels on", {"kernels": True}),
     ("gradient_checkpointing on", {"gradient_checkpointing": True}),
-    ("LoRA (r=16)", {"lora": {"r": 16, "target_modules": "all-linear"}}),
+    ("LoRA (r=16)", {"lora": LoraSpec(r=16, target_modules="all-linear")}),
 )
 
 
@@ -287,23 +296,32 @@ def too_large_message(peak_bytes: int, memory_bytes: int, remedies: dict[str, in
     return f"{text} Use a smaller max_seq_length, FSDP over more GPUs, or a smaller model."
 
 
-def fit_micro_batch(shape: ModelShape, memory_bytes: int, **job) -> MicroBatchFit:
-    """The largest micro-batch (a divisor of the sequences per GPU) whose estimated peak fits `memory_bytes`;
-    `job` holds `estimate_job`'s keyword arguments. Larger micro-batches need fewer accumulation steps, and
-    fewer, larger matmuls run closer to the GPU's peak."""
-    sequences_per_gpu = max(1, job["batch_size"] // job["n_gpus"])
+def fit_micro_batch(
+    shape: ModelShape,
+    memory_bytes: int,
+    job: JobSpec,
+    data: DataCounts,
+    measured_tokens_per_second: float | None = None,
+) -> MicroBatchFit:
+    """The largest micro-batch (a divisor of the sequences per GPU) whose estimated peak fits `memory_bytes`.
+    Larger micro-batches need fewer accumulation steps, and fewer, larger matmuls run closer to the GPU's
+    peak."""
+    hyper = job.hyperparameters
+    sequences_per_gpu = max(1, hyper.batch_size // hyper.n_gpus)
     for micro in sorted(
         (d for d in range(1, sequences_per_gpu + 1) if sequences_per_gpu % d == 0), reverse=True
     ):
-        estimate = estimate_job(shape, **{**job, "micro_batch_size": micro})
+        estimate = estimate_job(
+            shape, job, data, micro_batch_size=micro, measured_tokens_per_second=measured_tokens_per_second
+        )
         if estimate.peak_memory_bytes_per_gpu <= memory_bytes:
             return MicroBatchFit(estimate, True, {})
     remedies = {}
     for name, change in _REMEDIES:
-        changed = {**job, **change, "micro_batch_size": 1}
-        if all(job.get(key) == value for key, value in change.items()):
+        if all(getattr(hyper, key) == value for key, value in change.items()):
             continue  # already so
-        peak = estimate_job(shape, **changed).peak_memory_bytes_per_gpu
+        changed = job.model_copy(update={"hyperparameters": hyper.model_copy(update=change)})
+        peak = estimate_job(shape, changed, data, micro_batch_size=1).peak_memory_bytes_per_gpu
         if peak <= memory_bytes:
             remedies[name] = peak
     return MicroBatchFit(estimate, False, remedies)

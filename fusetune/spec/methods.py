@@ -1,0 +1,215 @@
+"""The training methods a job may choose (`method.type`, as in the OpenAI API), as one table.
+
+Each method is one `Method` entry: its line format, how its examples become rows, and its own settings as one
+pydantic model (`DpoSettings`). From that one model come
+- the stored specification, `MethodSpec`: a union discriminated by `type`, `{"type": "dpo", "dpo": {...}}`,
+  which the job row keeps and the trainer's configuration carries (`method.settings`);
+- the request, `MethodRequest`: OpenAI's `{"type": t, t: {"hyperparameters": {...}}}`, where a method's
+  hyperparameters are the shared ones plus its settings, each of which may be "auto".
+The API's OpenAPI schema therefore documents every method. The training half of a method lives in
+fusetune/worker/train/methods/<type>.py, found there by its `type`.
+
+Adding a method is its settings model (if it has settings) and one entry in `METHODS`, plus its training module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from fusetune.spec.examples import PREFERENCE, SUPERVISED, ExampleFormat
+from fusetune.spec.hyperparameters import AUTO, HyperparametersRequest, Spec, within_bounds
+
+
+class MethodSettings(Spec):
+    """The base of a method's own settings (every field has a default: "auto" in a request means it)."""
+
+
+class DpoSettings(MethodSettings):
+    """Direct preference optimisation (fusetune/worker/train/methods/dpo.py)."""
+
+    # How far the policy may move from the reference: larger keeps it closer (OpenAI allows up to 2). The
+    # default is the DPO paper's and the OpenAI API's.
+    beta: float = Field(0.1, gt=0, le=2)
+    # "sigmoid": DPO's -log sigmoid(beta * margin); "ipo": IPO's squared loss on length-normalised log-ratios.
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    # Weight of a supervised term, the preferred output's per-token negative log-likelihood (0: none).
+    sft_weight: float = Field(0.0, ge=0, le=100)
+
+
+@dataclass(frozen=True)
+class Method:
+    type: str
+    description: str
+    example_format: ExampleFormat
+    settings: type[MethodSettings] | None = None
+    # Sequences the method makes of one example (a row of the run counts as one of `batch_size`), whether rows
+    # may be packed, whether a forward pass over the data runs before training (a reference model's scores).
+    rows_per_example: int = 1
+    supports_packing: bool = True
+    has_reference_pass: bool = False
+
+
+METHODS: dict[str, Method] = {
+    method.type: method
+    for method in (
+        Method(
+            "supervised", "next-token cross-entropy on the assistant's tokens", SUPERVISED,
+        ),
+        Method(
+            "dpo", "direct preference optimisation against the frozen starting model", PREFERENCE, DpoSettings,
+            rows_per_example=2, supports_packing=False, has_reference_pass=True,
+        ),
+    )
+}  # fmt: skip
+DEFAULT_METHOD = "supervised"
+MethodType = Literal[tuple(METHODS)]  # type: ignore[valid-type]
+
+
+def method_of_record(record: object) -> str:
+    """The first method whose line format claims a decoded JSONL record (the default method when none does)."""
+    return next(
+        (name for name, method in METHODS.items() if method.example_format.recognizes(record)), DEFAULT_METHOD
+    )
+
+
+def reads_the_same_files(first: str, second: str) -> bool:
+    """Whether two methods train on files of one line format (a file uploaded for one serves the other)."""
+    return METHODS[first].example_format is METHODS[second].example_format
+
+
+def _model_name(method_type: str, suffix: str) -> str:
+    return "".join(part.title() for part in method_type.replace("-", "_").split("_")) + suffix
+
+
+# ---- the stored specification -------------------------------------------------------------------------------
+
+
+class _StoredMethod(Spec):
+    type: str
+
+    @property
+    def settings(self) -> MethodSettings | None:
+        """The method's own settings (None for a method without any)."""
+        return getattr(self, self.type, None)
+
+
+def _stored_model(method: Method) -> type[_StoredMethod]:
+    fields: dict[str, Any] = {"type": (Literal[method.type], method.type)}
+    if method.settings is not None:
+        fields[method.type] = (method.settings, Field(default_factory=method.settings))
+    return create_model(_model_name(method.type, "MethodSpec"), __base__=_StoredMethod, **fields)
+
+
+def _type_of(value: Any) -> str:
+    # A row stored before methods existed has no method; a method without a type is the default one.
+    if isinstance(value, dict):
+        return value.get("type", DEFAULT_METHOD)
+    return getattr(value, "type", DEFAULT_METHOD)
+
+
+STORED_MODELS: dict[str, type[_StoredMethod]] = {
+    name: _stored_model(method) for name, method in METHODS.items()
+}
+MethodSpec = Annotated[
+    Union[tuple(Annotated[model, Tag(name)] for name, model in STORED_MODELS.items())],  # noqa: UP007
+    Discriminator(_type_of),
+]
+METHOD_SPEC = TypeAdapter(MethodSpec)
+
+
+def method_spec(method_type: str = DEFAULT_METHOD, **settings: Any) -> _StoredMethod:
+    """The stored specification of a method, its settings given by name (the others at their defaults)."""
+    return METHOD_SPEC.validate_python({"type": method_type, **({method_type: settings} if settings else {})})
+
+
+# ---- the request, in the OpenAI API's shape --------------------------------------------------------------------
+
+
+def _settings_bounds(settings: type[MethodSettings]):
+    def check(cls, value: Any, info: ValidationInfo) -> Any:
+        return within_bounds(settings, info.field_name, value)
+
+    return field_validator(*settings.model_fields)(classmethod(check))
+
+
+@cache
+def hyperparameters_request(method_type: str) -> type[HyperparametersRequest]:
+    """`method.<type>.hyperparameters`: the shared hyperparameters plus the method's settings, each "auto" by
+    default and otherwise held to the settings model's bounds."""
+    settings = METHODS[method_type].settings
+    if settings is None:
+        return HyperparametersRequest
+    fields = {
+        name: (field.annotation | Literal["auto"], AUTO) for name, field in settings.model_fields.items()
+    }
+    return create_model(
+        _model_name(method_type, "HyperparametersRequest"),
+        __base__=HyperparametersRequest,
+        __validators__={"_settings_within_bounds": _settings_bounds(settings)},
+        **fields,
+    )
+
+
+def settings_from_request(method_type: str, hyperparameters: BaseModel | None) -> _StoredMethod:
+    """The stored method of a request's `method.<type>.hyperparameters` ("auto" settings at their defaults)."""
+    settings = METHODS[method_type].settings
+    if settings is None or hyperparameters is None:
+        return method_spec(method_type)
+    chosen = {name: getattr(hyperparameters, name) for name in settings.model_fields}
+    return method_spec(method_type, **{name: value for name, value in chosen.items() if value != AUTO})
+
+
+class _MethodRequestBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+
+    @model_validator(mode="after")
+    def _settings_under_their_type(self) -> _MethodRequestBase:
+        for name in type(self).model_fields:
+            if name != "type" and getattr(self, name) is not None and name != self.type:
+                raise ValueError(f"method.{name} is given but method.type is '{self.type}'")
+        return self
+
+    def hyperparameters(self) -> HyperparametersRequest | None:
+        settings = getattr(self, self.type, None)
+        return settings.hyperparameters if settings is not None else None
+
+    def spec(self) -> _StoredMethod:
+        return settings_from_request(self.type, self.hyperparameters())
+
+
+def _method_request_model() -> type[_MethodRequestBase]:
+    fields: dict[str, Any] = {"type": (MethodType, DEFAULT_METHOD)}
+    for name, method in METHODS.items():
+        settings_request = create_model(
+            _model_name(name, "MethodRequest"),
+            __config__=ConfigDict(extra="forbid"),
+            __doc__=method.description,
+            hyperparameters=(hyperparameters_request(name) | None, None),
+        )
+        fields[name] = (settings_request | None, None)
+    return create_model(
+        "MethodRequest",
+        __base__=_MethodRequestBase,
+        __doc__='`method` as the OpenAI API has it: `{"type": t, t: {"hyperparameters": {...}}}`, t one of '
+        "the methods of fusetune/spec/methods.py",
+        **fields,
+    )
+
+
+MethodRequest = _method_request_model()

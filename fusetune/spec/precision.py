@@ -1,0 +1,108 @@
+"""Precision modes and optimizers: what a job's `precision` means, as data.
+
+A mode says which dtype the weights are kept and updated in, which dtype the matmuls run in, which optimizer
+updates them and in which dtype that optimizer keeps its state. The estimate reads bytes per parameter from
+here; the trainer resolves a mode for its device (fusetune/worker/train/precision.py) and builds the optimizer
+named here (fusetune/worker/train/optim.py, whose table has one builder per name of `OPTIMIZERS`).
+
+Adding a mode is one entry in `PRECISIONS`; adding an optimizer is one entry in `OPTIMIZERS` plus its builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AUTO = "auto"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    # Tensors of state per trained parameter, each the size of the parameter (AdamW: exp_avg, exp_avg_sq).
+    states_per_parameter: int
+    description: str
+
+
+OPTIMIZERS: dict[str, OptimizerSpec] = {
+    spec.name: spec
+    for spec in (
+        OptimizerSpec("adamw", 2, "torch.optim.AdamW (fused on GPUs)"),
+        OptimizerSpec(
+            "adamw-stochastic-rounding", 2,
+            "fusetune.kernels.FusedAdamW: one fused update, the bf16 results rounded stochastically",
+        ),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PrecisionMode:
+    name: str
+    weight_dtype: str  # parameters as loaded, trained and saved
+    compute_dtype: str  # matmuls: under autocast (one process, DDP) or FSDP's gathered parameters
+    optimizer: str  # key of OPTIMIZERS
+    optimizer_state_dtype: str
+    needs_gpu: bool
+    description: str
+    # The tensor-core peak MFU divides by. Every mode reports against the dense bf16 peak, so that MFU compares
+    # across modes (a faster number format shows as a higher MFU, not as a different denominator).
+    mfu_peak_dtype: str = "bfloat16"
+
+    @property
+    def mixed(self) -> bool:
+        """Compute in a narrower dtype than the weights (autocast, or FSDP's bf16 gathers)."""
+        return self.compute_dtype != self.weight_dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def compute_copy_bytes(self) -> int:
+        """Bytes of the compute-dtype copy a mixed mode makes of each weight (kept for the backward)."""
+        return DTYPE_BYTES[self.compute_dtype] if self.mixed else 0
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Optimizer state per trained parameter."""
+        return OPTIMIZERS[self.optimizer].states_per_parameter * DTYPE_BYTES[self.optimizer_state_dtype]
+
+
+PRECISIONS: dict[str, PrecisionMode] = {
+    mode.name: mode
+    for mode in (
+        PrecisionMode(
+            "fp32", "float32", "float32", "adamw", "float32", needs_gpu=False,
+            description="fp32 weights, compute and AdamW state",
+        ),
+        PrecisionMode(
+            "bf16-mixed", "float32", "bfloat16", "adamw", "float32", needs_gpu=True,
+            description="fp32 weights and AdamW state, bf16 compute (autocast under DDP, bf16-gathered "
+            "parameters and fp32 gradient reduction under FSDP)",
+        ),
+        PrecisionMode(
+            "bf16", "bfloat16", "bfloat16", "adamw", "bfloat16", needs_gpu=True,
+            description="bf16 weights and AdamW state, rounded to nearest: updates under about 2^-9 of a weight "
+            "are lost, so fine-tuning at small learning rates barely moves many weights",
+        ),
+        PrecisionMode(
+            "bf16-sr", "bfloat16", "bfloat16", "adamw-stochastic-rounding", "bfloat16", needs_gpu=True,
+            description="bf16 weights, gradients and AdamW state, the update stochastically rounded "
+            "(fusetune.kernels.FusedAdamW): the quality of fp32 master weights at half their memory "
+            "(tests/kernels/test_adamw_quality.py)",
+        ),
+    )
+}  # fmt: skip
+# What "auto" means on each kind of device. On GPUs: bf16-sr, which fine-tuned to the eval loss of fp32 master
+# weights where plain bf16 did not (tests/kernels/test_adamw_quality.py).
+GPU_DEFAULT = "bf16-sr"
+CPU_DEFAULT = "fp32"
+PRECISION_NAMES: tuple[str, ...] = (AUTO, *PRECISIONS)
+
+
+def mode_for(name: str, on_gpu: bool = True) -> PrecisionMode:
+    """The mode a job's `precision` names ("auto" resolved for a GPU unless `on_gpu` is False)."""
+    if name == AUTO:
+        name = GPU_DEFAULT if on_gpu else CPU_DEFAULT
+    return PRECISIONS[name]
