@@ -191,6 +191,11 @@ def matmul_rate_tflops(size: int) -> float:
     return 2 * size**3 / (matmul_ms * 1e-3) / 1e12
 
 
+def run_meta(gpu: str, ceilings: dict[str, float] | None = None) -> dict[str, Any]:
+    """What every results section starts with: the device, the date, the versions and the ceilings."""
+    return {"gpu": gpu, "date": utc_date(), "versions": collect_versions(), "ceilings": ceilings}
+
+
 def device_info() -> dict[str, Any]:
     """The GPU's name, its measured ceilings and the versions: what every results section starts with."""
     import torch
@@ -202,10 +207,23 @@ def device_info() -> dict[str, Any]:
     }
 
 
-def device_info_in_subprocess(timeout_s: float = 300) -> dict[str, Any] | None:
-    """device_info() from a fresh process, so that the parent never holds a CUDA context while models train."""
+def measured_meta(cpu_name: str | None = None, timeout_s: float = 300) -> dict[str, Any] | None:
+    """run_meta of this machine: on a GPU from a fresh process (so that the parent never holds a CUDA context
+    while models train), else of `cpu_name` without ceilings; None, said why, when the GPU cannot be read."""
+    if cpu_name is not None:
+        return run_meta(cpu_name)
+    print("Measuring ceilings ...", flush=True)
     run = run_worker(__spec__.name, ["--device-info"], timeout_s)
-    return run.results[-1] if run.results else None
+    if not run.results:
+        print(f"could not read the device: {run.failure}", file=sys.stderr)
+        return None
+    info = run.results[-1]
+    return {
+        "gpu": info["gpu"],
+        "date": utc_date(),
+        "versions": info["versions"],
+        "ceilings": info["ceilings"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -354,6 +372,15 @@ class Benchmark:
             return read_section(self.path(args.out, slug), args.section)
         return None
 
+    def save(
+        self, args: argparse.Namespace, slug: str, payload: dict[str, Any], render: Callable[[dict], str]
+    ) -> Path:
+        """Print the section's markdown and write it to the results file in `args.out`."""
+        print(render(payload))
+        path = self.write(args.out, slug, payload, getattr(args, "section", None))
+        print(f"wrote the section {getattr(args, 'section', self.name)!r} of {path}", flush=True)
+        return path
+
     def write(self, out_dir: Path, slug: str, payload: dict[str, Any], section: str | None = None) -> Path:
         """Replace this benchmark's section of the results file; the file's other sections stay."""
         path = self.path(out_dir, slug)
@@ -438,6 +465,15 @@ def smoke_out(args: argparse.Namespace, prefix: str) -> None:
 
 def comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def choices(parser: argparse.ArgumentParser, flag: str, text: str, known: Iterable[str]) -> list[str]:
+    """A comma-separated option's values, each one of `known` (else the parser exits naming them)."""
+    chosen, known = comma_list(text), list(known)
+    unknown = [value for value in chosen if value not in known]
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------------------

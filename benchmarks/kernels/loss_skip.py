@@ -287,12 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     harness.free_device_memory()
     for row in errors_against_float64(1024, 2048, 128256):
         emit(row)
-    payload = {"gpu": torch.cuda.get_device_name(), "date": harness.utc_date(), "versions": harness.collect_versions(),
-               "rows": rows}  # fmt: skip
-    print(render_markdown(payload))
-    print(
-        f"wrote {RESULTS.write(args.out, harness.results_slug(args, payload['gpu']), payload, args.section)}"
-    )
+    payload = {**harness.run_meta(torch.cuda.get_device_name()), "rows": rows}
+    RESULTS.save(args, harness.results_slug(args, payload["gpu"]), payload, render_markdown)
     return 0
 
 

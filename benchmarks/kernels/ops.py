@@ -971,10 +971,7 @@ def results_payload(
         ]
         runs = [earlier for earlier in runs if earlier["ops"]] + [run]
     return {
-        "gpu": meta["gpu"],
-        "date": meta["date"],
-        "versions": meta["versions"],
-        "ceilings": meta["ceilings"],
+        **meta,
         "method": METHOD,
         "floor_formulas": FLOOR_FORMULAS,
         "runs": runs,
@@ -1281,22 +1278,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--list-cases", action="store_true", help="print the cases that would run and exit")
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.ops, args.impls = harness.comma_list(args.ops), harness.comma_list(args.impls)
-    args.sweep_impls = harness.comma_list(args.sweep_impls)
+    args.ops = harness.choices(parser, "--ops", args.ops, OPS)
+    args.impls = harness.choices(parser, "--impls", args.impls, IMPLS)
+    args.sweep_impls = harness.choices(parser, "--sweep-impls", args.sweep_impls, SWEEP_IMPLS)
     for option in ("sweep_hidden", "sweep_vocab", "sweep_tokens"):
         try:
             setattr(args, option, [int(value) for value in getattr(args, option).split(",") if value.strip()])
         except ValueError:
             flag = "--" + option.replace("_", "-")
             parser.error(f"{flag}: expected comma-separated integers, got {getattr(args, option)!r}")
-    for name, chosen, known in (
-        ("--ops", args.ops, OPS),
-        ("--impls", args.impls, IMPLS),
-        ("--sweep-impls", args.sweep_impls, SWEEP_IMPLS),
-    ):
-        unknown = [value for value in chosen if value not in known]
-        if unknown:
-            parser.error(f"{name}: unknown {unknown}; choose from {', '.join(known)}")
     if args.sweeps is None:
         args.sweeps = "none" if args.quick else "all"
     return args
@@ -1339,12 +1329,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         gpu_name, ceilings = "cpu (smoke test, TRITON_INTERPRET=1)", None
     slug = harness.results_slug(args, gpu_name, on_gpu=args.device == "cuda")
-    meta = {
-        "gpu": gpu_name,
-        "date": harness.utc_date(),
-        "versions": harness.collect_versions(),
-        "ceilings": ceilings,
-    }
+    meta = harness.run_meta(gpu_name, ceilings)
     print(f"ceilings: {ceilings}\nversions: {meta['versions']}", flush=True)
     previous = RESULTS.previous(args, slug)
     config = {

@@ -224,10 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure("fusetune", shapes, 2, args.steps, copy_gbps, settings))
             print(json.dumps(rows[-1]), flush=True)
     payload = {
-        "gpu": torch.cuda.get_device_name(),
-        "date": harness.utc_date(),
-        "versions": harness.collect_versions() | {"torchao": harness.package_version("torchao")},
-        "ceilings": {"copy_GBps": round(copy_gbps, 1)},
+        **harness.run_meta(torch.cuda.get_device_name(), {"copy_GBps": round(copy_gbps, 1)}),
         "model": "llama-3.2-1b-shape",
         "command": "python3 -m benchmarks.kernels.optimizer "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -235,10 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "rows": rows,
     }
-    print(render_markdown(payload))
-    print(
-        f"wrote {RESULTS.write(args.out, harness.results_slug(args, payload['gpu']), payload, args.section)}"
-    )
+    payload["versions"]["torchao"] = harness.package_version("torchao")
+    RESULTS.save(args, harness.results_slug(args, payload["gpu"]), payload, render_markdown)
     return 0
 
 

@@ -321,10 +321,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "writes to a temporary folder unless --out is given)",
     )
     args = parser.parse_args(argv)
-    args.ops = harness.comma_list(args.ops)
-    unknown = [op for op in args.ops if op not in OPS]
-    if unknown:
-        parser.error(f"--ops: unknown {', '.join(unknown)}; choose from {', '.join(OPS)}")
+    args.ops = harness.choices(parser, "--ops", args.ops, OPS)
     args.impls = harness.comma_list(args.impls)
     if args.calls < 1:
         parser.error("--calls must be at least 1")
@@ -349,10 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu_name, ceilings = "cpu (smoke test, TRITON_INTERPRET=1)", None
     slug = harness.results_slug(args, gpu_name, on_gpu=args.device == "cuda")
     payload: dict[str, Any] = {
-        "gpu": gpu_name,
-        "date": harness.utc_date(),
-        "versions": harness.collect_versions(),
-        "ceilings": ceilings,
+        **harness.run_meta(gpu_name, ceilings),
         "settle_s": args.settle_s,
         "calls": args.calls,
         "rows": [],
@@ -389,9 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
         payload["groups"] = [group for group in previous["groups"] if kept(group)] + payload["groups"]
         payload["rows"] = [row for row in previous["rows"] if kept(row)] + payload["rows"]
-    path = RESULTS.write(args.out, slug, payload, args.section)
-    print(render_markdown(payload))
-    print(f"wrote {path} ({args.section})")
+    RESULTS.save(args, slug, payload, render_markdown)
     return 0
 
 

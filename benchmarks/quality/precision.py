@@ -507,9 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     slug = harness.results_slug(args, gpu, on_gpu=device.type == "cuda")
     payload: dict[str, Any] = {
-        "gpu": gpu,
-        "date": harness.utc_date(),
-        "versions": harness.collect_versions(),
+        **harness.run_meta(gpu),
         "command": command,
         "setup": {
             "model": args.model,
@@ -577,9 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if device.type == "cuda":
         payload["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
-    path = RESULTS.write(args.out, slug, payload, args.section)
-    print("\n" + render_markdown(payload))
-    print(f"wrote {path} ({args.section}) in {payload['seconds']:.0f} s")
+    RESULTS.save(args, slug, payload, render_markdown)
     if reasons:
         print(f"FAIL: {payload['verdict_reason']}", file=sys.stderr)
         return 1

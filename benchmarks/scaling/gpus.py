@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import GIB, markdown_table, short_error
-from benchmarks.step.e2e import MFU_FORMULA
+from benchmarks.step.e2e import results_header
 from benchmarks.workloads import MODEL_SHAPES, build_config
 
 RESULTS = harness.Benchmark("gpus", topic="scaling")
@@ -260,13 +260,7 @@ def merge_rows(previous: list[dict[str, Any]], new: list[dict[str, Any]]) -> lis
 
 def results_payload(meta: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "gpu": meta["gpu"],
-        "date": meta["date"],
-        "versions": meta["versions"],
-        "ceilings": meta["ceilings"],
-        "method": METHOD,
-        "mfu_formula": MFU_FORMULA,
-        "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
+        **results_header(meta, METHOD),
         "goal": f"scaling efficiency >= {GOAL_EFFICIENCY} on 2 GPUs and >= {GOAL_EFFICIENCY_MANY_GPUS} on 4 or 8, "
         "with the kernels on (HF + Liger-Kernel under plain DDP, 1 -> 2 GPUs: "
         "0.946 on H200, shared/ANCHORS.md)",
@@ -346,10 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if getattr(args, name) == defaults[name]:
                 setattr(args, name, value)
         harness.smoke_out(args, "fusetune-scaling-cpu-")
-    args.impls = harness.comma_list(args.impls)
-    unknown = [impl for impl in args.impls if impl not in IMPLS]
-    if unknown:
-        parser.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    args.impls = harness.choices(parser, "--impls", args.impls, IMPLS)
     try:
         args.nproc = sorted({int(n) for n in args.nproc.split(",")})
     except ValueError:
@@ -362,15 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if args._worker:
         return _worker_main(args._worker)
 
-    if args.cpu_smoke:
-        info = {"gpu": "cpu (smoke test, gloo)", "ceilings": None, "versions": harness.collect_versions()}
-    else:
-        print("Measuring ceilings ...", flush=True)
-        info = harness.device_info_in_subprocess()
-        if info is None:
-            print("could not read the device", file=sys.stderr)
-            return 2
-    meta = {**info, "date": harness.utc_date()}
+    meta = harness.measured_meta("cpu (smoke test, gloo)" if args.cpu_smoke else None)
+    if meta is None:
+        return 2
     rows = []
     for impl in args.impls:
         for nproc in args.nproc:
@@ -390,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if previous is not None:
         rows = merge_rows(previous["rows"], rows)
     payload = results_payload(meta, rows)
-    print(render_markdown(payload))
-    print(f"wrote {RESULTS.write(args.out, slug, payload, args.section)} ({args.section})")
+    RESULTS.save(args, slug, payload, render_markdown)
     for entry in payload["scaling"]:
         print(
             f"scaling efficiency {entry['model']} {entry['impl']} ({entry['distributed']}) "

@@ -368,9 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({**reference, "impl": "fusetune", "source": "benchmarks/step/e2e.py"})
 
     payload: dict[str, Any] = {
-        "gpu": device_name,
-        "date": harness.utc_date(),
-        "versions": harness.collect_versions(),
+        **harness.run_meta(device_name),
         "command": f"python3 -m {__spec__.name} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model,
         "batch": args.batch,
@@ -386,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens/s {first['tokens_per_s'] / reference['tokens_per_s']:.3f} x (goal >= 0.95), peak memory "
             f"{first['peak_alloc_gb'] / reference['peak_alloc_gb']:.3f} x (goal <= 1.05)"
         )
-    print(render_markdown(payload))
-    print(f"wrote {RESULTS.write(args.out, harness.results_slug(args, device_name), payload, args.section)}")
+    RESULTS.save(args, harness.results_slug(args, device_name), payload, render_markdown)
     return 0
 
 

@@ -64,7 +64,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import GIB, markdown_table, short_error
-from benchmarks.step.trainer_step import job_batches
+from benchmarks.step.trainer_step import build_trainer, job_batches
 from benchmarks.workloads import build_model
 
 RESULTS = harness.Benchmark("dpo", topic="step")
@@ -245,26 +245,10 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from fusetune.spec.methods import method_spec
-    from fusetune.worker.train.config import TrainConfig
     from fusetune.worker.train.data import IGNORE_INDEX
-    from fusetune.worker.train.distributed import DistInfo
-    from fusetune.worker.train.reporter import NullReporter
     from fusetune.worker.train.trainer import Trainer
 
     cuda = spec["device"] == "cuda"
-    config = TrainConfig(
-        model_path=spec["reference_path"],
-        training_file=spec["training_file"],
-        output_dir=tempfile.mkdtemp(prefix="fusetune-dpo-bench-"),
-        n_epochs=1,
-        batch_size=spec["pairs"],
-        max_seq_length=spec["seq"],
-        packing=False,
-        seed=0,
-        method=method_spec("dpo", beta=spec["beta"]),
-        gradient_checkpointing=bool(spec.get("gradient_checkpointing")),
-    )
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
 
     class SmokeTrainer(Trainer):
         def _apply_kernels(self) -> bool:
@@ -275,9 +259,14 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
                 return apply_fusetune(self.model, strict=False).active
             return super()._apply_kernels()
 
-    trainer = SmokeTrainer(
-        config, DistInfo(rank=0, local_rank=0, world_size=1, device=device), NullReporter()
+    trainer = build_trainer(
+        {**spec, "model_path": spec["reference_path"], "batch": spec["pairs"]},
+        SmokeTrainer,
+        packing=False,
+        method=method_spec("dpo", beta=spec["beta"]),
+        gradient_checkpointing=bool(spec.get("gradient_checkpointing")),
     )
+    device = trainer.device
     method = trainer.method
     started = time.perf_counter()
     method.before_training(trainer)  # the reference pass, on the reference's weights
@@ -325,7 +314,7 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
         "optimizer": trainer.optimizer_name,
         "kernels_applied": trainer.kernels_applied,
         "reference_model_held": False,
-        "gradient_checkpointing": bool(config.gradient_checkpointing),
+        "gradient_checkpointing": bool(trainer.config.gradient_checkpointing),
         "first_pairs": first_pairs,
     }
 
@@ -679,10 +668,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.impl_list = harness.comma_list(args.impls)
-    unknown = [i for i in args.impl_list if i not in IMPLS]
-    if unknown:
-        parser.error(f"--impls: unknown {unknown}; choose from {IMPLS}")
+    args.impl_list = harness.choices(parser, "--impls", args.impls, IMPLS)
     if not args.impl_list:
         parser.error("--impls: name at least one implementation")
     for name in ("pairs", "seq", "steps"):
@@ -732,8 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         return row
 
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    versions = harness.collect_versions()
-    versions.update(trl=harness.package_version("trl"), datasets=harness.package_version("datasets"))
+    meta = harness.run_meta(device_name)
+    meta["versions"].update(trl=harness.package_version("trl"), datasets=harness.package_version("datasets"))
     slug = harness.results_slug(args, device_name, on_gpu=device == "cuda")
     exact = run_subprocess("exact")
     exact_first = exact.get("first_pairs")
@@ -742,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     def write_results() -> str:
         # After every implementation, so that a run cut short keeps the rows it finished.
         payload = {
-            "gpu": device_name, "date": harness.utc_date(), "versions": versions,
+            **meta,
             "command": f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:]),
             "model": args.model, "pairs": args.pairs, "seq": args.seq, "beta": args.beta,
             "perturbation": args.perturbation, "warmup_steps": args.warmup_steps, "steps": args.steps,

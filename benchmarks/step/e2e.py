@@ -429,15 +429,16 @@ def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | Non
 
     run_keys = {key(row) for row in rows}
     kept = [row for row in (previous or {}).get("rows", []) if key(row) not in run_keys]
+    return {**results_header(meta, METHOD), "rows": kept + rows}
+
+
+def results_header(meta: dict[str, Any], method: str) -> dict[str, Any]:
+    """How an e2e or scaling section starts: the run's meta, its method and the MFU's formula and peak."""
     return {
-        "gpu": meta["gpu"],
-        "date": meta["date"],
-        "versions": meta["versions"],
-        "ceilings": meta["ceilings"],
-        "method": METHOD,
+        **meta,
+        "method": method,
         "mfu_formula": MFU_FORMULA,
         "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
-        "rows": kept + rows,
     }
 
 
@@ -616,11 +617,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.models, args.impls = harness.comma_list(args.models), harness.comma_list(args.impls)
-    for name, chosen, known in (("--models", args.models, MODEL_SHAPES), ("--impls", args.impls, IMPLS)):
-        unknown = [value for value in chosen if value not in known]
-        if unknown:
-            parser.error(f"{name}: unknown {unknown}; choose from {', '.join(known)}")
+    args.models = harness.choices(parser, "--models", args.models, MODEL_SHAPES)
+    args.impls = harness.choices(parser, "--impls", args.impls, IMPLS)
     return args
 
 
@@ -636,18 +634,9 @@ def main(argv: list[str] | None = None) -> int:
         harness.smoke_out(args, "fusetune-e2e-cpu-")
         if (args.batch, args.seq) == (8, 2048):
             args.batch, args.seq = 2, 32
-        info = {
-            "gpu": "cpu (smoke test, TRITON_INTERPRET=1)",
-            "ceilings": None,
-            "versions": harness.collect_versions(),
-        }
-    else:
-        print("Measuring ceilings ...", flush=True)
-        info = harness.device_info_in_subprocess()
-        if info is None:
-            print("could not read the device", file=sys.stderr)
-            return 2
-    meta = {**info, "date": harness.utc_date()}
+    meta = harness.measured_meta("cpu (smoke test, TRITON_INTERPRET=1)" if tiny else None)
+    if meta is None:
+        return 2
     print(f"{meta['gpu']}: ceilings {meta['ceilings']}\nversions: {meta['versions']}", flush=True)
     slug = harness.results_slug(args, meta["gpu"], on_gpu=not tiny)
     previous = RESULTS.previous(args, slug)

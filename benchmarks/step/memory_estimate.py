@@ -150,23 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_results_arguments(parser, RESULTS)
     parser.add_argument("--run-timeout-s", type=float, default=300)
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
-    info = harness.device_info_in_subprocess()
-    if info is None:
-        print("could not read the device", file=sys.stderr)
+    names = harness.choices(parser, "--configs", args.configs, CONFIGS)
+    meta = harness.measured_meta()
+    if meta is None:
         return 2
     rows = []
     for name in names:
         started = time.monotonic()
         rows.append(measure(name, CONFIGS[name], args.steps, args.run_timeout_s))
         print(f"{name}: {rows[-1]} ({time.monotonic() - started:.0f} s)", flush=True)
-    payload = {"gpu": info["gpu"], "date": harness.utc_date(), "versions": info["versions"], "method": METHOD,
-               "tolerance": TOLERANCE, "rows": rows}  # fmt: skip
-    print(render_markdown(payload))
-    print(f"wrote {RESULTS.write(args.out, harness.results_slug(args, info['gpu']), payload, args.section)}")
+    payload = {**meta, "method": METHOD, "tolerance": TOLERANCE, "rows": rows}
+    RESULTS.save(args, harness.results_slug(args, meta["gpu"]), payload, render_markdown)
     return 0 if all(r.get("within_tolerance") for r in rows) else 1
 
 

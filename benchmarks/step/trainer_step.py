@@ -45,7 +45,11 @@ VARIANTS = ("trainer", "no-clip", "torch-adamw", "random-tokens", "e2e")
 # ------------------------------------------------------------------------------------------- one variant
 
 
-def build_trainer(spec: dict[str, Any]):
+def build_trainer(
+    spec: dict[str, Any], trainer_class: type | None = None, packing: bool = True, **fields: Any
+):
+    """A job's Trainer (or `trainer_class`) built in this process as one rank, on `spec`'s model, training
+    file, batch and sequence length; `fields` set more of its TrainConfig."""
     import torch
 
     from fusetune.worker.train.config import TrainConfig
@@ -60,12 +64,13 @@ def build_trainer(spec: dict[str, Any]):
         n_epochs=1,
         batch_size=spec["batch"],
         max_seq_length=spec["seq"],
-        packing=True,
+        packing=packing,
         seed=0,
+        **fields,
     )
     device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
     dist = DistInfo(rank=0, local_rank=0, world_size=1, device=device)
-    return Trainer(config, dist, NullReporter())
+    return (trainer_class or Trainer)(config, dist, NullReporter())
 
 
 def job_batches(trainer, count: int) -> list[list[dict[str, Any]]]:
@@ -328,10 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.variant_list = harness.comma_list(args.variants)
-    unknown = [v for v in args.variant_list if v not in VARIANTS]
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    args.variant_list = harness.choices(parser, "--variants", args.variants, VARIANTS)
     return args
 
 
@@ -367,13 +369,12 @@ def main(argv: list[str] | None = None) -> int:
 
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     payload = {
-        "gpu": device_name, "date": harness.utc_date(), "versions": harness.collect_versions(),
+        **harness.run_meta(device_name),
         "command": f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:]),
         "model": args.model, "batch": args.batch, "seq": args.seq, "data": data,
         "rows": [{"impl": r["variant"], **r} for r in rows],
     }  # fmt: skip
-    print(render_markdown(payload))
-    print(f"wrote {RESULTS.write(args.out, harness.results_slug(args, device_name), payload, args.section)}")
+    RESULTS.save(args, harness.results_slug(args, device_name), payload, render_markdown)
     return 0
 
 
