@@ -51,6 +51,18 @@ class DpoSettings(MethodSettings):
     sft_weight: float = Field(0.0, ge=0, le=100)
 
 
+class SimpoSettings(MethodSettings):
+    """Simple preference optimisation (fusetune/worker/train/methods/simpo.py): no reference model."""
+
+    # Scale of the length-normalised log-probabilities that make a side's reward (the SimPO paper tuned 2 to
+    # 2.5 for instruction-tuned models; DPO's beta means something else and is far smaller).
+    beta: float = Field(2.0, gt=0, le=100)
+    # The target margin between the two rewards, as a fraction of beta (gamma = gamma_beta_ratio * beta).
+    gamma_beta_ratio: float = Field(0.5, ge=0, le=10)
+    # Weight of a supervised term, the preferred output's per-token negative log-likelihood (0: none).
+    sft_weight: float = Field(0.0, ge=0, le=100)
+
+
 @dataclass(frozen=True)
 class Method:
     type: str
@@ -73,6 +85,10 @@ METHODS: dict[str, Method] = {
         Method(
             "dpo", "direct preference optimisation against the frozen starting model", PREFERENCE, DpoSettings,
             rows_per_example=2, supports_packing=False, has_reference_pass=True,
+        ),
+        Method(
+            "simpo", "simple preference optimisation: length-normalised rewards, no reference model", PREFERENCE,
+            SimpoSettings, rows_per_example=2, supports_packing=False,
         ),
     )
 }  # fmt: skip
