@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Row, Text, bindparam, cast, delete, select, update
+from sqlalchemy import Connection, Row, Text, bindparam, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from fusetune.db.models import (
@@ -35,6 +35,17 @@ def list_files(session: Session, tenant: str, purpose: str | None = None) -> lis
     return list(session.scalars(query))
 
 
+def file_in_use(session: Session, file_id: str) -> bool:
+    """Whether a job trains or validates on the file."""
+    query = select(Job.id).where((Job.training_file_id == file_id) | (Job.validation_file_id == file_id))
+    return session.scalar(query.limit(1)) is not None
+
+
+def delete_file(session: Session, file: File) -> None:
+    """Forgets the file's row; the caller deletes the stored bytes after its commit."""
+    session.delete(file)
+
+
 def get_job(session: Session, job_id: str, tenant: str | None = None) -> Job | None:
     query = select(Job).where(Job.id == job_id)
     if tenant is not None:
@@ -44,6 +55,63 @@ def get_job(session: Session, job_id: str, tenant: str | None = None) -> Job | N
 
 def get_job_status(session: Session, job_id: str) -> str | None:
     return session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+def has_fine_tuned_model(session: Session, model: str, tenant: str) -> bool:
+    """Whether one of the tenant's succeeded jobs produced the model."""
+    query = select(Job.id).where(
+        Job.fine_tuned_model == model, Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED
+    )
+    return session.scalar(query) is not None
+
+
+def job_of_fine_tuned_model(session: Session, model: str, tenant: str) -> Job | None:
+    """The tenant's job named as the model's source, whatever its status."""
+    return session.scalar(select(Job).where(Job.fine_tuned_model == model, Job.tenant == tenant))
+
+
+def fine_tuned_models(session: Session, tenant: str) -> list[tuple[str, int | None]]:
+    """The tenant's fine-tuned models, as (name, finished_at), oldest first."""
+    query = (
+        select(Job.fine_tuned_model, Job.finished_at)
+        .where(Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED, Job.fine_tuned_model.is_not(None))
+        .order_by(Job.finished_at)
+    )
+    return [(name, finished_at) for name, finished_at in session.execute(query)]
+
+
+def change_job_status(session: Session, job_id: str, allowed_from: tuple[str, ...], to: str) -> bool:
+    """allowed_from -> to in one statement (a final status also sets finished_at), so a worker's concurrent
+    change cannot be overwritten; False when the job is no longer in one of allowed_from."""
+    values: dict[str, Any] = {"status": to}
+    if to in JobStatus.FINISHED:
+        values["finished_at"] = now_s()
+    result = session.execute(
+        update(Job).where(Job.id == job_id, Job.status.in_(allowed_from)).values(**values)
+    )
+    return result.rowcount == 1
+
+
+def job_counts_by_status(session: Session) -> dict[str, int]:
+    """Every tenant's jobs, counted by status; a status no job is in is absent."""
+    return dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
+
+
+def latest_metric_values_of_running_jobs(session: Session) -> dict[str, dict[str, Any]]:
+    """Every tenant's running jobs: each one's newest metric values (the highest step), by job id; a job that
+    has reported none is absent."""
+    running = list(session.scalars(select(Job.id).where(Job.status == JobStatus.RUNNING)))
+    latest: dict[str, dict[str, Any]] = {}
+    for job_id in running:
+        values = session.scalar(
+            select(JobMetric.values)
+            .where(JobMetric.job_id == job_id)
+            .order_by(JobMetric.step.desc())
+            .limit(1)
+        )
+        if values is not None:
+            latest[job_id] = values
+    return latest
 
 
 def list_jobs(

@@ -18,7 +18,7 @@ from fusetune.api.errors import ApiError, not_found
 from fusetune.api.file_validation import validate_chat_jsonl
 from fusetune.api.schemas import FileDeleted, FileList, FileObject
 from fusetune.db import queries
-from fusetune.db.models import File, Job, new_id
+from fusetune.db.models import File, new_id
 from fusetune.storage import FileWriter, StorageError
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -170,14 +170,11 @@ def retrieve_file(file_id: str, session: SessionDep, tenant: TenantDep) -> FileO
 @router.delete("/{file_id}", response_model=FileDeleted)
 def delete_file(file_id: str, session: SessionDep, storage: StorageDep, tenant: TenantDep) -> FileDeleted:
     row = _get(session, file_id, tenant)
-    in_use = session.query(Job.id).filter(
-        (Job.training_file_id == file_id) | (Job.validation_file_id == file_id)
-    )
-    if in_use.first() is not None:
+    if queries.file_in_use(session, file_id):
         raise ApiError(
             400, f"File '{file_id}' is used by a fine-tuning job and cannot be deleted.", param="file_id"
         )
-    session.delete(row)
+    queries.delete_file(session, row)
     session.commit()
     # After the commit: a failed delete leaves an object no row names (harmless), never a row without its file.
     try:

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 import orjson
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from sqlalchemy import Connection, Row, select, update
+from sqlalchemy import Connection, Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -33,7 +33,7 @@ from fusetune.api.schemas import (
 from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id, now_s
+from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id
 from fusetune.estimate import ModelShape, estimate_job, fit_micro_batch, too_large_message
 from fusetune.jobspec import JobSpec, SpecError
 from fusetune.storage import Storage, StorageError
@@ -80,12 +80,7 @@ def to_schema(job: Job | Row) -> JobObject:
 def _check_model(session: Session, settings: Settings, tenant: str, model: str) -> None:
     if base_model_location(settings, model) is not None:
         return
-    fine_tuned = session.scalar(
-        select(Job.id).where(
-            Job.fine_tuned_model == model, Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED
-        )
-    )
-    if fine_tuned is not None:
+    if queries.has_fine_tuned_model(session, model, tenant):
         return
     available = (
         ", ".join(list_base_models(settings))
@@ -109,7 +104,7 @@ def _model_config(
         path = Path(location) / "config.json"
         raw = path.read_bytes() if path.is_file() else None
     else:
-        source = session.scalar(select(Job).where(Job.fine_tuned_model == model, Job.tenant == tenant))
+        source = queries.job_of_fine_tuned_model(session, model, tenant)
         checkpoints = queries.list_checkpoints(session, source.id) if source is not None else []
         try:
             raw = (
@@ -374,13 +369,7 @@ async def retrieve_job(job_id: str, reads: ReadsDep, tenant: TenantDep) -> JobOb
 def _transition(
     session: Session, job: Job, allowed_from: tuple[str, ...], to: str, verb: str, event: str
 ) -> Job:
-    values: dict = {"status": to}
-    if to in JobStatus.FINISHED:
-        values["finished_at"] = now_s()
-    result = session.execute(
-        update(Job).where(Job.id == job.id, Job.status.in_(allowed_from)).values(**values)
-    )
-    if result.rowcount != 1:
+    if not queries.change_job_status(session, job.id, allowed_from, to):
         session.rollback()
         session.refresh(job)
         # 400, not 409: clients retry 409s, and retrying cannot make the change valid.

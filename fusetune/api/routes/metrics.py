@@ -6,9 +6,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from sqlalchemy import func, select
 
-from fusetune.db.models import Job, JobMetric, JobStatus
+from fusetune.db import queries
+from fusetune.db.models import JobStatus
 
 router = APIRouter(tags=["observability"])
 
@@ -24,18 +24,11 @@ class JobStateCollector:
 
     def collect(self):
         with self.session_factory() as session:
-            counts = dict(session.execute(select(Job.status, func.count()).group_by(Job.status)).all())
-            running = list(session.scalars(select(Job.id).where(Job.status == JobStatus.RUNNING)))
-            throughput = {}
-            for job_id in running:
-                latest = session.scalar(
-                    select(JobMetric)
-                    .where(JobMetric.job_id == job_id)
-                    .order_by(JobMetric.step.desc())
-                    .limit(1)
-                )
-                if latest is not None:
-                    throughput[job_id] = float(latest.values.get("tokens_per_second", 0.0))
+            counts = queries.job_counts_by_status(session)
+            latest = queries.latest_metric_values_of_running_jobs(session)
+        throughput = {
+            job_id: float(values.get("tokens_per_second", 0.0)) for job_id, values in latest.items()
+        }
         jobs = GaugeMetricFamily("fusetune_jobs", "Fine-tuning jobs by status", labels=["status"])
         for status in ALL_STATUSES:
             jobs.add_metric([status], counts.get(status, 0))

@@ -6,12 +6,11 @@ from typing import Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel
-from sqlalchemy import select
 
 from fusetune.api.deps import SessionDep, SettingsDep, TenantDep
 from fusetune.api.errors import not_found
 from fusetune.catalog import list_base_models
-from fusetune.db.models import Job, JobStatus
+from fusetune.db import queries
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -30,11 +29,7 @@ class ModelList(BaseModel):
 
 def _all_models(session, settings, tenant) -> list[ModelObject]:
     models = [ModelObject(id=name, created=0, owned_by="system") for name in list_base_models(settings)]
-    fine_tuned = session.execute(
-        select(Job.fine_tuned_model, Job.finished_at)
-        .where(Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED, Job.fine_tuned_model.is_not(None))
-        .order_by(Job.finished_at)
-    )
+    fine_tuned = queries.fine_tuned_models(session, tenant)
     models += [ModelObject(id=name, created=finished or 0, owned_by=tenant) for name, finished in fine_tuned]
     return models
 
