@@ -22,6 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOut
 
 from fusetune.kernels._interpreter import interpreted
 from fusetune.models.families import FamilySpec
+from fusetune.models.wrappers import unwrap_model
 
 
 class _Kernels:
@@ -439,8 +440,6 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
 def has_fused_loss(model: nn.Module) -> bool:
     """Whether `model` (or the model inside a PEFT or DDP wrapper) runs the fused CausalLM forward above with
     a plain nn.Linear output layer, so that it takes `sequence_log_probs=True`."""
-    from fusetune.models.patching import unwrap_model
-
     base = unwrap_model(getattr(model, "module", model))
     head = getattr(base, "lm_head", None)
     return getattr(type(base).forward, "fusetune_fused_loss", False) and isinstance(head, nn.Linear)

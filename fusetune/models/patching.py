@@ -23,6 +23,7 @@ from torch import nn
 
 from fusetune.models import attention, fused
 from fusetune.models.families import FamilySpec, family_for
+from fusetune.models.wrappers import unwrap_model
 
 
 @dataclass(frozen=True)
@@ -187,13 +188,6 @@ def revert_fusetune(target: FusetuneHandle | nn.Module | str) -> None:
 def fusetune_handle(model: nn.Module) -> FusetuneHandle | None:
     """The handle of the patch applied to this model instance, if any."""
     return _instance_handles.get(unwrap_model(model))
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
-    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
-        return model.get_base_model()
-    return model
 
 
 # ------------------------------------------------------------------------------------------- classes
