@@ -39,8 +39,6 @@ class Settings(BaseSettings):
     # HTTP API processes (uvicorn workers). One process answers requests on one core; more spread polling load
     # over the cores (Prometheus then sums request metrics across them through files in data_dir).
     api_processes: int = Field(default=1, ge=1)
-    # Processes per training job; on CPU they use gloo, on GPU one process per device with NCCL.
-    nproc_per_job: int = Field(default=1, ge=1)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
     # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.
     # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front.
@@ -115,7 +113,6 @@ class Settings(BaseSettings):
             "FUSETUNE_DATABASE_URL": self.database_url,
             "FUSETUNE_BROKER_URL": self.broker_url,
             "FUSETUNE_MODELS_DIR": str(self.models_dir),
-            "FUSETUNE_NPROC_PER_JOB": str(self.nproc_per_job),
             "FUSETUNE_BASE_LEARNING_RATE": str(self.base_learning_rate),
             "FUSETUNE_CHECKPOINT_EVERY_STEPS": str(self.checkpoint_every_steps),
             "FUSETUNE_CHECKPOINT_EVERY_EPOCH": str(self.checkpoint_every_epoch).lower(),
