@@ -576,7 +576,7 @@ def _build_fused_linear_cross_entropy(case: Case, env: Env) -> Workload:
         loss_fn = lambda hidden, weight, labels: liger_loss(weight, hidden, labels)
     elif impl == "cce":
         cce_loss = import_attr("cut_cross_entropy", "linear_cross_entropy", "cut-cross-entropy not installed")
-        # filter_eps=None: exact, no gradient skipping (the skipping mode is benchmarks/loss_skip.py's).
+        # filter_eps=None: exact, no gradient skipping (the skipping mode is benchmarks/kernels/loss_skip.py's).
         options["filter_eps"] = None
         loss_fn = lambda hidden, weight, labels: cce_loss(
             hidden, weight, labels, softcap=softcap, filter_eps=None
@@ -621,8 +621,8 @@ class Repetitions:
     # At least this many timed calls: do_bench's 100 ms makes a 40 ms call's median one of 2, and the same
     # fused linear loss call then measured 38.8-44.2 ms from run to run where 1,000 ms gave 40.4-40.7 (H100,
     # 2026-11-27). Longer runs are slower because matmul-bound calls reach the 700 W power cap within about
-    # a second and the SM clock falls to ~1,390 MHz: benchmarks/sustained.py times each implementation in
-    # that steady state.
+    # a second and the SM clock falls to ~1,390 MHz: benchmarks/kernels/sustained.py times each
+    # implementation in that steady state.
     min_calls: int = 1
 
 

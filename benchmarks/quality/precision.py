@@ -74,8 +74,9 @@ DEFAULTS = {
     "eval_every": (25, 25),
     "plateau_window": (4, 4),
     "pretrain_min_steps": (100, 100),
-    # 1000 steps of 133 ms (measured on an H100 at the 1B shape) plus 18 fine-tuning runs of 100 steps at
-    # 70-100 ms: about 5.5 minutes if no plateau comes sooner.
+    # 1000 pre-training steps and 18 fine-tuning runs of 100 steps if no plateau comes sooner; the step times
+    # of a run at the 1B shape: benchmarks/results/h100-quality.json, section precision (pretrain.step_ms, and
+    # step_ms of each row).
     "pretrain_max_steps": (1000, 600),
     "finetune_steps": (100, 60),
 }
@@ -365,7 +366,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         f"Model {setup['model']} ({setup['params']:,} parameters, random init); tasks: bigram teachers over "
         f"{setup['task_tokens']} token ids, sequences of {setup['seq']}, batches of {setup['batch']}; "
-        f"`{payload['command']}`. Protocol and criterion: benchmarks/precision_quality.py's docstring.",
+        f"`{payload['command']}`. Protocol and criterion: benchmarks/quality/precision.py's docstring.",
         "",
         f"Pre-training on task A ({PRETRAIN_PRECISION}, lr {setup['pretrain_lr']}): {pre['steps']} steps in "
         f"{pre['seconds']} s; task-A eval loss {pre['start_eval_loss']} -> {pre['eval_loss']} (teacher floor "
