@@ -6,7 +6,8 @@ AdamW state; bf16-mixed: fp32 weights and state, bf16 compute under autocast; ac
 kept for the backward); the bytes of weights, gradients and optimizer state per parameter come from the
 precision mode and its optimizer (fusetune/spec/precision.py). Each term is
 derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
-against measured peaks on a GPU is benchmarks/memory_estimate.py (results in benchmarks/results/*-estimate.*).
+against measured peaks on a GPU is benchmarks/step/memory_estimate.py (benchmarks/results/h100-step.json, section
+memory-estimate).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def bytes_per_frozen_param(mode: PrecisionMode) -> int:
 #   backward; the attention block keeps its norm's output (2h), q/k/v (2q + 4kv) and its output (2q).
 # With gradient checkpointing a layer keeps only its input (4h, or 2h in bf16) until its backward recomputes it.
 # (The product and the checkpointing case were added after the first comparison with a GPU had left them out:
-# benchmarks/results/h100-estimate.md.)
+# benchmarks/results/h100-step.json, section memory-estimate.)
 def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool, bf16_weights: bool) -> int:
     if fused and bf16_weights:
         return 4 * h + 4 * q + 4 * kv + 4 * i
