@@ -63,7 +63,7 @@ class TrainConfig(TrainingHyperparameters):
     # Continue from the newest checkpoint in output_dir that holds training state (a retry, a resumed pause).
     resume: bool = True
 
-    # DDP's gradient buckets (a tuning knob for benchmarks/scaling.py).
+    # DDP's gradient buckets (a tuning knob for benchmarks/scaling/gpus.py).
     ddp_bucket_cap_mb: int | None = Field(
         None, ge=1, description="DDP gradient bucket size; default chosen in the trainer for overlap"
     )

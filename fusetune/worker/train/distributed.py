@@ -24,7 +24,7 @@ import torch.distributed as dist
 # after a fifth of its backward and keep the unhidden tail (the first layer's buckets; the embedding, whose
 # gradient is complete only at the very end, is its own bucket whatever the size) short, while NCCL already
 # runs near its full NVLink bandwidth at that size. Larger buckets save launches but lengthen the tail.
-# Not tuned by measurement yet: benchmarks/scaling.py --ddp-bucket-cap-mb sweeps it.
+# Not tuned by measurement yet: benchmarks/scaling/gpus.py --ddp-bucket-cap-mb sweeps it.
 DEFAULT_DDP_BUCKET_CAP_MB = 25
 
 
