@@ -21,7 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from fusetune.models import attention, fused
+# The submodules by their full names: `from fusetune.models import ...` would import the package, whose
+# __init__ imports this module.
+import fusetune.models.attention as attention
+import fusetune.models.fused as fused
 from fusetune.models.families import FamilySpec, family_for
 from fusetune.models.wrappers import unwrap_model
 
