@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fusetune.jobspec import DEFAULT_BASE_LEARNING_RATE
+from fusetune.spec.hyperparameters import DEFAULT_BASE_LEARNING_RATE
 
 
 class Settings(BaseSettings):

@@ -34,10 +34,11 @@ from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id
-from fusetune.estimate import ModelShape, estimate_job, fit_micro_batch, too_large_message
-from fusetune.jobspec import JobSpec, SpecError
+from fusetune.spec.estimate import DataCounts, ModelShape, estimate_job, fit_micro_batch, too_large_message
+from fusetune.spec.hyperparameters import SpecError
+from fusetune.spec.job import JobSpec
+from fusetune.spec.methods import DEFAULT_METHOD, reads_the_same_files
 from fusetune.storage import Storage, StorageError
-from fusetune.worker.train.methods import DEFAULT_METHOD, METHODS
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -132,8 +133,6 @@ def _estimate(
     training: File,
     spec: JobSpec,
 ) -> EstimateObject | None:
-    hyper = spec.hyperparameters
-    method = METHODS[spec.method.type]
     config = _model_config(session, settings, storage, tenant, model)
     if config is None:
         return None
@@ -141,21 +140,14 @@ def _estimate(
         shape = ModelShape.from_config_dict(config)
     except (KeyError, ValueError, TypeError):
         return None
-    job = dict(
-        example_count=training.example_count, token_estimate=training.token_estimate,
-        n_epochs=hyper.n_epochs, batch_size=hyper.batch_size, max_seq_length=hyper.max_seq_length,
-        n_gpus=hyper.n_gpus, fused_kernels=hyper.kernels,
-        lora=hyper.lora.model_dump() if hyper.lora is not None else None,
-        gradient_checkpointing=hyper.gradient_checkpointing, distributed=hyper.distributed,
-        precision=hyper.precision, measured_tokens_per_second=queries.median_tokens_per_second(session, model),
-        rows_per_example=method.rows_per_example, reference_pass=method.has_reference_pass,
-    )  # fmt: skip
+    data = DataCounts(example_count=training.example_count, token_estimate=training.token_estimate)
+    measured = queries.median_tokens_per_second(session, model)
     capacity = settings.gpu_memory_bytes
     if capacity is None:
-        estimate = estimate_job(shape, **job)
+        estimate = estimate_job(shape, spec, data, measured_tokens_per_second=measured)
         return EstimateObject(model=model, gpu_memory_bytes=None, fits=None, **estimate.as_dict())
     # The worker sizes micro-batches to its GPU the same way when the job starts.
-    fit = fit_micro_batch(shape, capacity, **job)
+    fit = fit_micro_batch(shape, capacity, spec, data, measured_tokens_per_second=measured)
     return EstimateObject(
         model=model, gpu_memory_bytes=capacity, fits=fit.fits, remedies=fit.remedies or None,
         **fit.estimate.as_dict(),
@@ -184,9 +176,9 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
             code="file_not_found",
         )
     _check_model(session, settings, tenant, body.model)
-    method_type = body.method_spec().type
+    method_type = body.method.type if body.method is not None else DEFAULT_METHOD
     for param, file in (("training_file", training), ("validation_file", validation)):
-        if file is not None and file.method != method_type:
+        if file is not None and not reads_the_same_files(file.method, method_type):
             raise ApiError(
                 400,
                 f"File '{file.id}' holds {file.method} examples, but the job's method.type is '{method_type}'.",
@@ -199,16 +191,11 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
 def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpec:
     """ "auto" is resolved once, here, so the job row says exactly what will run."""
     try:
-        hyper = body.requested_hyperparameters().resolve(training.example_count, settings.base_learning_rate)
+        return JobSpec.from_request(
+            body.method, body.hyperparameters, training.example_count, settings.base_learning_rate
+        )
     except SpecError as exc:
-        raise ApiError(400, str(exc), param=f"hyperparameters.{exc.field}") from exc
-    method = body.method_spec()
-    if hyper.packing and not METHODS[method.type].supports_packing:
-        raise ApiError(
-            400, f"packing is not available with method {method.type}.",
-            param="hyperparameters.packing",
-        )  # fmt: skip
-    return JobSpec(method=method, hyperparameters=hyper)
+        raise ApiError(400, str(exc), param=exc.field) from exc
 
 
 def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
