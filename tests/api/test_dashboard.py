@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from fusetune.demo.assets import TRAIN_FILE, VALID_FILE, build_tiny_model
+from fusetune.demo.assets import PREFERENCE_FILE, TRAIN_FILE, VALID_FILE, build_tiny_model
 from tests.services import Service, running_service, service_env, skip_or_fail
 
 pytestmark = pytest.mark.slow
@@ -365,7 +365,7 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     browser.get(f"{service.base_url}/ui/#/new")
     _wait_for(lambda: Select(_element(browser, "#training_file")).options, "the file choices")
     Select(browser.find_element(By.ID, "training_file")).select_by_value(demo.training_file)
-    epochs = browser.find_element(By.ID, "n_epochs")
+    epochs = _element(browser, "#n_epochs")  # the hyperparameters' fields arrive with the server's options
     epochs.send_keys("2")
     body = {"model": MODEL, "training_file": demo.training_file, "dry_run": True,
             "hyperparameters": {"n_epochs": 2}}  # fmt: skip
@@ -383,6 +383,61 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     created = browser.current_url.rsplit("/", 1)[1]
     assert service.client.get(f"/v1/fine_tuning/jobs/{created}").json()["hyperparameters"]["n_epochs"] == 20
     assert service.client.post(f"/v1/fine_tuning/jobs/{created}/cancel").status_code == 200
+
+
+def test_the_new_job_form_is_built_from_the_options_and_sends_a_methods_settings(dashboard, demo):
+    """The form's fields, defaults, bounds and choices are those of /v1/fine_tuning/options; DPO's own settings
+    appear when DPO is chosen, and a DPO job created through the form has the beta typed into it."""
+    browser = dashboard
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    service = demo.service
+    options = service.client.get("/v1/fine_tuning/options").json()
+    shared, dpo = options["hyperparameters"], options["methods"]["dpo"]["settings"]
+    preference = service.upload(PREFERENCE_FILE).json()["id"]
+    browser.get(f"{service.base_url}/ui/#/new")
+    length = _element(browser, "#max_seq_length")  # the fields and the methods arrive with the options
+    method = Select(browser.find_element(By.ID, "method"))
+    values = lambda select: [option.get_attribute("value") for option in select.options]  # noqa: E731
+    assert values(method) == list(options["methods"])
+    assert method.first_selected_option.get_attribute("value") == options["default_method"]
+    assert [length.get_attribute(a) for a in ("value", "min", "max")] == [
+        str(shared["max_seq_length"][key]) for key in ("default", "minimum", "maximum")]  # fmt: skip
+    assert _element(browser, "#n_epochs").get_attribute("placeholder") == "auto"
+    assert values(Select(_element(browser, "#precision"))) == shared["precision"]["choices"]
+    assert values(Select(_element(browser, "#lr_scheduler"))) == shared["lr_scheduler"]["choices"]
+    # LoRA's own fields show while LoRA is ticked, with its defaults.
+    rank = _element(browser, "#lora_r")
+    assert not rank.is_displayed() and rank.get_attribute("value") == str(
+        shared["lora"]["fields"]["r"]["default"]
+    )
+    _element(browser, "#lora").click()
+    assert rank.is_displayed()
+    _element(browser, "#lora").click()
+    assert browser.find_elements(By.CSS_SELECTOR, "[id^='dpo_']") == []
+
+    method.select_by_value("dpo")
+    beta = _element(browser, "#dpo_beta")
+    assert (
+        beta.get_attribute("max") == str(dpo["beta"]["maximum"])
+        and beta.get_attribute("placeholder") == "auto"
+    )
+    assert values(Select(_element(browser, "#dpo_loss_type"))) == ["auto", *dpo["loss_type"]["choices"]]
+    assert not browser.find_element(By.ID, "packing").is_enabled()  # DPO does not pack
+    files = Select(browser.find_element(By.ID, "training_file"))
+    _wait_for(lambda: preference in values(files), "the preference file among the choices")
+    files.select_by_value(preference)
+    beta.send_keys("0.25")
+    body = {"model": MODEL, "training_file": preference, "dry_run": True, "method": {"type": "dpo"}}
+    expected = service.client.post("/v1/fine_tuning/jobs", json=body).json()
+    _wait_for(lambda: _text(browser, "#estimate-steps") == f"{expected['steps']:,}", "the DPO estimate")
+    _wait_for(lambda: browser.find_element(By.ID, "create-job").is_enabled(), "the enabled Create button")
+    browser.find_element(By.ID, "create-job").click()
+    _wait_for(lambda: "#/jobs/ftjob-" in browser.current_url, "the new job's page")
+    created = service.client.get(f"/v1/fine_tuning/jobs/{browser.current_url.rsplit('/', 1)[1]}").json()
+    assert created["method"]["type"] == "dpo" and created["method"]["dpo"]["hyperparameters"]["beta"] == 0.25
+    assert service.client.post(f"/v1/fine_tuning/jobs/{created['id']}/cancel").status_code == 200
 
 
 def test_a_failed_jobs_status_updates_live_and_its_error_is_shown_plainly(dashboard, demo):

@@ -11,10 +11,12 @@ from fastapi.testclient import TestClient
 
 from fusetune.api.app import create_app
 from fusetune.api.routes.jobs import JobStatusName
+from fusetune.api.routes.options import job_options
 from fusetune.api.routes.ui import UI_DIR
 from fusetune.db import queries
 from fusetune.db.models import JobStatus
 from fusetune.db.session import make_engine, make_session_factory
+from fusetune.spec.precision import AUTO
 
 REPO = Path(__file__).resolve().parents[2]
 LINE = '{"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}\n'
@@ -59,6 +61,24 @@ def test_every_file_the_pages_load_exists_and_is_package_data():
     on_disk = {path for path in UI_DIR.rglob("*") if path.is_file()}
     assert on_disk and on_disk <= packaged, sorted(str(p) for p in on_disk - packaged)
     assert (UI_DIR / "vendor" / "uplot" / "LICENSE").read_text().startswith("The MIT License")
+
+
+def test_the_new_job_form_copies_nothing_of_the_job_specification():
+    """The form's fields, defaults, bounds and choices come from /v1/fine_tuning/options (checked against the spec
+    by test_options.py), not from a copy in its scripts: no number or string is written as an input's bound or
+    value (but the seed's, a JobCreate field outside the spec), and no method, precision mode or choice is named."""
+    script = "\n".join((UI_DIR / "js" / path).read_text() for path in ("views/new_job.js", "fields.js"))
+    written = re.compile(r"\b(min|max|value|step)\s*:\s*(\d|\"[^\"])")
+    assert [line for line in script.splitlines() if written.search(line) and '"seed"' not in line] == []
+    options = job_options()
+    every_option = [*options.hyperparameters.values(), *options.hyperparameters["lora"].fields.values()]
+    every_option += [option for method in options.methods.values() for option in method.settings.values()]
+    named = {
+        *options.methods,
+        *options.precisions,
+        *(c for option in every_option for c in option.choices or ()),
+    }
+    assert [name for name in named - {AUTO} if f'"{name}"' in script] == []
 
 
 def test_job_list_filters_by_status_and_model(client, settings):

@@ -1,50 +1,130 @@
-// New job form: model, files, method and the common hyperparameters. Every change asks the server for a
-// dry-run estimate (memory per GPU, time, whether it fits), and the job can be created only once the estimate
-// for exactly the values in the form has been shown.
+// New job form: model, files, method and the hyperparameters. Which fields there are, their defaults, bounds and
+// choices, the methods with their own settings and the precision modes all come from the server
+// (/v1/fine_tuning/options, read from the job specification), so that one added or changed there shows here
+// with no change to this file, which only words and orders them. Every change asks the server for a dry-run
+// estimate (memory per GPU, time, whether it fits), and the job can be created only once the estimate for
+// exactly the values in the form has been shown.
 
 import { ApiError, api, jobs } from "../api.js";
 import { errorBox, formatBytes, formatCount, formatDuration, h, replaceChildren } from "../dom.js";
+import { controlFor, field, labelFor, valueOf } from "../fields.js";
 
 const ESTIMATE_DELAY_MS = 300;
+// The page's wording of the options it knows, in the order it shows them ("lora.r": field r of lora; "dpo.beta":
+// setting beta of method dpo). Options the server lists beyond these follow, in its order, named after the field.
+const LABELS = {
+  n_epochs: "Epochs",
+  batch_size: "Batch size (sequences per step)",
+  learning_rate_multiplier: "Learning rate multiplier",
+  learning_rate: "Learning rate (instead of the multiplier)",
+  max_seq_length: "Max sequence length",
+  warmup_ratio: "Warmup ratio",
+  lr_scheduler: "LR schedule",
+  precision: "Precision",
+  n_gpus: "GPUs",
+  distributed: "Multi-GPU",
+  kernels: "fusetune kernels",
+  gradient_checkpointing: "Gradient checkpointing",
+  packing: "Packing",
+  lora: "LoRA",
+  "lora.r": "LoRA rank",
+  "lora.alpha": "LoRA alpha",
+  "lora.dropout": "LoRA dropout",
+  merge_lora_on_save: "Merge LoRA on save",
+  "dpo.beta": "DPO beta",
+  "dpo.loss_type": "DPO loss",
+  "dpo.sft_weight": "DPO SFT weight",
+};
+const ORDER = Object.keys(LABELS);
+
+/** An object's options as [name, option] pairs in the page's order (a stable sort keeps the server's otherwise). */
+function ordered(options, prefix) {
+  const rank = (name) => (ORDER.includes(prefix + name) ? ORDER.indexOf(prefix + name) : ORDER.length);
+  return Object.entries(options).sort(([a], [b]) => rank(a) - rank(b));
+}
+
+/** The values of editable options as a request takes them; an object's only while its checkbox is ticked. */
+function valuesOf(entries) {
+  const values = {};
+  for (const { name, option, control, fields } of entries) {
+    const value = fields ? (control.checked ? valuesOf(fields) : undefined) : valueOf(option, control);
+    if (value !== undefined) values[name] = value;
+  }
+  return values;
+}
 
 export function render(main) {
-  const field = (label, control, hint) => h("label", { class: "field" }, h("span", {}, label), control, hint ? h("small", { class: "muted" }, hint) : null);
   const select = (id) => h("select", { id, name: id });
-  const number = (id, attrs) => h("input", { type: "number", id, name: id, ...attrs });
-  const check = (id, checked) => h("input", { type: "checkbox", id, name: id, checked });
-
   const model = select("model");
   const trainingFile = select("training_file");
   const validationFile = select("validation_file");
   const method = select("method");
-  const epochs = number("n_epochs", { min: 1, max: 100, placeholder: "auto" });
-  const batch = number("batch_size", { min: 1, max: 4096, placeholder: "auto" });
-  const multiplier = number("learning_rate_multiplier", { min: 0, step: "any", placeholder: "auto" });
-  const seqLength = number("max_seq_length", { min: 16, max: 131072, value: 512 });
-  const warmup = number("warmup_ratio", { min: 0, max: 0.99, step: "any", value: 0 });
-  const scheduler = h("select", { id: "lr_scheduler" }, h("option", { value: "cosine" }, "cosine"), h("option", { value: "linear" }, "linear"));
-  const gpus = number("n_gpus", { min: 1, max: 64, value: 1 });
-  const kernels = check("kernels", true);
-  const checkpointing = check("gradient_checkpointing", false);
-  const packing = check("packing", false);
-  const lora = check("lora", false);
-  const loraRank = number("lora_r", { min: 1, max: 1024, value: 16 });
+  const methodSettings = h("div", { id: "method-settings", class: "subfields" });
+  const hyperparameterFields = h("div", { id: "hyperparameter-fields", class: "subfields" });
   const suffix = h("input", { type: "text", id: "suffix", maxlength: 64, pattern: "[A-Za-z0-9_-]+" });
-  const seed = number("seed", { min: 0 });
+  const seed = h("input", { type: "number", id: "seed", name: "seed", min: 0 });
 
   const estimatePanel = h("div", { id: "estimate", class: "estimate", "aria-live": "polite" }, h("p", { class: "muted" }, "Choose a model and a training file."));
   const submit = h("button", { type: "submit", id: "create-job", disabled: true }, "Create job");
   const submitError = h("div", { id: "create-error" });
   const form = h("form", { id: "new-job", class: "new-job" },
     h("fieldset", {}, h("legend", {}, "What to train"),
-      field("Model", model), field("Training file", trainingFile), field("Validation file", validationFile), field("Method", method)),
-    h("fieldset", {}, h("legend", {}, "Hyperparameters"),
-      field("Epochs", epochs), field("Batch size (sequences per step)", batch), field("Learning rate multiplier", multiplier),
-      field("Max sequence length", seqLength), field("Warmup ratio", warmup), field("LR schedule", scheduler), field("GPUs", gpus),
-      field("fusetune kernels", kernels), field("Gradient checkpointing", checkpointing), field("Packing", packing),
-      field("LoRA", lora), field("LoRA rank", loraRank), field("Suffix", suffix), field("Seed", seed)),
+      field("Model", model), field("Training file", trainingFile), field("Validation file", validationFile), field("Method", method),
+      methodSettings),
+    h("fieldset", {}, h("legend", {}, "Hyperparameters"), hyperparameterFields, field("Suffix", suffix), field("Seed", seed)),
     h("div", { class: "side" }, h("h2", {}, "Estimate"), estimatePanel, submit, submitError));
   replaceChildren(main, h("h1", {}, "New fine-tuning job"), form);
+
+  let options = null; // the server's answer: hyperparameters, methods, precisions
+  let shared = []; // the editable shared hyperparameters: {name, option, control, rows, fields}
+  let settings = []; // the same for the chosen method's own settings
+
+  // A choice's label and tooltip where the server describes it (the precision modes).
+  const describeChoice = (key) => (value) => {
+    if (key !== "precision") return {};
+    if (value === "auto") return { label: `auto: ${options.precision_auto.gpu}, on CPU ${options.precision_auto.cpu}`, title: "What auto means depends on the device the job trains on" };
+    return { title: options.precisions[value]?.description };
+  };
+  // One editable option: its row, and for an object (lora) the entries of its own fields, shown while it is ticked.
+  function entry(key, id, name, option) {
+    const control = controlFor(id, option, describeChoice(key));
+    if (!control) return null;
+    const rows = [field(labelFor(LABELS, key, name), control, option.description)];
+    let fields = null;
+    if (option.fields) {
+      fields = entries(option.fields, `${key}.`, `${id}_`);
+      const show = () => fields.forEach((sub) => sub.rows.forEach((row) => { row.hidden = !control.checked; }));
+      control.addEventListener("change", show);
+      show();
+      rows.push(...fields.flatMap((sub) => sub.rows));
+    }
+    return { name, option, control, rows, fields };
+  }
+  const entries = (all, keyPrefix, idPrefix) =>
+    ordered(all, keyPrefix).map(([name, option]) => entry(keyPrefix + name, idPrefix + name, name, option)).filter(Boolean);
+
+  function showMethod() {
+    const chosen = options.methods[method.value];
+    settings = entries(chosen.settings, `${method.value}.`, `${method.value}_`);
+    replaceChildren(methodSettings, settings.flatMap((e) => e.rows));
+    method.title = chosen.description;
+    const packing = shared.find((e) => e.name === "packing");
+    if (packing) {
+      packing.control.disabled = !chosen.supports_packing;
+      if (!chosen.supports_packing) packing.control.checked = false;
+    }
+  }
+  // Before the form-wide listeners (the element's own listener runs first), so the estimate sees the new settings.
+  method.addEventListener("change", showMethod);
+
+  function build(answer) {
+    options = answer;
+    replaceChildren(method, Object.entries(answer.methods).map(([type, m]) =>
+      h("option", { value: type, title: m.description, selected: type === answer.default_method }, type)));
+    shared = entries(answer.hyperparameters, "", "");
+    replaceChildren(hyperparameterFields, shared.flatMap((e) => e.rows));
+    showMethod();
+  }
 
   const optionsFor = (control, items, empty) => {
     replaceChildren(control, empty ? h("option", { value: "" }, empty) : null, items.map(([value, label]) => h("option", { value }, label)));
@@ -56,24 +136,11 @@ export function render(main) {
       optionsFor(trainingFile, items);
       optionsFor(validationFile, items, "none");
     }),
-    methodTypes().then((types) => optionsFor(method, types.map((t) => [t, t]))),
+    api("v1/fine_tuning/options").then(build),
   ]).catch((error) => replaceChildren(estimatePanel, errorBox(error.message)));
 
-  const numberOrAuto = (input) => (input.value === "" ? "auto" : Number(input.value));
   function body() {
-    const hyperparameters = {
-      n_epochs: numberOrAuto(epochs),
-      batch_size: numberOrAuto(batch),
-      learning_rate_multiplier: numberOrAuto(multiplier),
-      max_seq_length: Number(seqLength.value),
-      warmup_ratio: Number(warmup.value),
-      lr_scheduler: scheduler.value,
-      n_gpus: Number(gpus.value),
-      kernels: kernels.checked,
-      gradient_checkpointing: checkpointing.checked,
-      packing: packing.checked,
-    };
-    if (lora.checked) hyperparameters.lora = { r: Number(loraRank.value) };
+    const hyperparameters = { ...valuesOf(shared), ...valuesOf(settings) };
     const request = {
       model: model.value,
       training_file: trainingFile.value,
@@ -135,6 +202,7 @@ export function render(main) {
     if (text === requestedFor) return;
     requestedFor = text;
     submit.disabled = true;
+    generation += 1; // an estimate still on its way is for an older body: it must not enable Create
     clearTimeout(timer);
     timer = setTimeout(estimate, ESTIMATE_DELAY_MS);
   };
@@ -162,19 +230,6 @@ export function render(main) {
   });
 
   return () => clearTimeout(timer);
-}
-
-/** The training methods this server accepts, from its OpenAPI schema (the Method object's `type`). */
-async function methodTypes() {
-  try {
-    const response = await fetch(new URL("../openapi.json", window.location.href), { cache: "no-store" });
-    const type = (await response.json()).components.schemas.Method.properties.type;
-    const values = type.enum || (type.const !== undefined ? [type.const] : null);
-    if (values && values.length) return values;
-  } catch {
-    // fall through to the one method every server has
-  }
-  return ["supervised"];
 }
 
 function randomKey() {
