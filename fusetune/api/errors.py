@@ -55,9 +55,21 @@ def error_body(status_code: int, message: str, param: str | None = None, code: s
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+# The names pydantic gives the members of a union in an error's location ("n_epochs", "int" for a value of
+# `int | Literal["auto"]`): a type, not a field of the request, so not part of the parameter a client fixes.
+_UNION_MEMBER_TYPES = {"int", "float", "str", "bool", "list", "dict", "none", "bytes"}
+
+
+def _is_union_member(part: object) -> bool:
+    text = str(part)
+    return text in _UNION_MEMBER_TYPES or any(c in text for c in "[]'-")
+
+
 def _param_from_loc(loc: tuple) -> str | None:
-    # ("body", "hyperparameters", "n_epochs") -> "hyperparameters.n_epochs"
+    # ("body", "hyperparameters", "n_epochs", "int") -> "hyperparameters.n_epochs"
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    while parts and _is_union_member(parts[-1]):
+        parts.pop()
     return ".".join(parts) or None
 
 

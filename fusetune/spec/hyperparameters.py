@@ -47,15 +47,21 @@ class SpecError(ValueError):
         self.field = field
 
 
+# A misspelt field is an error the user should see, not a setting silently ignored; `true` or "3" is not a
+# number of epochs, and NaN no learning rate: nothing is coerced, and a non-finite float is refused as such.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
 class Spec(BaseModel):
-    # A misspelt field is an error the user should see, not a setting silently ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(**STRICT, frozen=True)
 
 
 @cache
 def _field_checker(model: type[BaseModel], name: str) -> TypeAdapter:
     field = model.model_fields[name]
-    return TypeAdapter(Annotated[field.annotation, *field.metadata])
+    return TypeAdapter(
+        Annotated[field.annotation, *field.metadata], config=ConfigDict(strict=True, allow_inf_nan=False)
+    )
 
 
 def within_bounds(model: type[BaseModel], name: str, value: Any) -> Any:
@@ -138,7 +144,7 @@ AUTO_FIELDS = ("n_epochs", "batch_size", "learning_rate_multiplier")
 class HyperparametersRequest(JobHyperparameters):
     """Hyperparameters as a client sends them; "auto" (the default) is decided by `resolve`."""
 
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    model_config = ConfigDict(**STRICT, frozen=False)
 
     n_epochs: int | Literal["auto"] = "auto"  # type: ignore[assignment]
     batch_size: int | Literal["auto"] = "auto"  # type: ignore[assignment]

@@ -20,7 +20,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
@@ -32,7 +31,7 @@ from pydantic import (
 )
 
 from fusetune.spec.examples import PREFERENCE, SUPERVISED, ExampleFormat
-from fusetune.spec.hyperparameters import AUTO, HyperparametersRequest, Spec, within_bounds
+from fusetune.spec.hyperparameters import AUTO, STRICT, HyperparametersRequest, Spec, within_bounds
 
 
 class MethodSettings(Spec):
@@ -191,7 +190,7 @@ def settings_from_request(method_type: str, hyperparameters: BaseModel | None) -
 
 
 class _MethodRequestBase(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: str
 
     @model_validator(mode="after")
@@ -214,7 +213,7 @@ def _method_request_model() -> type[_MethodRequestBase]:
     for name, method in METHODS.items():
         settings_request = create_model(
             _model_name(name, "MethodRequest"),
-            __config__=ConfigDict(extra="forbid"),
+            __config__=STRICT,
             __doc__=method.description,
             hyperparameters=(hyperparameters_request(name) | None, None),
         )

@@ -170,3 +170,28 @@ def test_the_api_imports_neither_torch_nor_the_worker():
 def test_the_worker_side_imports_no_torch():
     code = "import sys, fusetune.worker.tasks; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+def test_nothing_is_coerced_and_a_non_finite_number_is_refused_as_such(client):
+    uploaded = client.post(
+        "/v1/files", files={"file": ("t.jsonl", LINE.encode())}, data={"purpose": "fine-tune"}
+    )
+    body = {"model": "tiny", "training_file": uploaded.json()["id"]}
+    for hyperparameters, param, problem in (
+        ({"n_epochs": True}, "hyperparameters.n_epochs", "valid integer"),
+        ({"n_epochs": "3"}, "hyperparameters.n_epochs", "valid integer"),
+        ({"packing": 1}, "hyperparameters.packing", "valid boolean"),
+        ({"learning_rate": float("nan")}, "hyperparameters.learning_rate", "finite number"),
+        ({"n_epochs": 101}, "hyperparameters.n_epochs", "less than or equal to 100"),
+    ):
+        response = client.post(
+            "/v1/fine_tuning/jobs",
+            content=json.dumps({**body, "hyperparameters": hyperparameters}),  # NaN as JSON's NaN token
+            headers={"Content-Type": "application/json"},
+        )
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == param, (hyperparameters, error)
+        assert problem in error["message"], (hyperparameters, error)
+    method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": "0.1"}}}
+    error = client.post("/v1/fine_tuning/jobs", json={**body, "method": method}).json()["error"]
+    assert error["param"] == "method.dpo.hyperparameters.beta", error
