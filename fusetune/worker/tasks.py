@@ -27,7 +27,6 @@ from fusetune.db.session import make_engine, make_session_factory
 from fusetune.jobspec import JobSpec
 from fusetune.storage import StorageError, open_storage
 from fusetune.worker import run_storage
-from fusetune.worker.process import prepare_training_process
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.outcome import (
     ERROR_FILENAME,
@@ -38,6 +37,7 @@ from fusetune.worker.train.outcome import (
     read_result,
     read_stopped,
 )
+from fusetune.worker.train.process import prepare_training_process
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fusetune.worker.process import prepare_training_process
+from fusetune.worker.train.process import prepare_training_process
 
 AUTOGROUP = Path("/proc/self/autogroup")
 READ_OWN_AUTOGROUP = "print(open('/proc/self/autogroup').read().split()[-1])"
@@ -53,7 +53,7 @@ def test_a_training_session_gets_the_training_niceness_as_a_group():
 def test_a_rank_in_its_own_session_keeps_the_launchers_niceness(tmp_path):
     # torchrun starts every rank in a new session; the rank's entry point re-applies the inherited nice value.
     code = (
-        "import os; os.setsid(); from fusetune.worker.process import lower_session_priority; "
+        "import os; os.setsid(); from fusetune.worker.train.process import lower_session_priority; "
         "lower_session_priority(); " + READ_OWN_AUTOGROUP
     )
     rank = subprocess.run(

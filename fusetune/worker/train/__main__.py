@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from fusetune.worker.process import die_with_parent, lower_session_priority
 from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.process import die_with_parent, lower_session_priority
 
 
 def main(argv: list[str] | None = None) -> int:

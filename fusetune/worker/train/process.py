@@ -1,4 +1,8 @@
-"""Process hygiene for training: no training process may outlive the worker that started it."""
+"""Process hygiene for training: no training process may outlive the worker that started it.
+
+Both sides call it: the worker in the child it forks for torchrun (`prepare_training_process`), and each rank as
+it starts (`__main__.py`), so it lives here, below the worker, and imports nothing of fusetune.
+"""
 
 from __future__ import annotations
 
