@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, text
 
 from fusetune.config import Settings
 from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
-from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.checkpoints import layout as ckpt
 from tests.services import (
     moto_s3_server,
     postgres_database,

@@ -27,6 +27,7 @@ from fusetune.db.session import make_engine, make_session_factory
 from fusetune.jobspec import JobSpec
 from fusetune.storage import StorageError, open_storage
 from fusetune.worker import run_storage
+from fusetune.worker.train.checkpoints import store as checkpoint_store
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.outcome import (
     ERROR_FILENAME,
@@ -144,7 +145,7 @@ class JobRunner:
             if source is not None:
                 checkpoints = queries.list_checkpoints(session, source.id)
                 if checkpoints:
-                    return str(run_storage.restore_model(
+                    return str(checkpoint_store.restore_model(
                         self.storage, job.tenant, checkpoints[0].storage_path, self.settings.runs_dir
                     ).resolve())  # fmt: skip
         return None
@@ -208,10 +209,10 @@ class JobRunner:
             )
         config_path = self._write_config(job, run_dir, model_location)
         # A retry on this host or any other resumes from the newest checkpoint SQL records.
-        run_storage.restore_checkpoints(self.storage, self.session_factory, job, self.settings.runs_dir)
+        checkpoint_store.restore_checkpoints(self.storage, self.session_factory, job, self.settings.runs_dir)
         nproc = JobSpec.from_row(job.hyperparameters).hyperparameters.n_gpus
         env = {**os.environ, **self.settings.subprocess_env(), "PYTHONUNBUFFERED": "1"}
-        env[run_storage.TENANT_ENV] = job.tenant
+        env[checkpoint_store.TENANT_ENV] = job.tenant
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         log_path = run_dir / TRAIN_LOG_FILE
         with open(log_path, "ab") as log_file:
@@ -223,7 +224,7 @@ class JobRunner:
             )  # fmt: skip
             stopped_for = self._watch(job.id, process)
         try:
-            run_storage.remove_unrecorded_checkpoints(
+            checkpoint_store.remove_unrecorded_checkpoints(
                 self.storage, self.session_factory, job, self.worker_name
             )
         except StorageError:

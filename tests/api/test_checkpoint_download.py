@@ -21,7 +21,7 @@ from fusetune.api.checkpoint_archive import iter_archive_bytes, plan_archive
 from fusetune.api.routes import jobs as jobs_routes
 from fusetune.db import queries
 from fusetune.db.session import make_engine, make_session_factory
-from fusetune.worker.train import checkpoint as worker_checkpoint
+from fusetune.worker.train.checkpoints import layout as worker_checkpoint
 
 TRAINING_LINE = json.dumps(
     {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}

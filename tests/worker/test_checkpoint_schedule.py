@@ -7,8 +7,8 @@ import pytest
 
 from fusetune.config import Settings
 from fusetune.demo import assets
-from fusetune.worker.train import checkpoint as ckpt
-from fusetune.worker.train.checkpoint import CheckpointSchedule
+from fusetune.worker.train.checkpoints import layout as ckpt
+from fusetune.worker.train.checkpoints.schedule import CheckpointSchedule
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.trainer import Trainer
 from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config
@@ -128,7 +128,7 @@ def test_the_trainer_saves_at_epoch_ends_and_by_time_keeping_the_last_two(model_
 def test_a_tied_lm_head_is_saved_once():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fusetune.worker.train.state import without_tied_copies
+    from fusetune.worker.train.checkpoints.checkpointer import without_tied_copies
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, tie_word_embeddings=True)  # fmt: skip

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
-from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.checkpoints import layout as ckpt
 from tests.services import redis_server, running_service, start_worker, stop_process
 
 pytestmark = pytest.mark.slow

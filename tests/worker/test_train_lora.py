@@ -7,8 +7,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from fusetune.demo import assets
-from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora
+from fusetune.worker.train.checkpoints import layout as ckpt
+from fusetune.worker.train.checkpoints import state as checkpoint_state
 from fusetune.worker.train.outcome import JobStopped
 from fusetune.worker.train.reporter import StopRequest
 from fusetune.worker.train.trainer import Trainer, load_model
@@ -136,7 +137,7 @@ def test_lora_resume_without_the_rng_state_draws_other_dropout_masks(
     """Control: dropout makes the curve depend on the restored RNG state."""
     _, whole, _ = merged_run
     whole_losses = [values["train_loss"] for _, values in whole.metrics]
-    monkeypatch.setattr(ckpt, "restore_rng_state", lambda state, device: None)
+    monkeypatch.setattr(checkpoint_state, "restore_rng_state", lambda state, device: None)
     config = lora_config(model_dir, train_file, tmp_path / "resumed")
     with pytest.raises(AssertionError):
         torch.testing.assert_close(_paused_then_resumed_losses(config), whole_losses, rtol=1e-6, atol=0)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from fusetune.demo import assets
-from fusetune.worker.train import checkpoint as ckpt
+from fusetune.worker.train.checkpoints import layout as ckpt
+from fusetune.worker.train.checkpoints.state import RESUME_FORMAT, RESUME_METHOD, RESUME_RUN
 from fusetune.worker.train.launch import run
 from fusetune.worker.train.outcome import (
     EXIT_STOPPED,
@@ -156,8 +157,8 @@ def _rewrite_resume_state(checkpoint, change) -> None:
 
 def _first_format(state: dict) -> dict:
     """resume.pt as the trainer wrote it before training methods: no format, no method state or name."""
-    old = {key: value for key, value in state.items() if key not in (ckpt.RESUME_FORMAT, ckpt.RESUME_METHOD)}
-    old[ckpt.RESUME_RUN] = {key: value for key, value in state[ckpt.RESUME_RUN].items() if key != "method"}
+    old = {key: value for key, value in state.items() if key not in (RESUME_FORMAT, RESUME_METHOD)}
+    old[RESUME_RUN] = {key: value for key, value in state[RESUME_RUN].items() if key != "method"}
     return old
 
 
@@ -177,7 +178,7 @@ def test_a_checkpoint_of_the_first_format_resumes_and_a_newer_format_is_refused(
     torch.testing.assert_close(curve(after), curve(whole)[2:], rtol=1e-6, atol=0)
 
     _rewrite_resume_state(
-        ckpt.checkpoint_path(config.output_dir, 3), lambda state: {**state, ckpt.RESUME_FORMAT: 99}
+        ckpt.checkpoint_path(config.output_dir, 3), lambda state: {**state, RESUME_FORMAT: 99}
     )
     with pytest.raises(TrainingFailure) as refused:
         Trainer(config.model_copy(update={"max_steps": 4}), ONE_CPU_RANK, RecordingReporter())

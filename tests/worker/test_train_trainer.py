@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from fusetune.demo import assets
-from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import launch as launch_module
 from fusetune.worker.train import optim
+from fusetune.worker.train.checkpoints import layout as ckpt
 from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
 from fusetune.worker.train.data import collate, epoch_order, rank_micro_batches
 from fusetune.worker.train.distributed import DistInfo, decoder_layers

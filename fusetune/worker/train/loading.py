@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import lora
+from fusetune.worker.train.checkpoints.layout import adapter_dir
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
@@ -58,7 +58,7 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig, resumed: Path | N
     if config.lora is not None:
         model = lora.apply_lora(model, config.lora)
         if resumed is not None:
-            lora.load_adapter_weights(model, ckpt.adapter_dir(resumed))
+            lora.load_adapter_weights(model, adapter_dir(resumed))
     return model
 
 

@@ -5,8 +5,9 @@ The loop keeps what every method shares; the parts it is built from live beside 
 - `methods/`: what differs between training methods (examples, micro-batches, the loss and its metrics,
   evaluation, a pass before training); the job's `method.type` picks one from `methods.METHODS`.
 - `precision.py`: the precision policy (weight dtype, autocast, FSDP mixed precision, MFU's peak).
-- `optim.py`: the optimizer the precision mode names; `state.py`: the LR schedule, the data position and
-  resume.pt; `checkpoint.py`: checkpoint folders; `loading.py`: tokenizer, model and kernels.
+- `optim.py`: the optimizer the precision mode names; `lr_schedule.py`: the LR schedule; `checkpoints/`: the
+  data position, resume.pt and checkpoint folders, local and in the store; `loading.py`: tokenizer, model and
+  kernels.
 
 `train()` runs epochs of `train_step()`s; a step runs one `forward_backward_step()` per micro-batch of this
 rank, then clips and steps the optimizer. A micro-batch's loss is its share of the step's loss: the method
@@ -35,8 +36,18 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fusetune.worker.train import checkpoint as ckpt
 from fusetune.worker.train import optim
+from fusetune.worker.train.checkpoints import state as checkpoint_state
+from fusetune.worker.train.checkpoints.checkpointer import Checkpointer
+from fusetune.worker.train.checkpoints.schedule import CheckpointSchedule
+from fusetune.worker.train.checkpoints.state import (
+    TrainingProgress,
+    check_resumable,
+    find_resume_point,
+    read_resume_state,
+    resume_state,
+    run_description,
+)
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
 from fusetune.worker.train.distributed import DistInfo, all_reduce, parallelize, synchronize
@@ -48,6 +59,7 @@ from fusetune.worker.train.loading import (
     prepare_model,
     report_data,
 )
+from fusetune.worker.train.lr_schedule import build_scheduler, lr_factor, schedule_lengths
 from fusetune.worker.train.methods import METHODS
 from fusetune.worker.train.metrics import (
     StepMeter,
@@ -65,18 +77,6 @@ from fusetune.worker.train.outcome import (
 from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision
 from fusetune.worker.train.reporter import Reporter, StopRequest
 from fusetune.worker.train.sizing import micro_batches_for_the_gpu
-from fusetune.worker.train.state import (
-    Checkpointer,
-    TrainingProgress,
-    build_scheduler,
-    check_resumable,
-    find_resume_point,
-    lr_factor,
-    read_resume_state,
-    resume_state,
-    run_description,
-    schedule_lengths,
-)
 
 __all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor"]
 
@@ -122,7 +122,9 @@ class Trainer:
         # Checked before the model loads, so that a run that cannot resume fails fast.
         saved_state = read_resume_state(self.resume_from[1]) if self.resume_from is not None else None
         if saved_state is not None:
-            check_resumable(saved_state[ckpt.RESUME_RUN], self._run_description(), self.resume_from[1])
+            check_resumable(
+                saved_state[checkpoint_state.RESUME_RUN], self._run_description(), self.resume_from[1]
+            )
 
         self.model = self._build_model()
         self.kernels_applied = self._apply_kernels()
@@ -141,7 +143,7 @@ class Trainer:
         self.progress = TrainingProgress()
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_step: int | None = None
-        self.checkpoint_schedule = ckpt.CheckpointSchedule.from_config(config)
+        self.checkpoint_schedule = CheckpointSchedule.from_config(config)
         self.meter = StepMeter(
             self.model,
             self.dist.world_size,
@@ -438,12 +440,12 @@ class Trainer:
     def _restore_training_state(self, state: dict[str, Any], checkpoint: Path) -> None:
         """Continue from `checkpoint` (its weights are loaded already): each part from its own state."""
         self._restore_optimizer(checkpoint)
-        self.scheduler.load_state_dict(state[ckpt.RESUME_SCHEDULER])
+        self.scheduler.load_state_dict(state[checkpoint_state.RESUME_SCHEDULER])
         self.progress.load_state_dict(state)
-        self.method.load_state_dict(state[ckpt.RESUME_METHOD])
-        rng_states = state[ckpt.RESUME_RNG]
+        self.method.load_state_dict(state[checkpoint_state.RESUME_METHOD])
+        rng_states = state[checkpoint_state.RESUME_RNG]
         # Under another world size, ranks beyond the saved ones reuse saved states (only dropout draws).
-        ckpt.restore_rng_state(rng_states[self.dist.rank % len(rng_states)], self.device)
+        checkpoint_state.restore_rng_state(rng_states[self.dist.rank % len(rng_states)], self.device)
         self.last_checkpoint, self.last_checkpoint_step = checkpoint, self.step
         self.reporter.event(
             f"Resumed from the checkpoint of step {self.step}",
