@@ -3,8 +3,10 @@
 No model or dataset hub is reachable from the machines fusetune runs on, so the demo makes its own:
 
 * `write_demo_dataset` writes OpenAI-style chat examples (two-digit arithmetic and word reversal). The task is
-  easy enough that a tiny model's loss visibly falls within a short CPU run. The bundled files under
-  `fusetune/demo/data/` are produced by `write_bundled_datasets` and a test checks they still match it.
+  easy enough that a tiny model's loss visibly falls within a short CPU run, which is what the tests that train
+  need; `make demo` trains on the task of `task.py` instead, which the model learns to answer right. The
+  bundled `arithmetic*.jsonl` files under `fusetune/demo/data/` are produced by `write_bundled_datasets` and a
+  test checks they still match it.
 * `build_tiny_model` trains a byte-level BPE tokenizer on that text, gives it a chat template, builds a small
   causal LM from a config with random weights and saves both with `save_pretrained`, so the Auto classes load
   the directory offline.
@@ -198,16 +200,25 @@ def build_tokenizer(examples: list[dict[str, Any]] | None = None, vocab_size: in
     return tokenizer
 
 
-def build_tiny_model(out_dir: str | Path, model_type: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    model_type: str = "llama",
+    seed: int = 0,
+    *,
+    examples: list[dict[str, Any]] | None = None,
+    shape: dict[str, Any] | None = None,
+) -> Path:
     """Save a tokenizer and a tiny randomly initialised causal LM of `model_type` to `out_dir`.
 
     Any family whose config accepts the usual Llama-style size arguments works (llama, mistral, qwen2, qwen3,
-    ...); the weights depend only on `seed`, and the global torch RNG is left as it was.
+    ...); the weights depend only on `seed`, and the global torch RNG is left as it was. The tokenizer is
+    trained on `examples` (default: the bundled arithmetic) and the model has `shape` (default
+    `TINY_MODEL_SHAPE`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(examples)
     config = AutoConfig.for_model(
         model_type,
         vocab_size=len(tokenizer),
@@ -215,7 +226,7 @@ def build_tiny_model(out_dir: str | Path, model_type: str = "llama", seed: int =
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
-        **TINY_MODEL_SHAPE,
+        **(shape or TINY_MODEL_SHAPE),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
