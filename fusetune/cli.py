@@ -241,12 +241,18 @@ def demo(
     data_dir: DataDirOption = None,
     port: int = 8765,
     n_gpus: Annotated[int, typer.Option(help="Training processes (gloo on CPU, one per GPU with NCCL)")] = 2,
-    n_epochs: int = 3,
+    n_epochs: Annotated[int | None, typer.Option(help="Epochs (default: the demo task's, 3)")] = None,
+    keep_serving: Annotated[
+        bool, typer.Option("--keep-serving", help="Leave the service up after the demo (Ctrl-C stops it)")
+    ] = False,
 ) -> None:
-    """Start the embedded service, fine-tune the bundled tiny model over HTTP and load the result."""
+    """Start the embedded service, fine-tune the bundled tiny model over HTTP and compare its answers before and
+    after on held-out prompts."""
     from fusetune.demo.run import run_demo
 
-    raise typer.Exit(run_demo(_settings(data_dir), port=port, n_gpus=n_gpus, n_epochs=n_epochs))
+    settings = _settings(data_dir)
+    exit_code = run_demo(settings, port=port, n_gpus=n_gpus, n_epochs=n_epochs, keep_serving=keep_serving)
+    raise typer.Exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The demo: a real fine-tune through the HTTP API of a freshly started embedded service.
+"""The demo: a real fine-tune through the HTTP API of a freshly started embedded service, and what it taught.
 
 Every step goes through the service a user would run: ``fusetune serve`` (API + worker + SQLite + a broker on
-SQLite), the bundled dataset uploaded over HTTP, a job created, polled and its checkpoint downloaded.
+SQLite), the bundled dataset uploaded over HTTP, a job created, polled and its checkpoint downloaded. The base
+model and the downloaded checkpoint, each loaded with ``from_pretrained``, answer the same held-out prompts
+(`fusetune.demo.task`), and the two sets of answers are printed side by side with their accuracies.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -20,10 +23,19 @@ from rich.console import Console
 from rich.table import Table
 
 from fusetune.config import Settings
-from fusetune.demo.assets import SYSTEM_PROMPT, TRAIN_FILE, VALID_FILE, build_tiny_model
+from fusetune.demo import task
 
 DEMO_MODEL = "tiny-llama"
+# Rows of the side-by-side table; the accuracies count every held-out prompt.
+SHOWN_ANSWERS = 8
 console = Console()
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    job: dict
+    base: task.Answers
+    fine_tuned: task.Answers | None  # None when the job did not succeed
 
 
 def _start_server(settings: Settings, port: int) -> subprocess.Popen:
@@ -41,6 +53,16 @@ def _start_server(settings: Settings, port: int) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 def _wait_healthy(client: httpx.Client, server: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -74,18 +96,18 @@ def _upload(client: httpx.Client, path: Path) -> dict:
 
 
 def _poll(client: httpx.Client, job_id: str) -> dict:
+    """Follow the job until it ends, printing its messages and its latest step; no time limit (a job that
+    runs long shows its progress, and Ctrl-C stops the demo)."""
     seen_events: set[str] = set()
     with console.status("queued") as status:
         while True:
             job = _check(client.get(f"/v1/fine_tuning/jobs/{job_id}"))
-            events = _check(client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100}))[
-                "data"
-            ]
+            events = _check(client.get(f"/v1/fine_tuning/jobs/{job_id}/events",
+                                       params={"limit": 100, "type": "message"}))["data"]  # fmt: skip
             for event in reversed(events):
                 if event["id"] not in seen_events:
                     seen_events.add(event["id"])
-                    if event["type"] == "message":
-                        console.log(event["message"])
+                    console.log(event["message"])
             metrics = _check(client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics"))["data"]
             line = f"{job['status']}"
             if metrics:
@@ -101,23 +123,27 @@ def _poll(client: httpx.Client, job_id: str) -> dict:
 
 
 def _metrics_table(metrics: list[dict]) -> Table:
-    table = Table(title="training metrics (per step)")
-    for column in ("step", "train loss", "lr", "tokens/s", "peak mem (MB)"):
+    table = Table(title="training metrics (every few steps, and every evaluation of the held-out file)")
+    for column in ("step", "train loss", "valid loss", "valid token acc", "lr", "tokens/s"):
         table.add_column(column, justify="right")
-    stride = max(1, len(metrics) // 15)
-    for point in metrics[::stride] + ([metrics[-1]] if (len(metrics) - 1) % stride else []):
-        values = point["values"]
+    stride = max(1, len(metrics) // 8)
+    shown = {0, len(metrics) - 1, *range(0, len(metrics), stride)}
+    shown |= {i for i, point in enumerate(metrics) if "valid_loss" in point["values"]}
+    for i in sorted(shown):
+        point, values = metrics[i], metrics[i]["values"]
+        valid = "valid_loss" in values
         table.add_row(
             str(point["step"]),
             f"{point['train_loss']:.4f}",
+            f"{values['valid_loss']:.4f}" if valid else "",
+            f"{values['valid_token_accuracy']:.1%}" if valid else "",
             f"{values.get('learning_rate', 0):.2e}",
             f"{values.get('tokens_per_second', 0):,.0f}",
-            f"{values.get('peak_memory_allocated_bytes', 0) / 2**20:,.1f}",
         )
     return table
 
 
-def _download_and_load(client: httpx.Client, job_id: str, checkpoint: dict) -> Path:
+def _download(client: httpx.Client, job_id: str, checkpoint: dict) -> Path:
     target = Path(tempfile.mkdtemp(prefix="fusetune-demo-"))
     url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint['id']}/content"
     archive = target / "checkpoint.tar"
@@ -128,70 +154,122 @@ def _download_and_load(client: httpx.Client, job_id: str, checkpoint: dict) -> P
             out.write(chunk)
     with tarfile.open(archive) as tar:
         tar.extractall(target, filter="data")
-    folders = [p for p in target.iterdir() if p.is_dir()]
-    return folders[0]
+    (folder,) = [p for p in target.iterdir() if p.is_dir()]
+    return folder
 
 
-def _sample(model_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _score(answers: task.Answers) -> str:
+    return f"{answers.correct}/{len(answers.expected)} ({answers.accuracy:.0%})"
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    console.print(
-        f"loaded the fine-tuned checkpoint with from_pretrained: {type(model).__name__}, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters"
+
+def _shown(answer: str) -> str:
+    # A random model's reply can be any bytes; repr keeps it on one line, and it is cut to the column.
+    text = repr(answer)
+    return text if len(text) <= 18 else text[:17] + "…"
+
+
+def _comparison_table(chats: list[dict], base: task.Answers, fine_tuned: task.Answers) -> Table:
+    table = Table(
+        title=f"the same held-out prompts, before and after (first {SHOWN_ANSWERS} of {len(chats)})"
     )
-    for question in ("What is 12 + 30?", "What is 75 - 41?"):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
-        inputs = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    table.add_column(f'"{task.QUESTION_PREFIX}…"')
+    table.add_column("expected", justify="right")
+    table.add_column("base model", justify="right")
+    table.add_column("fine-tuned", justify="right")
+    for i, chat in enumerate(chats[:SHOWN_ANSWERS]):
+        marks = ["[green]✓" if run.answers[i] == run.expected[i] else "[red]✗" for run in (base, fine_tuned)]
+        words = task.question(chat).removeprefix(task.QUESTION_PREFIX)
+        base_answer, tuned_answer = _shown(base.answers[i]), _shown(fine_tuned.answers[i])
+        table.add_row(words, base.expected[i], f"{base_answer} {marks[0]}", f"{tuned_answer} {marks[1]}")
+    table.add_section()
+    table.add_row(f"accuracy on all {len(chats)}", "", _score(base), _score(fine_tuned), style="bold")
+    return table
+
+
+def fine_tune_and_compare(
+    client: httpx.Client, base_model_dir: Path, n_gpus: int = 2, n_epochs: int | None = None
+) -> DemoResult:
+    """Answer the held-out prompts with the base model, fine-tune it on the task through the API `client`
+    speaks to, download the checkpoint and answer the same prompts with it. `base_model_dir` is the folder
+    of the service's model `DEMO_MODEL`."""
+    held_out = task.read_examples(task.HELD_OUT_FILE)
+    base = task.answer_held_out(base_model_dir, held_out)
+    console.print(f"before fine-tuning, the base model answers {_score(base)} held-out prompts correctly")
+
+    training, validation = _upload(client, task.TRAIN_FILE), _upload(client, task.HELD_OUT_FILE)
+    console.print(f"uploaded {training['id']} ({training['example_count']} examples) and {validation['id']} "
+                  f"({validation['example_count']} held-out examples, the validation file)")  # fmt: skip
+    hyperparameters = {**task.JOB_HYPERPARAMETERS, "n_gpus": n_gpus}
+    if n_epochs is not None:
+        hyperparameters["n_epochs"] = n_epochs
+    job = _check(client.post("/v1/fine_tuning/jobs", json={
+        "model": DEMO_MODEL, "training_file": training["id"], "validation_file": validation["id"],
+        "suffix": "demo", "seed": 0, "hyperparameters": hyperparameters,
+    }))  # fmt: skip
+    console.print(f"created {job['id']} ({job['status']})")
+    job = _poll(client, job["id"])
+    if job["status"] != "succeeded":
+        console.print(f"[red]job {job['status']}: {job.get('error')}")
+        return DemoResult(job=job, base=base, fine_tuned=None)
+
+    metrics = _check(client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics"))["data"]
+    console.print(_metrics_table(metrics))
+    console.print(
+        f"train loss {metrics[0]['train_loss']:.3f} -> {metrics[-1]['train_loss']:.3f}; trained tokens "
+        f"{job['trained_tokens']:,}; model {job['fine_tuned_model']}"
+    )
+    checkpoints = _check(client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints"))["data"]
+    folder = _download(client, job["id"], checkpoints[0])
+    console.print(f"downloaded checkpoint step {checkpoints[0]['step_number']} to {folder}")
+    fine_tuned = task.answer_held_out(folder, held_out)
+    console.print(_comparison_table(held_out, base, fine_tuned))
+    return DemoResult(job=job, base=base, fine_tuned=fine_tuned)
+
+
+def _print_next_steps(base_url: str, api_key: str, job_id: str, data_dir: Path, keep_serving: bool) -> None:
+    console.print()
+    console.print("[bold]where to look next")
+    console.print(f"  job id     {job_id}")
+    console.print(f"  dashboard  {base_url}/ui/#/jobs/{job_id}  (API key: {api_key})", soft_wrap=True)
+    console.print(f"  curl       curl -H 'Authorization: Bearer {api_key}' "
+                  f"{base_url}/v1/fine_tuning/jobs/{job_id}/metrics", soft_wrap=True)  # fmt: skip
+    console.print(f"  openai     OpenAI(base_url='{base_url}/v1', api_key='{api_key}').fine_tuning.jobs"
+                  f".list_events('{job_id}', extra_query={{'type': 'metrics'}})", soft_wrap=True)  # fmt: skip
+    if keep_serving:
+        console.print(f"the service keeps running at {base_url}; Ctrl-C stops it")
+    else:
+        console.print(
+            "the service stops now: `fusetune demo --keep-serving` leaves it up, and "
+            f"`fusetune serve --data-dir {data_dir} --port {base_url.rsplit(':', 1)[1]}` serves this job again",
+            soft_wrap=True,
         )
-        output = model.generate(**inputs, max_new_tokens=6, do_sample=False)
-        answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        console.print(f"  {question} -> {answer.strip()!r}")
 
 
-def run_demo(settings: Settings, port: int = 8765, n_gpus: int = 2, n_epochs: int = 3) -> int:
-    model_dir = settings.models_dir / DEMO_MODEL
-    if not (model_dir / "config.json").exists():
-        build_tiny_model(model_dir)
+def run_demo(
+    settings: Settings,
+    port: int = 8765,
+    n_gpus: int = 2,
+    n_epochs: int | None = None,
+    keep_serving: bool = False,
+) -> int:
+    """The demo from start to end; returns the process exit status (0 when the job succeeded)."""
+    model_dir, built = task.ensure_base_model(settings.models_dir / DEMO_MODEL)
+    if built:
         console.print(f"built the demo base model (random weights, local tokenizer) in {model_dir}")
     server = _start_server(settings, port)
+    base_url = f"http://127.0.0.1:{port}"
     try:
         auth = {"Authorization": f"Bearer {settings.dev_api_key}"}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=auth) as client:
+        with httpx.Client(base_url=base_url, timeout=60, headers=auth) as client:
             _wait_healthy(client, server)
-            console.print(f"service up at http://127.0.0.1:{port} (data in {settings.data_dir})")
-            training, validation = _upload(client, TRAIN_FILE), _upload(client, VALID_FILE)
-            console.print(
-                f"uploaded {training['id']} ({training['example_count']} examples) and {validation['id']}"
-            )
-            job = _check(client.post("/v1/fine_tuning/jobs", json={
-                "model": DEMO_MODEL, "training_file": training["id"], "validation_file": validation["id"],
-                "suffix": "demo", "seed": 0,
-                "hyperparameters": {"n_epochs": n_epochs, "batch_size": 16, "learning_rate": 3e-3,
-                                    "warmup_ratio": 0.05, "n_gpus": n_gpus},
-            }))  # fmt: skip
-            console.print(f"created {job['id']} ({job['status']})")
-            job = _poll(client, job["id"])
-            if job["status"] != "succeeded":
-                console.print(f"[red]job {job['status']}: {job.get('error')}")
-                return 1
-            metrics = _check(client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics"))["data"]
-            console.print(_metrics_table(metrics))
-            first, last = metrics[0]["train_loss"], metrics[-1]["train_loss"]
-            console.print(
-                f"train loss {first:.3f} -> {last:.3f}; trained tokens {job['trained_tokens']:,}; "
-                f"model {job['fine_tuned_model']}"
-            )
-            checkpoints = _check(client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints"))["data"]
-            folder = _download_and_load(client, job["id"], checkpoints[0])
-            console.print(f"downloaded checkpoint step {checkpoints[0]['step_number']} to {folder}")
-            _sample(folder)
-            return 0
+            console.print(f"service up at {base_url} (data in {settings.data_dir})")
+            result = fine_tune_and_compare(client, model_dir, n_gpus=n_gpus, n_epochs=n_epochs)
+        _print_next_steps(base_url, settings.dev_api_key, result.job["id"], settings.data_dir, keep_serving)
+        if keep_serving:
+            try:
+                server.wait()
+            except KeyboardInterrupt:
+                pass
+        return 0 if result.fine_tuned is not None else 1
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        _stop_server(server)
