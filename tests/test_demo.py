@@ -1,0 +1,59 @@
+"""The demo's task (fusetune/demo/task.py): its bundled files, and that the demo's job, at full size and through
+the real service (``fusetune serve``, its worker, a 2-process torchrun on CPU), teaches the base model to answer
+held-out prompts it could not answer before."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from fusetune.cli import app
+from fusetune.demo import task
+from fusetune.demo.run import DEMO_MODEL, fine_tune_and_compare
+from tests.services import running_service
+
+
+def test_bundled_files_match_the_generator(tmp_path):
+    train, held_out = task.write_bundled_files(tmp_path)
+    assert train.read_bytes() == task.TRAIN_FILE.read_bytes()
+    assert held_out.read_bytes() == task.HELD_OUT_FILE.read_bytes()
+
+
+def test_held_out_prompts_are_not_in_the_training_file():
+    train = [task.question(chat) for chat in task.read_examples(task.TRAIN_FILE)]
+    held_out = [task.question(chat) for chat in task.read_examples(task.HELD_OUT_FILE)]
+    assert len(set(train)) == len(train) == task.TRAIN_EXAMPLES
+    assert len(set(held_out)) == len(held_out) == task.HELD_OUT_EXAMPLES
+    assert not set(train) & set(held_out)
+
+
+def test_examples_spell_the_answer():
+    chat = task.example([2, 9, 1, 4])
+    assert task.question(chat) == "Write in digits: two nine one four"
+    assert task.expected_answer(chat) == "2914"
+
+
+def test_base_model_is_rebuilt_only_for_another_task(tmp_path):
+    folder, built = task.ensure_base_model(tmp_path / DEMO_MODEL)
+    assert built and (folder / "config.json").exists()
+    assert task.ensure_base_model(folder) == (folder, False)
+    # A folder an older demo built (another task's tokenizer) has no marker, or another task's.
+    (folder / task.TASK_MARKER_FILE).write_text("arithmetic\n")
+    assert task.ensure_base_model(folder) == (folder, True)
+
+
+def test_demo_command_offers_keep_serving():
+    result = CliRunner().invoke(app, ["demo", "--help"])
+    assert result.exit_code == 0 and "--keep-serving" in result.output
+
+
+@pytest.mark.slow
+def test_demo_job_teaches_the_task(tmp_path):
+    """The demo's job as `make demo` submits it; it ends when the job does, however long that takes."""
+    data_dir = tmp_path / "data"
+    model_dir, _ = task.ensure_base_model(data_dir / "models" / DEMO_MODEL)
+    with running_service(data_dir) as service:
+        result = fine_tune_and_compare(service.client, model_dir, n_gpus=2)
+    assert result.job["status"] == "succeeded", result.job
+    assert result.base.accuracy <= 0.1, result.base
+    assert result.fine_tuned is not None and result.fine_tuned.accuracy >= 0.9, result.fine_tuned
