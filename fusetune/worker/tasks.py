@@ -24,7 +24,7 @@ from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
-from fusetune.jobspec import JobSpec
+from fusetune.spec.job import JobSpec
 from fusetune.storage import StorageError, open_storage
 from fusetune.worker import run_storage
 from fusetune.worker.train.checkpoints import store as checkpoint_store

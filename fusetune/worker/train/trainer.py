@@ -3,7 +3,7 @@ whatever the training method.
 
 The loop keeps what every method shares; the parts it is built from live beside it:
 - `methods/`: what differs between training methods (examples, micro-batches, the loss and its metrics,
-  evaluation, a pass before training); the job's `method.type` picks one from `methods.METHODS`.
+  evaluation, a pass before training); the job's `method.type` picks one from `methods.TRAINING_METHODS`.
 - `precision.py`: the precision policy (weight dtype, autocast, FSDP mixed precision, MFU's peak).
 - `optim.py`: the optimizer the precision mode names; `lr_schedule.py`: the LR schedule; `checkpoints/`: the
   data position, resume.pt and checkpoint folders, local and in the store; `loading.py`: tokenizer, model and
@@ -60,7 +60,7 @@ from fusetune.worker.train.loading import (
     report_data,
 )
 from fusetune.worker.train.lr_schedule import build_scheduler, lr_factor, schedule_lengths
-from fusetune.worker.train.methods import METHODS
+from fusetune.worker.train.methods import TRAINING_METHODS
 from fusetune.worker.train.metrics import (
     StepMeter,
     StepStats,
@@ -109,7 +109,7 @@ class Trainer:
         self.pad_token_id = next(
             (t for t in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if t is not None), 0
         )
-        self.method = METHODS[config.method.type](config, self.tokenizer, self.pad_token_id)
+        self.method = TRAINING_METHODS[config.method.type](config, self.tokenizer, self.pad_token_id)
         self.train_data = self._load_data(config.training_file, packing=config.packing)
         self.row_lengths = [self.method.row_length(row) for row in self.train_data.sequences]
         if self.device.type == "cuda" and config.micro_batch_size is None:
