@@ -78,11 +78,14 @@ def within_bounds(model: type[BaseModel], name: str, value: Any) -> Any:
 class LoraSpec(Spec):
     """Low-rank adapters through peft on the base model's linear layers (the base weights stay frozen)."""
 
-    r: int = Field(16, ge=1, le=1024)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    # "all-linear": every linear layer but the output head; or module names such as ["q_proj", "v_proj"].
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    r: int = Field(16, ge=1, le=1024, description="Rank of the adapters")
+    alpha: float = Field(32.0, gt=0, description="Scale of the adapters' update: alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description='"all-linear": every linear layer but the output head; or module names such as '
+        '["q_proj", "v_proj"]',
+    )
 
 
 class TrainingHyperparameters(Spec):
@@ -103,10 +106,8 @@ class TrainingHyperparameters(Spec):
     )
     precision: PrecisionName = Field(
         AUTO,
-        description="auto: bf16-sr on GPU, fp32 on CPU; or one of the modes of fusetune/spec/precision.py: "
-        "fp32; bf16-mixed (fp32 weights and AdamW state, bf16 compute); bf16 (bf16 weights and state, rounded "
-        "to nearest); bf16-sr (bf16 weights and state, the update stochastically rounded: fp32-master quality "
-        "at half the memory)",
+        description="auto (the device's default), or one of the precision modes; GET /v1/fine_tuning/options "
+        "describes each",
     )
     kernels: bool = Field(True, description="Patch the model with fusetune's Triton kernels (GPU)")
     gradient_checkpointing: bool = False

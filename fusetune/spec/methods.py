@@ -33,6 +33,10 @@ from pydantic import (
 from fusetune.spec.examples import PREFERENCE, SUPERVISED, ExampleFormat
 from fusetune.spec.hyperparameters import AUTO, STRICT, HyperparametersRequest, Spec, within_bounds
 
+SFT_WEIGHT = (
+    "Weight of a supervised term, the preferred output's mean token negative log-likelihood (0: none)"
+)
+
 
 class MethodSettings(Spec):
     """The base of a method's own settings (every field has a default: "auto" in a request means it)."""
@@ -41,25 +45,29 @@ class MethodSettings(Spec):
 class DpoSettings(MethodSettings):
     """Direct preference optimisation (fusetune/worker/train/methods/dpo.py)."""
 
-    # How far the policy may move from the reference: larger keeps it closer (OpenAI allows up to 2). The
-    # default is the DPO paper's and the OpenAI API's.
-    beta: float = Field(0.1, gt=0, le=2)
-    # "sigmoid": DPO's -log sigmoid(beta * margin); "ipo": IPO's squared loss on length-normalised log-ratios.
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    # Weight of a supervised term, the preferred output's per-token negative log-likelihood (0: none).
-    sft_weight: float = Field(0.0, ge=0, le=100)
+    # The default is the DPO paper's and the OpenAI API's; OpenAI allows up to 2.
+    beta: float = Field(
+        0.1, gt=0, le=2, description="How far the policy may move from the reference: larger keeps it closer"
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid",
+        description="sigmoid: DPO's -log sigmoid(beta * margin); ipo: IPO's squared loss on length-normalised "
+        "log-ratios",
+    )
+    sft_weight: float = Field(0.0, ge=0, le=100, description=SFT_WEIGHT)
 
 
 class SimpoSettings(MethodSettings):
     """Simple preference optimisation (fusetune/worker/train/methods/simpo.py): no reference model."""
 
-    # Scale of the length-normalised log-probabilities that make a side's reward (the SimPO paper tuned 2 to
-    # 2.5 for instruction-tuned models; DPO's beta means something else and is far smaller).
-    beta: float = Field(2.0, gt=0, le=100)
-    # The target margin between the two rewards, as a fraction of beta (gamma = gamma_beta_ratio * beta).
-    gamma_beta_ratio: float = Field(0.5, ge=0, le=10)
-    # Weight of a supervised term, the preferred output's per-token negative log-likelihood (0: none).
-    sft_weight: float = Field(0.0, ge=0, le=100)
+    # The SimPO paper tuned beta to 2-2.5 for instruction-tuned models; DPO's beta means something else.
+    beta: float = Field(
+        2.0, gt=0, le=100, description="Scale of the mean token log-probability that makes a side's reward"
+    )
+    gamma_beta_ratio: float = Field(
+        0.5, ge=0, le=10, description="The target margin between the two rewards, as a fraction of beta"
+    )
+    sft_weight: float = Field(0.0, ge=0, le=100, description=SFT_WEIGHT)
 
 
 @dataclass(frozen=True)
