@@ -16,6 +16,11 @@ from fusetune.kernels.adamw import (
     adamw_step_reference,
     gradient_clipping_scale,
 )
+from fusetune.kernels.adamw8bit import (
+    FusedAdamW8bit,
+    adamw8bit_state_bytes_per_parameter,
+    adamw8bit_step_reference,
+)
 from fusetune.kernels.cross_entropy import FusedCrossEntropyLoss, cross_entropy_reference
 from fusetune.kernels.fused_linear_cross_entropy import (
     FusedLinearCrossEntropyLoss,
@@ -39,6 +44,7 @@ from fusetune.kernels.swiglu import (
 
 __all__ = [
     "FusedAdamW",
+    "FusedAdamW8bit",
     "FusedCrossEntropyLoss",
     "FusedGeGLUMLP",
     "FusedLayerNorm",
@@ -47,6 +53,8 @@ __all__ = [
     "FusedSwiGLUMLP",
     "add_rms_norm",
     "add_rms_norm_reference",
+    "adamw8bit_state_bytes_per_parameter",
+    "adamw8bit_step_reference",
     "adamw_state_bytes_per_parameter",
     "adamw_step_reference",
     "apply_rotary_pos_emb",

@@ -1,0 +1,617 @@
+"""AdamW with 8-bit moments and bf16 weights: FusedAdamW's stochastically rounded update at about 2 bytes of
+optimizer state per parameter instead of 4.
+
+exp_avg (m) and exp_avg_sq (v) are kept blockwise quantized, as in 8-bit Adam: each block of `block_size`
+consecutive elements of a tensor (256 by default; blocks restart at every tensor) keeps one fp32 scale, the
+largest magnitude in the block, and one 8-bit code per element for its value relative to that. One kernel
+launch per parameter group (per dtype combination and step count, as FusedAdamW) reads codes and scales,
+dequantizes, takes the AdamW step of the weights and requantizes the new moments with fresh scales; per
+element, in fp32:
+
+    g      = grad * grad_scale                     (the clipping factor, a device scalar; NaN skips the step)
+    m      = decode_signed(m_code) * m_scale
+    r      = decode(r_code) * r_scale;  v = r * r  (the stored quantity is r = sqrt(v), see below)
+    m      = m * beta1 + g * (1 - beta1)
+    v      = v * beta2 + (g * g) * (1 - beta2)
+    r      = sqrt(v)
+    denom  = r * (1 / sqrt(1 - beta2^step)) + eps
+    p      = p * (1 - lr * weight_decay) - (m / denom) * (lr / (1 - beta1^step))
+    m_scale, r_scale = the largest |m|, r of the block
+    m_code = encode(|m| / m_scale) and m's sign;  r_code = encode(r / r_scale)
+
+The step uses m and v before they are requantized, as FusedAdamW's uses them before rounding (so the first
+step's weights are FusedAdamW's with fp32 state, bit for bit). Every operation is one IEEE fp32 operation
+(division and square root correctly rounded, no fused multiply-add), so the pure-PyTorch
+`adamw8bit_step_reference` gives the kernel's bits. An optimizer has no backward: its math is the update above.
+
+The code, and why (the quality test is tests/kernels/test_adamw_quality.py's 8-bit case; its numbers there):
+- sqrt(v) rather than v. v = E[g^2] spans twice the binades of the gradients, and r is what the step divides
+  by. Plain blockwise int8 of v itself rounds the v of many elements to 0 while their m is not, those steps
+  divide by eps, and fine-tuning blows up: the quality test's worse variant.
+- A small float relative to the block's scale, not evenly spaced levels: 4 exponent bits (16 binades below
+  1.0, the top code being 1.0 exactly, so the block's largest element is stored without error; below 2^-14
+  evenly spaced down to 0), 3 mantissa bits and a sign for m, 4 mantissa bits for r (a step of 3-6% of r).
+  m and r of an element sit at about the same depth below their blocks' largest (|m| is about r or less), so
+  both get the same range. In the quality test's small model evenly spaced codes of sqrt(v) did as well
+  (measured once, within 0.2% of fp32, as this code); the 16 binades are for the larger spread of gradients
+  within a block of a large model (outlier features), where 255 even levels of r reach only 2^-8.
+- Codes rounded stochastically, from the same (seed, step, element) bits as the weights. With beta2 = 0.999,
+  r moves by about 0.05% a step, far below half a code's step, so a code rounded to nearest stops following
+  the gradient: it can jump up with a spike but never fall relative to its block's largest.
+  tests/kernels/test_adamw8bit.py drops half of each block's gradients 4x: stochastic codes follow (0.997 of
+  the exact sqrt(v)), nearest ones stay 1.21x too high. (In the quality test nearest codes came out 0.5% worse
+  than these at lr 1e-4: a difference under its 1% margin, measured once.)
+- One scale per 256-element block: 8 bytes per 256 parameters, so that an outlier raises the scale of its own
+  block only. (In the small model one scale per tensor did as well: measured once.)
+
+Encoding a value y in [0, 1] is FusedAdamW's rounding on a shorter mantissa: add random bits below the kept
+ones of y's fp32 bit pattern and shift them off (a carry into the exponent is the correct rounding up); a
+value below 2^-14 is first offset by 2^-14, rounded the same way, and the offset taken off again as one code.
+
+Random bits: FusedAdamW's (adamw.py's docstring), drawn from (seed, step, the element's index in its group);
+the weight uses the low 16 bits of the first hash, m's code its high 16, r's code the low 16 of the second.
+The same seed and inputs give the same weights and state whatever the blocking, on every data-parallel rank.
+
+fp32 parameters get the same 8-bit moments and an fp32 weight, stored as computed. FSDP2 (DTensor)
+parameters are refused for now: a shard's blocks would not line up with another world size's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from fusetune.kernels._interpreter import interpreted
+from fusetune.kernels.adamw import (
+    _back_to_back_offsets,
+    _block_map,
+    _div_rn,
+    _mix32_kernel,
+    _random_bits_reference,
+    _round_stochastic,
+    _round_stochastic_reference,
+    _sqrt_rn,
+    _StepConstants,
+    stochastic_rounding_key,
+)
+
+__all__ = [
+    "AdamW8bitLaunchSettings",
+    "FusedAdamW8bit",
+    "adamw8bit_launch_settings",
+    "adamw8bit_state_bytes_per_parameter",
+    "adamw8bit_step_reference",
+    "adamw8bit_zero_state",
+    "dequantize_moments",
+]
+
+DEFAULT_BLOCK_SIZE = 256
+# Mantissa bits of the two codes (both have 4 exponent bits): m's code keeps its eighth bit for the sign.
+EXP_AVG_MANTISSA_BITS = 3
+EXP_AVG_SQ_MANTISSA_BITS = 4
+# The smallest normal value of the codes, 2^-14: 4 exponent bits below 1.0, the lowest kept for subnormals.
+_MIN_NORMAL = 2.0**-14
+# fp32 exponent of the codes' 2^0 minus their exponent bias (127 - 15): subtracted from the shifted fp32 bits.
+_EXPONENT_OFFSET = 112
+_SIGN_BIT = 0x80
+# Columns of the per-launch address table (int64): param, grad, exp_avg codes and scales, exp_avg_sq codes and
+# scales, numel, element offset of the tensor in the group, first program of the tensor in the launch.
+_TABLE_COLUMNS = 9
+_SUPPORTED_PARAM_DTYPES = (torch.bfloat16, torch.float32)
+_STATE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
+
+
+@dataclass(frozen=True)
+class AdamW8bitLaunchSettings:
+    """Elements per program (a multiple of the quantization block) and warps of the 8-bit AdamW kernel."""
+
+    elements_per_program: int
+    num_warps: int
+
+
+def adamw8bit_launch_settings(block_size: int = DEFAULT_BLOCK_SIZE) -> AdamW8bitLaunchSettings:
+    """The kernel's launch settings for quantization blocks of `block_size` elements.
+
+    GPU: not measured yet. 2048 elements with 8 warps is FusedAdamW's measured best (adamw_launch_settings)
+    for the same parameter set, taken as the starting point; `benchmarks/optimizer.py --sweep-8bit` times the
+    alternatives, and its results file is where this choice will be cited from.
+    Interpreter: 512 elements, so CPU tests at a few thousand elements walk several programs per tensor.
+    """
+    elements = 512 if interpreted() else 2048
+    return AdamW8bitLaunchSettings(elements_per_program=max(elements, block_size), num_warps=8)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Codes: Triton
+# ------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _encode(value, random16, MANTISSA_BITS: tl.constexpr):
+    """Code (uint32, below 2^(4 + MANTISSA_BITS)) of an fp32 `value` in [0, 1], rounded up with probability
+    equal to its position between the two nearest codes' values, given 16 random bits."""
+    small = value < 6.103515625e-05  # 2^-14, the smallest normal code value
+    shifted = tl.where(small, value + 6.103515625e-05, value)
+    bits = shifted.to(tl.uint32, bitcast=True)
+    code = ((bits + (random16 << (7 - MANTISSA_BITS))) >> (23 - MANTISSA_BITS)) - (112 << MANTISSA_BITS)
+    return tl.where(small, code - (1 << MANTISSA_BITS), code)
+
+
+@triton.jit
+def _decode(code, MANTISSA_BITS: tl.constexpr):
+    """fp32 value in [0, 1] of a code of `_encode` (exact)."""
+    normal = code >= (1 << MANTISSA_BITS)
+    lifted = tl.where(normal, code, code + (1 << MANTISSA_BITS))
+    value = ((lifted + (112 << MANTISSA_BITS)) << (23 - MANTISSA_BITS)).to(tl.float32, bitcast=True)
+    return tl.where(normal, value, value - 6.103515625e-05)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["step_key"])
+def _adamw8bit_kernel(
+    table_ptr,
+    program_tensor_ptr,
+    param_proto_ptr,
+    grad_proto_ptr,
+    grad_scale_ptr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    inv_sqrt_bias_correction2,
+    eps,
+    weight_decay_factor,
+    step_size,
+    step_key,
+    HAS_GRAD_SCALE: tl.constexpr,
+    TABLE_COLUMNS: tl.constexpr,
+    QUANT_BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
+    M_MANTISSA_BITS: tl.constexpr,
+    R_MANTISSA_BITS: tl.constexpr,
+):
+    """BLOCKS_PER_PROGRAM quantization blocks of one tensor of the group: the update of the module docstring,
+    in place. The *_proto pointers are the first tensor's, passed only for their element types."""
+    param_dtype = param_proto_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    tensor = tl.load(program_tensor_ptr + pid).to(tl.int64)
+    row = table_ptr + tensor * TABLE_COLUMNS
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_dtype))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
+    m_codes_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    m_scales_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    r_codes_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    r_scales_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    numel = tl.load(row + 6)
+    group_offset = tl.load(row + 7)
+    first_program = tl.load(row + 8)
+
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
+        numel = tl.where(grad_scale == grad_scale, numel, 0)
+    blocks = (pid - first_program) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    offsets = blocks[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK)[None, :]
+    mask = offsets < numel
+    block_mask = blocks * QUANT_BLOCK < numel
+
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if HAS_GRAD_SCALE:
+        grad = grad * grad_scale
+    m_code = tl.load(m_codes_ptr + offsets, mask=mask, other=0).to(tl.uint32)
+    r_code = tl.load(r_codes_ptr + offsets, mask=mask, other=0).to(tl.uint32)
+    m_scale = tl.load(m_scales_ptr + blocks, mask=block_mask, other=0.0)
+    r_scale = tl.load(r_scales_ptr + blocks, mask=block_mask, other=0.0)
+    param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    m_magnitude = _decode(m_code & 0x7F, M_MANTISSA_BITS) * m_scale[:, None]
+    exp_avg = tl.where(m_code >= 0x80, -m_magnitude, m_magnitude)
+    root = _decode(r_code, R_MANTISSA_BITS) * r_scale[:, None]
+    exp_avg_sq = root * root
+
+    exp_avg = exp_avg * beta1 + grad * one_minus_beta1
+    exp_avg_sq = exp_avg_sq * beta2 + (grad * grad) * one_minus_beta2
+    root = tl.sqrt_rn(exp_avg_sq)
+    denom = root * inv_sqrt_bias_correction2 + eps
+    param = param * weight_decay_factor - tl.div_rn(exp_avg, denom) * step_size
+
+    index = group_offset + offsets
+    key = step_key.to(tl.uint32, bitcast=True)
+    high_key = _mix32_kernel((index >> 32).to(tl.uint32) ^ key)
+    first = _mix32_kernel(index.to(tl.uint32) ^ high_key)
+    second = _mix32_kernel(first ^ 0x9E3779B9)  # adamw._SALT
+    if param_dtype == tl.bfloat16:
+        tl.store(param_ptr + offsets, _round_stochastic(param, first & 0xFFFF), mask=mask)
+    else:
+        tl.store(param_ptr + offsets, param, mask=mask)
+
+    # Masked lanes hold m = v = 0, so they do not enter the maxima.
+    new_m_scale = tl.max(tl.abs(exp_avg), axis=1)
+    new_r_scale = tl.max(root, axis=1)
+    m_ratio = tl.div_rn(tl.abs(exp_avg), tl.where(new_m_scale > 0, new_m_scale, 1.0)[:, None])
+    r_ratio = tl.div_rn(root, tl.where(new_r_scale > 0, new_r_scale, 1.0)[:, None])
+    m_code = _encode(m_ratio, first >> 16, M_MANTISSA_BITS)
+    m_code = tl.where(exp_avg < 0, m_code | 0x80, m_code)
+    r_code = _encode(r_ratio, second & 0xFFFF, R_MANTISSA_BITS)
+    tl.store(m_codes_ptr + offsets, m_code.to(tl.uint8), mask=mask)
+    tl.store(r_codes_ptr + offsets, r_code.to(tl.uint8), mask=mask)
+    tl.store(m_scales_ptr + blocks, new_m_scale, mask=block_mask)
+    tl.store(r_scales_ptr + blocks, new_r_scale, mask=block_mask)
+
+
+def _launch(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Sequence[dict[str, torch.Tensor]],
+    element_offsets: Sequence[int],
+    constants: _StepConstants,
+    step_key: int,
+    grad_scale: torch.Tensor | None,
+    block_size: int,
+    settings: AdamW8bitLaunchSettings,
+) -> None:
+    """One kernel launch over contiguous tensors that share their dtypes and step."""
+    device = params[0].device
+    numels = tuple(p.numel() for p in params)
+    elements = settings.elements_per_program
+    if elements % block_size:
+        raise ValueError(
+            f"FusedAdamW8bit: elements_per_program ({elements}) must be a multiple of block_size ({block_size})"
+        )
+    program_tensor, first_programs = _block_map(numels, elements, device)
+    rows = [
+        [
+            p.data_ptr(),
+            g.data_ptr(),
+            *(state[name].data_ptr() for name in _STATE_KEYS),
+            n,
+            offset,
+            first,
+        ]
+        for p, g, state, n, offset, first in zip(
+            params, grads, states, numels, element_offsets, first_programs, strict=True
+        )
+    ]
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cpu":
+        # Grad addresses change every step, so the table is sent each time, from pinned memory without a wait.
+        table = table.pin_memory().to(device, non_blocking=True)
+    if grad_scale is not None:
+        if grad_scale.numel() != 1 or grad_scale.device != device:
+            raise ValueError(
+                f"FusedAdamW8bit: grad_scale must be one element on {device}, got shape "
+                f"{tuple(grad_scale.shape)} on {grad_scale.device}"
+            )
+        grad_scale = grad_scale.to(torch.float32)
+    step_key_signed = step_key - (1 << 32) if step_key >= 1 << 31 else step_key
+    _adamw8bit_kernel[(program_tensor.numel(),)](
+        table,
+        program_tensor,
+        params[0],
+        grads[0],
+        grad_scale if grad_scale is not None else table,
+        constants.beta1,
+        constants.one_minus_beta1,
+        constants.beta2,
+        constants.one_minus_beta2,
+        constants.inv_sqrt_bias_correction2,
+        constants.eps,
+        constants.weight_decay_factor,
+        constants.step_size,
+        step_key_signed,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        TABLE_COLUMNS=_TABLE_COLUMNS,
+        QUANT_BLOCK=block_size,
+        BLOCKS_PER_PROGRAM=elements // block_size,
+        M_MANTISSA_BITS=EXP_AVG_MANTISSA_BITS,
+        R_MANTISSA_BITS=EXP_AVG_SQ_MANTISSA_BITS,
+        num_warps=settings.num_warps,
+        # Fused multiply-adds would round differently from the reference's separate operations.
+        enable_fp_fusion=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _encode_reference(value: torch.Tensor, random16: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    """`_encode` in torch: int64 codes of fp32 values in [0, 1], given 16 random bits per element (int64)."""
+    small = value < _MIN_NORMAL
+    shifted = torch.where(small, value + _MIN_NORMAL, value)
+    bits = shifted.view(torch.int32).to(torch.int64)
+    code = ((bits + (random16 << (7 - mantissa_bits))) >> (23 - mantissa_bits)) - (
+        _EXPONENT_OFFSET << mantissa_bits
+    )
+    return torch.where(small, code - (1 << mantissa_bits), code)
+
+
+def _decode_reference(code: torch.Tensor, mantissa_bits: int) -> torch.Tensor:
+    """`_decode` in torch: the fp32 value of int64 codes."""
+    normal = code >= (1 << mantissa_bits)
+    lifted = torch.where(normal, code, code + (1 << mantissa_bits))
+    bits = (lifted + (_EXPONENT_OFFSET << mantissa_bits)) << (23 - mantissa_bits)
+    value = bits.to(torch.int32).view(torch.float32)
+    return torch.where(normal, value, value - _MIN_NORMAL)
+
+
+def _per_element(block_values: torch.Tensor, shape: torch.Size, block_size: int) -> torch.Tensor:
+    """Each element's block value (blocks of `block_size` consecutive elements of the flattened tensor)."""
+    numel = shape.numel()
+    return block_values.repeat_interleave(block_size)[:numel].view(shape)
+
+
+def _block_max(values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The largest of each block of `values` (non-negative), zero-padded to whole blocks."""
+    flat = values.flatten()
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block_size))
+    return padded.view(-1, block_size).amax(dim=1)
+
+
+def dequantize_moments(
+    state: dict[str, torch.Tensor], block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp_avg, exp_avg_sq) in fp32 from one parameter's FusedAdamW8bit state: what the next step reads."""
+    m_code = state["exp_avg_codes"].to(torch.int64)
+    r_code = state["exp_avg_sq_codes"].to(torch.int64)
+    shape = m_code.shape
+    magnitude = _decode_reference(m_code & 0x7F, EXP_AVG_MANTISSA_BITS) * _per_element(
+        state["exp_avg_scales"], shape, block_size
+    )
+    exp_avg = torch.where(m_code >= _SIGN_BIT, -magnitude, magnitude)
+    root = _decode_reference(r_code, EXP_AVG_SQ_MANTISSA_BITS) * _per_element(
+        state["exp_avg_sq_scales"], shape, block_size
+    )
+    return exp_avg, root * root
+
+
+def _quantize_reference(
+    values: torch.Tensor, random16: torch.Tensor, mantissa_bits: int, block_size: int, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 codes and fp32 block scales of fp32 `values` (the kernel's requantization)."""
+    magnitude = values.abs()
+    scales = _block_max(magnitude, block_size)
+    divisor = _per_element(torch.where(scales > 0, scales, 1.0), values.shape, block_size)
+    code = _encode_reference(_div_rn(magnitude, divisor), random16, mantissa_bits)
+    if signed:
+        code = torch.where(values < 0, code | _SIGN_BIT, code)
+    return code.to(torch.uint8), scales
+
+
+def adamw8bit_step_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Sequence[dict[str, torch.Tensor]],
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    grad_scale: torch.Tensor | None = None,
+    element_offsets: Sequence[int] | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> None:
+    """One 8-bit AdamW step in pure PyTorch, in place, bit for bit the kernel's (the module docstring's math).
+
+    `states[i]` holds parameter i's `exp_avg_codes`, `exp_avg_scales`, `exp_avg_sq_codes` and
+    `exp_avg_sq_scales` (zeros before the first step: `adamw8bit_zero_state`), replaced by the new ones.
+    `step` is the step being taken (1 for the first); `element_offsets` are where each tensor starts in the
+    group's element count (default: back to back, as FusedAdamW8bit lays out a group).
+    """
+    constants = _StepConstants.of(step, lr, betas[0], betas[1], eps, weight_decay)
+    if grad_scale is not None and bool(torch.isnan(grad_scale).any()):
+        return  # the non-finite guard: nothing changes
+    if element_offsets is None:
+        element_offsets = _back_to_back_offsets(params)
+    key = stochastic_rounding_key(seed, step)
+    for param, grad, state, offset in zip(params, grads, states, element_offsets, strict=True):
+        g = grad.to(torch.float32)
+        if grad_scale is not None:
+            g = g * grad_scale.to(torch.float32)
+        exp_avg, exp_avg_sq = dequantize_moments(state, block_size)
+        m = exp_avg * constants.beta1 + g * constants.one_minus_beta1
+        v = exp_avg_sq * constants.beta2 + (g * g) * constants.one_minus_beta2
+        root = _sqrt_rn(v)
+        denom = root * constants.inv_sqrt_bias_correction2 + constants.eps
+        p = param.to(torch.float32) * constants.weight_decay_factor - _div_rn(m, denom) * constants.step_size
+        index = offset + torch.arange(param.numel(), dtype=torch.int64, device=param.device)
+        first, second = _random_bits_reference(index.view(param.shape), key)
+        if param.dtype == torch.bfloat16:
+            param.copy_(_round_stochastic_reference(p, first & 0xFFFF))
+        else:
+            param.copy_(p)
+        m_codes, m_scales = _quantize_reference(
+            m, first >> 16, EXP_AVG_MANTISSA_BITS, block_size, signed=True
+        )
+        r_codes, r_scales = _quantize_reference(
+            root, second & 0xFFFF, EXP_AVG_SQ_MANTISSA_BITS, block_size, signed=False
+        )
+        state["exp_avg_codes"].copy_(m_codes)
+        state["exp_avg_scales"].copy_(m_scales)
+        state["exp_avg_sq_codes"].copy_(r_codes)
+        state["exp_avg_sq_scales"].copy_(r_scales)
+
+
+def adamw8bit_zero_state(
+    param: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE
+) -> dict[str, torch.Tensor]:
+    """Zero moments for `param`: codes shaped like it (uint8), one fp32 scale per block of its elements."""
+    blocks = triton.cdiv(param.numel(), block_size)
+    codes = {"dtype": torch.uint8, "memory_format": torch.contiguous_format}
+    return {
+        "exp_avg_codes": torch.zeros_like(param, **codes),
+        "exp_avg_scales": torch.zeros(blocks, dtype=torch.float32, device=param.device),
+        "exp_avg_sq_codes": torch.zeros_like(param, **codes),
+        "exp_avg_sq_scales": torch.zeros(blocks, dtype=torch.float32, device=param.device),
+    }
+
+
+def adamw8bit_state_bytes_per_parameter(block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+    """Bytes of FusedAdamW8bit state per parameter: two 1-byte codes and two fp32 scales per block (2.03125 at
+    the default 256-element blocks; FusedAdamW's bf16 state takes 4)."""
+    return 2 + 2 * 4 / block_size
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Optimizer
+# ------------------------------------------------------------------------------------------------------------
+
+
+class FusedAdamW8bit(torch.optim.Optimizer):
+    """AdamW with blockwise 8-bit moments; one Triton launch per parameter group; bf16 weights and the codes
+    rounded stochastically.
+
+    `seed` fixes the rounding bits: the same seed, inputs and step count give the same weights and state.
+    `block_size` (a power of two, 32 to 4096) is the quantization block; it is part of the state's layout, so a
+    checkpoint loads only into an optimizer with the same one. `step(grad_scale=t)` multiplies every gradient by
+    the one-element device tensor `t` (`gradient_clipping_scale`'s clipping factor) inside the kernel; a NaN `t`
+    leaves weights and state as they are. The state per parameter is `step` (a float32 CPU scalar, as
+    torch.optim.AdamW's) and the `exp_avg_codes` / `exp_avg_scales` / `exp_avg_sq_codes` / `exp_avg_sq_scales`
+    tensors (`dequantize_moments` turns them into fp32 moments).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        seed: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"FusedAdamW8bit: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"FusedAdamW8bit: betas must lie in [0, 1), got {betas}")
+        if not 0.0 <= eps:
+            raise ValueError(f"FusedAdamW8bit: eps must be >= 0, got {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"FusedAdamW8bit: weight_decay must be >= 0, got {weight_decay}")
+        if not (32 <= block_size <= 4096 and block_size & (block_size - 1) == 0):
+            raise ValueError(
+                f"FusedAdamW8bit: block_size must be a power of two from 32 to 4096, got {block_size}"
+            )
+        stochastic_rounding_key(seed, 0)  # validates the seed
+        self.seed = seed
+        self.block_size = block_size
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                if param.dtype not in _SUPPORTED_PARAM_DTYPES:
+                    raise TypeError(
+                        f"FusedAdamW8bit: parameters must be bfloat16 or float32, got {param.dtype}"
+                    )
+                if hasattr(param, "to_local"):
+                    raise TypeError(
+                        f"FusedAdamW8bit: parameter {index} of its group is an FSDP2 DTensor, which the 8-bit "
+                        "state does not support yet (its blocks would not line up across world sizes); "
+                        "use FusedAdamW"
+                    )
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: torch.Tensor | None = None):  # type: ignore[override]
+        """One AdamW step of every parameter that has a gradient; `grad_scale` multiplies the gradients."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        settings = adamw8bit_launch_settings(self.block_size)
+        for group in self.param_groups:
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                raise TypeError(
+                    "FusedAdamW8bit: lr must be a Python float (a tensor would be read back every step)"
+                )
+            beta1, beta2 = group["betas"]
+            # (dtypes, device, step) -> tensors of one launch; offsets count every parameter of the group, so
+            # the random bits of a parameter do not depend on which others have gradients this step.
+            launches: dict[tuple, list[tuple]] = {}
+            offset = 0
+            for index, param in enumerate(group["params"]):
+                start, offset = offset, offset + param.numel()
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError(
+                        f"FusedAdamW8bit: parameter {index} of its group has a sparse gradient"
+                    )
+                if not param.is_contiguous():
+                    raise ValueError(f"FusedAdamW8bit: parameter {index} of its group is not contiguous")
+                state = self.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state.update(adamw8bit_zero_state(param, self.block_size))
+                state["step"] += 1
+                step = int(state["step"].item())
+                key = (param.dtype, param.grad.dtype, param.device, step)
+                launches.setdefault(key, []).append((param, param.grad.contiguous(), state, start))
+            for (_, _, device, step), members in launches.items():
+                if device.type == "cpu" and not interpreted():
+                    raise RuntimeError(
+                        "FusedAdamW8bit: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+                    )
+                members = [m for m in members if m[0].numel() > 0]
+                if not members:
+                    continue
+                params, grads, states, offsets = zip(*members, strict=True)
+                _launch(
+                    params,
+                    grads,
+                    states,
+                    offsets,
+                    _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"]),
+                    stochastic_rounding_key(self.seed, step),
+                    grad_scale,
+                    self.block_size,
+                    settings,
+                )
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of FusedAdamW8bit with the same block size, exactly.
+
+        torch.optim.Optimizer casts state to the parameter's dtype on load, which would turn the codes and fp32
+        scales of bf16 parameters into bf16; they are copied again from the saved tensors here.
+        """
+        saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        for param_id, param in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(param_id)
+            if not saved:
+                continue
+            missing = [name for name in _STATE_KEYS if name not in saved]
+            if missing:
+                raise KeyError(
+                    f"FusedAdamW8bit: the saved state of parameter {param_id} has no {missing} (a "
+                    "checkpoint of another optimizer?)"
+                )
+            blocks = triton.cdiv(param.numel(), self.block_size)
+            if saved["exp_avg_scales"].numel() != blocks:
+                raise ValueError(
+                    f"FusedAdamW8bit: the saved state of parameter {param_id} has "
+                    f"{saved['exp_avg_scales'].numel()} scales, block_size {self.block_size} needs {blocks}: "
+                    "load it with the block_size it was saved with"
+                )
+        super().load_state_dict(state_dict)
+        for param_id, param in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(param_id)
+            if not saved:
+                continue
+            state = self.state[param]
+            for name in _STATE_KEYS:
+                state[name] = saved[name].to(device=param.device, copy=True).contiguous()
+            state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
