@@ -1,0 +1,520 @@
+"""FusedAdamW8bit's kernel against its bit-exact reference, the reference against torch.optim.AdamW, its codes,
+its stochastic rounding and its state.
+
+On CPU the real Triton kernel runs under TRITON_INTERPRET=1 (set by tests/conftest.py) with 512-element programs
+of two 256-element quantization blocks, so the 4095-element tensor walks eight programs and 16 blocks with a
+ragged tail. Kernel and reference perform the same IEEE fp32 operations and draw the same random bits, so they
+are compared exactly; the reference is compared with torch.optim.AdamW within TOLERANCES. The quality evidence
+(fine-tuning a pretrained model) is in test_adamw_quality.py.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from fusetune.kernels import adamw8bit as adamw8bit_module
+from fusetune.kernels.adamw import FusedAdamW, adamw_step_reference, gradient_clipping_scale
+from fusetune.kernels.adamw8bit import (
+    EXP_AVG_MANTISSA_BITS,
+    EXP_AVG_SQ_MANTISSA_BITS,
+    FusedAdamW8bit,
+    adamw8bit_state_bytes_per_parameter,
+    adamw8bit_step_reference,
+    adamw8bit_zero_state,
+    dequantize_moments,
+)
+from tests.kernels.mutation import mutated_kernel
+
+# (atol, rtol) of one step of the reference against torch.optim.AdamW run on fp32 copies of the same weights and
+# of the same (dequantized) moments, per parameter dtype: the update itself is FusedAdamW's, so these are
+# test_adamw.py's. float32: a few fp32 roundings apart; bfloat16: the stochastically rounded weight is one of
+# the two bf16 neighbours of the fp32 result, at most one bf16 ulp (2^-7 relative) away.
+TOLERANCES = {
+    torch.float32: (1e-7, 2e-6),
+    torch.bfloat16: (0.0, 2.0**-7),
+}
+# The stored moments against the exact ones: each code is one of the two codes around its value, so the error
+# is under one code step, 2^-mantissa_bits of the value's binade, or of 2^-14 of the block's scale below that
+# (subnormal codes). Checked element by element in _assert_within_one_code_step.
+SHAPES = [(1,), (5,), (4095,), (33, 17), (256,), (257,)]
+HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+STEPS = 3
+
+
+def _tensors(shapes, dtype, device, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape, generator=generator) * scale).to(dtype).to(device) for shape in shapes]
+
+
+def _run_fused(param_dtypes, device, *, seed=7, grad_scale=None, steps=STEPS, block_size=256, shapes=SHAPES):
+    """Params and optimizer after `steps` steps of FusedAdamW8bit on fixed random gradients."""
+    start = _tensors(shapes, torch.float32, device, seed=1)
+    params = [torch.nn.Parameter(p.to(dtype)) for p, dtype in zip(start, param_dtypes, strict=True)]
+    optimizer = FusedAdamW8bit(params, **HYPERPARAMETERS, seed=seed, block_size=block_size)
+    for step in range(steps):
+        for param, grad in zip(params, _tensors(shapes, torch.float32, device, seed=100 + step), strict=True):
+            param.grad = grad.to(param.dtype)
+        optimizer.step(grad_scale=grad_scale)
+    return params, optimizer
+
+
+def _run_reference(
+    param_dtypes, device, *, seed=7, grad_scale=None, steps=STEPS, block_size=256, shapes=SHAPES
+):
+    params = [
+        p.to(dtype) for p, dtype in zip(_tensors(shapes, torch.float32, device, 1), param_dtypes, strict=True)
+    ]
+    states = [adamw8bit_zero_state(p, block_size) for p in params]
+    for step in range(steps):
+        grads = [
+            g.to(p.dtype)
+            for p, g in zip(params, _tensors(shapes, torch.float32, device, 100 + step), strict=True)
+        ]
+        adamw8bit_step_reference(
+            params,
+            grads,
+            states,
+            step=step + 1,
+            **HYPERPARAMETERS,
+            seed=seed,
+            grad_scale=grad_scale,
+            block_size=block_size,
+        )
+    return params, states
+
+
+def _assert_same(params, optimizer, ref_params, ref_states):
+    for param, ref_param, ref_state in zip(params, ref_params, ref_states, strict=True):
+        torch.testing.assert_close(param.detach(), ref_param, atol=0.0, rtol=0.0)
+        for name, value in ref_state.items():
+            torch.testing.assert_close(optimizer.state[param][name], value, atol=0.0, rtol=0.0, msg=name)
+
+
+PARAM_DTYPE_SETS = [
+    pytest.param([torch.bfloat16] * len(SHAPES), id="bf16"),
+    pytest.param([torch.float32] * len(SHAPES), id="fp32"),
+    # one group, two launches (bf16 and fp32 tensors); element offsets still count the whole group
+    pytest.param([torch.bfloat16, torch.float32] * (len(SHAPES) // 2), id="mixed"),
+]
+
+
+@pytest.mark.parametrize("grad_scale", [None, 0.37], ids=["no-scale", "grad-scale"])
+@pytest.mark.parametrize("param_dtypes", PARAM_DTYPE_SETS)
+def test_kernel_matches_reference_exactly(param_dtypes, grad_scale, device):
+    scale = None if grad_scale is None else torch.tensor(grad_scale, device=device)
+    params, optimizer = _run_fused(param_dtypes, device, grad_scale=scale)
+    _assert_same(params, optimizer, *_run_reference(param_dtypes, device, grad_scale=scale))
+    for param in params:
+        assert optimizer.state[param]["step"].item() == STEPS
+
+
+def test_kernel_matches_reference_with_small_blocks(device):
+    """32-element blocks: a 512-element program holds 16 of them, each with its own scales."""
+    dtypes = [torch.bfloat16] * len(SHAPES)
+    params, optimizer = _run_fused(dtypes, device, block_size=32)
+    _assert_same(params, optimizer, *_run_reference(dtypes, device, block_size=32))
+    assert optimizer.state[params[2]]["exp_avg_scales"].shape == (128,)  # ceil(4095 / 32)
+
+
+def test_extreme_values_match_the_reference_and_stay_finite(device):
+    """Gradients from 1e-30 to 1e15 in one block (v up to 1e30, sqrt(v) over 45 binades), a block of zeros and
+    a block holding one non-zero element: the kernel still equals the reference, and nothing is NaN."""
+    generator = torch.Generator().manual_seed(3)
+    magnitudes = 10.0 ** torch.randint(-30, 16, (1024,), generator=generator).float()
+    signs = torch.where(torch.rand(1024, generator=generator) < 0.5, -1.0, 1.0)
+    grad = magnitudes * signs
+    grad[256:512] = 0.0
+    grad[512:768] = 0.0
+    grad[700] = 1e-3
+    grads = [grad.to(device), grad.to(device).bfloat16()]
+    start = [
+        torch.linspace(-2, 2, 1024, device=device),
+        torch.linspace(-2, 2, 1024, device=device).bfloat16(),
+    ]
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    optimizer = FusedAdamW8bit(params, **HYPERPARAMETERS, seed=5)
+    reference = [p.clone() for p in start]
+    states = [adamw8bit_zero_state(p) for p in reference]
+    for step in range(1, 4):
+        for param, grad_value in zip(params, grads, strict=True):
+            param.grad = grad_value.clone()
+        optimizer.step()
+        adamw8bit_step_reference(
+            reference, [g.clone() for g in grads], states, step=step, **HYPERPARAMETERS, seed=5
+        )
+    _assert_same(params, optimizer, reference, states)
+    for param in params:
+        exp_avg, exp_avg_sq = dequantize_moments(optimizer.state[param])
+        assert (
+            torch.isfinite(param).all() and torch.isfinite(exp_avg).all() and torch.isfinite(exp_avg_sq).all()
+        )
+        assert (optimizer.state[param]["exp_avg_scales"][1] == 0) and (exp_avg[256:512] == 0).all()
+        assert exp_avg[700] != 0 and (exp_avg[512:700] == 0).all()
+
+
+def test_non_contiguous_gradients_are_read_and_non_contiguous_parameters_refused(device):
+    params = [torch.nn.Parameter(torch.ones(33, 17, dtype=torch.bfloat16, device=device))]
+    optimizer = FusedAdamW8bit(params, **HYPERPARAMETERS)
+    grad = _tensors([(17, 33)], torch.bfloat16, device, seed=2)[0]
+    params[0].grad = grad.t()  # a transposed view: not contiguous
+    optimizer.step()
+    reference = [torch.ones(33, 17, dtype=torch.bfloat16, device=device)]
+    states = [adamw8bit_zero_state(reference[0])]
+    adamw8bit_step_reference(reference, [grad.t().contiguous()], states, step=1, **HYPERPARAMETERS)
+    _assert_same(params, optimizer, reference, states)
+
+    strided = torch.nn.Parameter(torch.ones(8, 8, device=device)[:, ::2])
+    strided.grad = torch.ones_like(strided)
+    with pytest.raises(ValueError, match="parameter 0 of its group is not contiguous"):
+        FusedAdamW8bit([strided]).step()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The update and the codes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_first_step_weights_are_fused_adamws_with_fp32_state(device):
+    """From zero moments the first update uses the exact moments (quantization comes after it), so the weights
+    are FusedAdamW's with fp32 state bit for bit: same update, same rounding bits."""
+    dtypes = [torch.bfloat16] * len(SHAPES)
+    params, _ = _run_fused(dtypes, device, steps=1)
+    start = _tensors(SHAPES, torch.bfloat16, device, seed=1)
+    grads = _tensors(SHAPES, torch.bfloat16, device, seed=100)
+    exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in start]
+    exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in start]
+    adamw_step_reference(start, grads, exp_avgs, exp_avg_sqs, step=1, **HYPERPARAMETERS, seed=7)
+    for param, expected in zip(params, start, strict=True):
+        torch.testing.assert_close(param.detach(), expected, atol=0.0, rtol=0.0)
+
+
+def _assert_within_one_code_step(stored, exact, scales, mantissa_bits, block_size=256):
+    """Each stored value is within one code step of the exact one: 2^-mantissa_bits of the exact value's
+    magnitude, or of 2^-14 of its block's scale (the subnormal codes' step) if that is larger."""
+    block_scale = scales.repeat_interleave(block_size)[: exact.numel()].view(exact.shape)
+    step = torch.maximum(exact.abs(), block_scale * 2.0**-14) * 2.0**-mantissa_bits
+    error = (stored - exact).abs()
+    assert torch.all(error <= step * (1 + 2.0**-12)), (
+        f"largest error / code step {(error / step).max().item()}"
+    )
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_follows_torch_adamw(param_dtype, device):
+    """Each step of the reference is torch.optim.AdamW's from the same weights and the same (dequantized)
+    moments within TOLERANCES, and the moments it stores are within one code step of torch's new ones."""
+    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    torch_params = [torch.nn.Parameter(p.to(param_dtype).float()) for p in start]
+    torch_optimizer = torch.optim.AdamW(torch_params, **HYPERPARAMETERS)
+    params = [p.detach().to(param_dtype) for p in start]
+    states = [adamw8bit_zero_state(p) for p in params]
+    atol, rtol = TOLERANCES[param_dtype]
+    for step in range(1, STEPS + 2):
+        grads = _tensors(SHAPES, torch.float32, device, seed=100 + step)
+        for torch_param, param, grad, state in zip(torch_params, params, grads, states, strict=True):
+            torch_param.data.copy_(param.float())  # both start this step from the stored weights and moments
+            torch_param.grad = grad.to(param_dtype).float()
+            if step > 1:
+                exp_avg, exp_avg_sq = dequantize_moments(state)
+                torch_optimizer.state[torch_param]["exp_avg"].copy_(exp_avg)
+                torch_optimizer.state[torch_param]["exp_avg_sq"].copy_(exp_avg_sq)
+        torch_optimizer.step()
+        adamw8bit_step_reference(
+            params, [g.to(param_dtype) for g in grads], states, step=step, **HYPERPARAMETERS
+        )
+        for torch_param, param, state in zip(torch_params, params, states, strict=True):
+            torch.testing.assert_close(param.float(), torch_param.detach(), atol=atol, rtol=rtol)
+            exp_avg, exp_avg_sq = dequantize_moments(state)
+            torch_state = torch_optimizer.state[torch_param]
+            _assert_within_one_code_step(
+                exp_avg, torch_state["exp_avg"], state["exp_avg_scales"], EXP_AVG_MANTISSA_BITS
+            )
+            _assert_within_one_code_step(
+                exp_avg_sq.sqrt(), torch_state["exp_avg_sq"].sqrt(), state["exp_avg_sq_scales"],
+                EXP_AVG_SQ_MANTISSA_BITS,
+            )  # fmt: skip
+
+
+def test_codes_decode_to_increasing_values_and_encode_back():
+    """Every code of both formats: decoded values increase from 0 to 1.0, the top code; rounding with zero
+    random bits (toward zero) gives the code back; 2^-14 is the first normal code."""
+    for mantissa_bits in (EXP_AVG_MANTISSA_BITS, EXP_AVG_SQ_MANTISSA_BITS):
+        codes = torch.arange(0, (15 << mantissa_bits) + 1)
+        values = adamw8bit_module._decode_reference(codes, mantissa_bits)
+        assert values[0] == 0.0 and values[-1] == 1.0 and torch.all(values[1:] > values[:-1])
+        assert values[1 << mantissa_bits] == 2.0**-14
+        encoded = adamw8bit_module._encode_reference(values, torch.zeros_like(codes), mantissa_bits)
+        torch.testing.assert_close(encoded, codes, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.85])
+@pytest.mark.parametrize("mantissa_bits", [EXP_AVG_MANTISSA_BITS, EXP_AVG_SQ_MANTISSA_BITS])
+def test_code_rounding_is_unbiased(mantissa_bits, fraction):
+    """A value `fraction` of the way between two codes (normal and subnormal) is rounded up that often, from
+    the kernel's random bits: the mean of 65536 rounded values is the value within 5 standard deviations."""
+    index = torch.arange(1 << 16, dtype=torch.int64)
+    first, _ = adamw8bit_module._random_bits_reference(index, adamw8bit_module.stochastic_rounding_key(0, 1))
+    for low_code in (3, 37 << (mantissa_bits - 3)):
+        low, high = adamw8bit_module._decode_reference(torch.tensor([low_code, low_code + 1]), mantissa_bits)
+        value = torch.full(index.shape, float(low + fraction * (high - low)))
+        codes = adamw8bit_module._encode_reference(value, first >> 16, mantissa_bits)
+        assert set(codes.unique().tolist()) == {low_code, low_code + 1}
+        rounded = adamw8bit_module._decode_reference(codes, mantissa_bits).double()
+        sigma = float(high - low) * 0.5 / index.numel() ** 0.5
+        assert abs(rounded.mean().item() - value[0].item()) <= 5 * sigma
+
+
+def _second_moment_after_a_drop(device, steps_before=40, steps_after=160):
+    """r = sqrt(v) of FusedAdamW8bit against the exact one, after half of the elements of every block (the odd
+    ones) see their gradients drop 4x: their v must fall 16x, by under 1% a step (beta2 = 0.99), below a code's
+    half step. Returns the mean ratio stored / exact over the dropped elements and over the others."""
+    numel = 512
+    param = torch.nn.Parameter(torch.zeros(numel, device=device))
+    optimizer = FusedAdamW8bit([param], lr=0.0, betas=(0.9, 0.99), weight_decay=0.0, seed=1)
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.exp(torch.randn(numel, generator=generator) * 0.5)
+    exact = torch.zeros(numel, dtype=torch.float64)
+    for step in range(steps_before + steps_after):
+        grad = torch.randn(numel, generator=generator) * scale
+        if step >= steps_before:
+            grad[1::2] *= 0.25
+        exact = exact * 0.99 + grad.double() ** 2 * 0.01
+        param.grad = grad.to(device)
+        optimizer.step()
+    _, exp_avg_sq = dequantize_moments(optimizer.state[param])
+    ratio = (exp_avg_sq.cpu().double() / exact).sqrt()
+    return ratio[1::2].mean().item(), ratio[0::2].mean().item()
+
+
+def test_second_moment_follows_a_drop_of_the_gradients_in_its_block(device):
+    """The reason the codes are rounded stochastically: v follows the gradients down. 160 steps after half of
+    each block's gradients drop 4x, the stored sqrt(v) of those elements is 0.997 of the exact one on average;
+    rounded to nearest (the mutant below) it is 1.21, their codes having stayed where they were."""
+    dropped, kept = _second_moment_after_a_drop(device)
+    assert abs(dropped - 1) < 0.1 and abs(kept - 1) < 0.1, (dropped, kept)
+
+
+def test_same_seed_same_bits_other_seed_other_bits(device):
+    dtypes = [torch.bfloat16] * len(SHAPES)
+    first, first_optimizer = _run_fused(dtypes, device, seed=11, steps=2)
+    again, again_optimizer = _run_fused(dtypes, device, seed=11, steps=2)
+    other, other_optimizer = _run_fused(dtypes, device, seed=12, steps=2)
+    _assert_same(again, again_optimizer, first, [first_optimizer.state[p] for p in first])
+    for name in ("exp_avg_codes", "exp_avg_sq_codes"):
+        changed = (
+            (first_optimizer.state[first[2]][name] != other_optimizer.state[other[2]][name]).float().mean()
+        )
+        assert 0.05 < changed.item() < 0.95, (name, changed)  # some, not all, codes round the other way
+
+
+def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
+    start = _tensors(SHAPES, torch.bfloat16, device, seed=1)
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    optimizer = FusedAdamW8bit(params, lr=0.0, weight_decay=0.1)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    for param, before in zip(params, start, strict=True):
+        torch.testing.assert_close(param.detach(), before, atol=0.0, rtol=0.0)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the control step's block maxima of NaN
+def test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device):
+    params, optimizer = _run_fused([torch.bfloat16] * len(SHAPES), device, steps=1)
+    before = [p.detach().clone() for p in params]
+    state_before = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
+    for param in params:
+        param.grad = torch.full_like(param, float("nan"))
+    for bad_norm in (float("nan"), float("inf")):
+        optimizer.step(grad_scale=gradient_clipping_scale(torch.tensor(bad_norm, device=device), 1.0))
+    for param, old, state in zip(params, before, state_before, strict=True):
+        torch.testing.assert_close(param.detach(), old, atol=0.0, rtol=0.0)
+        for key, value in state.items():
+            torch.testing.assert_close(optimizer.state[param][key], value, atol=0.0, rtol=0.0)
+    # control: a finite scale on the same gradients does write (NaN)
+    optimizer.step(grad_scale=gradient_clipping_scale(torch.tensor(1.0, device=device), 1.0))
+    assert torch.isnan(params[0]).any()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_state_dict_round_trip_resumes_exactly(device):
+    """Saved (through torch.save / torch.load with weights_only) and loaded into a new optimizer: the codes stay
+    uint8, the scales fp32 (torch.optim would cast both to bf16), and the next step is the same bit for bit."""
+    params, optimizer = _run_fused([torch.bfloat16] * len(SHAPES), device, steps=2)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = FusedAdamW8bit(copies, **HYPERPARAMETERS, seed=7)
+    resumed.load_state_dict(saved)
+    for param, copy in zip(params, copies, strict=True):
+        state = resumed.state[copy]
+        assert state["step"].item() == 2 and state["step"].device.type == "cpu"
+        assert state["exp_avg_codes"].dtype == torch.uint8 and state["exp_avg_scales"].dtype == torch.float32
+        for name, value in optimizer.state[param].items():
+            torch.testing.assert_close(state[name], value, atol=0, rtol=0)
+    grads = _tensors(SHAPES, torch.float32, device, seed=102)
+    for model_params, opt in ((params, optimizer), (copies, resumed)):
+        for param, grad in zip(model_params, grads, strict=True):
+            param.grad = grad.to(param.dtype)
+        opt.step()
+    _assert_same(copies, resumed, params, [optimizer.state[p] for p in params])
+
+
+def test_loading_another_layout_is_refused_with_the_reason(device):
+    params, optimizer = _run_fused([torch.bfloat16] * len(SHAPES), device, steps=1)
+    with pytest.raises(
+        ValueError, match="block_size 64 needs 64: load it with the block_size it was saved with"
+    ):
+        FusedAdamW8bit(params, block_size=64).load_state_dict(optimizer.state_dict())
+    fused = FusedAdamW(params)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    fused.step()
+    with pytest.raises(KeyError, match="has no \\['exp_avg_codes'"):
+        FusedAdamW8bit(params).load_state_dict(fused.state_dict())
+
+
+def test_state_bytes_per_parameter(device):
+    assert adamw8bit_state_bytes_per_parameter() == 2.03125
+    assert adamw8bit_state_bytes_per_parameter(2048) == 2 + 8 / 2048
+    param = torch.nn.Parameter(torch.zeros(64, 256, dtype=torch.bfloat16, device=device))
+    param.grad = torch.zeros_like(param)
+    optimizer = FusedAdamW8bit([param], lr=0.0)
+    optimizer.step()
+    state_bytes = sum(v.numel() * v.element_size() for k, v in optimizer.state[param].items() if k != "step")
+    assert state_bytes == param.numel() * adamw8bit_state_bytes_per_parameter()
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of one rank in this process, with a one-device CPU mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bad_arguments_are_refused_with_the_field(device):
+    with pytest.raises(TypeError, match="bfloat16 or float32, got torch.float16"):
+        FusedAdamW8bit([torch.nn.Parameter(torch.ones(3, dtype=torch.float16))])
+    with pytest.raises(ValueError, match="block_size must be a power of two from 32 to 4096, got 100"):
+        FusedAdamW8bit([torch.nn.Parameter(torch.ones(3))], block_size=100)
+    with pytest.raises(ValueError, match="seed"):
+        FusedAdamW8bit([torch.nn.Parameter(torch.ones(3))], seed=-1)
+    param = torch.nn.Parameter(torch.ones(3, device=device))
+    param.grad = torch.ones_like(param)
+    with pytest.raises(ValueError, match="grad_scale must be one element"):
+        FusedAdamW8bit([param]).step(grad_scale=torch.ones(2, device=device))
+    with pytest.raises(TypeError, match="lr must be a Python float"):
+        FusedAdamW8bit([param], lr=torch.tensor(0.1)).step()
+
+
+def test_fsdp2_parameters_are_refused_with_the_reason(one_process_group):
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=one_process_group)
+    with pytest.raises(TypeError, match="FSDP2 DTensor, which the 8-bit state does not support yet"):
+        FusedAdamW8bit(model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Mutation tests: a deliberately broken kernel must fail the tests above
+# ----------------------------------------------------------------------------------------------------------
+
+MUTATIONS = [
+    pytest.param(("exp_avg = tl.where(m_code >= 0x80, -m_magnitude, m_magnitude)",
+                  "exp_avg = tl.where(m_code >= 0x80, m_magnitude, -m_magnitude)"), "m-sign-flip"),
+    pytest.param(("m_scale = tl.load(m_scales_ptr + blocks,", "m_scale = tl.load(r_scales_ptr + blocks,"),
+                 "m-read-with-r-scales"),
+    pytest.param(("tl.store(r_scales_ptr + blocks, new_r_scale", "tl.store(r_scales_ptr + blocks // 2, new_r_scale"),
+                 "wrong-block-index"),
+    pytest.param(("offsets = blocks[:, None] * QUANT_BLOCK", "offsets = blocks[:, None] * (QUANT_BLOCK - 1)"),
+                 "block-stride"),
+    pytest.param(("mask = offsets < numel", "mask = offsets < numel - 1"), "off-by-one"),
+    pytest.param(("grad = grad * grad_scale", "grad = grad * 1.0"), "grad-scale"),
+    pytest.param(("* inv_sqrt_bias_correction2", "* 1.0"), "no-bias-correction"),
+    pytest.param(("param * weight_decay_factor", "param"), "no-weight-decay"),
+    pytest.param(("_encode(r_ratio, second & 0xFFFF", "_encode(r_ratio, first >> 16"), "correlated-bits"),
+    pytest.param(("small = value < 6.103515625e-05", "small = value < 0.0"), "no-subnormal-codes"),
+    pytest.param(("return tl.where(normal, value, value - 6.103515625e-05)", "return value"), "subnormal-decode"),
+    pytest.param(("_round_stochastic(param, first & 0xFFFF)", "_round_stochastic(param, first & 0x7FFF)"),
+                 "biased-weight-bits"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("edit", "what"), MUTATIONS, ids=[m.values[1] for m in MUTATIONS])
+def test_mutated_kernel_fails_the_exact_comparison(edit, what, tmp_path, monkeypatch, device):
+    mutant = mutated_kernel(adamw8bit_module._adamw8bit_kernel, *edit, tmp_path, what.replace("-", "_"))
+    monkeypatch.setattr(adamw8bit_module, "_adamw8bit_kernel", mutant)
+    with pytest.raises(AssertionError):
+        if what in ("no-subnormal-codes", "subnormal-decode"):
+            test_extreme_values_match_the_reference_and_stay_finite(device)
+        else:
+            test_kernel_matches_reference_exactly([torch.bfloat16] * len(SHAPES), 0.37, device)
+
+
+def test_round_to_nearest_codes_fail_the_drop_test(tmp_path, monkeypatch, device):
+    """Codes rounded to nearest (half a step added instead of random bits) fail the test above."""
+    mutant = mutated_kernel(
+        adamw8bit_module._adamw8bit_kernel,
+        "bits + (random16 << (7 - MANTISSA_BITS))",
+        "bits + (0x8000 << (7 - MANTISSA_BITS))",
+        tmp_path,
+        "nearest",
+    )
+    monkeypatch.setattr(adamw8bit_module, "_adamw8bit_kernel", mutant)
+    with pytest.raises(AssertionError):
+        test_second_moment_follows_a_drop_of_the_gradients_in_its_block(device)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")
+def test_no_skip_guard_mutant_fails_the_non_finite_test(tmp_path, monkeypatch, device):
+    mutant = mutated_kernel(
+        adamw8bit_module._adamw8bit_kernel,
+        "numel = tl.where(grad_scale == grad_scale, numel, 0)",
+        "numel = numel",
+        tmp_path,
+    )
+    monkeypatch.setattr(adamw8bit_module, "_adamw8bit_kernel", mutant)
+    with pytest.raises(AssertionError):
+        test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GPU: real sizes
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_kernel_matches_reference_exactly_at_real_sizes(device):
+    shapes = [(2048, 8192), (8192, 2048), (2048,), (4095, 17), (1,)]
+    params = [torch.nn.Parameter(p) for p in _tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)]
+    reference = [p.detach().clone() for p in params]
+    states = [adamw8bit_zero_state(p) for p in reference]
+    optimizer = FusedAdamW8bit(params, lr=1e-5, weight_decay=0.01, seed=3)
+    scale = torch.tensor(0.5, device=device)
+    for step in range(1, 4):
+        grads = _tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        optimizer.step(grad_scale=scale)
+        adamw8bit_step_reference(
+            reference, grads, states, step=step, lr=1e-5, weight_decay=0.01, seed=3, grad_scale=scale
+        )
+    _assert_same(params, optimizer, reference, states)
