@@ -241,7 +241,7 @@ def demo(
     data_dir: DataDirOption = None,
     port: int = 8765,
     n_gpus: Annotated[int, typer.Option(help="Training processes (gloo on CPU, one per GPU with NCCL)")] = 2,
-    n_epochs: Annotated[int | None, typer.Option(help="Epochs (default: the demo task's, 3)")] = None,
+    n_epochs: Annotated[int | None, typer.Option(help="Epochs (default: the demo task's)")] = None,
     keep_serving: Annotated[
         bool, typer.Option("--keep-serving", help="Leave the service up after the demo (Ctrl-C stops it)")
     ] = False,

@@ -127,7 +127,7 @@ def _metrics_table(metrics: list[dict]) -> Table:
     for column in ("step", "train loss", "valid loss", "valid token acc", "lr", "tokens/s"):
         table.add_column(column, justify="right")
     stride = max(1, len(metrics) // 8)
-    shown = {0, len(metrics) - 1, *range(0, len(metrics), stride)}
+    shown = {0, len(metrics) - 1} | {i for i, point in enumerate(metrics) if point["step"] % stride == 0}
     shown |= {i for i, point in enumerate(metrics) if "valid_loss" in point["values"]}
     for i in sorted(shown):
         point, values = metrics[i], metrics[i]["values"]
