@@ -1,4 +1,5 @@
-"""The evidence that bf16 weights with FusedAdamW train as well as fp32 master weights, and plain bf16 does not.
+"""The evidence that bf16 weights with FusedAdamW train as well as fp32 master weights, and plain bf16 does not;
+and that FusedAdamW8bit's 8-bit moments do as well, and plain blockwise int8 moments do not.
 
 A small MLP language model (two context tokens -> next token) is trained in fp32 to a plateau on task A (next
 tokens drawn from one random teacher table), then fine-tuned on task B (another table) at fine-tuning learning
@@ -17,6 +18,25 @@ interpreter would take minutes here.
 
 The weights of this model are 0.1-0.9 in magnitude and the learning rates 2e-5 and 1e-4, so a bf16 weight's half
 ulp (2^-9 of it or more) is larger than an Adam update of about lr: in mode (b) almost no update survives.
+
+8-bit moments (issue 34), the same protocol at lr 1e-4 and 1e-5 with
+
+    (a) fp32 weights and torch.optim.AdamW                              (fp32 master weights, the reference)
+    (d) bf16 weights, FusedAdamW8bit: moments in 8-bit codes of a small float per 256-element block, the
+        codes and the weights rounded stochastically                    (`adamw8bit_step_reference`)
+    (e) bf16 weights, FusedAdamW's update with its moments stored as plain blockwise int8 after each step:
+        evenly spaced codes of m (127 levels a sign) and of v itself (255), each 256-element block's largest
+        magnitude as its scale, rounded to nearest                      (the worse variant)
+
+(d)'s mean must lie within the margin of (a)'s and (e) must be worse than both by more than it. Here the context
+tokens are drawn with Zipf frequencies (exponent 1.2, as words in text) instead of uniformly: with uniform
+contexts the gradients within a block are of one size, and even (e) fine-tunes as well as fp32 (measured at
+1e-4 and 2e-5: within 0.1%), so the test could not fail. With Zipf contexts they span a wider range: from the
+first step, hundreds of elements of every weight tensor have a v under half of (e)'s lowest level of their
+block while their m is not, their step divides by eps, and training blows up (at 1e-4 within 80 steps; at
+1e-5 the loss ends above 8, from 6.3). (d) codes sqrt(v) in 16 binades below the block's largest.
+Measured (means of the three seeds): at 1e-4 fp32 4.7231, (d) 4.7151 (-0.17%), (e) infinite; at 1e-5 fp32
+6.0890, (d) 6.0834 (-0.09%), (e) 10.985; margins 0.0472 and 0.0609.
 """
 
 from __future__ import annotations
@@ -29,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusetune.kernels.adamw import adamw_step_reference
+from fusetune.kernels.adamw8bit import adamw8bit_step_reference, adamw8bit_zero_state
 
 VOCAB = 32
 CONTEXT = 2
@@ -44,6 +65,9 @@ FINETUNE_BATCH = 128
 WEIGHT_DECAY = 0.01
 SEEDS = (0, 1, 2)
 MODES = ("fp32", "bf16", "bf16-sr")
+MODES_8BIT = ("fp32", "adamw8bit", "linear-8bit-nearest")
+ZIPF_EXPONENT = 1.2
+QUANTIZATION_BLOCK = 256
 
 
 class MlpLanguageModel(nn.Module):
@@ -73,9 +97,16 @@ def _teacher(seed: int) -> torch.Tensor:
     return (torch.randn(VOCAB**CONTEXT, VOCAB, generator=generator) * 3.0).log_softmax(-1)
 
 
-def _examples(teacher: torch.Tensor, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _examples(
+    teacher: torch.Tensor, count: int, seed: int, token_probs: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` (context, next token) pairs of the task; context tokens uniform, or drawn from `token_probs`."""
     generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, VOCAB, (count, CONTEXT), generator=generator)
+    if token_probs is None:
+        context = torch.randint(0, VOCAB, (count, CONTEXT), generator=generator)
+    else:
+        context = torch.multinomial(token_probs, count * CONTEXT, replacement=True, generator=generator)
+        context = context.view(count, CONTEXT)
     probabilities = teacher[context[:, 0] * VOCAB + context[:, 1]].exp()
     return context, torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
 
@@ -109,6 +140,60 @@ class _ReferenceFusedAdamW:
             )
 
 
+class _Reference8bitAdamW:
+    """FusedAdamW8bit's update through its pure-PyTorch reference (bit for bit the kernel's)."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float, weight_decay: float, seed: int) -> None:
+        self.params, self.lr, self.weight_decay, self.seed = params, lr, weight_decay, seed
+        self.states = [adamw8bit_zero_state(p, QUANTIZATION_BLOCK) for p in params]
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        with torch.no_grad():
+            adamw8bit_step_reference(
+                self.params,
+                [p.grad for p in self.params],
+                self.states,
+                step=self.steps,
+                lr=self.lr,
+                weight_decay=self.weight_decay,
+                seed=self.seed,
+                block_size=QUANTIZATION_BLOCK,
+            )
+
+
+class _LinearNearest8bitAdamW(_ReferenceFusedAdamW):
+    """The worse variant: FusedAdamW's update with fp32 moments, which are then replaced by their plain
+    blockwise int8 values (evenly spaced codes of the block's largest magnitude, rounded to nearest)."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float, weight_decay: float, seed: int) -> None:
+        super().__init__(params, lr, weight_decay, seed)
+        self.exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        self.exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+
+    def step(self) -> None:
+        super().step()
+        for exp_avg, exp_avg_sq in zip(self.exp_avgs, self.exp_avg_sqs, strict=True):
+            exp_avg.copy_(_linear_nearest(exp_avg, levels=127))
+            exp_avg_sq.copy_(_linear_nearest(exp_avg_sq, levels=255))
+
+
+def _linear_nearest(values: torch.Tensor, levels: int) -> torch.Tensor:
+    """`values` rounded to the nearest of `levels` evenly spaced magnitudes per QUANTIZATION_BLOCK elements."""
+    flat = values.flatten()
+    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % QUANTIZATION_BLOCK)).view(
+        -1, QUANTIZATION_BLOCK
+    )
+    scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / levels
+    return (torch.round(blocks / scale) * scale).flatten()[: flat.numel()].view(values.shape)
+
+
+def _zipf_probs() -> torch.Tensor:
+    weights = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64) ** ZIPF_EXPONENT
+    return (weights / weights.sum()).float()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny matrices: one thread is faster, and spares the spinning of a second one on a loaded machine."""
@@ -118,19 +203,37 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def tasks():
+def _tasks(token_probs: torch.Tensor | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     task_a, task_b = _teacher(1), _teacher(2)
     return {
-        "train_a": _examples(task_a, TRAIN_EXAMPLES, 10),
-        "train_b": _examples(task_b, TRAIN_EXAMPLES, 11),
-        "eval_a": _examples(task_a, EVAL_EXAMPLES, 100),
-        "eval_b": _examples(task_b, EVAL_EXAMPLES, 101),
+        "train_a": _examples(task_a, TRAIN_EXAMPLES, 10, token_probs),
+        "train_b": _examples(task_b, TRAIN_EXAMPLES, 11, token_probs),
+        "eval_a": _examples(task_a, EVAL_EXAMPLES, 100, token_probs),
+        "eval_b": _examples(task_b, EVAL_EXAMPLES, 101, token_probs),
     }
 
 
 @pytest.fixture(scope="module")
+def tasks():
+    return _tasks()
+
+
+@pytest.fixture(scope="module")
+def zipf_tasks():
+    return _tasks(_zipf_probs())
+
+
+@pytest.fixture(scope="module")
 def pretrained(tasks) -> dict[str, torch.Tensor]:
+    return _pretrain(tasks)
+
+
+@pytest.fixture(scope="module")
+def zipf_pretrained(zipf_tasks) -> dict[str, torch.Tensor]:
+    return _pretrain(zipf_tasks)
+
+
+def _pretrain(tasks) -> dict[str, torch.Tensor]:
     """The fp32 model trained on task A with a cosine schedule to zero (checked to have levelled off)."""
     torch.manual_seed(0)
     model = MlpLanguageModel()
@@ -155,15 +258,23 @@ def pretrained(tasks) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
+OPTIMIZERS = {
+    "bf16-sr": _ReferenceFusedAdamW,
+    "adamw8bit": _Reference8bitAdamW,
+    "linear-8bit-nearest": _LinearNearest8bitAdamW,
+}
+
+
 def finetune(mode: str, seed: int, lr: float, pretrained: dict[str, torch.Tensor], tasks) -> float:
-    """Task-B eval loss after fine-tuning the pretrained model in `mode` ("fp32", "bf16" or "bf16-sr")."""
+    """Task-B eval loss after fine-tuning the pretrained model in `mode` ("fp32", "bf16" (torch.optim.AdamW on
+    bf16 weights) or a key of OPTIMIZERS); a non-finite loss counts as infinite."""
     model = MlpLanguageModel()
     model.load_state_dict(pretrained)
     if mode != "fp32":
         model.to(torch.bfloat16)
     params = list(model.parameters())
-    if mode == "bf16-sr":
-        optimizer = _ReferenceFusedAdamW(params, lr, WEIGHT_DECAY, seed)
+    if mode in OPTIMIZERS:
+        optimizer = OPTIMIZERS[mode](params, lr, WEIGHT_DECAY, seed)
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
     generator = torch.Generator().manual_seed(1000 + seed)
@@ -175,7 +286,8 @@ def finetune(mode: str, seed: int, lr: float, pretrained: dict[str, torch.Tensor
             param.grad = None
         loss.backward()
         optimizer.step()
-    return _eval_loss(model, tasks["eval_b"])
+    loss = _eval_loss(model, tasks["eval_b"])
+    return loss if math.isfinite(loss) else math.inf
 
 
 @pytest.mark.parametrize("lr", [1e-4, 2e-5])
@@ -191,6 +303,23 @@ def test_stochastic_rounding_matches_fp32_master_weights_and_plain_bf16_does_not
     assert abs(sum(stochastic) / len(stochastic) - fp32_mean) <= margin, report
     assert min(bf16) > max(fp32) + margin, report
     assert min(bf16) > max(stochastic) + margin, report
+
+
+@pytest.mark.parametrize("lr", [1e-4, 1e-5])
+def test_8bit_moments_match_fp32_master_weights_and_plain_int8_does_not(lr, zipf_pretrained, zipf_tasks):
+    losses = {
+        mode: [finetune(mode, seed, lr, zipf_pretrained, zipf_tasks) for seed in SEEDS] for mode in MODES_8BIT
+    }
+    fp32, eight_bit, worse = losses["fp32"], losses["adamw8bit"], losses["linear-8bit-nearest"]
+    fp32_mean = sum(fp32) / len(fp32)
+    margin = max(0.01 * fp32_mean, max(fp32) - min(fp32))
+    report = f"final task-B eval losses at lr {lr}: {losses}, margin {margin:.4f}"
+    start = _eval_loss(_loaded(zipf_pretrained), zipf_tasks["eval_b"])
+    assert max(fp32) < start - 2 * margin, f"fine-tuning barely moved from {start:.4f}: " + report
+    print(report)
+    assert abs(sum(eight_bit) / len(eight_bit) - fp32_mean) <= margin, report
+    assert min(worse) > max(fp32) + margin, report
+    assert min(worse) > max(eight_bit) + margin, report
 
 
 def _loaded(state: dict[str, torch.Tensor]) -> nn.Module:
