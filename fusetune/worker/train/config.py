@@ -11,9 +11,12 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from fusetune.config import Settings
 from fusetune.spec.estimate import default_micro_batch_size
-from fusetune.spec.hyperparameters import TrainingHyperparameters
+from fusetune.spec.hyperparameters import DEFAULT_N_EPOCHS, TrainingHyperparameters
 from fusetune.spec.methods import MethodSpec, method_spec
+
+_SERVICE = Settings.model_fields
 
 
 class TrainConfig(TrainingHyperparameters):
@@ -21,6 +24,11 @@ class TrainConfig(TrainingHyperparameters):
     where the run lives and settings the service does not offer per job."""
 
     method: MethodSpec = Field(default_factory=method_spec)
+    # A job is held to the service's limits (at most 100 epochs, a learning rate of at most 1); a run of the
+    # trainer itself, a test's or a benchmark's, is not: it may run until it is cancelled, or provoke a
+    # non-finite step.
+    n_epochs: int = Field(DEFAULT_N_EPOCHS, ge=1)
+    learning_rate: float = Field(TrainingHyperparameters.model_fields["learning_rate"].default, gt=0)
 
     # Where the job lives. `database_url=None` reports to the console instead of SQL (standalone runs, tests).
     job_id: str | None = None
@@ -52,14 +60,20 @@ class TrainConfig(TrainingHyperparameters):
 
     # Evaluation and checkpoints (evaluation also runs at the end of every epoch when a validation file is set).
     eval_every_steps: int | None = Field(None, ge=1)
-    # Resumable checkpoints before the final one (see checkpoint.CheckpointSchedule): a crashed run resumes from
-    # the newest. Off here by default; the service turns on every epoch and every 30 minutes (fusetune.config).
-    checkpoint_every_steps: int | None = Field(None, ge=1, description="None: no step-count checkpoints")
-    checkpoint_every_epoch: bool = False
-    checkpoint_every_minutes: float | None = Field(
-        None, gt=0, description="of training since the last checkpoint; None: no time-based checkpoints"
+    # Resumable checkpoints before the final one (see checkpoints/schedule.py): a crashed run resumes from
+    # the newest. The defaults are the service's (fusetune.config.Settings, where 0 means none).
+    checkpoint_every_steps: int | None = Field(
+        _SERVICE["checkpoint_every_steps"].default or None,
+        ge=1,
+        description="None: no step-count checkpoints",
     )
-    keep_last_checkpoints: int = Field(2, ge=1)
+    checkpoint_every_epoch: bool = _SERVICE["checkpoint_every_epoch"].default
+    checkpoint_every_minutes: float | None = Field(
+        _SERVICE["checkpoint_every_minutes"].default or None,
+        gt=0,
+        description="of training since the last checkpoint; None: no time-based checkpoints",
+    )
+    keep_last_checkpoints: int = Field(_SERVICE["keep_last_checkpoints"].default, ge=1)
     # Continue from the newest checkpoint in output_dir that holds training state (a retry, a resumed pause).
     resume: bool = True
 
