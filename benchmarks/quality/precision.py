@@ -22,24 +22,38 @@ transformer of one of benchmarks/workloads.py's shapes, random init:
                     stochastic rounding                                           (precision "bf16-sr")
    built as the trainer builds them (precision.PRECISIONS, optim.build_optimizer, optim.clip_and_step with
    gradient clipping at 1.0; no weight decay on 1-D parameters), `--seeds` seeds each: the seed picks the
-   fine-tuning batches from a fixed task-B pool, and bf16-sr's rounding bits.
+   fine-tuning batches from a fixed task-B pool, and bf16-sr's rounding bits. With `--impls` (issue 34):
+       adamw8bit    bf16 weights, fusetune.kernels.FusedAdamW8bit: 8-bit moments
+                    (256-element blocks), weights and codes rounded stochastically (precision "bf16-sr",
+       adamw8bit-linear-nearest                                           its optimizer replaced)
+                    the worse variant: FusedAdamW with fp32 moments, replaced
+                    after each step by plain blockwise int8 values (evenly spaced
+                    codes of each 256-element block's largest magnitude, rounded
+                    to nearest), as tests/kernels/test_adamw_quality.py's (e)
+   Both are built here, with the trainer's parameter groups, until the optimizer table has an 8-bit entry;
+   they take FusedAdamW's step(grad_scale=...), so bf16-sr's clip-and-step drives them.
 
 The criterion (issue 12), per learning rate, on the final task-B eval losses: margin = max(1% of fp32-master's
 mean, the spread (max - min) of fp32-master's seeds); bf16-sr's mean lies within the margin of fp32-master's;
 bf16-plain's best seed is worse than both other modes' worst seed by more than the margin (the comparison can
 fail); and fine-tuning moved fp32-master by more than twice the margin from the pretrained model's task-B loss
-(the fine-tuning did something). The script exits 1 when any of these, or the plateau, fails, and says which.
+(the fine-tuning did something). For the 8-bit impls, the same with adamw8bit in bf16-sr's place and
+adamw8bit-linear-nearest in bf16-plain's. Only the checks of the impls that ran are made. The script exits 1
+when any of these, or the plateau, fails, and says which.
 
 Results go to the section "precision" of `benchmarks/results/<gpu-slug>-quality.json` (rows per impl and
 learning rate).
 
     python3 -m benchmarks.quality.precision                 # Llama-3.2-1B shape, one GPU
     python3 -m benchmarks.quality.precision --tiny          # CPU smoke run, a few minutes
+    python3 -m benchmarks.quality.precision --impls fp32-master,adamw8bit,adamw8bit-linear-nearest \
+        --section precision-8bit                            # the 8-bit moments
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -54,7 +68,18 @@ from benchmarks.workloads import MODEL_SHAPES, build_config
 RESULTS = harness.Benchmark("precision", topic="quality")
 
 # impl (the row's name) -> the trainer's precision mode
-IMPLS = {"fp32-master": "bf16-mixed", "bf16-plain": "bf16", "bf16-sr": "bf16-sr"}
+IMPLS = {
+    "fp32-master": "bf16-mixed",
+    "bf16-plain": "bf16",
+    "bf16-sr": "bf16-sr",
+    "adamw8bit": "bf16-sr",
+    "adamw8bit-linear-nearest": "bf16-sr",
+}
+DEFAULT_IMPLS = ("fp32-master", "bf16-plain", "bf16-sr")
+# (checks' name, impl that must match fp32-master, impl that must be worse than both)
+COMPARISONS = (("bf16_sr", "bf16-sr", "bf16_plain", "bf16-plain"),
+               ("adamw8bit", "adamw8bit", "adamw8bit_linear_nearest", "adamw8bit-linear-nearest"))  # fmt: skip
+QUANTIZATION_BLOCK = 256
 PRETRAIN_PRECISION = "bf16-mixed"
 MAX_GRAD_NORM = 1.0
 CLIP_NOTE = "gradient clipping at 1.0 (the trainer's default)"
@@ -147,9 +172,48 @@ def build_model(name: str, tiny: bool, device: Any, kernels: bool) -> Any:
 
 def policy(precision: str, device: Any) -> Any:
     """The trainer's policy for `precision`, without refusing GPU-only modes on a CPU (for --tiny)."""
-    from fusetune.worker.train.precision import PRECISIONS, PrecisionPolicy
+    from fusetune.spec.precision import PRECISIONS
+    from fusetune.worker.train.precision import PrecisionPolicy
 
     return PrecisionPolicy(PRECISIONS[precision], device, fsdp=False)
+
+
+def build_8bit_optimizer(impl: str, params: list, lr: float, weight_decay: float, seed: int) -> Any:
+    """adamw8bit's or adamw8bit-linear-nearest's optimizer over the trainer's parameter groups."""
+    import torch
+
+    from fusetune.kernels import FusedAdamW, FusedAdamW8bit
+    from fusetune.worker.train import optim
+
+    groups = optim.parameter_groups(params, weight_decay)
+    if impl == "adamw8bit":
+        return FusedAdamW8bit(groups, lr=lr, seed=seed, block_size=QUANTIZATION_BLOCK)
+
+    class LinearNearest8bitMoments(FusedAdamW):
+        """FusedAdamW whose fp32 moments become plain blockwise int8 values after each step."""
+
+        @torch.no_grad()
+        def step(self, closure=None, grad_scale=None):  # type: ignore[override]
+            loss = super().step(closure, grad_scale)
+            for state in self.state.values():
+                state["exp_avg"].copy_(linear_nearest(state["exp_avg"], levels=127))
+                state["exp_avg_sq"].copy_(linear_nearest(state["exp_avg_sq"], levels=255))
+            return loss
+
+    return LinearNearest8bitMoments(groups, lr=lr, seed=seed, state_dtype=torch.float32)
+
+
+def linear_nearest(values: Any, levels: int) -> Any:
+    """`values` rounded to the nearest of `levels` evenly spaced magnitudes per QUANTIZATION_BLOCK elements (as
+    tests/kernels/test_adamw_quality.py's _linear_nearest)."""
+    import torch
+
+    flat = values.flatten()
+    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % QUANTIZATION_BLOCK)).view(
+        -1, QUANTIZATION_BLOCK
+    )
+    scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / levels
+    return (torch.round(blocks / scale) * scale).flatten()[: flat.numel()].view(values.shape)
 
 
 def eval_loss(model: Any, sequences: Any, autocast: Any, batch: int) -> float:
@@ -271,14 +335,17 @@ def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -
     model.to(precision.weight_dtype)
     model.load_state_dict(pretrained)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = optim.build_optimizer(
-        precision.mode.optimizer,
-        params,
-        learning_rate=lr,
-        weight_decay=args.weight_decay,
-        device=device,
-        seed=seed,
-    )
+    if impl.startswith("adamw8bit"):
+        optimizer = build_8bit_optimizer(impl, params, lr, args.weight_decay, seed)
+    else:
+        optimizer = optim.build_optimizer(
+            precision.mode.optimizer,
+            params,
+            learning_rate=lr,
+            weight_decay=args.weight_decay,
+            device=device,
+            seed=seed,
+        )
     generator = torch.Generator(device=pool.device).manual_seed(1000 + seed)
     picks = torch.randint(
         0, len(pool), (args.finetune_steps, args.batch), device=pool.device, generator=generator
@@ -309,23 +376,33 @@ def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -
 
 
 def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
-    """The criterion for one learning rate (module docstring) on the final task-B eval losses per impl."""
-    fp32, plain, stochastic = losses["fp32-master"], losses["bf16-plain"], losses["bf16-sr"]
+    """The criterion for one learning rate (module docstring) on the final task-B eval losses per impl; the
+    checks of the impls that ran. A non-finite loss (a run that blew up) counts as infinite."""
+    losses = {impl: [v if math.isfinite(v) else math.inf for v in values] for impl, values in losses.items()}
+    fp32 = losses["fp32-master"]
     fp32_mean = statistics.fmean(fp32)
     margin = max(0.01 * fp32_mean, max(fp32) - min(fp32))
-    checks = {
-        "finetuning_moved": max(fp32) < start - 2 * margin,
-        "bf16_sr_matches_fp32_master": abs(statistics.fmean(stochastic) - fp32_mean) <= margin,
-        "bf16_plain_worse_than_fp32_master": min(plain) > max(fp32) + margin,
-        "bf16_plain_worse_than_bf16_sr": min(plain) > max(stochastic) + margin,
-    }
+    checks = {"finetuning_moved": max(fp32) < start - 2 * margin}
+    measures = {}
+    for good_name, good, bad_name, bad in COMPARISONS:
+        if good in losses:
+            mean = statistics.fmean(losses[good])
+            measures[f"{good_name}_minus_fp32_master"] = round(mean - fp32_mean, 5)
+            measures[f"{good_name}_relative_to_fp32_master"] = round(mean / fp32_mean - 1, 5)
+            checks[f"{good_name}_matches_fp32_master"] = abs(mean - fp32_mean) <= margin
+        if bad in losses:
+            worst = losses[bad]
+            measures[f"{bad_name}_relative_to_fp32_master"] = round(
+                statistics.fmean(worst) / fp32_mean - 1, 5
+            )
+            checks[f"{bad_name}_worse_than_fp32_master"] = min(worst) > max(fp32) + margin
+            if good in losses:
+                checks[f"{bad_name}_worse_than_{good_name}"] = min(worst) > max(losses[good]) + margin
     return {
         "start_eval_loss": round(start, 5),
         "margin": round(margin, 5),
         "margin_rule": "max(0.01 * mean(fp32-master), max - min of fp32-master's seeds)",
-        "bf16_sr_minus_fp32_master": round(statistics.fmean(stochastic) - fp32_mean, 5),
-        "bf16_sr_relative_to_fp32_master": round(statistics.fmean(stochastic) / fp32_mean - 1, 5),
-        "bf16_plain_relative_to_fp32_master": round(statistics.fmean(plain) / fp32_mean - 1, 5),
+        **measures,
         **checks,
         "passed": all(checks.values()),
     }
@@ -334,7 +411,7 @@ def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
 def summary_rows(runs: list[dict[str, Any]], args) -> list[dict[str, Any]]:
     rows = []
     for lr in args.lrs:
-        for impl in IMPLS:
+        for impl in args.impls:
             mine = [run for run in runs if run["lr"] == lr and run["impl"] == impl]
             if not mine:
                 continue
@@ -400,16 +477,19 @@ def render_markdown(payload: dict[str, Any]) -> str:
             table,
         )
     )
-    lines += ["", "| lr | start | margin | bf16-sr vs fp32-master | bf16-plain vs fp32-master | verdict |"]
-    lines.append("|---|---|---|---|---|---|")
-    for lr, check in payload["verdicts"].items():
-        failed = [name for name, value in check.items() if value is False and name != "passed"]
-        lines.append(
-            f"| {lr} | {check['start_eval_loss']:.4f} | {check['margin']:.4f} | "
-            f"{100 * check['bf16_sr_relative_to_fp32_master']:+.3f}% | "
-            f"{100 * check['bf16_plain_relative_to_fp32_master']:+.3f}% | "
-            f"{'pass' if check['passed'] else 'FAIL: ' + ', '.join(failed)} |"
-        )
+    for good_name, good, bad_name, bad in COMPARISONS:
+        good_key, bad_key = f"{good_name}_relative_to_fp32_master", f"{bad_name}_relative_to_fp32_master"
+        if not any(good_key in check or bad_key in check for check in payload["verdicts"].values()):
+            continue
+        lines += ["", f"| lr | start | margin | {good} vs fp32-master | {bad} vs fp32-master | verdict |"]
+        lines.append("|---|---|---|---|---|---|")
+        for lr, check in payload["verdicts"].items():
+            failed = [name for name, value in check.items() if value is False and name != "passed"]
+            lines.append(
+                f"| {lr} | {check['start_eval_loss']:.4f} | {check['margin']:.4f} | "
+                f"{_percent(check.get(good_key))} | {_percent(check.get(bad_key))} | "
+                f"{'pass' if check['passed'] else 'FAIL: ' + ', '.join(failed)} |"
+            )
     lines += [
         "",
         f"Verdict: **{'pass' if payload['passed'] else 'FAIL'}** ({payload['verdict_reason']}).",
@@ -418,11 +498,17 @@ def render_markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:+.3f}%"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tiny", action="store_true", help="a few-thousand-parameter model: CPU smoke run")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                        help=f"of {', '.join(IMPLS)}; fp32-master is the reference and always runs")  # fmt: skip
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default=None)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
@@ -454,6 +540,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, values[which])
     args.lrs = [float(value) for value in args.lrs.split(",")]
     args.seeds = [int(value) for value in args.seeds.split(",")]
+    impls = harness.choices(parser, "--impls", args.impls, IMPLS)
+    args.impls = ["fp32-master"] + [impl for impl in impls if impl != "fp32-master"]
     if len(args.seeds) < 2:
         parser.error("--seeds: at least 2, the criterion uses fp32-master's spread")
     if args.eval_sequences % args.batch:
@@ -540,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs = []
     for lr in args.lrs:
-        for impl in IMPLS:
+        for impl in args.impls:
             for seed in args.seeds:
                 run = finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device)
                 runs.append(run)
@@ -550,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         losses = {
-            impl: [r["eval_loss"] for r in runs if r["lr"] == lr and r["impl"] == impl] for impl in IMPLS
+            impl: [r["eval_loss"] for r in runs if r["lr"] == lr and r["impl"] == impl] for impl in args.impls
         }
         payload.setdefault("verdicts", {})[str(lr)] = verdict(losses, start_b)
         print(f"lr {lr:g}: {payload['verdicts'][str(lr)]}", flush=True)
@@ -558,7 +646,9 @@ def main(argv: list[str] | None = None) -> int:
         partial = {**payload, "rows": summary_rows(runs, args), "runs": runs, "partial": True}
         RESULTS.write(args.out, slug, partial, args.section)
 
-    errors = [run for run in runs if run.get("error")]
+    # A worse variant that blows up has shown what it is meant to show; its verdict counts it as infinite.
+    worse_impls = {bad for _, _, _, bad in COMPARISONS}
+    errors = [run for run in runs if run.get("error") and run["impl"] not in worse_impls]
     failed_lrs = [lr for lr, check in payload["verdicts"].items() if not check["passed"]]
     reasons = []
     if not pre["plateau_reached"]:
