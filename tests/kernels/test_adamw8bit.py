@@ -369,6 +369,34 @@ def test_state_dict_round_trip_resumes_exactly(device):
     _assert_same(copies, resumed, params, [optimizer.state[p] for p in params])
 
 
+def test_the_trainers_full_state_dict_helpers_round_trip_the_state(device):
+    """The checkpointer's get_optimizer_state_dict / set_optimizer_state_dict (full state, offloaded to the CPU
+    as on rank 0) keep the codes uint8 and the scales fp32, exactly."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 7), torch.nn.Linear(7, 3)).to(device, torch.bfloat16)
+        return model, FusedAdamW8bit(model.parameters(), lr=1e-2, seed=1)
+
+    model, optimizer = model_and_optimizer()
+    model(torch.randn(4, 300, dtype=torch.bfloat16, device=device)).float().sum().backward()
+    optimizer.step()
+    saved = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    resumed_model, resumed = model_and_optimizer()
+    set_optimizer_state_dict(resumed_model, resumed, saved, options=StateDictOptions(full_state_dict=True))
+    for param, copy in zip(model.parameters(), resumed_model.parameters(), strict=True):
+        assert resumed.state[copy]["exp_avg_codes"].dtype == torch.uint8
+        for name, value in optimizer.state[param].items():
+            torch.testing.assert_close(resumed.state[copy][name], value, atol=0, rtol=0)
+
+
 def test_loading_another_layout_is_refused_with_the_reason(device):
     params, optimizer = _run_fused([torch.bfloat16] * len(SHAPES), device, steps=1)
     with pytest.raises(
@@ -442,7 +470,8 @@ MUTATIONS = [
                   "exp_avg = tl.where(m_code >= 0x80, m_magnitude, -m_magnitude)"), "m-sign-flip"),
     pytest.param(("m_scale = tl.load(m_scales_ptr + blocks,", "m_scale = tl.load(r_scales_ptr + blocks,"),
                  "m-read-with-r-scales"),
-    pytest.param(("tl.store(r_scales_ptr + blocks, new_r_scale", "tl.store(r_scales_ptr + blocks // 2, new_r_scale"),
+    pytest.param(("tl.store(r_scales_ptr + blocks, new_r_scale",
+                  "tl.store(r_scales_ptr + blocks // 2, new_r_scale"),
                  "wrong-block-index"),
     pytest.param(("offsets = blocks[:, None] * QUANT_BLOCK", "offsets = blocks[:, None] * (QUANT_BLOCK - 1)"),
                  "block-stride"),
@@ -452,7 +481,8 @@ MUTATIONS = [
     pytest.param(("param * weight_decay_factor", "param"), "no-weight-decay"),
     pytest.param(("_encode(r_ratio, second & 0xFFFF", "_encode(r_ratio, first >> 16"), "correlated-bits"),
     pytest.param(("small = value < 6.103515625e-05", "small = value < 0.0"), "no-subnormal-codes"),
-    pytest.param(("return tl.where(normal, value, value - 6.103515625e-05)", "return value"), "subnormal-decode"),
+    pytest.param(("return tl.where(normal, value, value - 6.103515625e-05)", "return value"),
+                 "subnormal-decode"),
     pytest.param(("_round_stochastic(param, first & 0xFFFF)", "_round_stochastic(param, first & 0x7FFF)"),
                  "biased-weight-bits"),
 ]  # fmt: skip
