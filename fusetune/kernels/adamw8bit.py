@@ -118,8 +118,8 @@ def adamw8bit_launch_settings(block_size: int = DEFAULT_BLOCK_SIZE) -> AdamW8bit
     """The kernel's launch settings for quantization blocks of `block_size` elements.
 
     GPU: not measured yet. 2048 elements with 8 warps is FusedAdamW's measured best (adamw_launch_settings)
-    for the same parameter set, taken as the starting point; `benchmarks/optimizer.py --sweep-8bit` times the
-    alternatives, and its results file is where this choice will be cited from.
+    for the same parameter set, taken as the starting point; `python3 -m benchmarks.kernels.optimizer
+    --sweep-8bit` times the alternatives, and its results section is where this choice will be cited from.
     Interpreter: 512 elements, so CPU tests at a few thousand elements walk several programs per tensor.
     """
     elements = 512 if interpreted() else 2048
