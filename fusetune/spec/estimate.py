@@ -22,7 +22,7 @@ from fusetune.spec.methods import METHODS
 from fusetune.spec.precision import DTYPE_BYTES, PrecisionMode, mode_for
 
 
-def bytes_per_trained_param(mode: PrecisionMode) -> int:
+def bytes_per_trained_param(mode: PrecisionMode) -> float:
     """Weight + gradient (both in the weights' dtype) + the optimizer's state; under bf16-mixed 4 + 4 + 8."""
     return 2 * mode.weight_bytes + mode.optimizer_state_bytes
 
@@ -221,7 +221,9 @@ def estimate_job(
     # needs it). Under gradient checkpointing the forward saves nothing inside the layers, so the copies are
     # made again, one layer at a time, when the backward recomputes it.
     copy = 0 if hyper.gradient_checkpointing else mode.compute_copy_bytes
-    states = trained * (bytes_per_trained_param(mode) + copy) + frozen * (bytes_per_frozen_param(mode) + copy)
+    states = int(
+        trained * (bytes_per_trained_param(mode) + copy) + frozen * (bytes_per_frozen_param(mode) + copy)
+    )
     if hyper.distributed == "fsdp" and n_gpus > 1:
         layer_params = (params - shape.vocab_size * shape.hidden_size) // shape.num_layers
         states = states // n_gpus + 2 * layer_params * DTYPE_BYTES[mode.compute_dtype]

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from fusetune.spec.hyperparameters import HyperparametersRequest, JobHyperparameters, Spec, SpecError
 from fusetune.spec.methods import METHOD_SPEC, METHODS, MethodRequest, MethodSpec, method_spec
+from fusetune.spec.precision import AUTO, OPTIMIZERS, PRECISIONS
 
 
 class JobSpec(Spec):
@@ -49,4 +50,12 @@ class JobSpec(Spec):
         spec = method.spec() if method is not None else method_spec()
         if resolved.packing and not METHODS[spec.type].supports_packing:
             raise SpecError("hyperparameters.packing", f"packing is not available with method {spec.type}.")
+        if resolved.distributed == "fsdp" and resolved.n_gpus > 1 and resolved.precision != AUTO:
+            optimizer = OPTIMIZERS[PRECISIONS[resolved.precision].optimizer]
+            if not optimizer.supports_fsdp:
+                raise SpecError(
+                    "hyperparameters.precision",
+                    f"precision {resolved.precision} does not run under FSDP: its optimizer ({optimizer.name}) "
+                    "updates whole tensors, not shards; use distributed ddp or another precision.",
+                )
         return cls(method=spec, hyperparameters=resolved)

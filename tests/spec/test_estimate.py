@@ -95,6 +95,9 @@ def test_the_precision_mode_sets_the_bytes_per_parameter():
     assert _estimate(precision="bf16-mixed").memory_breakdown["weights_grads_optimizer"] == 18 * params
     assert _estimate(precision="fp32").memory_breakdown["weights_grads_optimizer"] == 16 * params
     assert _estimate(precision="bf16").memory_breakdown["weights_grads_optimizer"] == 8 * params
+    # bf16-sr-8bit: weight 2 + gradient 2 + two 1-byte moment codes with one fp32 scale per 256 elements each.
+    eight_bit = _estimate(precision="bf16-sr-8bit").memory_breakdown["weights_grads_optimizer"]
+    assert eight_bit == int(params * (4 + 2 * (1 + 4 / 256)))
 
 
 def test_bf16_weights_with_the_fused_mlp_keep_fewer_activations():

@@ -195,3 +195,17 @@ def test_nothing_is_coerced_and_a_non_finite_number_is_refused_as_such(client):
     method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": "0.1"}}}
     error = client.post("/v1/fine_tuning/jobs", json={**body, "method": method}).json()["error"]
     assert error["param"] == "method.dpo.hyperparameters.beta", error
+
+
+def test_the_8bit_optimizer_state_is_refused_under_fsdp(client):
+    uploaded = client.post(
+        "/v1/files",
+        files={"file": ("t.jsonl", ("\n".join([LINE] * 4)).encode())},
+        data={"purpose": "fine-tune"},
+    )
+    hyperparameters = {"precision": "bf16-sr-8bit", "distributed": "fsdp", "n_gpus": 2, "batch_size": 4}
+    body = {"model": "tiny", "training_file": uploaded.json()["id"], "hyperparameters": hyperparameters}
+    error = client.post("/v1/fine_tuning/jobs", json=body).json()["error"]
+    assert error["param"] == "hyperparameters.precision" and "FSDP" in error["message"], error
+    ddp = {**body, "hyperparameters": {**hyperparameters, "distributed": "ddp"}}
+    assert client.post("/v1/fine_tuning/jobs", json=ddp).status_code == 200

@@ -98,16 +98,21 @@ def test_a_paused_run_resumes_on_the_same_loss_curve(uninterrupted, model_dir, t
     assert resumed.trained_tokens == whole_result.trained_tokens
 
 
-def test_a_bf16_sr_run_resumes_exactly(model_dir, train_file, tmp_path, bf16_sr_on_cpu):
-    """bf16 weights with stochastically rounded AdamW: the moments and the step count come back from the
-    checkpoint, and the rounding bits follow (seed, step), so the resumed run draws the bits the uninterrupted
-    one drew."""
-    run_config = dict(RUN, n_epochs=1, checkpoint_every_steps=3, precision="bf16-sr")
+@pytest.mark.parametrize("precision", ["bf16-sr", "bf16-sr-8bit"])
+def test_a_bf16_sr_run_resumes_exactly(model_dir, train_file, tmp_path, bf16_sr_on_cpu, precision):
+    """bf16 weights with stochastically rounded AdamW (moments in bf16, or in 8-bit codes with their block
+    scales): the moments and the step count come back from the checkpoint, and the rounding bits follow
+    (seed, step), so the resumed run draws the bits the uninterrupted one drew."""
+    run_config = dict(RUN, n_epochs=1, checkpoint_every_steps=3, precision=precision)
     whole = RecordingReporter()
     whole_trainer = Trainer(
         make_config(model_dir, train_file, tmp_path / "whole", **run_config), ONE_CPU_RANK, whole
     )
     whole_trainer.train()
+    assert (
+        type(whole_trainer.optimizer).__name__
+        == {"bf16-sr": "FusedAdamW", "bf16-sr-8bit": "FusedAdamW8bit"}[precision]
+    )
     before, after, resumed = train_paused_then_resumed(
         make_config(model_dir, train_file, tmp_path / "r", **run_config)
     )

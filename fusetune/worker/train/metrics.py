@@ -179,7 +179,7 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 # The stop request every rank acts on, by code: all ranks take the largest.
-_STOP_CODES = {None: 0, StopRequest.PAUSE: 1, StopRequest.CANCEL: 2}
+_STOP_CODES = {None: 0, StopRequest.PAUSE: 1, StopRequest.HANDOVER: 2, StopRequest.CANCEL: 3}
 
 
 def share_step_state(
@@ -223,7 +223,7 @@ def run_summary(trainer: Any) -> tuple[str, dict[str, Any]]:
         "method": config.method.type,
         "precision": trainer.precision.name,
         "optimizer": trainer.optimizer_name,
-        "optimizer_state_dtype": str(trainable[0].dtype).removeprefix("torch."),
+        "optimizer_state_dtype": trainer.precision.mode.optimizer_state_dtype,
         "kernels": trainer.kernels_applied,
         "gradient_checkpointing": config.gradient_checkpointing,
         "n_train_sequences": len(trainer.train_data.sequences),

@@ -48,6 +48,14 @@ def _adamw_stochastic_rounding(
     return FusedAdamW(groups, lr=learning_rate, seed=seed)
 
 
+def _adamw_8bit(
+    groups: list[dict[str, Any]], learning_rate: float, device: torch.device, seed: int
+) -> torch.optim.Optimizer:
+    from fusetune.kernels import FusedAdamW8bit
+
+    return FusedAdamW8bit(groups, lr=learning_rate, seed=seed)
+
+
 OPTIMIZERS: dict[str, OptimizerEntry] = {
     entry.name: entry
     for entry in (
@@ -58,6 +66,9 @@ OPTIMIZERS: dict[str, OptimizerEntry] = {
         OptimizerEntry(
             "adamw-stochastic-rounding", factory=_adamw_stochastic_rounding,
             skips_on_found_inf=lambda optimizer: False, clips_in_step=True,
+        ),
+        OptimizerEntry(
+            "adamw-8bit", factory=_adamw_8bit, skips_on_found_inf=lambda optimizer: False, clips_in_step=True,
         ),
     )
 }  # fmt: skip
