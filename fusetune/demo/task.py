@@ -165,7 +165,11 @@ class Answers:
 
 
 def answer_held_out(model_dir: str | Path, chats: list[dict[str, Any]]) -> Answers:
-    """Load `model_dir` as a user would (`from_pretrained`) and answer each chat's question greedily."""
+    """Load `model_dir` as a user would (`from_pretrained`) and answer each chat's question greedily.
+
+    Prompts of the same token count are answered as one batch (all of them, for this task): no padding, so
+    each answer is what the prompt alone gets, and one `generate` call instead of one per prompt, which took
+    20 s for the 64 held-out prompts on a busy 2-core machine."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,16 +177,26 @@ def answer_held_out(model_dir: str | Path, chats: list[dict[str, Any]]) -> Answe
     with _no_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()
-    answers = []
+    prompts = [
+        tokenizer.apply_chat_template(chat["messages"][:-1], add_generation_prompt=True)["input_ids"]
+        for chat in chats
+    ]
+    by_length: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(index)
+    answers = [""] * len(chats)
     with torch.inference_mode():
-        for chat in chats:
-            inputs = tokenizer.apply_chat_template(
-                chat["messages"][:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )
+        for length, indices in by_length.items():
+            input_ids = torch.tensor([prompts[i] for i in indices])
             # Room for the answer and its end-of-turn token, and a little more so that a wrong length shows.
-            output = model.generate(**inputs, max_new_tokens=DIGITS_PER_PROMPT + 3, do_sample=False)
-            reply = output[0, inputs["input_ids"].shape[1] :]
-            answers.append(tokenizer.decode(reply, skip_special_tokens=True).strip())
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=DIGITS_PER_PROMPT + 3,
+                do_sample=False,
+            )
+            for row, index in enumerate(indices):
+                answers[index] = tokenizer.decode(output[row, length:], skip_special_tokens=True).strip()
     return Answers(answers=answers, expected=[expected_answer(chat) for chat in chats])
 
 
