@@ -245,6 +245,10 @@ def _print_next_steps(base_url: str, api_key: str, job_id: str, data_dir: Path, 
         )
 
 
+def _interrupt(signum: int, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run_demo(
     settings: Settings,
     port: int = 8765,
@@ -258,6 +262,11 @@ def run_demo(
         console.print(f"built the demo base model (random weights, local tokenizer) in {model_dir}")
     server = _start_server(settings, port)
     base_url = f"http://127.0.0.1:{port}"
+    # The server runs in a session of its own (a terminal's Ctrl-C reaches the demo alone), so the demo stops
+    # it on the way out; a kill or a closed terminal takes that way too instead of leaving the server behind.
+    previous_handlers = {
+        signum: signal.signal(signum, _interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         auth = {"Authorization": f"Bearer {settings.dev_api_key}"}
         with httpx.Client(base_url=base_url, timeout=60, headers=auth) as client:
@@ -268,8 +277,11 @@ def run_demo(
         if keep_serving:
             try:
                 server.wait()
+                console.print(f"[red]the service exited; see {settings.data_dir / 'server.log'}")
             except KeyboardInterrupt:
-                pass
+                console.print("stopping the service")
         return 0 if result.fine_tuned is not None else 1
     finally:
         _stop_server(server)
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
