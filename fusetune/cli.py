@@ -55,14 +55,48 @@ def migrate(data_dir: DataDirOption = None, revision: str = "head") -> None:
 
 
 @app.command()
-def worker(data_dir: DataDirOption = None, loglevel: str = "INFO") -> None:
-    """Run a Celery worker that trains jobs one at a time."""
+def worker(
+    data_dir: DataDirOption = None,
+    loglevel: str = "INFO",
+    parent_pid: Annotated[
+        int | None, typer.Option(hidden=True, help="Stop, as on SIGTERM, when this process exits")
+    ] = None,
+) -> None:
+    """Run a Celery worker that trains jobs one at a time. SIGTERM or SIGINT hands a job in training back to the
+    queue with a checkpoint, then stops the worker."""
     from fusetune.worker.celery_app import run_worker
 
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _settings(data_dir)
     _check_storage(settings)
-    run_worker(settings, loglevel=loglevel)
+    run_worker(settings, loglevel=loglevel, parent_pid=parent_pid)
+
+
+class _StopSignal(SystemExit):
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+def _exit_on_signal(signum: int, _frame) -> None:
+    raise _StopSignal(signum)
+
+
+def _stop_as_on_sigterm(_signum: int, _frame) -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM, SIGINT and SIGHUP end `serve` through its `finally`, which stops the worker.
+
+    uvicorn catches SIGINT and SIGTERM while it serves, shuts down, and raises the signal again: with the default
+    handlers that ended the process on the spot, and the worker outlived it. Here the signal raised again, or one
+    that comes before or after uvicorn serves, is a SystemExit. uvicorn leaves SIGHUP alone, whose default ends
+    the process at once: it becomes a SIGTERM, which uvicorn serves first. Once the worker is stopped, `serve`
+    ends by the signal, as it would have without these handlers (a supervisor reads a stop, not a failure)."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _stop_as_on_sigterm)
 
 
 @app.command()
@@ -89,27 +123,50 @@ def serve(
     _check_storage(settings)
     if migrate_db:
         upgrade(settings.database_url)
+    _stop_on_signals()
     worker = None
-    if settings.embedded_worker:
-        env = {**os.environ, **settings.subprocess_env()}
-        worker = EmbeddedWorker([sys.executable, "-m", "fusetune.cli", "worker"], env)
-        worker.start()
+    received = None
     try:
+        if settings.embedded_worker:
+            env = {**os.environ, **settings.subprocess_env()}
+            command = [sys.executable, "-m", "fusetune.cli", "worker", "--parent-pid", str(os.getpid())]
+            # Time for the worker to hand its job over: the trainer's checkpoint, then SIGKILL as the last resort.
+            stop_timeout_s = settings.handover_grace_s + settings.terminate_grace_s + 15
+            worker = EmbeddedWorker(command, env, stop_timeout_s=stop_timeout_s)
+            worker.start()
         run_api(settings)
+    except _StopSignal as stop:
+        received = stop.signum
     finally:
+        # A second signal must not cut the hand-over short (the worker would still stop, on its parent's exit).
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
         if worker is not None:
             worker.stop()
+    if received is not None:
+        signal.signal(received, signal.SIG_DFL)
+        os.kill(os.getpid(), received)
 
 
 class EmbeddedWorker:
     """The worker process `serve` runs beside the API, started again whenever it exits on its own: a worker
     that died (at start, say) would otherwise leave every job queued while the API keeps accepting them.
-    Restarts wait 1 s, doubling to 30 s while the worker keeps dying within a minute of its start."""
+    Restarts wait 1 s, doubling to 30 s while the worker keeps dying within a minute of its start.
 
-    def __init__(self, command: Sequence[str], env: dict[str, str], first_delay_s: float = 1.0):
+    The worker runs in a session of its own, so a terminal's Ctrl-C or hang-up reaches `serve` alone, which then
+    stops the worker: with SIGTERM, and SIGKILL after `stop_timeout_s`."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        env: dict[str, str],
+        first_delay_s: float = 1.0,
+        stop_timeout_s: float = 30.0,
+    ):
         self._command = list(command)
         self._env = env
         self._first_delay_s = first_delay_s
+        self._stop_timeout_s = stop_timeout_s
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
@@ -124,7 +181,9 @@ class EmbeddedWorker:
             with self._lock:
                 if self._stopping.is_set():
                     return
-                self._process = subprocess.Popen(self._command, env=self._env)
+                # This thread starts every worker and lives as long as they do: Linux sends the parent-death signal
+                # (see fusetune.worker.lifecycle) when the thread that forked the child ends, not the process.
+                self._process = subprocess.Popen(self._command, env=self._env, start_new_session=True)
                 process = self._process
             started = time.monotonic()
             code = process.wait()
@@ -143,9 +202,10 @@ class EmbeddedWorker:
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=self._stop_timeout_s)
             except subprocess.TimeoutExpired:
-                process.kill()
+                process.kill()  # its training processes die with it (fusetune.worker.train.process)
+                process.wait()
         self._thread.join(timeout=5)
 
 

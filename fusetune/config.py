@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     terminate_grace_s: float = 5.0
     # How long a paused job's trainer may take to save its checkpoint and exit before it is stopped.
     pause_grace_s: float = 300.0
+    # How long a worker that is being stopped (SIGTERM, SIGINT, its `serve` gone) waits for its trainer to save a
+    # checkpoint and exit; past it the trainer is stopped and the job resumes from its previous checkpoint. Either
+    # way the job goes back to the queue at once. `serve` waits this plus terminate_grace_s and 15 s for its
+    # worker; a supervisor's stop timeout (systemd's TimeoutStopSec, Kubernetes' terminationGracePeriodSeconds)
+    # should be as long.
+    handover_grace_s: float = Field(default=60.0, ge=0)
     # Crash recovery: a worker renews its job's lease every lease_s / 3; a job whose lease lapsed is requeued
     # (by any worker's reaper, every reaper_interval_s) until it has been started max_attempts times.
     # CPU priority of training processes relative to the API and worker (0 = same).
@@ -122,6 +128,8 @@ class Settings(BaseSettings):
             "FUSETUNE_LEASE_S": str(self.lease_s),
             "FUSETUNE_REAPER_INTERVAL_S": str(self.reaper_interval_s),
             "FUSETUNE_MAX_ATTEMPTS": str(self.max_attempts),
+            "FUSETUNE_HANDOVER_GRACE_S": str(self.handover_grace_s),
+            "FUSETUNE_TERMINATE_GRACE_S": str(self.terminate_grace_s),
             "FUSETUNE_STORAGE_URL": self.storage_url,
             "FUSETUNE_STORAGE_ENDPOINT": self.storage_endpoint,
             "FUSETUNE_STORAGE_REGION": self.storage_region,

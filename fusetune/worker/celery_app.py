@@ -8,10 +8,11 @@ import socket
 import threading
 
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutting_down
 
 from fusetune.config import Settings
 from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, JobQueue, declare_jobs_queue, make_celery_app
+from fusetune.worker.lifecycle import stop_with_parent
 from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,20 @@ def make_worker_app(settings: Settings) -> Celery:
     def _start_reaper(**_kwargs) -> None:
         threading.Thread(target=reap_forever, name="fusetune-reaper", daemon=True).start()
 
+    # Celery's warm shutdown (SIGTERM, SIGINT) waits for the running task, which would be the whole training run:
+    # the runner hands the job back to the queue with a checkpoint instead, and the task returns.
+    @worker_shutting_down.connect(weak=False)
+    def _hand_over(**_kwargs) -> None:
+        runner.stopping.set()
+
     return app
 
 
-def run_worker(settings: Settings, loglevel: str = "INFO") -> None:
-    """Blocks, consuming jobs one at a time (a worker owns its GPUs for the whole job)."""
+def run_worker(settings: Settings, loglevel: str = "INFO", parent_pid: int | None = None) -> None:
+    """Blocks, consuming jobs one at a time (a worker owns its GPUs for the whole job). With `parent_pid`, the
+    worker stops as on SIGTERM when that process exits."""
+    if parent_pid is not None:
+        stop_with_parent(parent_pid)
     app = make_worker_app(settings)
     declare_jobs_queue(app)  # before the consumer declares it, which would exit on a lost race
     app.worker_main(

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from fusetune.worker.train.outcome import (
     read_stopped,
 )
 from fusetune.worker.train.process import prepare_training_process
+from fusetune.worker.train.reporter import HANDOVER_FILENAME
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ TRAIN_LOG_FILE = "train.log"
 CONFIG_FILE = "train_config.json"
 LOG_TAIL_LINES = 20
 WATCH_INTERVAL_S = 1.0
+# The trainer's stopped.json reason, and _watch's answer, when a stopping worker gave its job back.
+HANDED_OVER = "handed_over"
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Outcome:
     # A crash without a diagnosis (killed process, lost node) may succeed on another attempt; a known error
     # (bad model, out of memory, non-finite loss) would only fail again.
     retryable: bool = False
+    # The worker is stopping and gives the job back to the queue: no fault of the job's.
+    handed_over: bool = False
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -74,10 +80,16 @@ class JobRunner:
         self.session_factory = make_session_factory(make_engine(settings.database_url))
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.storage = open_storage(settings)
+        # Set when the worker is asked to stop: a job in training is handed back to the queue with a checkpoint.
+        self.stopping = threading.Event()
 
     # ---- public --------------------------------------------------------------------------------------------
 
     def run(self, job_id: str) -> str:
+        if self.stopping.is_set():
+            # A message that reached a stopping worker goes back for the next one, the job untouched.
+            self.requeue(job_id)
+            return "skipped"
         with self.session_factory() as session:
             if not queries.claim_job(session, job_id, self.worker_name, self.settings.lease_s):
                 session.rollback()
@@ -116,6 +128,12 @@ class JobRunner:
 
     def _record(self, job: Job, outcome: Outcome) -> str:
         with self.session_factory() as session:
+            if outcome.handed_over and queries.requeue_job(session, job.id, worker=self.worker_name):
+                queries.add_event(session, job.id, f"{outcome.message}; the job is back in the queue.",
+                                  level="warning")  # fmt: skip
+                session.commit()
+                self.requeue(job.id)
+                return JobStatus.QUEUED
             if outcome.retryable and job.attempts < self.settings.max_attempts:
                 if queries.requeue_job(session, job.id, worker=self.worker_name):
                     queries.add_event(session, job.id, f"{outcome.message}\nRetrying: attempt {job.attempts + 1} of "
@@ -192,7 +210,7 @@ class JobRunner:
     def _train(self, job: Job) -> Outcome:
         run_dir = self.settings.runs_dir / job.id
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (RESULT_FILENAME, ERROR_FILENAME, STOPPED_FILENAME):
+        for stale in (RESULT_FILENAME, ERROR_FILENAME, STOPPED_FILENAME, HANDOVER_FILENAME):
             (run_dir / stale).unlink(missing_ok=True)
         model_location = self._model_location(job)
         if model_location is None:
@@ -211,6 +229,9 @@ class JobRunner:
         # A retry on this host or any other resumes from the newest checkpoint SQL records.
         checkpoint_store.restore_checkpoints(self.storage, self.session_factory, job, self.settings.runs_dir)
         nproc = JobSpec.from_row(job.hyperparameters).hyperparameters.n_gpus
+        if self.stopping.is_set():
+            message = f"Worker {self.worker_name} is stopping: the job goes back before its training started"
+            return Outcome(JobStatus.QUEUED, {}, message, handed_over=True)
         env = {**os.environ, **self.settings.subprocess_env(), "PYTHONUNBUFFERED": "1"}
         env[checkpoint_store.TENANT_ENV] = job.tenant
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -234,6 +255,9 @@ class JobRunner:
                 "job %s: could not remove unrecorded checkpoints from the store", job.id, exc_info=True
             )
         run_storage.clear_scratch(self.storage, run_dir)
+        if stopped_for == HANDED_OVER:
+            return Outcome(JobStatus.QUEUED, {}, f"Worker {self.worker_name} stopped training without a new "
+                           "checkpoint (the trainer did not save one in time)", handed_over=True)  # fmt: skip
         if stopped_for is not None:
             # The job already left `running` (cancelled or paused by the user); finish_job will leave it so.
             return Outcome(stopped_for, {}, f"Training processes stopped: the job was {stopped_for}")
@@ -242,10 +266,18 @@ class JobRunner:
     def _watch(self, job_id: str, process: subprocess.Popen) -> str | None:
         """Waits for the trainer, renewing the job's lease. If the job leaves `running` meanwhile (cancel,
         pause) or stops being this worker's, stops the processes and returns the job's new status; returns
-        None when the trainer exited by itself."""
+        None when the trainer exited by itself. When the worker is stopping, asks the trainer for a hand-over
+        (a checkpoint, then exit) and returns HANDED_OVER if it has not exited within handover_grace_s."""
         renew_every_s = self.settings.lease_s / 3
         last_renewal = time.monotonic()
+        handover_deadline = None
         while True:
+            if self.stopping.is_set() and handover_deadline is None:
+                (self.settings.runs_dir / job_id / HANDOVER_FILENAME).touch()
+                handover_deadline = time.monotonic() + self.settings.handover_grace_s
+            elif handover_deadline is not None and time.monotonic() > handover_deadline:
+                self._stop(process)
+                return HANDED_OVER
             try:
                 process.wait(timeout=WATCH_INTERVAL_S)
                 return None
@@ -291,6 +323,10 @@ class JobRunner:
             fields = {"trained_tokens": result.trained_tokens, "fine_tuned_model": name}
             return Outcome(JobStatus.SUCCEEDED, fields, f"Fine-tuning job successfully completed: {name}")
         stopped = read_stopped(run_dir)
+        if stopped is not None and stopped.get("reason") == HANDED_OVER:
+            step = stopped.get("step")
+            message = f"Worker {self.worker_name} is stopping: training handed over with the checkpoint of step {step}"
+            return Outcome(JobStatus.QUEUED, {}, message, handed_over=True)
         if stopped is not None:
             # The trainer saw the pause or cancel before the worker did; the job row already says so.
             reason = str(stopped.get("reason", JobStatus.CANCELLED))

@@ -23,7 +23,7 @@ from fusetune.worker.train.outcome import (
     write_result,
     write_stopped,
 )
-from fusetune.worker.train.reporter import Reporter, make_reporter
+from fusetune.worker.train.reporter import HANDOVER_FILENAME, Reporter, make_reporter
 from fusetune.worker.train.trainer import Trainer
 
 # How long ranks other than 0 wait, after a known failure, for rank 0 to write error.json before they exit:
@@ -53,7 +53,8 @@ def run(config: TrainConfig) -> int:
     reporter: Reporter | None = None
     failure: tuple[ErrorCode, str] | None = None
     try:
-        reporter = make_reporter(config.database_url, config.job_id, dist_info.is_main)
+        handover_file = output_dir / HANDOVER_FILENAME
+        reporter = make_reporter(config.database_url, config.job_id, dist_info.is_main, handover_file)
         result = Trainer(config, dist_info, reporter).train()
         if dist_info.is_main:
             write_result(output_dir, result)

@@ -54,7 +54,7 @@ class JobStopped(Exception):
 
     def __init__(self, reason: str, message: str, step: int, checkpoint: str | None = None) -> None:
         super().__init__(message)
-        self.reason = reason  # "cancelled" or "paused"
+        self.reason = reason  # "cancelled", "paused" or "handed_over" (its worker is stopping)
         self.step = step
         self.checkpoint = checkpoint  # where a paused run resumes from
 
@@ -104,7 +104,8 @@ def read_error(output_dir: str | Path) -> dict[str, str] | None:
 
 
 def read_stopped(output_dir: str | Path) -> dict[str, Any] | None:
-    """`{"reason": "paused" | "cancelled", "step", "checkpoint"}` of a run stopped by its job's status, or None."""
+    """`{"reason": "paused" | "cancelled" | "handed_over", "step", "checkpoint"}` of a run stopped by its job's
+    status or its worker's hand-over, or None."""
     path = Path(output_dir) / STOPPED_FILENAME
     if not path.is_file():
         return None

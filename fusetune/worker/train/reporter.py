@@ -9,6 +9,7 @@ import json
 import sys
 import time
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 
@@ -16,6 +17,7 @@ class StopRequest(StrEnum):
     """What the job's status asks of a running trainer (the larger value wins when ranks disagree)."""
 
     PAUSE = "pause"  # save a checkpoint with training state at the step boundary, then exit
+    HANDOVER = "handover"  # the same, for a worker that is stopping: it gives the job back to the queue
     CANCEL = "cancel"  # exit at once
 
 
@@ -29,6 +31,11 @@ PAUSED_STATUS = "paused"
 # step boundary comes at least every few seconds on a GPU, so a cancel is seen within about a second of the
 # step that follows it, and the read (one indexed primary-key lookup) costs nothing measurable per step.
 STATUS_POLL_INTERVAL_S = 1.0
+
+# A worker that is being stopped (SIGTERM, its `serve` gone) asks its trainer for a hand-over by creating this
+# file in the run's output directory: the job is not paused for its user, only moved, so its status stays
+# `running` and the request cannot go through SQL.
+HANDOVER_FILENAME = "handover.request"
 
 
 class Reporter(Protocol):
@@ -119,7 +126,11 @@ class SqlReporter:
     """
 
     def __init__(
-        self, database_url: str, job_id: str, status_poll_interval_s: float = STATUS_POLL_INTERVAL_S
+        self,
+        database_url: str,
+        job_id: str,
+        status_poll_interval_s: float = STATUS_POLL_INTERVAL_S,
+        handover_file: Path | None = None,
     ) -> None:
         from fusetune.db.session import make_engine, make_session_factory
 
@@ -129,6 +140,7 @@ class SqlReporter:
         self._status_poll_interval_s = status_poll_interval_s
         self._last_status_poll = float("-inf")
         self._stop: StopRequest | None = None
+        self._handover_file = handover_file
 
     def _write(self, what: str, call) -> None:
         from sqlalchemy.exc import SQLAlchemyError
@@ -193,6 +205,9 @@ class SqlReporter:
             self._stop = StopRequest.PAUSE
         elif status != RUNNING_STATUS:
             self._stop = StopRequest.CANCEL
+        handover = self._handover_file is not None and self._handover_file.exists()
+        if handover and self._stop != StopRequest.CANCEL:
+            self._stop = StopRequest.HANDOVER
         return self._stop
 
     def close(self) -> None:
@@ -200,11 +215,13 @@ class SqlReporter:
         self._engine.dispose()
 
 
-def make_reporter(database_url: str | None, job_id: str | None, is_main_process: bool) -> Reporter:
+def make_reporter(
+    database_url: str | None, job_id: str | None, is_main_process: bool, handover_file: Path | None = None
+) -> Reporter:
     if not is_main_process:
         return NullReporter()
     if database_url is None:
         return ConsoleReporter()
     if job_id is None:
         raise ValueError("a job_id is needed to report to a database")
-    return SqlReporter(database_url, job_id)
+    return SqlReporter(database_url, job_id, handover_file=handover_file)

@@ -390,15 +390,17 @@ class Trainer:
         self.reporter.metric(self.step, values)
         if stop == StopRequest.CANCEL:
             raise JobStopped("cancelled", f"stopped at step {self.step}: the job was cancelled", self.step)
-        # The final checkpoint is saved after the loop, unless a pause needs it now.
-        if (periodic and self.step < self.total_steps) or stop == StopRequest.PAUSE:
+        # The final checkpoint is saved after the loop, unless a pause or a hand-over needs it now.
+        if (periodic and self.step < self.total_steps) or stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
             if self.last_checkpoint_step != self.step:
                 self._save_checkpoint({k: v for k, v in values.items() if k in ("train_loss", "valid_loss")})
                 self.checkpoint_schedule.saved()
-        if stop == StopRequest.PAUSE:
+        if stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
+            reason = "paused" if stop == StopRequest.PAUSE else "handed_over"
+            what = "paused" if stop == StopRequest.PAUSE else "handed over (its worker is stopping)"
             raise JobStopped(
-                "paused",
-                f"paused at step {self.step}: checkpoint saved, training resumes from it",
+                reason,
+                f"{what} at step {self.step}: checkpoint saved, training resumes from it",
                 self.step,
                 self.checkpoints.reported_path(self.last_checkpoint),
             )
