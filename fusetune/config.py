@@ -61,7 +61,8 @@ class Settings(BaseSettings):
     # should be as long.
     handover_grace_s: float = Field(default=60.0, ge=0)
     # Crash recovery: a worker renews its job's lease every lease_s / 3; a job whose lease lapsed is requeued
-    # (by any worker's reaper, every reaper_interval_s) until it has been started max_attempts times.
+    # (by any worker's reaper, every reaper_interval_s) until it has had max_attempts faults: a lost worker or a
+    # crashed trainer each count one; a pause or a stopping worker's hand-over counts none.
     # CPU priority of training processes relative to the API and worker (0 = same).
     training_niceness: int = Field(default=10, ge=0, le=19)
     lease_s: int = Field(default=60, ge=3)

@@ -116,6 +116,10 @@ def test_serve_stopped_mid_job_hands_it_over_and_loses_none(tmp_path, tiny_model
         for job_id in filter(None, (running, queued)):
             job = service.wait_for_job(job_id)
             assert job["status"] == "succeeded", job
+            if job_id == running:  # the hand-over is no fault: it uses up none of the job's retries
+                assert [(a["cause"], a["fault"]) for a in job["attempts"]] == [
+                    ("handed_over", False), ("succeeded", False),
+                ]  # fmt: skip
         messages = _messages(service, running)
     # The job was handed over with a checkpoint at once, not left for its lease to lapse, and resumed from it.
     handed = [m for m in messages if re.match(r"Worker \S+ is stopping: training handed over", m)]

@@ -84,6 +84,23 @@ class JobError(BaseModel):
     param: str | None = None
 
 
+class JobAttemptObject(BaseModel):
+    """fusetune: one start of the job by a worker."""
+
+    number: int
+    started_at: int
+    ended_at: int | None = None
+    cause: str | None = Field(
+        default=None,
+        description="How the attempt ended: succeeded, failed, cancelled, paused, handed_over (its worker was "
+        "stopped and gave the job back with a checkpoint), worker_lost or crashed; null while it runs",
+    )
+    fault: bool = Field(
+        default=False,
+        description="worker_lost or crashed: only faults count against the server's retry limit",
+    )
+
+
 class JobObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job"] = "fine_tuning.job"
@@ -106,6 +123,9 @@ class JobObject(BaseModel):
     estimated_finish: int | None = None
     metadata: dict[str, str] | None = None
     user_provided_suffix: str | None = None
+    # fusetune: every start of the job with how it ended, and the time it trained over all of them.
+    attempts: list[JobAttemptObject] = []
+    training_seconds: int | None = None
 
 
 class JobList(BaseModel):

@@ -73,7 +73,8 @@ class Job(Base):
     fine_tuned_model: Mapped[str | None] = mapped_column(String(255), nullable=True)
     trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
-    # Which worker holds the job and how often it was started: crash recovery and the "no two copies" rule.
+    # Which worker holds the job and how often it was started (each start is a JobAttempt row): crash recovery
+    # and the "no two copies" rule.
     worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # The worker renews this while it trains the job; a lapsed lease means the worker died (see the reaper).
@@ -81,6 +82,35 @@ class Job(Base):
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")
+
+
+class AttemptEnd:
+    """How an attempt ended (``JobAttempt.cause``). Only faults count against ``Settings.max_attempts``: a pause,
+    a cancel, or a worker that stopped and handed its job back (``handed_over``) use up nothing."""
+
+    SUCCEEDED = JobStatus.SUCCEEDED
+    FAILED = JobStatus.FAILED
+    CANCELLED = JobStatus.CANCELLED
+    PAUSED = JobStatus.PAUSED
+    HANDED_OVER = "handed_over"
+    WORKER_LOST = "worker_lost"  # its worker stopped renewing the lease: killed, frozen, cut off
+    CRASHED = "crashed"  # the training processes died without a diagnosis
+    FAULTS = frozenset({WORKER_LOST, CRASHED})
+
+
+class JobAttempt(Base):
+    """One start of a job by a worker, from its claim to how it ended (``cause``, None while it runs)."""
+
+    __tablename__ = "job_attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_job_attempts_job_number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    number: Mapped[int] = mapped_column(Integer)  # 1, 2, ...: the job's `attempts` when it was claimed
+    worker: Mapped[str] = mapped_column(String(255))
+    started_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    ended_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    cause: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class JobEvent(Base):

@@ -13,10 +13,12 @@ from sqlalchemy.orm import Session
 
 from fusetune.db.models import (
     ApiKey,
+    AttemptEnd,
     Checkpoint,
     File,
     IdempotentRequest,
     Job,
+    JobAttempt,
     JobEvent,
     JobMetric,
     JobStatus,
@@ -152,7 +154,8 @@ def list_jobs(
 
 
 def claim_job(session: Session, job_id: str, worker: str, lease_s: int) -> bool:
-    """queued -> running in one statement, so two workers given the same message cannot both win."""
+    """queued -> running in one statement, so two workers given the same message cannot both win; the winner
+    opens the job's next attempt."""
     now = now_s()
     result = session.execute(
         update(Job)
@@ -160,7 +163,37 @@ def claim_job(session: Session, job_id: str, worker: str, lease_s: int) -> bool:
         .values(status=JobStatus.RUNNING, started_at=now, worker=worker, attempts=Job.attempts + 1,
                 lease_expires_at=now + lease_s)
     )  # fmt: skip
+    if result.rowcount != 1:
+        return False
+    number = session.scalar(select(Job.attempts).where(Job.id == job_id))
+    session.add(JobAttempt(job_id=job_id, number=number, worker=worker, started_at=now))
+    return True
+
+
+def end_attempt(session: Session, job_id: str, number: int, cause: str) -> bool:
+    """Closes the job's attempt `number` with how it ended; False if it was closed already (the reaper and the
+    worker that held the job may both get there: the first one's cause stands)."""
+    result = session.execute(
+        update(JobAttempt)
+        .where(JobAttempt.job_id == job_id, JobAttempt.number == number, JobAttempt.ended_at.is_(None))
+        .values(ended_at=now_s(), cause=cause)
+    )
     return result.rowcount == 1
+
+
+def fault_count(session: Session, job_id: str) -> int:
+    """The job's attempts that ended in a fault (a lost worker, a crash): what max_attempts bounds."""
+    query = select(func.count()).where(JobAttempt.job_id == job_id, JobAttempt.cause.in_(AttemptEnd.FAULTS))
+    return session.scalar(query) or 0
+
+
+def attempts_of_jobs(session: Session, job_ids: list[str]) -> dict[str, list[JobAttempt]]:
+    """Each job's attempts, oldest first (a job never started has none)."""
+    found: dict[str, list[JobAttempt]] = {job_id: [] for job_id in job_ids}
+    query = select(JobAttempt).where(JobAttempt.job_id.in_(job_ids)).order_by(JobAttempt.number)
+    for attempt in session.scalars(query):
+        found[attempt.job_id].append(attempt)
+    return found
 
 
 def renew_lease(session: Session, job_id: str, worker: str, lease_s: int) -> bool:
@@ -356,7 +389,7 @@ def delete_tenant_rows(session: Session, tenant: str) -> TenantRows:
         session.scalars(select(Checkpoint.storage_path).where(Checkpoint.job_id.in_(job_ids)))
     )
     file_names = list(session.scalars(select(File.storage_name).where(File.tenant == tenant)))
-    for model in (JobMetric, JobEvent, Checkpoint):
+    for model in (JobMetric, JobEvent, Checkpoint, JobAttempt):
         session.execute(delete(model).where(model.job_id.in_(job_ids)))
     session.execute(delete(Job).where(Job.tenant == tenant))
     session.execute(delete(File).where(File.tenant == tenant))
@@ -401,6 +434,11 @@ _EVENTS_OF_TYPE_BEFORE = (
     .order_by(JobEvent.seq.desc())
     .limit(bindparam("limit"))
 )
+_ATTEMPTS = (
+    select(JobAttempt.number, JobAttempt.started_at, JobAttempt.ended_at, JobAttempt.cause)
+    .where(JobAttempt.job_id == bindparam("job_id"))
+    .order_by(JobAttempt.number)
+)
 _EVENT_SEQ = select(JobEvent.seq).where(
     JobEvent.id == bindparam("event_id"), JobEvent.job_id == bindparam("job_id")
 )
@@ -422,6 +460,11 @@ MAX_STEP = 2**31 - 1
 def job_row(connection: Connection | Session, job_id: str, tenant: str) -> Row | None:
     """The tenant's job as a row (the columns of ``jobs``), or None."""
     return connection.execute(_JOB_OF_TENANT, {"job_id": job_id, "tenant": tenant}).first()
+
+
+def job_attempts(connection: Connection | Session, job_id: str) -> list[Row]:
+    """The job's attempts as rows (number, started_at, ended_at, cause), oldest first."""
+    return connection.execute(_ATTEMPTS, {"job_id": job_id}).all()
 
 
 def is_tenants_job(connection: Connection | Session, job_id: str, tenant: str) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 from fusetune.catalog import base_model_location, fine_tuned_model_name
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.models import Job, JobStatus
+from fusetune.db.models import AttemptEnd, Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.spec.job import JobSpec
 from fusetune.storage import StorageError, open_storage
@@ -129,20 +129,25 @@ class JobRunner:
     def _record(self, job: Job, outcome: Outcome) -> str:
         with self.session_factory() as session:
             if outcome.handed_over and queries.requeue_job(session, job.id, worker=self.worker_name):
+                queries.end_attempt(session, job.id, job.attempts, AttemptEnd.HANDED_OVER)
                 queries.add_event(session, job.id, f"{outcome.message}; the job is back in the queue.",
                                   level="warning")  # fmt: skip
                 session.commit()
                 self.requeue(job.id)
                 return JobStatus.QUEUED
-            if outcome.retryable and job.attempts < self.settings.max_attempts:
+            # Whatever else ended the attempt; a pause or cancel keeps the status the user gave the job.
+            queries.end_attempt(session, job.id, job.attempts,
+                                AttemptEnd.CRASHED if outcome.retryable else outcome.status)  # fmt: skip
+            faults = queries.fault_count(session, job.id)
+            if outcome.retryable and faults < self.settings.max_attempts:
                 if queries.requeue_job(session, job.id, worker=self.worker_name):
-                    queries.add_event(session, job.id, f"{outcome.message}\nRetrying: attempt {job.attempts + 1} of "
-                                      f"{self.settings.max_attempts}.", level="warning")  # fmt: skip
+                    queries.add_event(session, job.id, f"{outcome.message}\nRetrying: fault {faults} of the "
+                                      f"{self.settings.max_attempts} a job may have.", level="warning")  # fmt: skip
                     session.commit()
                     self.requeue(job.id)
                     return JobStatus.QUEUED
             if outcome.retryable:
-                outcome.fields["error"]["message"] += f" (gave up after {job.attempts} attempts)"
+                outcome.fields["error"]["message"] += f" (gave up after {faults} faults)"
             if queries.finish_job(session, job.id, outcome.status, **outcome.fields):
                 queries.add_event(session, job.id, outcome.message, level=outcome.level)
             elif outcome.status != JobStatus.SUCCEEDED:
@@ -350,22 +355,26 @@ class JobRunner:
 
 def reap_lapsed_jobs(settings: Settings, session_factory, requeue: Callable[[str], None]) -> list[str]:
     """Requeues running jobs whose worker stopped renewing the lease (killed, frozen, cut off from the
-    database), or fails them once they have used up their attempts. Any worker may run this."""
+    database), or fails them once they have had max_attempts faults. Any worker may run this."""
     requeued = []
     with session_factory() as session:
         for job in queries.lapsed_jobs(session):
-            if job.attempts < settings.max_attempts:
-                lost_worker = job.worker  # the requeue clears the row's worker, and the loaded job's with it
+            lost_worker = job.worker  # the requeue clears the row's worker, and the loaded job's with it
+            queries.end_attempt(session, job.id, job.attempts, AttemptEnd.WORKER_LOST)
+            faults = queries.fault_count(session, job.id)
+            if faults < settings.max_attempts:
                 if queries.requeue_job(session, job.id, worker=lost_worker):
                     queries.add_event(session, job.id, f"Worker {lost_worker} stopped renewing its lease; job "
-                                      f"requeued for attempt {job.attempts + 1} of {settings.max_attempts}.",
+                                      f"requeued (fault {faults} of the {settings.max_attempts} a job may have).",
                                       level="warning")  # fmt: skip
                     session.commit()
                     requeue(job.id)
                     requeued.append(job.id)
+                else:
+                    session.rollback()  # the job moved on meanwhile; its attempt is not this reaper's to close
             else:
-                error = {"code": "worker_lost", "message": f"The job's worker stopped responding {job.attempts} "
-                         "times; giving up."}  # fmt: skip
+                error = {"code": "worker_lost", "message": f"The job's worker stopped responding; giving up after "
+                         f"{faults} faults (a lost worker or a crashed trainer each count; pauses do not)."}  # fmt: skip
                 if queries.finish_job(session, job.id, JobStatus.FAILED, error=error):
                     queries.add_event(session, job.id, error["message"], level="error")
                 session.commit()

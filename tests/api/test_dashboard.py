@@ -292,6 +292,10 @@ def test_finished_job_page_plots_every_step_and_downloads_a_checkpoint(dashboard
     assert _element(browser, "#job-status").get_attribute("data-status") == "succeeded"
     assert _wait_for(lambda: "fp32" in _text(browser, "#job-precision"), "the precision")
     assert "n_epochs" in _text(browser, "#job-hyperparameters")
+    # Every attempt with its cause, and the time trained over all of them (the job object's).
+    assert _text(browser, "#job-attempts") == "1 succeeded"
+    seconds = service.client.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["training_seconds"]
+    assert seconds is not None and _text(browser, "#job-training-time").endswith("s")
     events = _text(browser, "#job-events")
     assert "Training started" in events and "Step 1:" not in events  # per-step metrics events are left out
     assert [b.is_enabled() for b in browser.find_elements(By.CSS_SELECTOR, ".actions button")] == [False] * 3

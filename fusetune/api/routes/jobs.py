@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 
@@ -24,6 +25,7 @@ from fusetune.api.schemas import (
     CheckpointObject,
     EstimateObject,
     EventList,
+    JobAttemptObject,
     JobCreate,
     JobError,
     JobList,
@@ -33,7 +35,7 @@ from fusetune.api.schemas import (
 from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.models import Checkpoint, File, Job, JobStatus, new_id
+from fusetune.db.models import AttemptEnd, Checkpoint, File, Job, JobStatus, new_id, now_s
 from fusetune.spec.estimate import DataCounts, ModelShape, estimate_job, fit_micro_batch, too_large_message
 from fusetune.spec.hyperparameters import SpecError
 from fusetune.spec.job import JobSpec
@@ -48,8 +50,9 @@ MAX_METRIC_POINTS = 10_000
 JobStatusName = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
 
 
-def to_schema(job: Job | Row) -> JobObject:
-    """The API object of a job, from its ORM object or its row (same attribute names)."""
+def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
+    """The API object of a job, from its ORM object or its row (same attribute names), with its attempts (ORM
+    objects or rows of job_attempts)."""
     hyper = dict(job.hyperparameters)
     method = hyper.pop("method", None) or {}
     method_type = method.get("type", DEFAULT_METHOD)
@@ -75,7 +78,30 @@ def to_schema(job: Job | Row) -> JobObject:
         validation_file=job.validation_file_id,
         metadata=job.user_metadata,
         user_provided_suffix=job.suffix,
+        attempts=[
+            JobAttemptObject(
+                number=a.number,
+                started_at=a.started_at,
+                ended_at=a.ended_at,
+                cause=a.cause,
+                fault=a.cause in AttemptEnd.FAULTS,
+            )
+            for a in attempts
+        ],
+        training_seconds=_training_seconds(attempts),
     )
+
+
+def _training_seconds(attempts: Sequence) -> int | None:
+    """Time trained over all attempts (an attempt still open counts until now); None before the first."""
+    if not attempts:
+        return None
+    now = now_s()
+    return sum((now if a.ended_at is None else a.ended_at) - a.started_at for a in attempts)
+
+
+def _job_schema(session: Session, job: Job) -> JobObject:
+    return to_schema(job, queries.attempts_of_jobs(session, [job.id])[job.id])
 
 
 def _check_model(session: Session, settings: Settings, tenant: str, model: str) -> None:
@@ -275,7 +301,7 @@ def create_job(
     request_hash = idempotency.body_hash(body.model_dump(mode="json"))
     earlier = idempotency.replayed_object_id(session, tenant, "jobs", key, request_hash)
     if earlier is not None:
-        return to_schema(_get_job(session, earlier, tenant))
+        return _job_schema(session, _get_job(session, earlier, tenant))
     training = _check_inputs(session, settings, tenant, body)
     spec = _resolve_spec(body, training, settings)
     estimate = _estimate(session, settings, storage, tenant, body.model, training, spec)
@@ -313,7 +339,8 @@ def list_jobs(
     rows, has_more = queries.list_jobs(
         session, tenant, after=after, limit=limit, metadata=metadata, status=status, model=model
     )
-    return JobList(data=[to_schema(job) for job in rows], has_more=has_more)
+    attempts = queries.attempts_of_jobs(session, [job.id for job in rows])
+    return JobList(data=[to_schema(job, attempts[job.id]) for job in rows], has_more=has_more)
 
 
 def _get_job(session: Session, job_id: str, tenant: str) -> Job:
@@ -350,7 +377,11 @@ def _json_response(body: dict) -> Response:
 # SQLite): no trip to a worker thread, no ORM objects.
 @router.get("/{job_id}", response_model=JobObject)
 async def retrieve_job(job_id: str, reads: ReadsDep, tenant: TenantDep) -> JobObject:
-    return await reads(lambda connection: to_schema(_job_row(connection, job_id, tenant)))
+    return await reads(
+        lambda connection: to_schema(
+            _job_row(connection, job_id, tenant), queries.job_attempts(connection, job_id)
+        )
+    )
 
 
 def _transition(
@@ -373,8 +404,9 @@ def cancel_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject
     job = _get_job(session, job_id, tenant)
     # A worker watching a running job sees the new status and stops its processes.
     allowed = (JobStatus.VALIDATING_FILES, JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED)
-    return to_schema(
-        _transition(session, job, allowed, JobStatus.CANCELLED, "cancelled", "Job cancelled by the user")
+    return _job_schema(
+        session,
+        _transition(session, job, allowed, JobStatus.CANCELLED, "cancelled", "Job cancelled by the user"),
     )
 
 
@@ -383,7 +415,8 @@ def pause_job(job_id: str, session: SessionDep, tenant: TenantDep) -> JobObject:
     job = _get_job(session, job_id, tenant)
     # The worker stops the training processes, which frees the GPUs; resume queues the job again.
     allowed = (JobStatus.QUEUED, JobStatus.RUNNING)
-    return to_schema(_transition(session, job, allowed, JobStatus.PAUSED, "paused", "Job paused by the user"))
+    job = _transition(session, job, allowed, JobStatus.PAUSED, "paused", "Job paused by the user")
+    return _job_schema(session, job)
 
 
 @router.post("/{job_id}/resume", response_model=JobObject)
@@ -393,7 +426,7 @@ def resume_job(job_id: str, session: SessionDep, tenant: TenantDep, queue: Queue
         session, job, (JobStatus.PAUSED,), JobStatus.QUEUED, "resumed", "Job resumed by the user"
     )
     queue.enqueue(job.id)
-    return to_schema(job)
+    return _job_schema(session, job)
 
 
 @router.get("/{job_id}/events", response_model=EventList)

@@ -44,13 +44,29 @@ export function formatDuration(seconds) {
   return `${Math.floor(s / 3600)}h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m`;
 }
 
-/** How long a job has trained: from its start (or creation) to its end, or to now while it runs. */
+/** How long a job has trained: over all its attempts (the server's training_seconds), else from its start (or
+ * creation) to its end, or to now while it runs. */
 export function jobDuration(job) {
+  if (job.training_seconds !== null && job.training_seconds !== undefined) return job.training_seconds;
   const start = job.started_at || job.created_at;
   if (!start) return null;
   if (job.finished_at) return job.finished_at - start;
   if (job.status === "running") return Date.now() / 1000 - start;
   return null;
+}
+
+const ATTEMPT_CAUSES = {
+  handed_over: "handed over (worker stopped)",
+  worker_lost: "worker lost",
+  crashed: "crashed",
+};
+
+/** A job's attempts in a line: "1 paused · 2 worker lost (fault) · 3 running". */
+export function formatAttempts(attempts) {
+  if (!attempts || !attempts.length) return "—";
+  return attempts
+    .map((a) => `${a.number} ${a.cause ? ATTEMPT_CAUSES[a.cause] || a.cause : "running"}${a.fault ? " (fault)" : ""}`)
+    .join(" · ");
 }
 
 export function formatCount(value) {

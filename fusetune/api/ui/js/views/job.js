@@ -6,6 +6,7 @@ import { METRIC_CHARTS, PALETTE, StepChart, valueOf } from "../charts.js";
 import {
   FINISHED_STATUSES,
   errorBox,
+  formatAttempts,
   formatBytes,
   formatCount,
   formatDuration,
@@ -125,9 +126,10 @@ export function render(main, [jobId]) {
       fact("Training file", job.training_file),
       fact("Validation file", job.validation_file || "—"),
       fact("Created", formatTime(job.created_at)),
-      fact("Started", formatTime(job.started_at)),
+      fact("Started", formatTime(job.attempts && job.attempts.length ? job.attempts[0].started_at : job.started_at)),
       fact("Finished", formatTime(job.finished_at)),
-      fact("Duration", formatDuration(jobDuration(job))),
+      fact("Training time", formatDuration(jobDuration(job)), "job-training-time"),
+      fact("Attempts", formatAttempts(job.attempts), "job-attempts"),
       fact("Trained tokens", formatCount(job.trained_tokens), "job-trained-tokens"),
       fact("Seed", job.seed),
     );

@@ -52,7 +52,7 @@ export function render(main) {
     h("div", { class: "toolbar" }, h("label", {}, "Status ", statusSelect), h("label", {}, "Model ", modelSelect), compareButton),
     status,
     h("table", { class: "data", id: "jobs-table" },
-      h("thead", {}, h("tr", {}, h("th", {}, ""), ["Job", "Status", "Model", "Method", "Created", "Duration", "Trained tokens"].map((c) => h("th", {}, c)))),
+      h("thead", {}, h("tr", {}, h("th", {}, ""), ["Job", "Status", "Model", "Method", "Created", "Training time", "Trained tokens"].map((c) => h("th", {}, c)))),
       body),
     more,
   );
