@@ -117,13 +117,16 @@ class AdamW8bitLaunchSettings:
 def adamw8bit_launch_settings(block_size: int = DEFAULT_BLOCK_SIZE) -> AdamW8bitLaunchSettings:
     """The kernel's launch settings for quantization blocks of `block_size` elements.
 
-    GPU: not measured yet. 2048 elements with 8 warps is FusedAdamW's measured best (adamw_launch_settings)
-    for the same parameter set, taken as the starting point; `python3 -m benchmarks.kernels.optimizer
-    --sweep-8bit` times the alternatives, and its results section is where this choice will be cited from.
+    GPU: one quantization block per program, 2 warps. The kernel does about a hundred fp32 operations per element
+    (three correctly rounded divisions among them), and small programs keep more of them in flight: at the
+    Llama-3.1-8B parameter set one block per program with 2 warps took 3.3x less time than 2048 elements with 8
+    warps, and every larger program measured slower (benchmarks/results/h200-kernels.json, sections
+    optimizer-8bit-sweep and optimizer-8b-sweep: `python3 -m benchmarks.kernels.optimizer --sweep-8bit`).
     Interpreter: 512 elements, so CPU tests at a few thousand elements walk several programs per tensor.
     """
-    elements = 512 if interpreted() else 2048
-    return AdamW8bitLaunchSettings(elements_per_program=max(elements, block_size), num_warps=8)
+    if interpreted():
+        return AdamW8bitLaunchSettings(elements_per_program=max(512, block_size), num_warps=8)
+    return AdamW8bitLaunchSettings(elements_per_program=block_size, num_warps=2)
 
 
 # ------------------------------------------------------------------------------------------------------------
