@@ -49,6 +49,11 @@ def _fine_tune_and_check(service, tmp_path: Path, n_gpus: int = 2) -> dict:
     job = service.wait_for_job(response.json()["id"])
     assert job["status"] == "succeeded", job
     assert job["trained_tokens"] > 0 and job["fine_tuned_model"].startswith(f"ft:{MODEL}:")
+    # The job object reports what ran ("auto" precision made concrete, kernels off where they cannot apply).
+    resolved, hyperparameters = job["resolved"], job["hyperparameters"]
+    assert resolved["world_size"] == n_gpus and resolved["micro_batch_size"] >= 1
+    assert hyperparameters["precision"] == resolved["precision"] != "auto"
+    assert hyperparameters["kernels"] == resolved["kernels"]
 
     metrics = service.client.get(f"/v1/fine_tuning/jobs/{job['id']}/metrics").json()["data"]
     assert len(metrics) == 3 * 256 // 16

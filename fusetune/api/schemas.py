@@ -126,6 +126,12 @@ class JobObject(BaseModel):
     # fusetune: every start of the job with how it ended, and the time it trained over all of them.
     attempts: list[JobAttemptObject] = []
     training_seconds: int | None = None
+    resolved: dict[str, Any] | None = Field(
+        default=None,
+        description="What the job's latest start ran with, as its trainer resolved it: precision, optimizer, "
+        "kernels, micro_batch_size, grad_accum_steps, gradient_checkpointing, distributed, world_size, device; "
+        "null until training started. hyperparameters.precision and .kernels then report the same values.",
+    )
 
 
 class JobList(BaseModel):

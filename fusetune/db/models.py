@@ -79,6 +79,9 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     # The worker renews this while it trains the job; a lapsed lease means the worker died (see the reaper).
     lease_expires_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # What the latest start ran with, as its trainer resolved it (the `started` event's precision, kernels,
+    # micro-batch, distribution; fusetune.worker.train.metrics.RESOLVED_KEYS); None until a trainer started.
+    resolved: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")

@@ -196,6 +196,11 @@ def attempts_of_jobs(session: Session, job_ids: list[str]) -> dict[str, list[Job
     return found
 
 
+def set_job_resolved(session: Session, job_id: str, resolved: dict[str, Any]) -> None:
+    """Records what the job's trainer resolved at its start (see Job.resolved)."""
+    session.execute(update(Job).where(Job.id == job_id).values(resolved=resolved))
+
+
 def renew_lease(session: Session, job_id: str, worker: str, lease_s: int) -> bool:
     """Extends the lease of a job this worker is training; False if the job is no longer this worker's."""
     result = session.execute(

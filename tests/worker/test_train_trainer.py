@@ -18,6 +18,7 @@ from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
 from fusetune.worker.train.data import collate, epoch_order, rank_micro_batches
 from fusetune.worker.train.distributed import DistInfo, decoder_layers
 from fusetune.worker.train.launch import run
+from fusetune.worker.train.metrics import RESOLVED_KEYS
 from fusetune.worker.train.outcome import (
     EXIT_FAILED,
     EXIT_STOPPED,
@@ -591,3 +592,7 @@ def test_sql_reporter_records_a_run(model_dir, small_train_file, tmp_path):
         assert kinds[-1] == "finished"
         assert {"epoch_done", "eval", "checkpoint_saved"} <= set(kinds)
         assert queries.get_job_status(session, job_id) == "running"  # the worker owns status changes
+        # The job row keeps what the run resolved, as its started event says it.
+        started = next(event_data(e) for e in events if event_data(e).get("event") == "started")
+        resolved = queries.get_job(session, job_id).resolved
+        assert resolved == {key: started[key] for key in RESOLVED_KEYS}

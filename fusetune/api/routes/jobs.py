@@ -54,6 +54,10 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
     """The API object of a job, from its ORM object or its row (same attribute names), with its attempts (ORM
     objects or rows of job_attempts)."""
     hyper = dict(job.hyperparameters)
+    resolved = job.resolved
+    if resolved:
+        # What ran, once a trainer started: "auto" made concrete, kernels a CPU run could not apply turned off.
+        hyper.update({key: resolved[key] for key in ("precision", "kernels") if key in resolved})
     method = hyper.pop("method", None) or {}
     method_type = method.get("type", DEFAULT_METHOD)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
@@ -89,6 +93,7 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
             for a in attempts
         ],
         training_seconds=_training_seconds(attempts),
+        resolved=resolved,
     )
 
 

@@ -198,6 +198,19 @@ def share_step_state(
     return (float(shared[0]), float(shared[1])), stop, bool(shared[3])
 
 
+# What the job object reports of its run (`resolved`), from the `started` event: what "auto" and the device made of
+# the job's hyperparameters, and how the run is split.
+RESOLVED_KEYS = (
+    "precision", "optimizer", "kernels", "micro_batch_size", "micro_batch_reason", "grad_accum_steps",
+    "gradient_checkpointing", "distributed", "world_size", "device",
+)  # fmt: skip
+
+
+def resolved_plan(summary: dict[str, Any]) -> dict[str, Any]:
+    """The `RESOLVED_KEYS` of a run's `started` event data."""
+    return {key: summary[key] for key in RESOLVED_KEYS}
+
+
 def run_summary(trainer: Any) -> tuple[str, dict[str, Any]]:
     """The `started` event of a run: what runs where, in which precision, with which batches."""
     from fusetune.worker.train import lora

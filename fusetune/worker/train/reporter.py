@@ -49,6 +49,9 @@ class Reporter(Protocol):
 
     def checkpoints_deleted(self, paths: list[str]) -> None: ...
 
+    def resolved(self, plan: dict[str, Any]) -> None:
+        """What this run resolved at its start (precision, kernels, micro-batch, distribution): the job reports it."""
+
     def stop_request(self) -> StopRequest | None: ...
 
     def close(self) -> None: ...
@@ -65,6 +68,9 @@ class NullReporter:
         pass
 
     def checkpoints_deleted(self, paths: list[str]) -> None:
+        pass
+
+    def resolved(self, plan: dict[str, Any]) -> None:
         pass
 
     def stop_request(self) -> StopRequest | None:
@@ -96,6 +102,9 @@ class ConsoleReporter:
 
     def checkpoints_deleted(self, paths: list[str]) -> None:
         self._print({"kind": "checkpoints_deleted", "paths": paths})
+
+    def resolved(self, plan: dict[str, Any]) -> None:
+        pass  # the `started` event printed before it holds the same values
 
     def stop_request(self) -> StopRequest | None:
         return None
@@ -180,6 +189,11 @@ class SqlReporter:
             f"the deletion of {len(paths)} checkpoint(s)",
             lambda s: queries.delete_checkpoints(s, self._job_id, paths),
         )
+
+    def resolved(self, plan: dict[str, Any]) -> None:
+        from fusetune.db import queries
+
+        self._write("what the run resolved", lambda s: queries.set_job_resolved(s, self._job_id, plan))
 
     def stop_request(self) -> StopRequest | None:
         """What the job's status asks for; reads it at most once per `status_poll_interval_s`. A cancel is

@@ -65,6 +65,7 @@ from fusetune.worker.train.metrics import (
     StepMeter,
     StepStats,
     non_finite_failure,
+    resolved_plan,
     run_summary,
     share_step_state,
 )
@@ -367,6 +368,7 @@ class Trainer:
     def _report_start(self) -> None:
         message, data = run_summary(self)
         self.reporter.event(message, data=data)
+        self.reporter.resolved(resolved_plan(data))
 
     def _after_step(
         self, read: dict[str, float], stats: StepStats, step_time: float, epoch_done: bool

@@ -113,15 +113,16 @@ export function render(main, [jobId]) {
       : null);
 
     const hp = job.hyperparameters || {};
-    const precision = started && started.precision
-      ? `${started.precision}${hp.precision && hp.precision !== started.precision ? ` (asked: ${hp.precision})` : ""}`
-      : hp.precision || "chosen by the trainer at start";
+    // What ran: the job object's `resolved` (the trainer's own account, kept on the job), else the started event.
+    const ran = job.resolved || started;
+    const precision = ran && ran.precision ? ran.precision : hp.precision || "chosen by the trainer at start";
     const fact = (name, value, id) => [h("dt", {}, name), h("dd", id ? { id } : {}, value)];
     replaceChildren(summary,
       fact("Model", job.model),
       fact("Method", (job.method && job.method.type) || "supervised"),
       fact("Precision", precision, "job-precision"),
-      started ? fact("Trained on", `${started.world_size} × ${started.device}, ${started.distributed}, kernels ${started.kernels ? "on" : "off"}`) : null,
+      ran ? fact("Trained on", `${ran.world_size} × ${ran.device}, ${ran.distributed}, kernels ${ran.kernels ? "on" : "off"}`, "job-trained-on") : null,
+      ran ? fact("Micro-batch", `${ran.micro_batch_size} × ${ran.grad_accum_steps} accumulation step(s) per GPU`, "job-micro-batch") : null,
       fact("Fine-tuned model", job.fine_tuned_model || "—"),
       fact("Training file", job.training_file),
       fact("Validation file", job.validation_file || "—"),
