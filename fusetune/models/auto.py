@@ -8,9 +8,13 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from fusetune.models.patching import PatchOptions, apply_fusetune
 
+# apply_fusetune's keywords besides the kernel options.
+_PATCH_KEYWORDS = ("recognize_structure", "probe_device")
+
 
 def _split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    options = {name: kwargs.pop(name) for name in PatchOptions.names() if name in kwargs}
+    names = [*PatchOptions.names(), *_PATCH_KEYWORDS]
+    options = {name: kwargs.pop(name) for name in names if name in kwargs}
     strict = kwargs.pop("strict", False)
     return options, strict
 
@@ -19,8 +23,9 @@ class AutoFusedModelForCausalLM:
     """Load or build any causal LM as transformers would, then patch it with fusetune's kernels.
 
     The kernel options of `apply_fusetune` (rope, rms_norm, swiglu, geglu, add_rms_norm,
-    fused_linear_cross_entropy) are taken from the keywords; everything else goes to transformers. A model
-    of an unsupported family loads unpatched with a warning, unless `strict=True` is passed.
+    fused_linear_cross_entropy), `recognize_structure` and `probe_device` are taken from the keywords;
+    everything else goes to transformers. A family without a row in the table is recognised by its structure
+    (see `apply_fusetune`); one with neither loads unpatched with a warning, unless `strict=True` is passed.
     The patch handle is `fusetune.models.fusetune_handle(model)`.
     """
 

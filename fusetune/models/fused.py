@@ -221,6 +221,12 @@ def make_decoder_layer_forward(
     attn_dropout_name, mlp_dropout_name = spec.residual_dropout_attributes or (None, None)
     mlp_class = spec.resolve(spec.mlp_class) if spec.mlp_class else None
     fused_gate_up = spec.mlp_layout == "fused_gate_up"
+    norm_names = spec.decoder_norms()
+    multiplier_name = spec.residual_multiplier_attribute
+
+    def scaled(self: nn.Module, branch: torch.Tensor) -> torch.Tensor:
+        """The branch as the layer adds it to the residual stream (Granite's `branch * residual_multiplier`)."""
+        return branch * getattr(self, multiplier_name) if multiplier_name is not None else branch
 
     def add_norm(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
         if branch.dtype != residual.dtype:
@@ -263,28 +269,26 @@ def make_decoder_layer_forward(
         return mlp(hidden_states), residual
 
     def prenorm_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        input_norm, pre_mlp_norm = (getattr(self, name) for name in norm_names)
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = input_norm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
         if attn_dropout_name is not None:
             hidden_states = getattr(self, attn_dropout_name)(hidden_states)
-        hidden_states, residual = add_norm_mlp(
-            self.post_attention_layernorm, self.mlp, hidden_states, residual
-        )
+        hidden_states, residual = add_norm_mlp(pre_mlp_norm, self.mlp, scaled(self, hidden_states), residual)
         if mlp_dropout_name is not None:
             hidden_states = getattr(self, mlp_dropout_name)(hidden_states)
-        return residual + hidden_states
+        return residual + scaled(self, hidden_states)
 
     def sandwich_forward(self: nn.Module, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        input_norm, post_attention_norm, pre_mlp_norm, post_mlp_norm = (getattr(self, n) for n in norm_names)
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = input_norm(hidden_states)
         hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states, residual = add_norm_mlp(
-            self.pre_feedforward_layernorm, self.mlp, hidden_states, residual
-        )
-        hidden_states = self.post_feedforward_layernorm(hidden_states)
-        return residual + hidden_states
+        hidden_states = post_attention_norm(hidden_states)
+        hidden_states, residual = add_norm_mlp(pre_mlp_norm, self.mlp, scaled(self, hidden_states), residual)
+        hidden_states = post_mlp_norm(hidden_states)
+        return residual + scaled(self, hidden_states)
 
     if spec.decoder_layout == "prenorm":
         return prenorm_forward
@@ -313,8 +317,8 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
 
     In training with `labels`, the last hidden states go with `lm_head.weight` straight into
     `fused_linear_cross_entropy`, honouring the loss keywords HF's `ForCausalLMLoss` takes
-    (`num_items_in_batch`, `shift_labels`, `ignore_index`), `logits_to_keep` and the family's final logit
-    soft-capping; the output has `logits=None`. In eval, without labels, or when `lm_head` is not an
+    (`num_items_in_batch`, `shift_labels`, `ignore_index`), `logits_to_keep`, the family's constant logit
+    scaling (folded into the hidden states) and its final logit soft-capping; the output has `logits=None`. In eval, without labels, or when `lm_head` is not an
     nn.Linear (a LoRA-wrapped head), the original HF forward runs unchanged.
 
     `sequence_log_probs=True` (fusetune's own keyword; in training and in eval, with labels) returns in
@@ -322,6 +326,7 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
     `fusetune.kernels.sequence_log_probs` (what preference losses need), still without the logits.
     """
     softcap_attribute = spec.logit_softcap_config_attribute
+    scale_attribute, scale_operation = spec.logit_scale_config_attribute, spec.logit_scale_operation
 
     @functools.wraps(original_forward)
     def forward(
@@ -400,6 +405,12 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             hidden_states, weight = hidden_states.to(autocast_dtype), weight.to(autocast_dtype)
             bias = bias.to(autocast_dtype) if bias is not None else None
         softcap = getattr(self.config, softcap_attribute, None) if softcap_attribute else None
+        logit_scale = getattr(self.config, scale_attribute, None) if scale_attribute else None
+        if logit_scale is not None and logit_scale != 1:
+            # (h * s) @ W^T + b * s = s * (h @ W^T + b): the scaled logits without building them.
+            factor = 1.0 / logit_scale if scale_operation == "divide" else logit_scale
+            hidden_states = hidden_states * factor
+            bias = bias * factor if bias is not None else None
         with torch.autocast(device_type, enabled=False) if autocast_dtype else contextlib.nullcontext():
             if per_sequence:
                 loss = kernels.sequence_log_probs.sequence_log_probs(

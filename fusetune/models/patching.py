@@ -9,6 +9,9 @@ Two targets:
   checks and LoRA layers inside the modules all stay as they were. The rotary function is module-level in
   transformers, so it is the one shared piece; it is reference-counted and restored when its last user
   reverts.
+
+A built model whose family has no row is recognised by its structure first (`recognize.py`): the parts found
+and proven make a `FamilySpec` like a row's, patched on the instance as above.
 """
 
 from __future__ import annotations
@@ -16,46 +19,37 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 # The submodules by their full names: `from fusetune.models import ...` would import the package, whose
 # __init__ imports this module.
 import fusetune.models.attention as attention
 import fusetune.models.fused as fused
+import fusetune.models.recognize as recognize
 from fusetune.models.families import FamilySpec, family_for
+from fusetune.models.options import PatchOptions
 from fusetune.models.wrappers import unwrap_model
-
-
-@dataclass(frozen=True)
-class PatchOptions:
-    """Which kernels to use. Every option defaults to on; turn one off to compare or to bisect."""
-
-    rope: bool = True
-    rms_norm: bool = True
-    swiglu: bool = True
-    geglu: bool = True
-    # The middle residual add of each decoder layer fused into the following RMSNorm; needs rms_norm.
-    add_rms_norm: bool = True
-    fused_linear_cross_entropy: bool = True
-    # A built model on sdpa attention switches to "fusetune_varlen" (models/attention.py): packed and padded
-    # rows whose sequence boundaries are passed attend within each sequence without a mask.
-    varlen_attention: bool = True
-
-    @classmethod
-    def names(cls) -> frozenset[str]:
-        return frozenset(option.name for option in fields(cls))
 
 
 @dataclass
 class FusetuneHandle:
-    """What one `apply_fusetune` call replaced, and how to put it back."""
+    """What one `apply_fusetune` call replaced, and how to put it back.
+
+    source: "table" (the family's row in families.py), "structure" (recognised by recognize.py; `spec` is
+    the row it amounts to) or None (nothing patched). left: the parts that stay as they are, and why (for a
+    family recognised by structure, or one that was not recognised).
+    """
 
     model_type: str | None
     options: PatchOptions
     patched: dict[str, int] = field(default_factory=dict)  # "LlamaRMSNorm.forward" -> how many modules
+    source: str | None = None
+    spec: FamilySpec | None = None
+    left: dict[str, str] = field(default_factory=dict)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
@@ -131,13 +125,21 @@ def apply_fusetune(
     fused_linear_cross_entropy: bool = True,
     varlen_attention: bool = True,
     strict: bool = True,
+    recognize_structure: bool = True,
+    probe_device: torch.device | str | None = None,
 ) -> FusetuneHandle:
     """Switch a model, or a whole model family, to fusetune's kernels; returns the handle that reverts it.
 
     `model_or_model_type` is a `config.model_type` ("llama", "qwen2", "gemma3_text", ...), whose classes
     are patched before loading, or a built model, patched in place (a PEFT model is unwrapped with
-    `get_base_model()`). An unsupported family raises ValueError naming the supported ones; with
-    `strict=False` it warns instead and leaves the model as it is (the returned handle is then empty).
+    `get_base_model()`).
+
+    A built model whose family has no row in the table is recognised by its structure (recognize.py, with
+    `recognize_structure`): each part found is proven equal to the original by a probe on `probe_device`
+    (default: the model's device if the kernels run there, else the GPU) and patched; the handle's `left`
+    says what stayed as it is and why. A family with neither a row nor a recognised part (or a model_type
+    string without a row) raises ValueError naming the supported ones; with `strict=False` it warns instead
+    and leaves the model as it is (the returned handle is then empty).
     """
     options = PatchOptions(
         rope=rope,
@@ -153,22 +155,45 @@ def apply_fusetune(
     else:
         model = unwrap_model(model_or_model_type)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model is not None:
+        previous = _instance_handles.get(model)
+        if previous is not None and previous.active:
+            raise RuntimeError("this model is already patched by fusetune; revert_fusetune(model) first")
     try:
         spec = family_for(model_type)
     except ValueError as error:
+        recognition = None
+        if model is not None and recognize_structure:
+            recognition = recognize.recognize(
+                model, options, device=probe_device, original_of=_shared.original
+            )
+            if recognition.spec is not None:
+                handle = FusetuneHandle(
+                    model_type=model_type,
+                    options=options,
+                    source="structure",
+                    spec=recognition.spec,
+                    left=dict(recognition.left),
+                )
+                _patch_instance(model, recognition.spec, options, handle)
+                _instance_handles[model] = handle
+                return handle
+        message = str(error)
+        if recognition is not None:
+            reasons = "; ".join(f"{part}: {why}" for part, why in recognition.left.items())
+            message += f"; and no part of it was recognised by structure ({reasons or 'no part found'})"
         if strict:
-            raise
-        warnings.warn(f"{error}; the model runs without fusetune kernels", stacklevel=2)
-        return FusetuneHandle(model_type=model_type, options=options)
+            raise ValueError(message) from None
+        warnings.warn(f"{message}; the model runs without fusetune kernels", stacklevel=2)
+        return FusetuneHandle(
+            model_type=model_type, options=options, left=dict(recognition.left) if recognition else {}
+        )
 
-    handle = FusetuneHandle(model_type=model_type, options=options)
+    handle = FusetuneHandle(model_type=model_type, options=options, source="table", spec=spec)
     if model is None:
         _patch_classes(spec, options, handle)
         _type_handles.setdefault(model_type, []).append(handle)
     else:
-        previous = _instance_handles.get(model)
-        if previous is not None and previous.active:
-            raise RuntimeError("this model is already patched by fusetune; revert_fusetune(model) first")
         _patch_instance(model, spec, options, handle)
         _instance_handles[model] = handle
     return handle
@@ -229,7 +254,7 @@ def _patch_classes(spec: FamilySpec, options: PatchOptions, handle: FusetuneHand
         # Classes keep the attention implementation a model is loaded with; this makes
         # attn_implementation="fusetune_varlen" one to load with.
         attention.register_varlen_attention()
-    if options.fused_linear_cross_entropy:
+    if options.fused_linear_cross_entropy and spec.causal_lm_class:
         patch(
             spec.resolve(spec.causal_lm_class),
             "forward",
@@ -252,7 +277,7 @@ def _patch_instance(
         roles.append((spec.resolve(spec.experts_class), "experts"))
     if _fuses_decoder_layer(spec, options):
         roles.append((spec.resolve(spec.decoder_layer_class), "decoder_layer"))
-    if options.fused_linear_cross_entropy:
+    if options.fused_linear_cross_entropy and spec.causal_lm_class:
         roles.append((spec.resolve(spec.causal_lm_class), "causal_lm"))
 
     def applies(module: nn.Module, role: str) -> bool:

@@ -89,10 +89,12 @@ def test_every_row_names_objects_of_the_installed_transformers() -> None:
 
 
 def test_unsupported_family_raises_with_the_supported_list_or_warns_when_lenient() -> None:
+    """Without recognition by structure (tests/models/test_recognize.py has it), a family without a row is
+    refused, or left as it is when lenient."""
     config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="gpt2") as error:
-        apply_fusetune(model)
+        apply_fusetune(model, recognize_structure=False)
     for model_type in supported_model_types():
         assert model_type in str(error.value)
     with pytest.raises(ValueError, match="supported model types"):
@@ -100,15 +102,15 @@ def test_unsupported_family_raises_with_the_supported_list_or_warns_when_lenient
 
     classes_before = [type(module) for module in model.modules()]
     with pytest.warns(UserWarning, match="without fusetune kernels"):
-        handle = apply_fusetune(model, strict=False)
+        handle = apply_fusetune(model, strict=False, recognize_structure=False)
     assert not handle.active and handle.patched == {}
     assert [type(module) for module in model.modules()] == classes_before
 
     with pytest.warns(UserWarning, match="without fusetune kernels"):
-        auto_model = AutoFusedModelForCausalLM.from_config(config)
+        auto_model = AutoFusedModelForCausalLM.from_config(config, recognize_structure=False)
     assert type(auto_model) is type(model)
     with pytest.raises(ValueError, match="supported model types"):
-        AutoFusedModelForCausalLM.from_config(config, strict=True)
+        AutoFusedModelForCausalLM.from_config(config, strict=True, recognize_structure=False)
 
 
 # ------------------------------------------------------------------------------------------ instances

@@ -54,11 +54,31 @@ _FAMILY_CONFIG: dict[str, dict] = {
 
 FAMILY_NAMES = tuple(_FAMILY_CONFIG)
 
+# Families without a row in the table, patched by structure (fusetune/models/recognize.py): what each mini
+# config adds to the common shape.
+_STRUCTURE_FAMILY_CONFIG: dict[str, dict] = {
+    "olmo2": {},  # post-norm layers, q_norm / k_norm over whole projections, norms in fp32 (gemma casting)
+    "granite": {"residual_multiplier": 0.5, "logits_scaling": 4.0, "embedding_multiplier": 3.0},
+    "smollm3": {"no_rope_layer_interval": 2},  # the second layer runs no rotary embedding
+    "glm4": {},  # sandwich layers named otherwise, fused gate_up_proj, interleaved partial rotary
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+    "gpt_oss": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 4,
+    },
+}
+STRUCTURE_FAMILY_NAMES = tuple(_STRUCTURE_FAMILY_CONFIG)
+
 
 def tiny_config(model_type: str) -> PretrainedConfig:
-    config = AutoConfig.for_model(model_type, **_COMMON, **_FAMILY_CONFIG[model_type])
+    family_config = _FAMILY_CONFIG.get(model_type, _STRUCTURE_FAMILY_CONFIG.get(model_type))
+    if family_config is None:
+        raise KeyError(f"no mini config for model_type {model_type!r}")
+    config = AutoConfig.for_model(model_type, **_COMMON, **family_config)
     config._attn_implementation = "eager"
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "qwen3_moe", "gpt_oss"):
         # grouped_mm calls the experts' `_apply_gate`, which fusetune fuses; the eager loop does not.
         config._experts_implementation = "grouped_mm"
     return config

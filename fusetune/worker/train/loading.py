@@ -4,6 +4,7 @@ into its base model), and patching the model with fusetune's kernels."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +14,9 @@ from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 from fusetune.worker.train.reporter import Reporter
+
+if TYPE_CHECKING:
+    from fusetune.models import FusetuneHandle
 
 
 def _model_not_found(model_path: str, what: str, exc: Exception) -> TrainingFailure:
@@ -80,22 +84,41 @@ def apply_kernels(model: torch.nn.Module, device: torch.device, reporter: Report
             data={"event": "kernels", "applied": False},
         )
         return False
-    # strict=False: a family without fused kernels trains unpatched instead of failing the job. A PEFT
-    # model is patched through to its base model, the LoRA layers inside the patched modules kept.
-    handle = apply_fusetune(model, strict=False)
-    model_type = getattr(model.config, "model_type", "?")
+    # strict=False: a family without fused kernels trains unpatched instead of failing the job. A family
+    # without a row in the table is recognised by its structure, each part proven by a probe on `device`
+    # before it is patched. A PEFT model is patched through to its base model, the LoRA layers inside the
+    # patched modules kept.
+    handle = apply_fusetune(model, strict=False, probe_device=device)
+    message, level, data = kernels_event(getattr(model.config, "model_type", "?"), handle)
+    reporter.event(message, level=level, data=data)
+    return handle.active
+
+
+def kernels_event(model_type: str, handle: FusetuneHandle) -> tuple[str, str, dict[str, Any]]:
+    """The `kernels` event of one `apply_fusetune` handle: (message, level, data). The data says whether any
+    kernel was applied, from the table's row or by structure (`source`), what was patched (`patched`: what
+    replaced -> how many modules) and what was left as it is, and why (`left`: part -> reason)."""
+    left = dict(handle.left)
+    left_text = "; ".join(f"{part}: {why}" for part, why in left.items())
+    data = {
+        "event": "kernels",
+        "applied": handle.active,
+        "source": handle.source,
+        "patched": dict(handle.patched),
+        "left": left,
+    }
     if not handle.active:
-        reporter.event(
-            f"No fused kernels for model type '{model_type}'; training runs unpatched",
-            level="warning",
-            data={"event": "kernels", "applied": False},
+        reason = f" ({left_text})" if left_text else ""
+        return (
+            f"No fused kernels for model type '{model_type}'; training runs unpatched{reason}",
+            "warning",
+            data,
         )
-        return False
-    reporter.event(
-        f"Fused kernels applied to '{model_type}': {', '.join(sorted(handle.patched))}",
-        data={"event": "kernels", "applied": True, "patched": dict(handle.patched)},
-    )
-    return True
+    how = " (recognised by structure)" if handle.source == "structure" else ""
+    message = f"Fused kernels applied to '{model_type}'{how}: {', '.join(sorted(handle.patched))}"
+    if left_text:
+        message += f". Left as they are: {left_text}"
+    return message, "info", data
 
 
 def report_data(data: LoadedData, path: str, max_seq_length: int, reporter: Reporter) -> LoadedData:
