@@ -33,7 +33,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # The questions the benchmarks answer; each is a folder of scripts and one results file per GPU.
-TOPICS = ("kernels", "step", "service", "scaling", "quality")
+TOPICS = ("kernels", "step", "service", "scaling", "quality", "families")
 MIB = 2**20
 GIB = 2**30
 

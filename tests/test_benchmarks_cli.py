@@ -36,6 +36,7 @@ SCRIPT_OPTIONS = {
     "benchmarks.service.object_store_clients": ("--endpoint",),
     "benchmarks.scaling.gpus": ("--nproc", "--cpu-smoke", "--out"),
     "benchmarks.quality.precision": ("--tiny", "--lrs", "--out"),
+    "benchmarks.models.families_share": ("--model-types", "--out"),
     "benchmarks.summary": ("--results", "--merge-in"),
 }
 
