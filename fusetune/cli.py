@@ -1,4 +1,4 @@
-"""Command line: ``fusetune serve | worker | migrate | keys | tenants | demo``."""
+"""Command line: ``fusetune serve | worker | migrate | keys | tenants | families | demo``."""
 
 from __future__ import annotations
 
@@ -254,6 +254,51 @@ def keys_revoke(key_id: str, data_dir: DataDirOption = None) -> None:
             raise typer.Exit(1)
         session.commit()
         typer.echo(f"revoked {key_id}")
+
+
+families_app = typer.Typer(help="The model families fusetune patches: its table, and families it recognises.")
+app.add_typer(families_app, name="families")
+
+
+@families_app.command("propose")
+def families_propose(
+    source: Annotated[
+        str, typer.Argument(help="A model folder (only its config.json is read) or a transformers model_type")
+    ],
+) -> None:
+    """Recognise a family by its structure and print it as a proposed row of fusetune/models/families.py.
+
+    A miniature of the model (its config at hidden size 64, two layers, random weights) is built and walked;
+    each part found is proven by its probe, on the GPU, or on the CPU under the Triton interpreter. What
+    stays unpatched is listed with the reason. Exits 1 when nothing was recognised."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' first import
+    from fusetune.models import FAMILIES
+    from fusetune.models.families import proposed_row
+    from fusetune.models.miniature import build_miniature
+    from fusetune.models.recognize import recognize
+
+    try:
+        model = build_miniature(source)
+    except (OSError, ValueError, KeyError) as error:
+        typer.echo(f"fusetune: cannot build a miniature of {source!r}: {error}", err=True)
+        raise typer.Exit(2) from error
+    if torch.cuda.is_available():
+        model.to("cuda")
+    recognition = recognize(model)
+    model_type = recognition.model_type
+    if model_type in FAMILIES:
+        typer.echo(f"# {model_type} has a row in the table, which keeps priority; recognition finds:")
+    typer.echo(f"# {model_type}: {recognition.share}")
+    for part, what in recognition.found.items():
+        typer.echo(f"#   found {part}: {what}")
+    for part, why in recognition.left.items():
+        typer.echo(f"#   left  {part}: {why}")
+    if recognition.spec is None:
+        raise typer.Exit(1)
+    typer.echo(proposed_row(recognition.spec))
 
 
 tenants_app = typer.Typer(
