@@ -63,6 +63,62 @@ MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": 4096,
         },
     ),
+    # Families without a row in fusetune's table, patched by structure (fusetune/models/recognize.py); e2e
+    # runs them at batch 4 x 2048, where Hugging Face unpatched still fits on one 80 GB GPU.
+    "olmo-2-1b-shape": (
+        "olmo2",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 100352,
+            "tie_word_embeddings": False,
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 4096,
+            "hidden_act": "silu",
+        },
+    ),
+    "granite-3.3-2b-shape": (
+        "granite",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 49159,
+            "tie_word_embeddings": True,
+            "rope_theta": 10000000.0,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 131072,
+            "hidden_act": "silu",
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.015625,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 8.0,
+        },
+    ),
+    "smollm3-3b-shape": (
+        "smollm3",
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "vocab_size": 128256,
+            "tie_word_embeddings": True,
+            "rope_theta": 5000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 65536,
+            "hidden_act": "silu",
+            "no_rope_layer_interval": 4,
+            "pad_token_id": None,  # the config's default (128004) is outside the tiny variant's vocabulary
+        },
+    ),
     # For multi-GPU runs (benchmarks.scaling.gpus with FSDP2): too large to train in full on one GPU at 8 x 2048.
     "llama-3-8b-shape": (
         "llama",
@@ -98,7 +154,16 @@ TINY_OVERRIDES = {
     "max_position_embeddings": 256,
 }
 
-CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "gemma2": "Gemma2Config"}
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "gemma2": "Gemma2Config",
+    "olmo2": "Olmo2Config",
+    "granite": "GraniteConfig",
+    "smollm3": "SmolLM3Config",
+}
+# The shapes of families fusetune patches by structure (no row in its table).
+STRUCTURE_MODELS = ("olmo-2-1b-shape", "granite-3.3-2b-shape", "smollm3-3b-shape")
 
 
 def build_config(model: str, tiny: bool) -> Any:

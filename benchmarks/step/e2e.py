@@ -42,7 +42,13 @@ LIGER_PATCHES = {
     "llama": ("apply_liger_kernel_to_llama", "swiglu"),
     "qwen2": ("apply_liger_kernel_to_qwen2", "swiglu"),
     "gemma2": ("apply_liger_kernel_to_gemma2", "geglu"),
+    "olmo2": ("apply_liger_kernel_to_olmo2", "swiglu"),
+    "granite": ("apply_liger_kernel_to_granite", "swiglu"),
+    "smollm3": ("apply_liger_kernel_to_smollm3", "swiglu"),
 }
+# Liger-Kernel's loss per family where it is not the fused linear cross-entropy: Granite's function refuses it
+# (its logits are scaled), so Liger's Granite runs its cross-entropy on the built logits.
+LIGER_LOSS = {"granite": {"fused_linear_cross_entropy": False, "cross_entropy": True}}
 
 MFU_FORMULA = (
     "mfu = tokens_per_s * flops_per_token / peak, flops_per_token = 6*N + 12*L*(n_heads*head_dim)*S "
@@ -126,13 +132,11 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
                 "skipped": True,
             }
         patch_name, mlp_option = LIGER_PATCHES[family]
-        getattr(liger_transformers, patch_name)(
-            rope=True,
-            rms_norm=True,
-            fused_linear_cross_entropy=True,
-            cross_entropy=False,
-            **{mlp_option: True},
+        loss = LIGER_LOSS.get(family, {"fused_linear_cross_entropy": True, "cross_entropy": False})
+        row["liger_loss"] = (
+            "fused_linear_cross_entropy" if loss["fused_linear_cross_entropy"] else "cross_entropy"
         )
+        getattr(liger_transformers, patch_name)(rope=True, rms_norm=True, **loss, **{mlp_option: True})
     with torch.device(device):
         if impl in ("fusetune", "fusetune+compile"):
             try:
@@ -154,6 +158,8 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
             )
             handle = fusetune_handle(model)
             row["patched"] = dict(handle.patched) if handle is not None else {}
+            if handle is not None and handle.source == "structure":  # no row in the table: recognised
+                row["patched_by"], row["left"] = "structure", dict(handle.left)
             if spec.get("loss_chunk") == "liger":
                 # The loss as it chunked before its budget grew: Liger-Kernel's chunk rows, no extra bytes.
                 import fusetune.kernels.fused_linear_cross_entropy as flce_module
