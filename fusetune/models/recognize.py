@@ -54,6 +54,7 @@ from fusetune.kernels.rms_norm import rms_norm_reference
 from fusetune.models.families import DEFAULT_DECODER_NORMS, FamilySpec
 from fusetune.models.options import PatchOptions
 from fusetune.models.probe import (
+    MakeCall,
     ProbeCall,
     ProbeResult,
     compare,
@@ -160,7 +161,7 @@ class _Walk:
             norm_classes=(),
             rope_function=None,
         )
-        self._copies: dict[int, nn.Module] = {}
+        self._copies: dict[object, nn.Module] = {}
         self._layer_inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
     def run(self) -> Recognition:
@@ -225,6 +226,39 @@ class _Walk:
         if key not in self._copies:
             self._copies[key] = copy.deepcopy(module).to(self.device)
         return self._copies[key]
+
+    def _in(self, module: nn.Module, dtype: torch.dtype, upcast: bool) -> nn.Module:
+        """`module` for a probe call in `dtype` (float32 with `upcast`): the module on the probe device when it
+        is in that dtype, else a copy of that in the dtype (made once)."""
+        on_device = self._on_device(module)
+        target = torch.float32 if upcast else dtype
+        parameter = next(on_device.parameters(), None)
+        if parameter is None or parameter.dtype == target:
+            return on_device
+        key = (id(on_device), target)
+        if key not in self._copies:
+            self._copies[key] = copy.deepcopy(on_device).to(target)
+        return self._copies[key]
+
+    def _probe(
+        self,
+        original: Callable[..., Any],
+        replacement: Callable[..., Any],
+        make_call: MakeCall,
+        outputs: Callable[[Any], Any],
+        op: str,
+        dtypes: tuple[torch.dtype, ...],
+    ) -> ProbeResult:
+        """The probe in float32 (sharp) and in each of `dtypes` (the part's own): the first failure, else the
+        narrowest pass."""
+        worst: ProbeResult | None = None
+        for dtype in dict.fromkeys((torch.float32, *dtypes)):
+            result = run_probe(original, replacement, make_call, outputs, op, dtype)
+            if not result.passed:
+                return ProbeResult(False, result.error, f"{result.detail} (in {str(dtype).split('.')[-1]})")
+            worst = result if worst is None or result.error > worst.error else worst
+        assert worst is not None
+        return worst
 
     def _random(self, shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0):
         generator = torch.Generator().manual_seed(seed)
@@ -380,27 +414,26 @@ class _Walk:
         spec = dataclasses.replace(
             self.spec, norm_casting_mode=casting, norm_offset=offset, norm_eps_attribute=eps_name
         )
-        replacement = fused.make_rms_norm_forward(spec)
         eps = float(getattr(norm, eps_name))
         width = norm.weight.numel()
-        worst: ProbeResult | None = None
-        for dtype in dict.fromkeys((norm.weight.dtype, torch.bfloat16)):
 
-            def make_call(dtype: torch.dtype = dtype) -> ProbeCall:
-                x = self._norm_rows(width, eps, dtype, seed=21).requires_grad_()
-                probe_norm = self._norm_probe_copy(
-                    norm, 0.3 + self._random((width,), dtype, seed=22, scale=0.5)
-                )
-                return ProbeCall((probe_norm, x), {}, [x, probe_norm.weight], ["input", "weight"])
+        def make_call(dtype: torch.dtype, upcast: bool) -> ProbeCall:
+            x = self._norm_rows(width, eps, dtype, seed=21)
+            weight = 0.3 + self._random((width,), dtype, seed=22, scale=0.5)
+            if upcast:
+                x, weight = x.float(), weight.float()
+            probe_norm = self._norm_probe_copy(norm, weight)
+            x.requires_grad_()
+            return ProbeCall((probe_norm, x), {}, [x, probe_norm.weight], ["input", "weight"])
 
-            result = run_probe(
-                type(norm).forward, replacement, make_call, first_tensors, tolerance_for("rms_norm", dtype)
-            )
-            if not result.passed:
-                return result
-            worst = result if worst is None or result.error > worst.error else worst
-        assert worst is not None
-        return worst
+        return self._probe(
+            type(norm).forward,
+            fused.make_rms_norm_forward(spec),
+            make_call,
+            first_tensors,
+            "rms_norm",
+            (norm.weight.dtype, torch.bfloat16),
+        )
 
     # --------------------------------------------------------------------------------------------- MLPs
 
@@ -457,23 +490,22 @@ class _Walk:
         )
 
     def _probe_mlp(self, mlp: nn.Module, spec: FamilySpec) -> ProbeResult:
-        probe_mlp = self._on_device(mlp)
         replacement = fused.make_mlp_forward(
             spec, type(mlp).forward, use_swiglu=self.options.swiglu, use_geglu=self.options.geglu
         )
-        weight = probe_mlp.down_proj.weight
-        hidden = weight.shape[0]
-        parameters = self._trainable(probe_mlp)
+        own = mlp.down_proj.weight.dtype
+        hidden = mlp.down_proj.weight.shape[0]
 
-        def make_call() -> ProbeCall:
-            x = self._random((PROBE_BATCH, PROBE_SEQ, hidden), weight.dtype, seed=31).requires_grad_()
+        def make_call(dtype: torch.dtype, upcast: bool) -> ProbeCall:
+            probe_mlp = self._in(mlp, dtype, upcast)
+            x = self._random((PROBE_BATCH, PROBE_SEQ, hidden), dtype, seed=31)
+            x = (x.float() if upcast else x).requires_grad_()
+            parameters = self._trainable(probe_mlp)
             return ProbeCall(
                 (probe_mlp, x), {}, [x, *(p for _, p in parameters)], ["input", *(n for n, _ in parameters)]
             )
 
-        return run_probe(
-            type(mlp).forward, replacement, make_call, first_tensors, tolerance_for("gated_mlp", weight.dtype)
-        )
+        return self._probe(type(mlp).forward, replacement, make_call, first_tensors, "gated_mlp", (own,))
 
     # ------------------------------------------------------------------------------------------ experts
 
@@ -537,16 +569,14 @@ class _Walk:
         )
         transposed = getattr(experts, "is_transposed", False)
         width = 2 * intermediate if intermediate else gate_up.shape[2 if transposed else 1]
-        dtype = gate_up.dtype
 
-        def make_call() -> ProbeCall:
-            projected = self._random(
-                (PROBE_BATCH * PROBE_SEQ, width), dtype, seed=41, scale=2.0
-            ).requires_grad_()
+        def make_call(dtype: torch.dtype, upcast: bool) -> ProbeCall:
+            projected = self._random((PROBE_BATCH * PROBE_SEQ, width), dtype, seed=41, scale=2.0)
+            projected = (projected.float() if upcast else projected).requires_grad_()
             return ProbeCall((experts, projected), {}, [projected], ["gate_up_out"])
 
-        return run_probe(
-            original, replacement, make_call, first_tensors, tolerance_for("gated_activation", dtype)
+        return self._probe(
+            original, replacement, make_call, first_tensors, "gated_activation", (gate_up.dtype,)
         )
 
     # --------------------------------------------------------------------------------------- head + loss
@@ -626,9 +656,8 @@ class _Walk:
 
     def _probe_loss(self, spec: FamilySpec, head: nn.Linear) -> ProbeResult:
         model = self.model
-        probe_head = self._on_device(head)
-        weight = probe_head.weight
-        vocab, hidden = weight.shape
+        own = head.weight.dtype
+        vocab, hidden = head.weight.shape
         original = type(model).forward
         replacement = fused.make_causal_lm_forward(spec, original)
         n_layers = int(getattr(self.config, "num_hidden_layers", 1) or 1)
@@ -640,18 +669,17 @@ class _Walk:
         input_ids = torch.randint(0, vocab, (PROBE_BATCH, PROBE_SEQ), generator=generator)
         router_logits = (
             tuple(
-                self._random((PROBE_BATCH * PROBE_SEQ, n_experts), weight.dtype, 52 + i)
+                self._random((PROBE_BATCH * PROBE_SEQ, n_experts), torch.float32, 52 + i)
                 for i in range(n_layers)
             )
             if spec.router_aux_loss and isinstance(n_experts, int)
             else None
         )
-        head_parameters = self._trainable(probe_head)
 
-        def make_call() -> ProbeCall:
-            hidden_states = self._random(
-                (PROBE_BATCH, PROBE_SEQ, hidden), weight.dtype, seed=53
-            ).requires_grad_()
+        def make_call(dtype: torch.dtype, upcast: bool) -> ProbeCall:
+            probe_head = self._in(head, dtype, upcast)
+            hidden_states = self._random((PROBE_BATCH, PROBE_SEQ, hidden), dtype, seed=53)
+            hidden_states = (hidden_states.float() if upcast else hidden_states).requires_grad_()
             clone = _with_children(
                 model,
                 {model.base_model_prefix: _FixedOutputs(hidden_states, router_logits), "lm_head": probe_head},
@@ -662,6 +690,7 @@ class _Walk:
                 "use_cache": False,
                 **extra,
             }
+            head_parameters = self._trainable(probe_head)
             return ProbeCall(
                 (clone,),
                 kwargs,
@@ -669,12 +698,8 @@ class _Walk:
                 ["hidden states", *(f"lm_head.{n}" for n, _ in head_parameters)],
             )
 
-        return run_probe(
-            original,
-            replacement,
-            make_call,
-            lambda output: (output.loss,),
-            tolerance_for("causal_lm_loss", weight.dtype),
+        return self._probe(
+            original, replacement, make_call, lambda output: (output.loss,), "causal_lm_loss", (own,)
         )
 
     # ---------------------------------------------------------------------------------- decoder layers
@@ -788,21 +813,14 @@ class _Walk:
             self.left[part] = f"called with {len(args)} positional arguments, not (q, k, cos, sin)"
             return
 
-        def make_call() -> ProbeCall:
-            q, k = (
-                self._random(tuple(t.shape), t.dtype, seed=71 + i).requires_grad_()
-                for i, t in enumerate(args[:2])
-            )
-            return ProbeCall((q, k, *args[2:]), dict(kwargs), [q, k], ["q", "k"])
+        def make_call(dtype: torch.dtype, upcast: bool) -> ProbeCall:
+            q, k = (self._random(tuple(t.shape), dtype, seed=71 + i) for i, t in enumerate(args[:2]))
+            q, k = ((t.float() if upcast else t).requires_grad_() for t in (q, k))
+            angles = _cast_floating(args[2:], torch.float32 if upcast else dtype)
+            return ProbeCall((q, k, *angles), dict(kwargs), [q, k], ["q", "k"])
 
-        dtype = args[0].dtype
-        result = run_probe(
-            original,
-            fused.make_apply_rotary_pos_emb(original),
-            make_call,
-            first_tensors,
-            tolerance_for("rope", dtype),
-        )
+        replacement = fused.make_apply_rotary_pos_emb(original)
+        result = self._probe(original, replacement, make_call, first_tensors, "rope", (args[0].dtype,))
         if not result.passed:
             self.left[part] = f"probe failed: {result.detail}"
             return
@@ -944,19 +962,23 @@ class _Walk:
         return order
 
     def _probe_layer(self, layer: nn.Module, spec: FamilySpec) -> ProbeResult:
-        probe_layer = self._on_device(layer)
         try:
             replacement = fused.make_decoder_layer_forward(
                 spec, use_swiglu=self.options.swiglu, use_geglu=self.options.geglu
             )
         except (AttributeError, ValueError) as error:
             return ProbeResult.failure(str(error))
-        parameters = self._trainable(probe_layer)
-        dtype = next(probe_layer.parameters()).dtype
+        own = next(layer.parameters()).dtype
 
-        def make_call() -> ProbeCall:
+        def make_call(dtype: torch.dtype, upcast: bool) -> ProbeCall:
+            probe_layer = self._in(layer, dtype, upcast)
             args, kwargs, hidden_states = self._layer_call(layer, seed=101)
+            if upcast or dtype != own:
+                target = torch.float32 if upcast else dtype
+                args, kwargs = _cast_floating(args, target), _cast_floating(kwargs, target)
+                hidden_states = hidden_states.to(dtype).to(target)
             hidden_states.requires_grad_()
+            parameters = self._trainable(probe_layer)
             return ProbeCall(
                 (probe_layer, hidden_states, *args),
                 kwargs,
@@ -964,12 +986,13 @@ class _Walk:
                 ["hidden states", *(n for n, _ in parameters)],
             )
 
-        return run_probe(
+        return self._probe(
             type(layer).forward,
             replacement,
             make_call,
             lambda output: first_tensors(output)[:1],
-            tolerance_for("decoder_layer", dtype),
+            "decoder_layer",
+            (own,),
         )
 
 
@@ -1043,6 +1066,17 @@ def _to_device(value: Any, device: torch.device) -> Any:
         return [_to_device(v, device) for v in value]
     if isinstance(value, dict):
         return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with its floating-point tensors (in tuples, lists and dicts too) cast to `dtype`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
     return value
 
 
