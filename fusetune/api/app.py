@@ -22,8 +22,13 @@ from fusetune.storage import open_storage
 def create_app(settings: Settings | None = None, queue: JobQueue | None = None) -> FastAPI:
     settings = settings or Settings()
     settings.ensure_dirs()
+    # /docs and /redoc are the dashboard's routes, served from vendored files (fusetune/api/routes/ui.py).
     app = FastAPI(
-        title="fusetune", version=__version__, description="Fine-tuning API (OpenAI-compatible /v1)."
+        title="fusetune",
+        version=__version__,
+        description="Fine-tuning API (OpenAI-compatible /v1).",
+        docs_url=None,
+        redoc_url=None,
     )
     engine = make_engine(settings.database_url)
     app.state.settings = settings

@@ -523,3 +523,24 @@ def test_running_job_chart_grows_and_cancel_works_from_the_page(dashboard, demo)
     )
     assert service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"] == "cancelled"
     assert not browser.find_element(By.ID, "job-cancel").is_enabled()
+
+
+def test_the_api_docs_pages_load_nothing_from_elsewhere(browser, tmp_path):
+    """Swagger UI (/docs) and ReDoc (/redoc) draw the API from files the server ships, so they work offline."""
+    with running_service(tmp_path / "data", {"FUSETUNE_EMBEDDED_WORKER": "false"}) as service:
+        _docs_pages_load_nothing_from_elsewhere(browser, service.base_url)
+
+
+def _docs_pages_load_nothing_from_elsewhere(browser, base: str) -> None:
+    elsewhere = (
+        "return performance.getEntriesByType('resource').map(e => e.name)"
+        ".filter(name => !name.startsWith(arguments[0]) && !/^(blob|data):/.test(name));"
+    )
+    browser.get(f"{base}/docs")
+    _element(browser, ".swagger-ui .opblock")  # an operation, drawn from /openapi.json
+    assert "/v1/fine_tuning/jobs" in _text(browser, ".swagger-ui")
+    assert browser.execute_script(elsewhere, base) == []
+    browser.get(f"{base}/redoc")
+    _element(browser, "[data-section-id]")
+    assert "fusetune" in _text(browser, "h1")
+    assert browser.execute_script(elsewhere, base) == []

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import RedirectResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
@@ -56,6 +57,54 @@ def dashboard_redirect(request: Request) -> RedirectResponse:
     return RedirectResponse(f"{request.scope.get('root_path', '')}{UI_PATH}/", status_code=307)
 
 
+# The API's docs pages load Swagger UI and ReDoc from files vendored beside uPlot (see each folder's VERSION and
+# LICENSE), not from a CDN: self-hosted and air-gapped servers are the usual case, and /docs was a blank page there.
+SWAGGER_UI = f"{UI_PATH}/vendor/swagger-ui"
+REDOC = f"{UI_PATH}/vendor/redoc"
+# The pages' own inline start-up script and the libraries' inline styles; ReDoc parses in a worker it makes from a
+# blob. Nothing from another host: ReDoc's bundle would fetch its maker's logo from a CDN.
+DOCS_CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self' 'unsafe-inline'; worker-src blob:; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data:; font-src 'self' data:; connect-src 'self'; form-action 'none'; "
+    "frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+def _docs_page(page: HTMLResponse) -> HTMLResponse:
+    page.headers["Content-Security-Policy"] = DOCS_CONTENT_SECURITY_POLICY
+    return page
+
+
+@router.get("/docs")
+def swagger_ui(request: Request) -> HTMLResponse:
+    root = request.scope.get("root_path", "")
+    page = get_swagger_ui_html(
+        openapi_url=f"{root}{request.app.openapi_url}",
+        title=f"{request.app.title} API",
+        swagger_js_url=f"{root}{SWAGGER_UI}/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}{SWAGGER_UI}/swagger-ui.css",
+        swagger_favicon_url=f"{root}{SWAGGER_UI}/favicon-32x32.png",
+        oauth2_redirect_url=None,
+        # No badge that asks the public validator about the spec.
+        swagger_ui_parameters={"validatorUrl": None},
+    )
+    return _docs_page(page)
+
+
+@router.get("/redoc")
+def redoc(request: Request) -> HTMLResponse:
+    root = request.scope.get("root_path", "")
+    page = get_redoc_html(
+        openapi_url=f"{root}{request.app.openapi_url}",
+        title=f"{request.app.title} API",
+        redoc_js_url=f"{root}{REDOC}/redoc.standalone.js",
+        redoc_favicon_url=f"{root}{SWAGGER_UI}/favicon-32x32.png",
+        with_google_fonts=False,
+    )
+    return _docs_page(page)
+
+
 def install_dashboard(app: FastAPI) -> None:
+    """The dashboard and the API's docs pages (the app is created with docs_url=None, redoc_url=None)."""
     app.include_router(router)
     app.mount(UI_PATH, DashboardFiles(directory=UI_DIR, html=True), name="ui")
