@@ -28,6 +28,7 @@ from fusetune.db.session import make_engine, make_session_factory
 from fusetune.spec.job import JobSpec
 from fusetune.storage import StorageError, open_storage
 from fusetune.worker import run_storage
+from fusetune.worker.redact import without_paths
 from fusetune.worker.train.checkpoints import store as checkpoint_store
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.outcome import (
@@ -127,6 +128,12 @@ class JobRunner:
         return self._record(job, outcome)
 
     def _record(self, job: Job, outcome: Outcome) -> str:
+        if outcome.level != "info":
+            log.warning("job %s: %s", job.id, outcome.message)  # the whole of it, for the operator
+        # The tenant reads the outcome in the job's error and events: no server path in either.
+        outcome.message = without_paths(outcome.message)
+        if outcome.fields.get("error"):
+            outcome.fields["error"]["message"] = without_paths(outcome.fields["error"]["message"])
         with self.session_factory() as session:
             if outcome.handed_over and queries.requeue_job(session, job.id, worker=self.worker_name):
                 queries.end_attempt(session, job.id, job.attempts, AttemptEnd.HANDED_OVER)

@@ -14,6 +14,7 @@ from fusetune.demo import assets
 from fusetune.worker.train import launch as launch_module
 from fusetune.worker.train import optim
 from fusetune.worker.train.checkpoints import layout as ckpt
+from fusetune.worker.train.checkpoints.checkpointer import Checkpointer
 from fusetune.worker.train.config import TrainConfig, default_micro_batch_size
 from fusetune.worker.train.data import collate, epoch_order, rank_micro_batches
 from fusetune.worker.train.distributed import DistInfo, decoder_layers
@@ -495,6 +496,20 @@ def test_other_failures_are_classified(
     error = read_error(tmp_path / "out")
     assert error["code"] == code
     assert expected in error["message"]
+
+
+def test_a_checkpoint_the_disk_refuses_is_a_storage_error(model_dir, small_train_file, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise PermissionError(
+            13, "Permission denied", str(tmp_path / "out" / "checkpoints" / "step-1.incomplete")
+        )
+
+    monkeypatch.setattr(Checkpointer, "save", refuse)
+    config = make_config(model_dir, small_train_file, tmp_path / "out", checkpoint_every_steps=1)
+    with pytest.raises(TrainingFailure) as raised:
+        Trainer(config, ONE_CPU_RANK, RecordingReporter()).train()
+    assert raised.value.code == ErrorCode.STORAGE_ERROR
+    assert "writing the checkpoint of step 1 failed" in raised.value.message
 
 
 def test_a_stop_request_ends_the_run_without_a_result(model_dir, small_train_file, tmp_path, monkeypatch):

@@ -427,8 +427,18 @@ class Trainer:
         return run_description(self.config, len(self.train_data.sequences))
 
     def _save_checkpoint(self, metrics: dict[str, float]) -> None:
-        """Weights, tokenizer and training state of the current step; collective (every rank calls it)."""
-        path = self.checkpoints.save(
+        """Weights, tokenizer and training state of the current step; collective (every rank calls it). A disk
+        that refuses the write (full, read-only, permissions) is the job's storage_error."""
+        try:
+            path = self._write_checkpoint(metrics)
+        except OSError as exc:
+            raise TrainingFailure(
+                ErrorCode.STORAGE_ERROR, f"writing the checkpoint of step {self.step} failed: {exc}"
+            ) from exc
+        self.last_checkpoint, self.last_checkpoint_step = path, self.step
+
+    def _write_checkpoint(self, metrics: dict[str, float]) -> Path:
+        return self.checkpoints.save(
             self.step,
             self.step / self.steps_per_epoch,
             metrics,
@@ -439,7 +449,6 @@ class Trainer:
                 self.progress, self.scheduler, rng_states, self._run_description(), self.method.state_dict()
             ),
         )
-        self.last_checkpoint, self.last_checkpoint_step = path, self.step
 
     def _restore_training_state(self, state: dict[str, Any], checkpoint: Path) -> None:
         """Continue from `checkpoint` (its weights are loaded already): each part from its own state."""
