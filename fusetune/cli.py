@@ -227,7 +227,12 @@ def keys_create(
 ) -> None:
     """Create a key; it is printed once and only its hash is stored."""
     from fusetune.db import queries
+    from fusetune.tenants import tenant_name_problem
 
+    problem = tenant_name_problem(tenant)
+    if problem is not None:
+        typer.echo(f"fusetune: {problem}", err=True)
+        raise typer.Exit(2)
     with _key_session(data_dir) as session:
         row, plaintext = queries.create_api_key(session, tenant, name)
         session.commit()

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     # over the cores (Prometheus then sums request metrics across them through files in data_dir).
     api_processes: int = Field(default=1, ge=1)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    # A request body that sends no bytes for this long is answered 408 and its connection closed.
+    body_read_timeout_s: float = Field(default=60.0, gt=0)
     # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.
     # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front.
     gpu_memory_bytes: int | None = Field(default=None, ge=1)

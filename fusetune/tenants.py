@@ -10,10 +10,25 @@ starts meanwhile.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from fusetune.db import queries
 from fusetune.storage import Storage
+
+# A tenant names a prefix in the object store and a label in logs and metrics: letters, digits, ".", "_" and "-",
+# starting with a letter or digit, at most 64 characters (the column's width).
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def tenant_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a tenant's, or None when it can."""
+    if TENANT_NAME.fullmatch(name):
+        return None
+    return (
+        f"invalid tenant name {name!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or "
+        "a digit"
+    )
 
 
 class TenantBusy(Exception):

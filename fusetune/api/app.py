@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 from fusetune import __version__
 from fusetune.api.deps import Reads
 from fusetune.api.errors import install_error_handlers
-from fusetune.api.middleware import MULTIPART_OVERHEAD_BYTES, BodySizeLimit, RequestMetrics
+from fusetune.api.middleware import MULTIPART_OVERHEAD_BYTES, BodyReadTimeout, BodySizeLimit, RequestMetrics
 from fusetune.api.routes import files, jobs, metrics, models, options
 from fusetune.api.routes.ui import install_dashboard
 from fusetune.config import Settings
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     metrics.install_state_collector(app.state.metrics_registry, app.state.session_factory)
     app.add_middleware(RequestMetrics, registry=request_registry)
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)
+    app.add_middleware(BodyReadTimeout, timeout_s=settings.body_read_timeout_s)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

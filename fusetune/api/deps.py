@@ -95,7 +95,12 @@ async def get_reads(request: Request) -> Reads:
 
 async def get_tenant(request: Request) -> str:
     """The tenant of the caller's Bearer key; every object a request touches must belong to it."""
-    header = request.headers.get("authorization", "")
+    headers = request.headers.getlist("authorization")
+    if len(headers) > 1:
+        # Proxies and servers disagree on which of two wins: refuse rather than guess.
+        raise ApiError(400, f"The request has {len(headers)} Authorization headers; send one.",
+                       param="Authorization", code="duplicate_header")  # fmt: skip
+    header = headers[0] if headers else ""
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="missing_api_key")

@@ -1,7 +1,9 @@
-"""ASGI middleware: request-size limit while the body streams in, and Prometheus request metrics."""
+"""ASGI middleware: request-size limit and read timeout while the body streams in, and Prometheus request
+metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -62,6 +64,56 @@ class BodySizeLimit:
         body = json.dumps(error_body(413, f"Request body is larger than the upload limit of {limit} bytes.", "file",
                                      "file_too_large")).encode()  # fmt: skip
         await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+class BodyReadTimeout:
+    """Answers 408 and closes the connection when a request body stops arriving: no bytes for `timeout_s`.
+
+    uvicorn bounds idle keep-alive connections but not a body that stalls mid-upload, which held a request (and
+    its temporary file) open for as long as the client liked. The wait is per read, so a slow but moving upload
+    of any size goes through.
+    """
+
+    def __init__(self, app, timeout_s: float):
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        body_done = timed_out = rejected = False
+
+        async def timed_receive():
+            nonlocal body_done, timed_out
+            if body_done:  # after the body, a read waits for the client to disconnect: no stall
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                # As for a body over the size limit: end the body here and answer 408 in place of the app.
+                timed_out = body_done = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def guarded_send(message):
+            nonlocal rejected
+            if not timed_out:
+                return await send(message)
+            if not rejected:
+                rejected = True
+                await self._reject(send)
+
+        await self.app(scope, timed_receive, guarded_send)
+
+    async def _reject(self, send):
+        message = f"The request body stalled: no bytes for {self.timeout_s:g} s."
+        body = json.dumps(error_body(408, message, None, "request_timeout")).encode()
+        await send({"type": "http.response.start", "status": 408,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})  # fmt: skip
         await send({"type": "http.response.body", "body": body})

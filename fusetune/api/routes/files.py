@@ -8,7 +8,7 @@ from pathlib import PurePath
 from typing import Annotated, BinaryIO
 from urllib.parse import quote
 
-from fastapi import APIRouter, Form, Header, UploadFile
+from fastapi import APIRouter, Depends, Form, Header, Request, UploadFile
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
@@ -79,7 +79,29 @@ def _storage_failed(error: StorageError) -> ApiError:
     return ApiError(503, f"The file store failed: {error}", code="storage_error")
 
 
-@router.post("", response_model=FileObject)
+# Form parts of an upload that may come once: a second one used to win silently.
+SINGLE_FORM_PARTS = ("file", "purpose")
+
+
+async def _single_form_parts(request: Request) -> None:
+    # Parsed once: FastAPI reads the same, cached, form for the route's parameters.
+    form = await request.form()
+    for name in SINGLE_FORM_PARTS:
+        count = len(form.getlist(name))
+        if count > 1:
+            raise ApiError(400, f"The form has {count} '{name}' parts; send one.", param=name,
+                           code="duplicate_form_part")  # fmt: skip
+
+
+def _check_filename(name: str) -> None:
+    # NUL, newlines and other control characters would be stored and echoed back in listings and downloads.
+    bad = next((c for c in name if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    if bad is not None:
+        raise ApiError(400, f"The file's name has a control character (U+{ord(bad):04X}); rename the file.",
+                       param="file", code="invalid_filename")  # fmt: skip
+
+
+@router.post("", response_model=FileObject, dependencies=[Depends(_single_form_parts)])
 def create_file(
     file: UploadFile,
     purpose: Annotated[str, Form()],
@@ -93,6 +115,7 @@ def create_file(
         raise ApiError(
             400, f"purpose must be one of {', '.join(PURPOSES)} (got '{purpose}').", param="purpose"
         )
+    _check_filename(file.filename or "")
     filename = PurePath(file.filename or "upload.jsonl").name[:255]
     if not filename.endswith(".jsonl"):
         raise ApiError(
