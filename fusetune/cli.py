@@ -312,6 +312,51 @@ tenants_app = typer.Typer(
 app.add_typer(tenants_app, name="tenants")
 
 
+@tenants_app.command("limit")
+def tenants_limit(
+    tenant: Annotated[str, typer.Argument(help="The tenant the limits are for")],
+    max_running_jobs: Annotated[
+        int | None, typer.Option(min=1, help="Jobs it may have training at once (omitted: no limit)")
+    ] = None,
+    max_gpus: Annotated[
+        int | None, typer.Option(min=1, help="GPUs its training jobs may use at once (omitted: no limit)")
+    ] = None,
+    reset: Annotated[
+        bool, typer.Option("--reset", help="Forget this tenant's limits: the settings' defaults apply")
+    ] = False,
+    data_dir: DataDirOption = None,
+) -> None:
+    """Set a tenant's limits. Its jobs over them wait in the queue, with the reason as their status_details, and
+    start (within a reaper pass) once a running one ends or a limit is raised."""
+    from fusetune.db import queries
+    from fusetune.tenants import tenant_name_problem
+
+    problem = tenant_name_problem(tenant)
+    if problem is not None:
+        typer.echo(f"fusetune: {problem}", err=True)
+        raise typer.Exit(2)
+    with _key_session(data_dir) as session:
+        if reset:
+            queries.delete_tenant_limit(session, tenant)
+        else:
+            queries.set_tenant_limit(session, tenant, max_running_jobs, max_gpus)
+        session.commit()
+    shown = "the settings' defaults" if reset else (
+        f"at most {max_running_jobs or 'any number of'} running job(s), {max_gpus or 'any number of'} GPU(s)"
+    )  # fmt: skip
+    typer.echo(f"tenant '{tenant}': {shown}")
+
+
+@tenants_app.command("limits")
+def tenants_limits(data_dir: DataDirOption = None) -> None:
+    """The tenants with limits of their own (others have the settings' defaults)."""
+    from fusetune.db import queries
+
+    with _key_session(data_dir) as session:
+        for row in queries.list_tenant_limits(session):
+            typer.echo(f"{row.tenant}\t{row.max_running_jobs or '-'}\t{row.max_gpus or '-'}")
+
+
 @tenants_app.command("delete")
 def tenants_delete(
     tenant: Annotated[str, typer.Argument(help="The tenant whose data goes")],

@@ -62,6 +62,13 @@ class Settings(BaseSettings):
     # worker; a supervisor's stop timeout (systemd's TimeoutStopSec, Kubernetes' terminationGracePeriodSeconds)
     # should be as long.
     handover_grace_s: float = Field(default=60.0, ge=0)
+    # Capacity and quotas (fusetune/capacity.py). A worker advertises worker_gpus (None: its CUDA GPUs, or its CPU
+    # cores on a host without one) and takes jobs up to that size. A tenant may have at most
+    # tenant_max_running_jobs jobs and tenant_max_gpus GPUs training at once (None: no limit); `fusetune tenants
+    # limit` sets either for one tenant. A job over a limit waits in the queue with the reason as status_details.
+    worker_gpus: int | None = Field(default=None, ge=1)
+    tenant_max_running_jobs: int | None = Field(default=None, ge=1)
+    tenant_max_gpus: int | None = Field(default=None, ge=1)
     # Crash recovery: a worker renews its job's lease every lease_s / 3; a job whose lease lapsed is requeued
     # (by any worker's reaper, every reaper_interval_s) until it has had max_attempts faults: a lost worker or a
     # crashed trainer each count one; a pause or a stopping worker's hand-over counts none.
@@ -133,6 +140,11 @@ class Settings(BaseSettings):
             "FUSETUNE_MAX_ATTEMPTS": str(self.max_attempts),
             "FUSETUNE_HANDOVER_GRACE_S": str(self.handover_grace_s),
             "FUSETUNE_TERMINATE_GRACE_S": str(self.terminate_grace_s),
+            **{
+                f"FUSETUNE_{name.upper()}": str(value)
+                for name in ("worker_gpus", "tenant_max_running_jobs", "tenant_max_gpus")
+                if (value := getattr(self, name)) is not None
+            },
             "FUSETUNE_STORAGE_URL": self.storage_url,
             "FUSETUNE_STORAGE_ENDPOINT": self.storage_endpoint,
             "FUSETUNE_STORAGE_REGION": self.storage_region,

@@ -126,6 +126,9 @@ class JobObject(BaseModel):
     # fusetune: every start of the job with how it ended, and the time it trained over all of them.
     attempts: list[JobAttemptObject] = []
     training_seconds: int | None = None
+    status_details: str | None = Field(
+        default=None, description="Why a queued job is not training yet (no worker, its tenant's limit, ...)"
+    )
     resolved: dict[str, Any] | None = Field(
         default=None,
         description="What the job's latest start ran with, as its trainer resolved it: precision, optimizer, "

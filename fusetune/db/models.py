@@ -82,6 +82,12 @@ class Job(Base):
     # What the latest start ran with, as its trainer resolved it (the `started` event's precision, kernels,
     # micro-batch, distribution; fusetune.worker.train.metrics.RESOLVED_KEYS); None until a trainer started.
     resolved: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # The processes (GPUs) the job trains on, as its hyperparameters say: what capacity and quotas count.
+    n_gpus: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # Why a queued job is not training yet (no worker, none large enough, its tenant's limit); None otherwise.
+    # A job parked for its tenant's limit or a worker's size has no message in the queue: a worker sends one
+    # when the job can start (fusetune.worker.capacity).
+    waiting_reason: Mapped[str | None] = mapped_column(String(255), nullable=True)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")
@@ -158,6 +164,29 @@ class Checkpoint(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
 
     job: Mapped[Job] = relationship(back_populates="checkpoints")
+
+
+class Worker(Base):
+    """A worker that is up: written when it starts and on every reaper pass (its heartbeat), deleted when it
+    stops. What it advertises decides which jobs it takes and which the API accepts."""
+
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    # GPUs, or CPU cores on a host without one (training processes it can run at once).
+    gpus: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    heartbeat_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class TenantLimit(Base):
+    """The operator's limits for one tenant (`fusetune tenants limit`); None: the settings' default."""
+
+    __tablename__ = "tenant_limits"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    max_running_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class ApiKey(Base):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, Row, Text, bindparam, cast, delete, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from fusetune.db.models import (
     ApiKey,
@@ -22,6 +22,8 @@ from fusetune.db.models import (
     JobEvent,
     JobMetric,
     JobStatus,
+    TenantLimit,
+    Worker,
     now_s,
 )
 
@@ -153,21 +155,111 @@ def list_jobs(
     return page, False
 
 
-def claim_job(session: Session, job_id: str, worker: str, lease_s: int) -> bool:
+def claim_job(
+    session: Session,
+    job_id: str,
+    worker: str,
+    lease_s: int,
+    *,
+    max_running_jobs: int | None = None,
+    max_gpus: int | None = None,
+) -> bool:
     """queued -> running in one statement, so two workers given the same message cannot both win; the winner
-    opens the job's next attempt."""
+    opens the job's next attempt. With limits, only while the job's tenant stays within them, checked in the
+    same statement (and, on PostgreSQL, under a lock per tenant), so two workers cannot both take its last slot."""
     now = now_s()
+    conditions = [Job.id == job_id, Job.status == JobStatus.QUEUED]
+    if max_running_jobs is not None or max_gpus is not None:
+        tenant = session.scalar(select(Job.tenant).where(Job.id == job_id))
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(select(func.pg_advisory_xact_lock(func.hashtext(tenant))))
+        running = aliased(Job)
+        of_tenant = (running.tenant == tenant, running.status == JobStatus.RUNNING)
+        if max_running_jobs is not None:
+            conditions.append(select(func.count()).where(*of_tenant).scalar_subquery() < max_running_jobs)
+        if max_gpus is not None:
+            used = select(func.coalesce(func.sum(running.n_gpus), 0)).where(*of_tenant).scalar_subquery()
+            conditions.append(used + Job.n_gpus <= max_gpus)
     result = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+        .where(*conditions)
         .values(status=JobStatus.RUNNING, started_at=now, worker=worker, attempts=Job.attempts + 1,
-                lease_expires_at=now + lease_s)
+                lease_expires_at=now + lease_s, waiting_reason=None)
     )  # fmt: skip
     if result.rowcount != 1:
         return False
     number = session.scalar(select(Job.attempts).where(Job.id == job_id))
     session.add(JobAttempt(job_id=job_id, number=number, worker=worker, started_at=now))
     return True
+
+
+def tenant_usage(session: Session, tenant: str) -> tuple[int, int]:
+    """The tenant's running jobs and the GPUs they train on."""
+    query = select(func.count(), func.coalesce(func.sum(Job.n_gpus), 0)).where(
+        Job.tenant == tenant, Job.status == JobStatus.RUNNING
+    )
+    jobs, gpus = session.execute(query).one()
+    return int(jobs), int(gpus)
+
+
+def park_job(session: Session, job_id: str, reason: str) -> bool:
+    """Records why the queued job waits; True when that is a new reason (worth an event), False when the job
+    already waited for it or is no longer queued."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == JobStatus.QUEUED)
+        .where((Job.waiting_reason.is_(None)) | (Job.waiting_reason != reason))
+        .values(waiting_reason=reason)
+    )
+    return result.rowcount == 1
+
+
+def waiting_jobs(session: Session) -> list[Job]:
+    """Queued jobs that wait for something (a worker, a larger one, their tenant's limit), oldest first."""
+    query = select(Job).where(Job.status == JobStatus.QUEUED, Job.waiting_reason.is_not(None))
+    return list(session.scalars(query.order_by(Job.created_at, Job.id)))
+
+
+def record_worker(session: Session, name: str, gpus: int) -> None:
+    """A worker's start or heartbeat: its row, written anew."""
+    now = now_s()
+    worker = session.get(Worker, name)
+    if worker is None:
+        session.add(Worker(name=name, gpus=gpus, started_at=now, heartbeat_at=now))
+    else:
+        worker.gpus, worker.heartbeat_at = gpus, now
+
+
+def remove_worker(session: Session, name: str) -> None:
+    session.execute(delete(Worker).where(Worker.name == name))
+
+
+def largest_worker_gpus(session: Session, alive_since: int) -> int | None:
+    """The most GPUs a worker that beat since `alive_since` has; None when no worker is up."""
+    return session.scalar(select(func.max(Worker.gpus)).where(Worker.heartbeat_at >= alive_since))
+
+
+def get_tenant_limit(session: Session, tenant: str) -> TenantLimit | None:
+    return session.get(TenantLimit, tenant)
+
+
+def set_tenant_limit(
+    session: Session, tenant: str, max_running_jobs: int | None, max_gpus: int | None
+) -> TenantLimit:
+    row = session.get(TenantLimit, tenant)
+    if row is None:
+        row = TenantLimit(tenant=tenant)
+        session.add(row)
+    row.max_running_jobs, row.max_gpus = max_running_jobs, max_gpus
+    return row
+
+
+def delete_tenant_limit(session: Session, tenant: str) -> None:
+    session.execute(delete(TenantLimit).where(TenantLimit.tenant == tenant))
+
+
+def list_tenant_limits(session: Session) -> list[TenantLimit]:
+    return list(session.scalars(select(TenantLimit).order_by(TenantLimit.tenant)))
 
 
 def end_attempt(session: Session, job_id: str, number: int, cause: str) -> bool:

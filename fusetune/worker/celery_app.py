@@ -8,9 +8,11 @@ import socket
 import threading
 
 from celery import Celery
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
+from fusetune import capacity
 from fusetune.config import Settings
+from fusetune.db import queries
 from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, JobQueue, declare_jobs_queue, make_celery_app
 from fusetune.worker.lifecycle import stop_with_parent
 from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
@@ -27,12 +29,20 @@ def make_worker_app(settings: Settings) -> Celery:
     def run_job(job_id: str) -> str:
         return runner.run(job_id)
 
+    def beat() -> None:
+        """The worker's heartbeat row (what it advertises), then what waits and could start here now."""
+        with runner.session_factory() as session:
+            queries.record_worker(session, runner.worker_name, runner.gpus)
+            session.commit()
+        capacity.release_waiting_jobs(settings, runner.session_factory, queue.enqueue, runner.gpus)
+
     def reap_forever() -> None:
         while True:
             try:
                 requeued = reap_lapsed_jobs(settings, runner.session_factory, queue.enqueue)
                 if requeued:
                     log.warning("requeued jobs whose worker stopped renewing its lease: %s", requeued)
+                beat()
             except Exception:  # a database hiccup must not end the reaper
                 log.exception("reaper pass failed")
             threading.Event().wait(settings.reaper_interval_s)
@@ -46,6 +56,12 @@ def make_worker_app(settings: Settings) -> Celery:
     @worker_shutting_down.connect(weak=False)
     def _hand_over(**_kwargs) -> None:
         runner.stopping.set()
+
+    @worker_shutdown.connect(weak=False)
+    def _unregister(**_kwargs) -> None:
+        with runner.session_factory() as session:
+            queries.remove_worker(session, runner.worker_name)
+            session.commit()
 
     return app
 

@@ -8,10 +8,26 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 # How often the watchdog of platforms without a parent-death signal looks for its parent.
 WATCHDOG_INTERVAL_S = 1.0
+
+
+def detect_gpus() -> int:
+    """The training processes this host runs at once: its NVIDIA GPUs (those CUDA_VISIBLE_DEVICES leaves, else
+    those the driver lists), or on a host without one its CPU cores (a CPU job's n_gpus are gloo processes).
+    Read without importing torch, which the worker itself never needs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = len([device for device in visible.split(",") if device.strip()])
+    else:
+        gpus = len(list(NVIDIA_GPUS.iterdir())) if NVIDIA_GPUS.is_dir() else 0
+    if gpus:
+        return gpus
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def stop_with_parent(parent_pid: int) -> None:

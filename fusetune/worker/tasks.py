@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusetune import capacity
 from fusetune.catalog import base_model_location, fine_tuned_model_name
 from fusetune.config import Settings
 from fusetune.db import queries
@@ -28,6 +29,7 @@ from fusetune.db.session import make_engine, make_session_factory
 from fusetune.spec.job import JobSpec
 from fusetune.storage import StorageError, open_storage
 from fusetune.worker import run_storage
+from fusetune.worker.lifecycle import detect_gpus
 from fusetune.worker.redact import without_paths
 from fusetune.worker.train.checkpoints import store as checkpoint_store
 from fusetune.worker.train.config import TrainConfig
@@ -83,6 +85,8 @@ class JobRunner:
         self.storage = open_storage(settings)
         # Set when the worker is asked to stop: a job in training is handed back to the queue with a checkpoint.
         self.stopping = threading.Event()
+        # What this worker advertises and takes jobs up to (fusetune.capacity).
+        self.gpus = settings.worker_gpus or detect_gpus()
 
     # ---- public --------------------------------------------------------------------------------------------
 
@@ -92,10 +96,10 @@ class JobRunner:
             self.requeue(job_id)
             return "skipped"
         with self.session_factory() as session:
-            if not queries.claim_job(session, job_id, self.worker_name, self.settings.lease_s):
-                session.rollback()
+            if not capacity.claim_or_park(self.settings, session, job_id, self.worker_name, self.gpus):
+                session.commit()  # a job that cannot start yet keeps the reason it waits
                 log.info(
-                    "job %s is not queued (status %s); nothing to do",
+                    "job %s is not started (status %s); nothing to do",
                     job_id,
                     queries.get_job_status(session, job_id),
                 )
@@ -125,7 +129,10 @@ class JobRunner:
                 f"Job failed in the worker: {exc}",
                 "error",
             )
-        return self._record(job, outcome)
+        status = self._record(job, outcome)
+        # The job's slot and GPUs are free again: what waited for them may start.
+        capacity.release_waiting_jobs(self.settings, self.session_factory, self.requeue, self.gpus)
+        return status
 
     def _record(self, job: Job, outcome: Outcome) -> str:
         if outcome.level != "info":

@@ -107,6 +107,9 @@ def test_job_list_filters_by_status_and_model(client, settings):
 
 
 def test_events_filter_by_type(client, settings):
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        queries.record_worker(session, "worker-1", gpus=1)  # a worker is up: the job does not wait for one
+        session.commit()
     file_id = client.post(
         "/v1/files", files={"file": ("t.jsonl", LINE * 4)}, data={"purpose": "fine-tune"}
     ).json()["id"]

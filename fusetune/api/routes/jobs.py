@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from fusetune import capacity
 from fusetune.api import idempotency
 from fusetune.api.checkpoint_archive import archive_response, iter_archive_bytes, plan_stored_archive
 from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
@@ -94,6 +95,7 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
         ],
         training_seconds=_training_seconds(attempts),
         resolved=resolved,
+        status_details=job.waiting_reason if job.status == JobStatus.QUEUED else None,
     )
 
 
@@ -241,8 +243,20 @@ def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
         )
 
 
+def _refuse_if_it_can_never_run(session: Session, settings: Settings, tenant: str, spec: JobSpec) -> None:
+    problem = capacity.creation_problem(settings, session, tenant, spec.hyperparameters.n_gpus)
+    if problem is not None:
+        raise ApiError(400, problem, param="hyperparameters.n_gpus", code="insufficient_capacity")
+
+
 def _insert_job(
-    session: Session, tenant: str, body: JobCreate, spec: JobSpec, key: str | None, request_hash: str
+    session: Session,
+    tenant: str,
+    body: JobCreate,
+    spec: JobSpec,
+    key: str | None,
+    request_hash: str,
+    waiting_reason: str | None = None,
 ) -> tuple[Job, bool]:
     """Adds and commits the job, its first event and the idempotency record: (the job, True), or (the earlier
     job, False) when a concurrent request with the same Idempotency-Key committed first."""
@@ -257,10 +271,15 @@ def _insert_job(
         seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") % (2**31),
         suffix=body.suffix,
         user_metadata=body.metadata,
+        n_gpus=spec.hyperparameters.n_gpus,
+        waiting_reason=waiting_reason,
     )
     session.add(job)
     session.flush()
     queries.add_event(session, job.id, f"Created fine-tuning job: {job.id}")
+    if waiting_reason is not None:
+        queries.add_event(session, job.id, f"Waiting: {waiting_reason}.",
+                          data={"event": "waiting", "reason": waiting_reason})  # fmt: skip
     idempotency.remember(session, tenant, "jobs", key, request_hash, job.id)
     try:
         session.commit()
@@ -319,7 +338,9 @@ def create_job(
             )
         return estimate
     _refuse_if_too_large(estimate)
-    job, created = _insert_job(session, tenant, body, spec, key, request_hash)
+    _refuse_if_it_can_never_run(session, settings, tenant, spec)
+    waiting = capacity.NO_WORKER if capacity.no_worker_up(settings, session) else None
+    job, created = _insert_job(session, tenant, body, spec, key, request_hash, waiting)
     if created:
         _enqueue(session, queue, job)
     return to_schema(job)

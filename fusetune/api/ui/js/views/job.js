@@ -118,6 +118,7 @@ export function render(main, [jobId]) {
     const precision = ran && ran.precision ? ran.precision : hp.precision || "chosen by the trainer at start";
     const fact = (name, value, id) => [h("dt", {}, name), h("dd", id ? { id } : {}, value)];
     replaceChildren(summary,
+      job.status_details ? fact("Waiting", job.status_details, "job-status-details") : null,
       fact("Model", job.model),
       fact("Method", (job.method && job.method.type) || "supervised"),
       fact("Precision", precision, "job-precision"),
