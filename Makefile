@@ -21,7 +21,7 @@ demo: install
 # Two pytest workers (pytest-xdist), each test sent to whichever is free: on a 2-core machine about 16 minutes
 # of pytest where one worker takes 22.5 (the interpreted kernels and the trainer processes each use a core).
 test: install
-	$(PY) -m pytest -q --timeout=900 -n 2 --dist worksteal
+	$(PY) -m pytest -q --timeout=900 -n 2 --dist worksteal --durations=25
 
 # On a GPU machine: the kernel tests at real sizes and under torch.compile.
 test-gpu:
