@@ -149,9 +149,12 @@ class JobRunner:
                 session.commit()
                 self.requeue(job.id)
                 return JobStatus.QUEUED
-            # Whatever else ended the attempt; a pause or cancel keeps the status the user gave the job.
+            # Whatever else ended the attempt; a pause or cancel keeps the status the user gave the job. A job found
+            # queued again was paused and resumed before this worker saw the pause (or the reaper, which closed
+            # the attempt itself, gave it away).
+            cause = AttemptEnd.CRASHED if outcome.retryable else outcome.status
             queries.end_attempt(session, job.id, job.attempts,
-                                AttemptEnd.CRASHED if outcome.retryable else outcome.status)  # fmt: skip
+                                AttemptEnd.PAUSED if cause == JobStatus.QUEUED else cause)  # fmt: skip
             faults = queries.fault_count(session, job.id)
             if outcome.retryable and faults < self.settings.max_attempts:
                 if queries.requeue_job(session, job.id, worker=self.worker_name):

@@ -32,15 +32,13 @@ def test_pauses_and_hand_overs_use_up_no_attempts(tmp_path):
             session.commit()
             return queries.get_job(session, "ftjob-a")
 
-    # Attempt 1: paused by its user, then resumed.
+    # Attempt 1: paused by its user, and resumed before its worker saw the pause (the job is queued again).
     job = claim()
     with sessions() as session:
         assert queries.change_job_status(session, job.id, (JobStatus.RUNNING,), JobStatus.PAUSED)
-        session.commit()
-    assert runner._record(job, Outcome(JobStatus.PAUSED, {}, "paused")) == JobStatus.PAUSED
-    with sessions() as session:
         assert queries.change_job_status(session, job.id, (JobStatus.PAUSED,), JobStatus.QUEUED)
         session.commit()
+    assert runner._record(job, Outcome(JobStatus.QUEUED, {}, "stopped: the job was queued")) == "queued"
     # Attempt 2: its worker was stopped and handed it over.
     job = claim()
     assert runner._record(job, Outcome(JobStatus.QUEUED, {}, "handed over", handed_over=True)) == "queued"
