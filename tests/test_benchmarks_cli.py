@@ -33,6 +33,7 @@ SCRIPT_OPTIONS = {
     "benchmarks.step.memory_estimate": ("--configs", "--out"),
     "benchmarks.service.jobs": ("--variants", "--out"),
     "benchmarks.service.load": ("--clients", "--out"),
+    "benchmarks.service.lifecycle": ("--cases",),
     "benchmarks.service.object_store_clients": ("--endpoint",),
     "benchmarks.scaling.gpus": ("--nproc", "--cpu-smoke", "--out"),
     "benchmarks.quality.precision": ("--tiny", "--lrs", "--out"),
