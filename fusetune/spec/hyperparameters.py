@@ -59,9 +59,9 @@ class Spec(BaseModel):
 @cache
 def _field_checker(model: type[BaseModel], name: str) -> TypeAdapter:
     field = model.model_fields[name]
-    return TypeAdapter(
-        Annotated[field.annotation, *field.metadata], config=ConfigDict(strict=True, allow_inf_nan=False)
-    )
+    # Annotated needs at least one annotation: a field without bounds (a Literal) is checked by its type alone.
+    checked = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+    return TypeAdapter(checked, config=ConfigDict(strict=True, allow_inf_nan=False))
 
 
 def within_bounds(model: type[BaseModel], name: str, value: Any) -> Any:

@@ -209,3 +209,17 @@ def test_the_8bit_optimizer_state_is_refused_under_fsdp(client):
     assert error["param"] == "hyperparameters.precision" and "FSDP" in error["message"], error
     ddp = {**body, "hyperparameters": {**hyperparameters, "distributed": "ddp"}}
     assert client.post("/v1/fine_tuning/jobs", json=ddp).status_code == 200
+
+
+def test_a_method_setting_without_bounds_is_checked_by_its_type(client):
+    uploaded = client.post(
+        "/v1/files", files={"file": ("t.jsonl", LINE.encode())}, data={"purpose": "fine-tune"}
+    )
+    method = {"type": "dpo", "dpo": {"hyperparameters": {"loss_type": "hinge"}}}
+    response = client.post(
+        "/v1/fine_tuning/jobs",
+        json={"model": "tiny", "training_file": uploaded.json()["id"], "method": method},
+    )
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "method.dpo.hyperparameters.loss_type", error
+    assert "'sigmoid' or 'ipo'" in error["message"], error
