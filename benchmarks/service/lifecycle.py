@@ -1,6 +1,6 @@
 """What each way a service stops costs a job: measured on this machine with the demo's tiny model on the CPU.
 
-For each case it starts `fusetune serve` on a fresh data directory, starts one job (3 epochs of 8 steps, a
+For each case it starts `fusetune serve` on a fresh data directory, starts one job (epochs of 8 steps, a
 resumable checkpoint at every epoch's end, the service's default), waits for its 3rd step, then:
 
 - `serve-sigterm`, `serve-sigkill`: stops `serve` with the signal, times until every process of the service has
@@ -30,7 +30,8 @@ from benchmarks.service.jobs import Service
 
 CASES = ("serve-sigterm", "serve-sigkill", "worker-sigkill", "pause")
 MODEL = "tiny-llama"
-TRAIN_LINES, BATCH_SIZE, EPOCHS = 64, 8, 3
+# 8 steps an epoch, and epochs enough that no job ends before its stop, however fast the machine.
+TRAIN_LINES, BATCH_SIZE, EPOCHS = 64, 8, 50
 
 
 def _service_pids(data_dir: Path) -> set[int]:
