@@ -5,8 +5,8 @@ starts only on a worker it fits and while its tenant stays within the operator's
 `claim_or_park` checks both and claims in one statement, or records why the job waits (`waiting_reason`, shown
 as the job's status_details, with an event when the reason is new). A job that waits for its tenant's limit or
 a larger worker has no message in the queue any more; `release_waiting_jobs`, run by a worker when one of its
-jobs ends and on every reaper pass, sends one for each that could start now. The API refuses, at creation, only
-what can never run: more GPUs than the largest worker up, or than the tenant may ever use.
+jobs ends and on every reaper pass while it is idle, sends one for each that could start now. The API refuses,
+at creation, only what can never run: more GPUs than the largest worker up, or than the tenant may ever use.
 
 Imported by the API and the worker alike (like fusetune/spec): SQL through fusetune.db, nothing of either.
 """

@@ -30,11 +30,13 @@ def make_worker_app(settings: Settings) -> Celery:
         return runner.run(job_id)
 
     def beat() -> None:
-        """The worker's heartbeat row (what it advertises), then what waits and could start here now."""
+        """The worker's heartbeat row (what it advertises), then, when it is idle, what waits and could start here
+        now (a limit raised, a lost wake-up; a job's end wakes the waiting at once)."""
         with runner.session_factory() as session:
             queries.record_worker(session, runner.worker_name, runner.gpus)
             session.commit()
-        capacity.release_waiting_jobs(settings, runner.session_factory, queue.enqueue, runner.gpus)
+        if runner.training is None and not runner.stopping.is_set():
+            capacity.release_waiting_jobs(settings, runner.session_factory, queue.enqueue, runner.gpus)
 
     def reap_forever() -> None:
         while True:

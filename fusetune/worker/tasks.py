@@ -87,6 +87,9 @@ class JobRunner:
         self.stopping = threading.Event()
         # What this worker advertises and takes jobs up to (fusetune.capacity).
         self.gpus = settings.worker_gpus or detect_gpus()
+        # The job this worker trains, if any: only an idle worker sends waiting jobs a message on its heartbeat
+        # (a busy one could not take them, and would fill the queue with copies while they wait).
+        self.training: str | None = None
 
     # ---- public --------------------------------------------------------------------------------------------
 
@@ -111,6 +114,7 @@ class JobRunner:
                 f"Fine-tuning job started on worker {self.worker_name} (attempt {job.attempts})",
             )
             session.commit()
+        self.training = job_id
         try:
             outcome = self._train(job)
         except StorageError as exc:
@@ -129,7 +133,10 @@ class JobRunner:
                 f"Job failed in the worker: {exc}",
                 "error",
             )
-        status = self._record(job, outcome)
+        try:
+            status = self._record(job, outcome)
+        finally:
+            self.training = None
         # The job's slot and GPUs are free again: what waited for them may start.
         capacity.release_waiting_jobs(self.settings, self.session_factory, self.requeue, self.gpus)
         return status
