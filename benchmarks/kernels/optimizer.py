@@ -68,7 +68,18 @@ IMPLS = (
 EIGHT_BIT_IMPLS = ("fusetune-8bit", "torchao-8bit", "bnb-8bit")
 # (block_size, num_warps) tried by --sweep; (elements_per_program, num_warps) by --sweep-8bit
 SWEEP_SETTINGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
-SWEEP_8BIT_SETTINGS = ((256, 1), (256, 2), (512, 2), (512, 4), (1024, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 16))
+SWEEP_8BIT_SETTINGS = (
+    (256, 1),
+    (256, 2),
+    (512, 2),
+    (512, 4),
+    (1024, 2),
+    (1024, 4),
+    (1024, 8),
+    (2048, 4),
+    (2048, 8),
+    (4096, 16),
+)
 MODELS = ("llama-3.2-1b-shape", "llama-3.1-8b-shape")
 LR, WEIGHT_DECAY = 1e-5, 0.01
 IMPL_NOTES = (

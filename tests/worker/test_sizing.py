@@ -28,7 +28,9 @@ def test_the_largest_micro_batch_that_fits_the_free_memory(model_dir):
     shape = ModelShape.from_config_file(model_dir / "config.json")
 
     def peak(micro: int) -> int:
-        job = JobSpec(hyperparameters=JobHyperparameters(batch_size=8, max_seq_length=128, precision="bf16-sr"))
+        job = JobSpec(
+            hyperparameters=JobHyperparameters(batch_size=8, max_seq_length=128, precision="bf16-sr")
+        )
         data = DataCounts(example_count=64, token_estimate=6400, padded_length=100)
         return estimate_job(shape, job, data, micro_batch_size=micro).peak_memory_bytes_per_gpu
 

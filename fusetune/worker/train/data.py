@@ -56,7 +56,9 @@ class TokenizedSequence:
         return sum(label != IGNORE_INDEX for label in self.shifted_labels)
 
 
-def read_training_jsonl(path: str | Path, parse: Callable[[Any], Any] = parse_supervised_example) -> list[Any]:
+def read_training_jsonl(
+    path: str | Path, parse: Callable[[Any], Any] = parse_supervised_example
+) -> list[Any]:
     """Every example of a training JSONL file, checked by `parse`; errors name the file and the line."""
     path = Path(path)
     name = path.name

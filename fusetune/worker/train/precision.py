@@ -16,6 +16,7 @@ from fusetune.worker.train.metrics import peak_flops
 if TYPE_CHECKING:
     import torch
 
+
 def _dtype(name: str) -> torch.dtype:
     import torch
 
