@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 AUTO = "auto"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             "adamw-8bit", 2,
             "fusetune.kernels.FusedAdamW8bit: FusedAdamW's update with both moments in 8-bit codes and one fp32 "
             "scale per 256-element block, requantized in the same launch",
-            state_dtype="int8", scale_bytes_per_state=4 / 256, supports_fsdp=False,
+            state_dtype="uint8", scale_bytes_per_state=4 / 256, supports_fsdp=False,
         ),
     )
 }  # fmt: skip

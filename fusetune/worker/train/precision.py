@@ -39,10 +39,6 @@ class PrecisionPolicy:
     def weight_dtype(self) -> torch.dtype:
         return _dtype(self.mode.weight_dtype)
 
-    @property
-    def optimizer_state_dtype(self) -> torch.dtype:
-        return _dtype(self.mode.optimizer_state_dtype)
-
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         # Under FSDP the mixed-precision policy casts the gathered parameters to the compute dtype instead.
         if self.mode.mixed and not self.fsdp:
