@@ -111,6 +111,25 @@ class TrainingHyperparameters(Spec):
     )
     kernels: bool = Field(True, description="Patch the model with fusetune's Triton kernels (GPU)")
     gradient_checkpointing: bool = False
+    # The memory plan (fusetune/spec/plan.py). None leaves that part to the planner, which picks the fastest plan
+    # that fits the GPU the job lands on; the trainer runs with every part decided.
+    recompute_layers: int | None = Field(
+        None,
+        ge=0,
+        description="Decoder layers whose activations are recomputed in the backward instead of kept, the "
+        "cheapest to recompute first (null: the planner decides)",
+    )
+    offload_layers: int | None = Field(
+        None,
+        ge=0,
+        description="Decoder layers whose saved activations wait in pinned host memory until the backward "
+        "(null: the planner decides)",
+    )
+    optimizer_in_backward: bool | None = Field(
+        None,
+        description="Update each parameter as soon as its gradient is complete and free that gradient, so all "
+        "gradients never exist at once; steps without gradient accumulation only (null: the planner decides)",
+    )
     lora: LoraSpec | None = Field(None, description="Train LoRA adapters instead of all weights")
     # With LoRA, checkpoints hold the adapter; this also saves the merged full weights, so that a checkpoint
     # loads with AutoModelForCausalLM.from_pretrained without the base model (the adapter moves to adapter/).
