@@ -420,6 +420,40 @@ def _div_rn(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return (numerator.to(torch.float64) / denominator.to(torch.float64)).to(torch.float32)
 
 
+def parameters_to_update(
+    optimizer: torch.optim.Optimizer, only: Sequence[torch.Tensor] | None
+) -> list[tuple[dict[str, Any], list[tuple[int, torch.Tensor, int]]]]:
+    """(group, [(index in the group, parameter, element offset in the group)]) of the parameters a step updates:
+    every one with a gradient, or only those of `only` (the optimizer step inside the backward updates one
+    parameter as soon as its gradient is complete). Offsets count every parameter of the group, so a
+    parameter's random bits are the same whichever others are updated with it; with `only` they come from a
+    table built once, so that stepping one parameter does not walk all the others."""
+    if only is None:
+        walked = []
+        for group in optimizer.param_groups:
+            members, offset = [], 0
+            for index, param in enumerate(group["params"]):
+                start, offset = offset, offset + _local(param).numel()
+                if param.grad is not None:
+                    members.append((index, param, start))
+            walked.append((group, members))
+        return walked
+    table = getattr(optimizer, "_element_offsets", None)
+    if table is None or len(table) != sum(len(g["params"]) for g in optimizer.param_groups):
+        table = {}
+        for group_index, group in enumerate(optimizer.param_groups):
+            offset = 0
+            for index, param in enumerate(group["params"]):
+                table[id(param)] = (group_index, index, offset)
+                offset += _local(param).numel()
+        optimizer._element_offsets = table  # type: ignore[attr-defined]
+    by_group: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
+    for param in only:
+        group_index, index, start = table[id(param)]
+        by_group.setdefault(group_index, []).append((index, param, start))
+    return [(optimizer.param_groups[g], members) for g, members in by_group.items()]
+
+
 def _back_to_back_offsets(tensors: Iterable[torch.Tensor]) -> list[int]:
     offsets, total = [], 0
     for tensor in tensors:
@@ -508,13 +542,19 @@ class FusedAdamW(torch.optim.Optimizer):
         }
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: torch.Tensor | None = None):  # type: ignore[override]
-        """One AdamW step of every parameter that has a gradient; `grad_scale` multiplies the gradients."""
+    def step(  # type: ignore[override]
+        self,
+        closure=None,
+        grad_scale: torch.Tensor | None = None,
+        params: Sequence[torch.Tensor] | None = None,
+    ):
+        """One AdamW step of every parameter that has a gradient, or of `params` only; `grad_scale` multiplies
+        the gradients."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group, members in parameters_to_update(self, params):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
                 raise TypeError(
@@ -524,12 +564,8 @@ class FusedAdamW(torch.optim.Optimizer):
             # (dtypes, step) -> tensors of one launch; offsets count every parameter of the group, so the random
             # bits of a parameter do not depend on which others have gradients this step.
             launches: dict[tuple, list[tuple]] = {}
-            offset = 0
-            for index, param in enumerate(group["params"]):
+            for index, param, start in members:
                 local_param = _local(param)
-                start, offset = offset, offset + local_param.numel()
-                if param.grad is None:
-                    continue
                 grad = _local(param.grad)
                 if grad.is_sparse:
                     raise RuntimeError(f"FusedAdamW: parameter {index} of its group has a sparse gradient")

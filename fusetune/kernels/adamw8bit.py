@@ -77,6 +77,7 @@ from fusetune.kernels.adamw import (
     _round_stochastic_reference,
     _sqrt_rn,
     _StepConstants,
+    parameters_to_update,
     stochastic_rounding_key,
 )
 
@@ -526,14 +527,20 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                     )
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: torch.Tensor | None = None):  # type: ignore[override]
-        """One AdamW step of every parameter that has a gradient; `grad_scale` multiplies the gradients."""
+    def step(  # type: ignore[override]
+        self,
+        closure=None,
+        grad_scale: torch.Tensor | None = None,
+        params: Sequence[torch.Tensor] | None = None,
+    ):
+        """One AdamW step of every parameter that has a gradient, or of `params` only; `grad_scale` multiplies
+        the gradients."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         settings = adamw8bit_launch_settings(self.block_size)
-        for group in self.param_groups:
+        for group, members in parameters_to_update(self, params):
             lr = group["lr"]
             if isinstance(lr, torch.Tensor):
                 raise TypeError(
@@ -543,11 +550,7 @@ class FusedAdamW8bit(torch.optim.Optimizer):
             # (dtypes, device, step) -> tensors of one launch; offsets count every parameter of the group, so
             # the random bits of a parameter do not depend on which others have gradients this step.
             launches: dict[tuple, list[tuple]] = {}
-            offset = 0
-            for index, param in enumerate(group["params"]):
-                start, offset = offset, offset + param.numel()
-                if param.grad is None:
-                    continue
+            for index, param, start in members:
                 if param.grad.is_sparse:
                     raise RuntimeError(
                         f"FusedAdamW8bit: parameter {index} of its group has a sparse gradient"

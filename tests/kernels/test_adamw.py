@@ -154,6 +154,40 @@ def test_grad_scale_is_the_same_as_scaled_gradients(device):
     assert not torch.equal(plain[2], params[2])
 
 
+@pytest.mark.parametrize("optimizer_class", ["FusedAdamW", "FusedAdamW8bit"])
+def test_stepping_parameters_one_at_a_time_gives_the_whole_step(optimizer_class, device):
+    """The optimizer step inside the backward updates each parameter alone (`params=`) as its gradient completes,
+    in the backward's order; every weight and state must come out as one step of all of them would leave it,
+    bit for bit (the random bits of a parameter depend on its offset in the group, not on its companions)."""
+    from fusetune.kernels import adamw8bit
+
+    cls = FusedAdamW if optimizer_class == "FusedAdamW" else adamw8bit.FusedAdamW8bit
+    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    runs = []
+    for one_at_a_time in (False, True):
+        params = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in start]
+        optimizer = cls(
+            [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-2, seed=3
+        )
+        for step in range(2):
+            grads = _tensors(SHAPES, torch.bfloat16, device, seed=100 + step)
+            if one_at_a_time:
+                for param, grad in reversed(list(zip(params, grads, strict=True))):
+                    param.grad = grad
+                    optimizer.step(grad_scale=torch.tensor([0.5], device=device), params=[param])
+                    param.grad = None
+            else:
+                for param, grad in zip(params, grads, strict=True):
+                    param.grad = grad
+                optimizer.step(grad_scale=torch.tensor([0.5], device=device))
+        runs.append((params, optimizer))
+    (whole, whole_optimizer), (single, single_optimizer) = runs
+    for a, b in zip(whole, single, strict=True):
+        assert torch.equal(a, b)
+        for name, value in whole_optimizer.state[a].items():
+            assert torch.equal(value, single_optimizer.state[b][name]), name
+
+
 def test_gradient_clipping_scale_is_clip_grad_norms_factor():
     grads = [torch.full((3,), 2.0), torch.full((4,), -1.0)]
     total_norm = torch.linalg.vector_norm(torch.cat(grads))
