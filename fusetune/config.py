@@ -98,6 +98,17 @@ class Settings(BaseSettings):
     storage_presigned_expiry_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)  # SigV4's longest: 7 days
     storage_public_endpoint: str = ""
 
+    # An MLflow tracking server every job reports to (besides a job's own `integrations`); empty: none.
+    mlflow_tracking_uri: str = ""
+
+    # Python graders (fusetune/graders/sandbox.py): user code, so off unless the operator turns them on. Each
+    # sample is graded in its own sandboxed process with these limits; one over its time or memory scores 0.
+    python_graders: bool = False
+    python_grader_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    python_grader_memory_bytes: int = Field(default=1024 * 1024 * 1024, ge=64 * 1024 * 1024)
+    python_grader_file_bytes: int = Field(default=64 * 1024 * 1024, ge=0)
+    python_grader_processes: int | None = Field(default=None, ge=1, description="None: the CPU cores")
+
     @model_validator(mode="after")
     def _fill_defaults(self) -> Settings:
         self.data_dir = self.data_dir.expanduser().resolve()
@@ -157,4 +168,14 @@ class Settings(BaseSettings):
             "FUSETUNE_STORAGE_PRESIGNED_DOWNLOADS": str(self.storage_presigned_downloads).lower(),
             "FUSETUNE_STORAGE_PRESIGNED_EXPIRY_S": str(self.storage_presigned_expiry_s),
             "FUSETUNE_STORAGE_PUBLIC_ENDPOINT": self.storage_public_endpoint,
+            "FUSETUNE_MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
+            "FUSETUNE_PYTHON_GRADERS": str(self.python_graders).lower(),
+            "FUSETUNE_PYTHON_GRADER_TIMEOUT_S": str(self.python_grader_timeout_s),
+            "FUSETUNE_PYTHON_GRADER_MEMORY_BYTES": str(self.python_grader_memory_bytes),
+            "FUSETUNE_PYTHON_GRADER_FILE_BYTES": str(self.python_grader_file_bytes),
+            **(
+                {"FUSETUNE_PYTHON_GRADER_PROCESSES": str(self.python_grader_processes)}
+                if self.python_grader_processes is not None
+                else {}
+            ),
         }

@@ -12,6 +12,9 @@ pairs).
 - "preference": as in the OpenAI fine-tuning API, `{"input": {"messages": [...]}, "preferred_output":
   [{"role": "assistant", "content": ...}], "non_preferred_output": [...]}`. The input's last message is not
   the assistant's (the outputs answer it); each output is exactly one assistant message; the two differ.
+- "reinforcement": as in the OpenAI fine-tuning API, `{"messages": [...], ...}`: the messages are the prompt,
+  whose last message is not the assistant's (the model samples the answer), and any other keys are the
+  reference fields a grader reads as `{{ item.<key> }}` (the whole line is the grader's `item`).
 """
 
 from __future__ import annotations
@@ -166,6 +169,38 @@ def _is_preference_record(record: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class ReinforcementExample:
+    messages: list[dict[str, Any]]  # the prompt, ending before the answer the model samples
+    item: dict[str, Any]  # the whole line: what graders read as {{ item.* }}
+
+
+def parse_reinforcement_example(record: Any) -> ReinforcementExample:
+    """One JSONL record as a prompt with its reference fields; raises ValueError saying what is wrong with it."""
+    if not isinstance(record, dict) or "messages" not in record:
+        raise ValueError("expected a JSON object with 'messages' (the prompt) and the grader's reference fields")
+    messages = record["messages"]
+    problem = check_messages(messages, needs_assistant=False)
+    if problem:
+        raise ValueError(problem)
+    if messages[-1]["role"] == "assistant":
+        raise ValueError("the last message must not be the assistant's: the model samples the answer")
+    return ReinforcementExample(messages, record)
+
+
+def reinforcement_example_characters(example: ReinforcementExample) -> int:
+    return sum(len(message.get("content") or "") for message in example.messages)
+
+
+def _is_reinforcement_record(record: Any) -> bool:
+    # A prompt waiting for its answer: a chat whose last message is not the assistant's (a supervised chat ends
+    # with the assistant's answer it learns from).
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+        return False
+    last = record["messages"][-1]
+    return isinstance(last, dict) and last.get("role") != "assistant"
+
+
+@dataclass(frozen=True)
 class ExampleFormat:
     """One line format: how a record is parsed and counted, and whether a record is in it."""
 
@@ -181,4 +216,7 @@ SUPERVISED = ExampleFormat(
 )
 PREFERENCE = ExampleFormat(
     "preference", parse_preference_example, preference_example_characters, _is_preference_record
+)
+REINFORCEMENT = ExampleFormat(
+    "reinforcement", parse_reinforcement_example, reinforcement_example_characters, _is_reinforcement_record
 )
