@@ -66,8 +66,11 @@ def _is_union_member(part: object) -> bool:
 
 
 def _param_from_loc(loc: tuple) -> str | None:
-    # ("body", "hyperparameters", "n_epochs", "int") -> "hyperparameters.n_epochs"
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # ("body", "hyperparameters", "n_epochs", "int") -> "hyperparameters.n_epochs"; a discriminated union's tag
+    # ("type='string_check'", fusetune/spec/graders.py) names the member, not a field: ("grader", tag, "operation")
+    # -> "grader.operation"
+    skipped = ("body", "query", "path", "header")
+    parts = [str(p) for p in loc if p not in skipped and not str(p).startswith("type='")]
     while parts and _is_union_member(parts[-1]):
         parts.pop()
     return ".".join(parts) or None
