@@ -109,15 +109,25 @@ def test_no_module_of_the_package_imports_itself_round_a_circle():
     assert circles(import_graph()) == []
 
 
-# Which parts of the package each layer may import (STYLE.md: api -> spec <- worker, api -> db <- worker ->
-# models -> kernels; kernels import nothing of fusetune).
+# Which parts of the package each layer may import (STYLE.md: api -> spec <- worker, api -> tokenization <- worker,
+# api -> db <- worker -> models -> kernels; kernels import nothing of fusetune).
 FORBIDDEN = {
     "fusetune.spec": ("fusetune.",),
+    # Below the API and the worker alike, beside spec, which it uses.
+    "fusetune.tokenization": (
+        "fusetune.api",
+        "fusetune.worker",
+        "fusetune.db",
+        "fusetune.models",
+        "fusetune.kernels",
+    ),
     "fusetune.kernels": ("fusetune.",),
     "fusetune.api": ("fusetune.worker", "fusetune.models", "fusetune.kernels"),
     "fusetune.db": ("fusetune.api", "fusetune.worker", "fusetune.models", "fusetune.kernels"),
     "fusetune.models": ("fusetune.api", "fusetune.worker", "fusetune.db"),
     "fusetune.worker.train": ("fusetune.api", "fusetune.worker."),
+    # Graders are called by the API and the trainer alike; they read the spec and the settings only.
+    "fusetune.graders": ("fusetune.api", "fusetune.worker", "fusetune.db", "fusetune.models", "fusetune.kernels"),
 }
 
 

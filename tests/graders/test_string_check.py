@@ -50,3 +50,14 @@ def test_a_missing_item_field_scores_zero_and_says_which(tmp_path):
     )
     assert result.score == 0.0 and result.error_type == "invalid_variable_error"
     assert "item has no 'city'" in result.error
+
+
+def test_graders_import_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, fusetune.graders, fusetune.spec.graders; print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        == "False\n"
+    )
