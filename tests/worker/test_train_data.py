@@ -414,13 +414,13 @@ def test_a_template_that_rejects_an_example_names_it(tmp_path, tokenizer):
     strict = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     strict.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}"
-        "{% endif %}{{ m['content'] }}{% endfor %}"
+        "{% endif %}{{ m['content'] + eos_token }}{% endfor %}"
     )
     path = _write(
         tmp_path / "t.jsonl", [json.dumps({"messages": MESSAGES[1:3]}), json.dumps({"messages": MESSAGES})]
     )
     with pytest.raises(
-        TrainingDataError, match="t.jsonl, example 2: the chat template failed: no system turns"
+        TrainingDataError, match="t.jsonl, line 2: .*the chat template failed: no system turns"
     ):
         load_sequences(path, strict, max_seq_length=64)
 

@@ -1,7 +1,9 @@
 """Training JSONL → token sequences with labels → per-rank micro-batches.
 
 The line formats and their checks are the specification's (fusetune/spec/examples.py); this module reads a file
-with a method's parser and tokenizes the supervised formats.
+with a method's parser. Which tokens of an example are trained, and the data check that refuses a wrong mask, are
+fusetune/tokenization's (shared with the API, which checks a job's files before accepting it); this module makes
+rows of those masks, and checks every example again before the model loads.
 
 Labels are stored already shifted (`labels[i]` is the token that follows position `i`), so that a sequence's
 last position never predicts the first token of the next one when examples are packed.
@@ -18,24 +20,19 @@ their steps identical.
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fusetune.spec.examples import (
-    ChatExample,
-    PromptCompletionExample,
-    SupervisedExample,
-    parse_supervised_example,
-)
+from fusetune.spec.examples import SUPERVISED, ChatExample, SupervisedExample, parse_supervised_example
+from fusetune.tokenization.check import MASKINGS, DataCheckFailure, checked_sequences, failure_message
+from fusetune.tokenization.masks import MaskedTokens, default_stop_ids
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 IGNORE_INDEX = -100
-_GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class TrainingDataError(TrainingFailure):
@@ -60,11 +57,18 @@ def read_training_jsonl(
     path: str | Path, parse: Callable[[Any], Any] = parse_supervised_example
 ) -> list[Any]:
     """Every example of a training JSONL file, checked by `parse`; errors name the file and the line."""
+    return [example for _, example in read_training_lines(path, parse)]
+
+
+def read_training_lines(
+    path: str | Path, parse: Callable[[Any], Any] = parse_supervised_example
+) -> list[tuple[int, Any]]:
+    """Every example of a training JSONL file with the number of its line, checked by `parse`."""
     path = Path(path)
     name = path.name
     if not path.is_file():
         raise TrainingDataError(f"training data file not found: {path}")
-    examples: list[Any] = []
+    examples: list[tuple[int, Any]] = []
     # A byte order mark at the start is not part of line 1. Lines end at "\n" only, as the upload check splits
     # them: a "\r" is JSON whitespace inside a line, not a line end.
     with path.open(encoding="utf-8-sig", newline="\n") as f:
@@ -76,7 +80,7 @@ def read_training_jsonl(
             except json.JSONDecodeError as exc:
                 raise TrainingDataError(f"{name}, line {line_number}: not valid JSON ({exc.msg})") from None
             try:
-                examples.append(parse(record))
+                examples.append((line_number, parse(record)))
             except ValueError as exc:
                 raise TrainingDataError(f"{name}, line {line_number}: {exc}") from None
     if not examples:
@@ -84,116 +88,49 @@ def read_training_jsonl(
     return examples
 
 
-def _render_ids(tokenizer, messages: list[dict[str, Any]], **kwargs) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
-    )
+def data_check_error(
+    tokenizer, failure: DataCheckFailure, path: str | Path, line_number: int
+) -> TrainingDataError:
+    """The job's error for an example that fails the data check: the file, the line, the check, the example with
+    its trained spans marked."""
+    return TrainingDataError(failure_message(tokenizer, failure, f"{Path(path).name}, line {line_number}"))
 
 
-def _runs_of_ones(mask: Sequence[int]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, value in enumerate([*mask, 0]):
-        if value and start is None:
-            start = i
-        elif not value and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
-def _assistant_spans_by_prefixes(
-    tokenizer, messages: list[dict[str, Any]], input_ids: list[int]
-) -> list[tuple[int, int]]:
-    """For templates without `{% generation %}` markers: an assistant turn's tokens are those its rendering
-    adds after the generation prompt that precedes it. Needs a template that renders incrementally."""
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _render_ids(tokenizer, messages[:index], add_generation_prompt=True) if index else []
-        through = _render_ids(tokenizer, messages[: index + 1])
-        start = len(prompt)
-        if through != input_ids[: len(through)] or prompt != through[:start]:
-            raise TrainingDataError(
-                "the model's chat template does not render a conversation as the concatenation of its turns, "
-                "so the assistant's tokens cannot be found; give the template {% generation %} markers"
-            )
-        spans.append((start, len(through)))
-    return spans
-
-
-def _chat_ids_and_assistant_spans(
-    tokenizer, messages: list[dict[str, Any]]
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """The rendered conversation and the (start, end) token span of each assistant message, in order."""
-    n_assistant = sum(message["role"] == "assistant" for message in messages)
-    if _GENERATION_BLOCK.search(tokenizer.chat_template or ""):
-        encoded = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        input_ids = list(encoded["input_ids"])
-        spans = _runs_of_ones(encoded["assistant_masks"])
-        # One block per assistant message is the usual case; otherwise (an empty block, say) the spans
-        # cannot be matched to messages, and rendering turn by turn tells them apart.
-        if len(spans) == n_assistant:
-            return input_ids, spans
-    else:
-        input_ids = _render_ids(tokenizer, messages)
-    return input_ids, _assistant_spans_by_prefixes(tokenizer, messages, input_ids)
-
-
-def _shifted(input_ids: list[int], trained: list[int], max_seq_length: int) -> tuple[TokenizedSequence, int]:
-    """Truncate to `max_seq_length` and shift: position i is trained when the token it predicts (i + 1) is.
-    Returns the sequence and the untruncated length."""
-    full_length = len(input_ids)
-    input_ids = input_ids[:max_seq_length]
+def shifted(masked: MaskedTokens, max_seq_length: int) -> tuple[TokenizedSequence, int]:
+    """A masked sequence truncated to `max_seq_length` and shifted: position i is trained when the token it
+    predicts (i + 1) is. Returns the sequence and the untruncated length."""
+    full_length = len(masked.input_ids)
+    input_ids = masked.input_ids[:max_seq_length]
     shifted_labels = [
-        input_ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(input_ids) - 1)
+        input_ids[i + 1] if masked.trained[i + 1] else IGNORE_INDEX for i in range(len(input_ids) - 1)
     ] + [IGNORE_INDEX]
     return TokenizedSequence(input_ids, shifted_labels, list(range(len(input_ids)))), full_length
+
+
+def tokenize_example(
+    tokenizer,
+    example: SupervisedExample,
+    max_seq_length: int,
+    train_on_inputs: bool = False,
+    stop_ids: Collection[int] | None = None,
+) -> tuple[TokenizedSequence, int]:
+    """Any example as a sequence truncated to `max_seq_length`, and its untruncated length; its mask is
+    fusetune.tokenization's, and raises DataCheckFailure when the data check fails on it."""
+    [sequence] = checked_sequences(
+        MASKINGS[SUPERVISED.name],
+        tokenizer,
+        example,
+        train_on_inputs=train_on_inputs,
+        stop_ids=default_stop_ids(tokenizer) if stop_ids is None else stop_ids,
+    )
+    return shifted(sequence.masked, max_seq_length)
 
 
 def tokenize_conversation(
     tokenizer, messages: list[dict[str, Any]], max_seq_length: int, train_on_inputs: bool = False
 ) -> tuple[TokenizedSequence, int]:
     """A conversation through its chat template, truncated to `max_seq_length`, and its untruncated length."""
-    assistant_messages = [message for message in messages if message["role"] == "assistant"]
-    excluded = [message.get("weight", 1) == 0 for message in assistant_messages]
-    if train_on_inputs and not any(excluded):
-        # Every token is trained: no need to find the turns, so any template works.
-        input_ids = _render_ids(tokenizer, messages)
-        return _shifted(input_ids, [1] * len(input_ids), max_seq_length)
-    input_ids, spans = _chat_ids_and_assistant_spans(tokenizer, messages)
-    trained = [int(train_on_inputs)] * len(input_ids)
-    for (start, end), is_excluded in zip(spans, excluded, strict=True):
-        trained[start:end] = [0 if is_excluded else 1] * (end - start)
-    return _shifted(input_ids, trained, max_seq_length)
-
-
-def _text_ids(tokenizer, text: str, *, starts_sequence: bool) -> list[int]:
-    # The tokenizer's special tokens (a BOS, for most models) belong at the start of the sequence only.
-    return list(tokenizer(text, add_special_tokens=starts_sequence)["input_ids"])
-
-
-def _with_eos(tokenizer, ids: list[int]) -> list[int]:
-    eos = tokenizer.eos_token_id
-    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
-
-
-def tokenize_example(
-    tokenizer, example: SupervisedExample, max_seq_length: int, train_on_inputs: bool = False
-) -> tuple[TokenizedSequence, int]:
-    """Any example as a sequence truncated to `max_seq_length`, and its untruncated length. Plain-text
-    formats end with the end-of-sequence token, trained, so the model learns where a completion stops."""
-    if isinstance(example, ChatExample):
-        return tokenize_conversation(tokenizer, example.messages, max_seq_length, train_on_inputs)
-    if isinstance(example, PromptCompletionExample):
-        prompt_ids = _text_ids(tokenizer, example.prompt, starts_sequence=True)
-        completion_ids = _with_eos(tokenizer, _text_ids(tokenizer, example.completion, starts_sequence=False))
-        trained = [int(train_on_inputs)] * len(prompt_ids) + [1] * len(completion_ids)
-        return _shifted(prompt_ids + completion_ids, trained, max_seq_length)
-    input_ids = _with_eos(tokenizer, _text_ids(tokenizer, example.text, starts_sequence=True))
-    return _shifted(input_ids, [1] * len(input_ids), max_seq_length)
+    return tokenize_example(tokenizer, ChatExample(messages), max_seq_length, train_on_inputs)
 
 
 @dataclass(frozen=True)
@@ -211,18 +148,18 @@ def load_sequences(
     *,
     train_on_inputs: bool = False,
     packing: bool = False,
+    stop_ids: Collection[int] | None = None,
 ) -> LoadedData:
-    examples = read_training_jsonl(path)
+    """A supervised file as rows, every example checked (fusetune.tokenization.check) before any is trained on."""
+    examples = read_training_lines(path)
     sequences, n_truncated, n_dropped = [], 0, 0
-    for line_index, example in enumerate(examples):
+    for line_number, example in examples:
         try:
-            sequence, full_length = tokenize_example(tokenizer, example, max_seq_length, train_on_inputs)
-        except TrainingDataError as exc:
-            raise TrainingDataError(f"{Path(path).name}, example {line_index + 1}: {exc.message}") from exc
-        except Exception as exc:  # a template may raise on content it does not accept (e.g. role order)
-            raise TrainingDataError(
-                f"{Path(path).name}, example {line_index + 1}: the chat template failed: {exc}"
-            ) from exc
+            sequence, full_length = tokenize_example(
+                tokenizer, example, max_seq_length, train_on_inputs, stop_ids
+            )
+        except DataCheckFailure as failure:
+            raise data_check_error(tokenizer, failure, path, line_number) from None
         n_truncated += full_length > max_seq_length
         if sequence.n_label_tokens == 0:
             n_dropped += 1

@@ -12,6 +12,7 @@ specification's table (fusetune/spec/methods.py), which `spec` returns.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from fusetune.spec.methods import METHODS, Method
+from fusetune.tokenization.tokenizer import stop_token_ids
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, rank_micro_batches, read_training_jsonl
 
@@ -44,6 +46,11 @@ class TrainingMethod(ABC):
     def read_examples(self, path: str) -> list[Any]:
         """A training or validation file's examples, parsed by the method's line format."""
         return read_training_jsonl(path, self.spec().example_format.parse)
+
+    @functools.cached_property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end the model's generation, which the data check wants trained at every turn's end."""
+        return stop_token_ids(self.tokenizer, self.config.model_path)
 
     # ----------------------------------------------------------------------------------------- training
 

@@ -33,14 +33,17 @@ import torch
 
 from fusetune.kernels.sequence_log_probs import sequence_log_probs_from_logits
 from fusetune.models.fused import has_fused_loss
+from fusetune.tokenization.check import DataCheckFailure, checked_sequences, masking_for
 from fusetune.worker.train.data import (
     IGNORE_INDEX,
     LoadedData,
     TokenizedSequence,
     TrainingDataError,
     collate,
+    data_check_error,
     model_inputs,
-    tokenize_conversation,
+    read_training_lines,
+    shifted,
 )
 from fusetune.worker.train.distributed import all_reduce
 from fusetune.worker.train.methods.base import TrainingMethod
@@ -90,32 +93,23 @@ class PreferenceMethod(TrainingMethod):
             raise TrainingDataError(
                 f"packing is not available with the {self.type} method: a pair is one row"
             )
-        examples = self.read_examples(path)
+        examples = read_training_lines(path, self.spec().example_format.parse)
         split = "train" if path == self.config.training_file else "valid"
         max_length = self.config.max_seq_length
         pairs: list[PreferencePair] = []
         n_truncated = n_dropped = 0
-        for line_index, example in enumerate(examples):
-            # Earlier assistant turns of the input are context, not trained.
-            prompt = [
-                {**message, "weight": 0} if message["role"] == "assistant" else message
-                for message in example.messages
-            ]
+        masking = masking_for(self.type)
+        for line_number, example in examples:
+            # Both sides checked as the API checks them; the input's own assistant turns are context, not trained.
             try:
-                chosen, chosen_length = tokenize_conversation(
-                    self.tokenizer, [*prompt, example.preferred], max_length
+                sides = checked_sequences(
+                    masking, self.tokenizer, example, train_on_inputs=False, stop_ids=self.stop_ids
                 )
-                rejected, rejected_length = tokenize_conversation(
-                    self.tokenizer, [*prompt, example.non_preferred], max_length
-                )
-            except TrainingDataError as exc:
-                raise TrainingDataError(
-                    f"{Path(path).name}, example {line_index + 1}: {exc.message}"
-                ) from exc
-            except Exception as exc:  # a template may raise on content it does not accept
-                raise TrainingDataError(
-                    f"{Path(path).name}, example {line_index + 1}: the chat template failed: {exc}"
-                ) from exc
+            except DataCheckFailure as failure:
+                raise data_check_error(self.tokenizer, failure, path, line_number) from None
+            (chosen, chosen_length), (rejected, rejected_length) = (
+                shifted(side.masked, max_length) for side in sides
+            )
             n_truncated += max(chosen_length, rejected_length) > max_length
             if chosen.n_label_tokens == 0 or rejected.n_label_tokens == 0:
                 n_dropped += 1

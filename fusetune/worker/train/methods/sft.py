@@ -38,6 +38,7 @@ class SupervisedFineTuning(TrainingMethod):
             self.config.max_seq_length,
             train_on_inputs=self.config.train_on_inputs,
             packing=packing,
+            stop_ids=self.stop_ids,
         )
 
     def collate(self, rows: Sequence[TokenizedSequence], packed: bool) -> dict[str, torch.Tensor]:
