@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusetune.config import Settings
-from fusetune.graders import sandbox
+from fusetune.graders.sandbox import run_python_grader, unavailable
 from fusetune.graders.similarity import similarity
 from fusetune.graders.templates import TemplateError, render
 from fusetune.spec.graders import (
@@ -94,7 +94,7 @@ def check_grader(grader: AnyGrader, settings: Settings, field: str = "grader") -
                     "python graders are off on this server; its operator enables them with "
                     "FUSETUNE_PYTHON_GRADERS=true (they run sandboxed: see the README's Graders section)",
                 )
-            missing = sandbox.unavailable()
+            missing = unavailable()
             if missing:
                 raise SpecError(f"{where}.type", f"python graders cannot run on this server: {missing}")
         elif isinstance(each, TextSimilarityGrader) and each.evaluation_metric == "cosine":
@@ -142,7 +142,7 @@ def _python_outcomes(
 ) -> list[_Outcome]:
     if not settings.python_graders:
         return [_Outcome(error="python graders are off on this server", error_type=OTHER)] * len(samples)
-    results = sandbox.run_python_grader(
+    results = run_python_grader(
         grader.source, [(sample.as_dict(), dict(item)) for sample, item in zip(samples, items, strict=True)],
         settings,
     )  # fmt: skip
