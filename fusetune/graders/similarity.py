@@ -20,11 +20,8 @@ import re
 from collections.abc import Callable
 from functools import cache
 
-from nltk.translate.gleu_score import sentence_gleu
-from nltk.translate.meteor_score import single_meteor_score
-from rapidfuzz import fuzz
-from rouge_score import rouge_scorer
-from sacrebleu.metrics import BLEU
+# The libraries are imported when a metric is first used, not with this module: nltk alone takes over a second
+# to import, and the API imports this module at start whether or not anyone grades text similarity.
 
 _WORD = re.compile(r"\w+|[^\w\s]")
 
@@ -41,14 +38,36 @@ class _NoSynonyms:
         return []
 
 
+def _fuzzy_match(output: str, reference: str) -> float:
+    from rapidfuzz import fuzz
+
+    return fuzz.ratio(output, reference) / 100
+
+
 @cache
-def _bleu() -> BLEU:
+def _bleu():
+    from sacrebleu.metrics import BLEU
+
     # effective_order: a short sentence without 4-grams is scored on the orders it has, as sentence BLEU should.
     return BLEU(effective_order=True)
 
 
+def _gleu(output: str, reference: str) -> float:
+    from nltk.translate.gleu_score import sentence_gleu
+
+    return sentence_gleu([_words(reference)], _words(output))
+
+
+def _meteor(output: str, reference: str) -> float:
+    from nltk.translate.meteor_score import single_meteor_score
+
+    return single_meteor_score(_words(reference), _words(output), wordnet=_NoSynonyms())
+
+
 @cache
-def _rouge(rouge_type: str) -> rouge_scorer.RougeScorer:
+def _rouge(rouge_type: str):
+    from rouge_score import rouge_scorer
+
     return rouge_scorer.RougeScorer([rouge_type])
 
 
@@ -57,12 +76,10 @@ def _rouge_metric(rouge_type: str) -> Callable[[str, str], float]:
 
 
 METRICS: dict[str, Callable[[str, str], float]] = {
-    "fuzzy_match": lambda output, reference: fuzz.ratio(output, reference) / 100,
+    "fuzzy_match": _fuzzy_match,
     "bleu": lambda output, reference: _bleu().sentence_score(output, [reference]).score / 100,
-    "gleu": lambda output, reference: sentence_gleu([_words(reference)], _words(output)),
-    "meteor": lambda output, reference: single_meteor_score(
-        _words(reference), _words(output), wordnet=_NoSynonyms()
-    ),
+    "gleu": _gleu,
+    "meteor": _meteor,
     **{f"rouge_{n}": _rouge_metric(f"rouge{n}") for n in range(1, 6)},
     "rouge_l": _rouge_metric("rougeL"),
 }
