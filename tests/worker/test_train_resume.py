@@ -98,12 +98,22 @@ def test_a_paused_run_resumes_on_the_same_loss_curve(uninterrupted, model_dir, t
     assert resumed.trained_tokens == whole_result.trained_tokens
 
 
-@pytest.mark.parametrize("precision", ["bf16-sr", "bf16-sr-8bit"])
-def test_a_bf16_sr_run_resumes_exactly(model_dir, train_file, tmp_path, bf16_sr_on_cpu, precision):
+# The optimizer step inside the backward clips each step by the previous step's norm (clipping well below the
+# tiny model's norms, so that the carried norm matters), which the checkpoint must carry.
+IN_BACKWARD = {"optimizer_in_backward": True, "micro_batch_size": 8, "max_grad_norm": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("precision", "plan"),
+    [("bf16-sr", {}), ("bf16-sr-8bit", {}), ("bf16-sr", IN_BACKWARD)],
+    ids=["bf16-sr", "bf16-sr-8bit", "bf16-sr-optimizer-in-backward"],
+)
+def test_a_bf16_sr_run_resumes_exactly(model_dir, train_file, tmp_path, bf16_sr_on_cpu, precision, plan):
     """bf16 weights with stochastically rounded AdamW (moments in bf16, or in 8-bit codes with their block
-    scales): the moments and the step count come back from the checkpoint, and the rounding bits follow
-    (seed, step), so the resumed run draws the bits the uninterrupted one drew."""
-    run_config = dict(RUN, n_epochs=1, checkpoint_every_steps=3, precision=precision)
+    scales; stepped after the backward or inside it): the moments and the step count come back from the
+    checkpoint, and the rounding bits follow (seed, step), so the resumed run draws the bits the uninterrupted
+    one drew."""
+    run_config = dict(RUN, n_epochs=1, checkpoint_every_steps=3, precision=precision, **plan)
     whole = RecordingReporter()
     whole_trainer = Trainer(
         make_config(model_dir, train_file, tmp_path / "whole", **run_config), ONE_CPU_RANK, whole

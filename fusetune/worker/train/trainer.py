@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fusetune.worker.train import optim
+from fusetune.worker.train import optim, optimizer_in_backward
+from fusetune.worker.train.activations import ActivationLayout, ActivationOffload, apply_activation_layout
 from fusetune.worker.train.checkpoints import state as checkpoint_state
 from fusetune.worker.train.checkpoints.checkpointer import Checkpointer
 from fusetune.worker.train.checkpoints.schedule import CheckpointSchedule
@@ -69,6 +70,7 @@ from fusetune.worker.train.metrics import (
     run_summary,
     share_step_state,
 )
+from fusetune.worker.train.optimizer_in_backward import OptimizerInBackward
 from fusetune.worker.train.outcome import (
     ErrorCode,
     JobStopped,
@@ -130,6 +132,7 @@ class Trainer:
         self.model = self._build_model()
         self.kernels_applied = self._apply_kernels()
         self.model.train()
+        self.activation_layout, self.activation_offload = self._arrange_activations()
         self.train_model = self._parallelize()
 
         self.steps_per_epoch, self.total_steps, self.warmup_steps = schedule_lengths(
@@ -137,6 +140,7 @@ class Trainer:
         )
         self.optimizer_name = self.precision.mode.optimizer
         self.optimizer = self._build_optimizer()
+        self.in_backward = self._optimizer_in_backward()
         self.scheduler = build_scheduler(
             self.optimizer, self.warmup_steps, self.total_steps, config.lr_scheduler
         )
@@ -208,6 +212,28 @@ class Trainer:
             seed=self.config.seed,
         )
 
+    def _arrange_activations(self) -> tuple[ActivationLayout | None, ActivationOffload | None]:
+        """The plan's recompute and offload of decoder layers' activations (None: the model's own setting)."""
+        recompute, offload = self.config.recompute_layers, self.config.offload_layers or 0
+        if recompute is None and not offload:
+            return None, None
+        if offload and self.device.type != "cuda":
+            raise TrainingFailure(ErrorCode.TRAINER_ERROR, "offload_layers needs a GPU: set it to 0 on CPU")
+        try:
+            return apply_activation_layout(self.model, recompute or 0, offload)
+        except ValueError as exc:
+            raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
+
+    def _optimizer_in_backward(self) -> OptimizerInBackward | None:
+        if not self.config.optimizer_in_backward:
+            return None
+        reason = optimizer_in_backward.refusal(
+            self.optimizer_name, self.dist.world_size, self.grad_accum_steps
+        )
+        if reason is not None:
+            raise TrainingFailure(ErrorCode.TRAINER_ERROR, reason)
+        return OptimizerInBackward(self.optimizer, self._trainable_parameters(), self.config.max_grad_norm)
+
     def _autocast(self):
         return self.precision.autocast()
 
@@ -242,6 +268,8 @@ class Trainer:
         its shares of the method's metrics to `metric_sums`."""
         with self._autocast():
             loss, metrics = self.method.loss(self.train_model, batch, normaliser)
+        if self.in_backward is not None:
+            self.in_backward.start(loss, self.progress.last_grad_norm)
         # DDP and FSDP average gradients over ranks; scaling by the world size turns that average into the
         # sum that the global normaliser divides.
         (loss * self.dist.world_size).backward()
@@ -272,15 +300,18 @@ class Trainer:
                 loss_sum += self.forward_backward_step(batch, counts[0], metric_sums)
         losses = all_reduce(torch.stack([loss_sum, *(value.float() for value in metric_sums.values())]))
         learning_rate = self.optimizer.param_groups[0]["lr"]
-        grad_norm = optim.clip_and_step(
-            self.optimizer,
-            self.optimizer_name,
-            self._trainable_parameters(),
-            self.config.max_grad_norm or float("inf"),
-            losses[0],
-            lambda norm: non_finite_failure(float(losses[0]), float(norm), self.step + 1),
-        )
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.in_backward is not None:
+            grad_norm = self.in_backward.finish()  # each parameter was updated in the backward
+        else:
+            grad_norm = optim.clip_and_step(
+                self.optimizer,
+                self.optimizer_name,
+                self._trainable_parameters(),
+                self.config.max_grad_norm or float("inf"),
+                losses[0],
+                lambda norm: non_finite_failure(float(losses[0]), float(norm), self.step + 1),
+            )
+            self.optimizer.zero_grad(set_to_none=True)
         return StepStats(
             losses=losses,
             metric_names=tuple(metric_sums),
@@ -337,8 +368,9 @@ class Trainer:
                 self.scheduler.step()
                 epoch_done = batch_index == self.steps_per_epoch - 1
                 self.progress.advance(
-                    epoch, batch_index, epoch_done, int(values["n_input_tokens"]), values["train_loss"]
-                )
+                    epoch, batch_index, epoch_done, int(values["n_input_tokens"]), values["train_loss"],
+                    values["grad_norm"],
+                )  # fmt: skip
                 self._after_step(values, stats, step_time, epoch_done=epoch_done)
             else:
                 done = {"event": "epoch_done", "epoch": epoch + 1, "step": self.step}

@@ -31,6 +31,8 @@ RESUME_EPOCH_INDEX = "epoch_index"  # the epoch the next step belongs to (0-base
 RESUME_BATCH_INDEX = "batch_index"  # the next global batch of that epoch's shuffled order
 RESUME_TRAINED_TOKENS = "trained_tokens"
 RESUME_TRAIN_LOSS = "train_loss"  # of the last step before the checkpoint
+# Its gradient norm, which the optimizer step inside the backward clips the next step by (absent: not kept yet).
+RESUME_GRAD_NORM = "grad_norm"
 RESUME_SCHEDULER = "scheduler"
 RESUME_RNG = "rng"  # one entry per rank
 RESUME_RUN = "run"  # what must match for the data position to mean the same (see check_resumable)
@@ -48,11 +50,21 @@ class TrainingProgress:
     batch_index: int = 0
     trained_tokens: int = 0
     last_train_loss: float = field(default=float("nan"))
+    last_grad_norm: float = field(default=float("nan"))
 
-    def advance(self, epoch: int, batch_index: int, epoch_done: bool, tokens: int, train_loss: float) -> None:
+    def advance(
+        self,
+        epoch: int,
+        batch_index: int,
+        epoch_done: bool,
+        tokens: int,
+        train_loss: float,
+        grad_norm: float = float("nan"),
+    ) -> None:
         self.step += 1
         self.trained_tokens += tokens
         self.last_train_loss = train_loss
+        self.last_grad_norm = grad_norm
         self.epoch_index, self.batch_index = (epoch + 1, 0) if epoch_done else (epoch, batch_index + 1)
 
     def state_dict(self) -> dict[str, Any]:
@@ -62,6 +74,7 @@ class TrainingProgress:
             RESUME_BATCH_INDEX: self.batch_index,
             RESUME_TRAINED_TOKENS: self.trained_tokens,
             RESUME_TRAIN_LOSS: self.last_train_loss,
+            RESUME_GRAD_NORM: self.last_grad_norm,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -70,6 +83,7 @@ class TrainingProgress:
         self.batch_index = state[RESUME_BATCH_INDEX]
         self.trained_tokens = state[RESUME_TRAINED_TOKENS]
         self.last_train_loss = state[RESUME_TRAIN_LOSS]
+        self.last_grad_norm = state.get(RESUME_GRAD_NORM, float("nan"))
 
 
 def find_resume_point(config: TrainConfig, dist_info: DistInfo) -> tuple[int, Path] | None:
