@@ -13,8 +13,8 @@ pairs).
   [{"role": "assistant", "content": ...}], "non_preferred_output": [...]}`. The input's last message is not
   the assistant's (the outputs answer it); each output is exactly one assistant message; the two differ.
 - "reinforcement": as in the OpenAI fine-tuning API, `{"messages": [...], ...}`: the messages are the prompt,
-  whose last message is not the assistant's (the model samples the answer), and any other keys are the
-  reference fields a grader reads as `{{ item.<key> }}` (the whole line is the grader's `item`).
+  whose last message is not the assistant's (the model samples the answer), and the other keys (at least one)
+  are the reference fields a grader reads as `{{ item.<key> }}` (the whole line is the grader's `item`).
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class ReinforcementExample:
 def parse_reinforcement_example(record: Any) -> ReinforcementExample:
     """One JSONL record as a prompt with its reference fields; raises ValueError saying what is wrong with it."""
     if not isinstance(record, dict) or "messages" not in record:
-        raise ValueError("expected a JSON object with 'messages' (the prompt) and the grader's reference fields")
+        raise ValueError("expected an object with 'messages' (the prompt) and the graders' reference fields")
     messages = record["messages"]
     problem = check_messages(messages, needs_assistant=False)
     if problem:
@@ -191,13 +191,19 @@ def reinforcement_example_characters(example: ReinforcementExample) -> int:
     return sum(len(message.get("content") or "") for message in example.messages)
 
 
+# Keys a chat line may have beside its messages in every format (OpenAI's tool definitions).
+CHAT_KEYS = ("messages", "tools", "parallel_tool_calls", "functions")
+
+
 def _is_reinforcement_record(record: Any) -> bool:
-    # A prompt waiting for its answer: a chat whose last message is not the assistant's (a supervised chat ends
-    # with the assistant's answer it learns from).
+    # A prompt waiting for its answer with something to grade it by: a chat whose last message is a user, system
+    # or tool turn (a supervised chat ends with the answer it learns from), and a reference field beside it. A
+    # chat line with neither answer nor reference field is a supervised line missing its answer, and is told so.
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
         return False
     last = record["messages"][-1]
-    return isinstance(last, dict) and last.get("role") != "assistant"
+    ends_with_prompt = isinstance(last, dict) and last.get("role") in ("user", "system", "tool")
+    return ends_with_prompt and any(key not in CHAT_KEYS for key in record)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,17 @@ def test_a_prompt_with_reference_fields_is_a_reinforcement_example():
     example = parse_reinforcement_example(record)
     assert example.messages == PROMPT and example.item == record  # the whole line is the graders' item
     assert method_of_record(record) == "reinforcement"
-    # a chat that ends with the assistant's answer is a supervised one
+    # a chat that ends with the assistant's answer is a supervised one; so is a prompt with nothing to grade it
+    # by (a supervised line missing its answer, which the supervised format says)
     assert method_of_record({"messages": [*PROMPT, {"role": "assistant", "content": "2914"}]}) == "supervised"
+    assert method_of_record({"messages": PROMPT}) == "supervised"
+    assert method_of_record({"messages": PROMPT, "tools": []}) == "supervised"
 
 
 @pytest.mark.parametrize(
     ("record", "problem"),
     [
-        ({"answer": "2914"}, "expected a JSON object with 'messages'"),
+        ({"answer": "2914"}, "expected an object with 'messages'"),
         ({"messages": []}, "'messages' must be a non-empty list"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role must be one of"),
