@@ -113,7 +113,7 @@ def test_the_job_reports_its_method_and_precision(client):
         and job["method"]["supervised"]["hyperparameters"]["n_epochs"] == 3
     )
     for bad, param in (
-        ({"hyperparameters": {"precision": "fp8"}}, "hyperparameters.precision"),
+        ({"hyperparameters": {"precision": "fp4"}}, "hyperparameters.precision"),
         ({"method": {"type": "reinforce"}}, "method.type"),
     ):
         error = client.post("/v1/fine_tuning/jobs", json={**body, **bad}).json()["error"]
@@ -124,7 +124,7 @@ def test_names_come_from_the_method_and_precision_tables():
     for name in ("auto", *PRECISIONS):
         assert JobHyperparameters(precision=name).precision == name
     with pytest.raises(ValidationError, match="precision"):
-        JobHyperparameters(precision="fp8")
+        JobHyperparameters(precision="fp4")
     assert set(METHODS) >= {"supervised", "dpo"}
     # A row stored before methods and precision were part of the job: supervised, precision auto.
     old_row = {

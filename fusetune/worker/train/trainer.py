@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fusetune.worker.train import optim, optimizer_in_backward
+from fusetune.worker.train import float8, optim, optimizer_in_backward
 from fusetune.worker.train.activations import ActivationLayout, ActivationOffload, apply_activation_layout
 from fusetune.worker.train.checkpoints import state as checkpoint_state
 from fusetune.worker.train.checkpoints.checkpointer import Checkpointer
@@ -133,6 +133,7 @@ class Trainer:
 
         self.model = self._build_model()
         self.kernels_applied = self._apply_kernels()
+        self.float8 = float8.apply(self.model, self.precision, self.reporter)  # fp8's linears; None otherwise
         self.model.train()
         self.activation_layout, self.activation_offload = self._arrange_activations()
         self.train_model = self._parallelize()
