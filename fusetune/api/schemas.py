@@ -7,7 +7,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fusetune.spec.hyperparameters import HyperparametersRequest
-from fusetune.spec.integrations import Integrations
 from fusetune.spec.methods import DEFAULT_METHOD, MethodRequest
 
 
@@ -62,12 +61,7 @@ class JobCreate(_Request):
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     metadata: dict[str, str] | None = None
-    integrations: Integrations | None = Field(
-        default=None,
-        description='Also report the run to Weights & Biases ({"type": "wandb", "wandb": {"project", "name", '
-        '"entity", "tags"}}) or an MLflow tracking server ({"type": "mlflow", "mlflow": {"tracking_uri", '
-        '"experiment_name", "run_name", "tags"}})',
-    )
+    integrations: list[dict[str, Any]] | None = None
     dry_run: bool = Field(default=False, description="Create nothing; return the job's estimate instead")
 
     @field_validator("metadata")
@@ -119,20 +113,14 @@ class JobObject(BaseModel):
     method: dict[str, Any]
     model: str
     organization_id: str
-    result_files: list[str] = Field(
-        default=[],
-        description="Once the job succeeded: the id of its results file, a CSV of every step's metrics (step, "
-        "train_loss, train_mean_token_accuracy, valid_loss, valid_mean_token_accuracy, then the method's own)",
-    )
+    result_files: list[str] = []
     seed: int
     status: str
     trained_tokens: int | None = None
     training_file: str
     validation_file: str | None = None
     integrations: list[dict[str, Any]] | None = None
-    estimated_finish: int | None = Field(
-        default=None, description="While the job runs: when it should end, at its recent measured step time"
-    )
+    estimated_finish: int | None = None
     metadata: dict[str, str] | None = None
     user_provided_suffix: str | None = None
     # fusetune: every start of the job with how it ended, and the time it trained over all of them.
@@ -177,16 +165,8 @@ class CheckpointObject(BaseModel):
     created_at: int
     fine_tuned_model_checkpoint: str
     fine_tuning_job_id: str
-    metrics: dict[str, Any] = Field(
-        description="step, train_loss (and the method's training metrics of that step), and when the job has a "
-        "validation file valid_loss, valid_mean_token_accuracy (or the method's valid_ metrics) with their "
-        "full_valid_ copies: all over the whole validation file at that step"
-    )
+    metrics: dict[str, Any]
     step_number: int
-    best: bool = Field(
-        default=False,
-        description="fusetune: the checkpoint of the best evaluation of a job that stopped early (its model)",
-    )
 
 
 class CheckpointList(BaseModel):
@@ -214,12 +194,8 @@ METRIC_VALUES_DESCRIPTION = """The step's metrics by name. Counts are over all o
 - `peak_memory_allocated_bytes`, `peak_memory_reserved_bytes`: the CUDA allocator's peaks during the step,
   the largest over processes (on CPU: the peak resident set size).
 - `step_time_s`: wall time of the step; `epoch`: epochs done, fractional; `eta_s`: time left at the mean step
-  time of the last 20 steps; `trained_tokens`: input tokens trained on so far (the job's `trained_tokens`).
-- `train_mean_token_accuracy` (supervised, where the model computes logits: not with the fused loss kernel):
-  the share of the step's trained tokens that the model predicts exactly (its argmax).
-- `valid_loss`, `valid_mean_token_accuracy`: on evaluation steps (each epoch's end, each checkpoint,
-  `eval_every_steps`), over the validation file's trained tokens; preference methods report `valid_loss` and
-  `valid_` versions of their reward metrics.
+  time of the last 20 steps.
+- `valid_loss`, `valid_token_accuracy`: on evaluation steps, over the validation file's trained tokens.
 """
 
 
@@ -237,6 +213,24 @@ class MetricList(BaseModel):
     has_more: bool = False
 
 
+class MemoryPlanObject(BaseModel):
+    """A memory plan (fusetune/spec/plan.py); each part may be pinned by the job's hyperparameter of its name."""
+
+    micro_batch_size: int
+    recompute_layers: int
+    offload_layers: int
+    precision: str
+    optimizer_in_backward: bool
+
+
+class PlanAlternative(BaseModel):
+    change: str = Field(description='what to change, e.g. "n_gpus 2 and distributed fsdp"')
+    hyperparameters: dict[str, Any] = Field(description="the changed hyperparameters, as a request sends")
+    plan: MemoryPlanObject
+    plan_description: str
+    peak_memory_bytes_per_gpu: int
+
+
 class EstimateObject(BaseModel):
     object: Literal["fine_tuning.job.estimate"] = "fine_tuning.job.estimate"
     model: str
@@ -244,18 +238,35 @@ class EstimateObject(BaseModel):
     steps: int
     parameters: int
     micro_batch_size: int = Field(
-        description="sequences per forward on one GPU: the largest that fits gpu_memory_bytes when the server "
-        "knows it (the worker decides again from the memory free when the job starts)"
+        description="sequences per forward on one GPU: the plan's (the worker plans again from the memory free "
+        "when the job starts)"
     )
-    peak_memory_bytes_per_gpu: int
+    plan: MemoryPlanObject = Field(
+        description="the memory plan: the fastest that fits gpu_memory_bytes when the server knows it (its pins "
+        "kept), else the job's settings and the defaults; when nothing fits, the plan of least memory"
+    )
+    plan_description: str
+    peak_memory_bytes_per_gpu: int = Field(description="the plan's estimated peak on each GPU")
     memory_breakdown: dict[str, int]
-    gpu_memory_bytes: int | None
-    fits: bool | None
-    remedies: dict[str, int] | None = Field(
-        default=None,
-        description="when the job does not fit even at micro_batch_size 1: the changes that would make it fit "
-        "(kernels on, gradient_checkpointing on, LoRA), each with its peak bytes per GPU",
+    host_activation_bytes: int = Field(description="pinned host memory per GPU of offloaded activations")
+    gpu_memory_bytes: int | None = Field(
+        description="memory of the GPU the job would land on (FUSETUNE_GPU_MEMORY_BYTES); null: not known"
     )
+    fits: bool | None
+    alternatives: list[PlanAlternative] | None = Field(
+        default=None,
+        description="when no plan fits: changes under which one does (more GPUs with fsdp, LoRA, a shorter "
+        "max_seq_length, kernels on), each with its plan and peak",
+    )
+    remedies: dict[str, int] | None = Field(
+        default=None, description="the alternatives' changes with their peaks per GPU (alternatives in short)"
+    )
+    refusal: str | None = Field(default=None, description="why creating the job would be refused")
+    checkpoint_bytes: int = Field(description="one checkpoint: weights and the plan's optimizer state")
+    checkpoints_on_disk: int = Field(description="keep_last_checkpoints + the next one being written")
+    checkpoint_disk_bytes: int = Field(description="checkpoint_bytes x checkpoints_on_disk")
+    disk_free_bytes: int | None = Field(description="free space of the server's data directory")
+    disk_fits: bool | None
     tokens_per_second: float | None
     duration_s: float | None
     throughput_source: str

@@ -7,6 +7,8 @@
   specification and the request's `method` are derived.
 - `job`: `JobSpec`, a job's method and hyperparameters as its row stores them.
 - `estimate`: tokens, peak GPU memory and duration of a job, from its spec and the model's config.json.
+- `plan`: `MemoryPlan`, how a job trades memory for time; `planner`: the fastest plan that fits a GPU, what
+  would fit when none does, and the disk its checkpoints take.
 
 Nothing here imports torch or any other part of fusetune: the API and the worker import it, never the reverse.
 """

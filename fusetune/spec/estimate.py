@@ -4,10 +4,21 @@ Computed from the model's config.json (no weights loaded), the dataset's counts 
 memory model follows what the trainer does on a GPU (precision "auto" = bf16-sr: bf16 weights, gradients and
 AdamW state; bf16-mixed: fp32 weights and state, bf16 compute under autocast; activations of one micro-batch
 kept for the backward); the bytes of weights, gradients and optimizer state per parameter come from the
-precision mode and its optimizer (fusetune/spec/precision.py). Each term is
-derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
+precision mode and its optimizer (fusetune/spec/precision.py; the 8-bit state is its codes and scales). Each
+term is derived from the tensors that stay alive at the peak (the start of the backward), not fitted; the check
 against measured peaks on a GPU is benchmarks/step/memory_estimate.py (benchmarks/results/h100-step.json, section
 memory-estimate).
+
+Every part of a memory plan (fusetune/spec/plan.py) moves its own term, and nothing else:
+- `recompute_layers` k of L: those layers keep only their input; the backward rebuilds one layer at a time, so
+  one layer's full activations come back while it runs (the rule measured for full checkpointing, k = L).
+- `offload_layers` o (of the L - k layers not recomputed): their saved activations wait in pinned host memory
+  (`host_activation_bytes`); `OFFLOAD_PREFETCH_LAYERS` of them stay on the GPU at a time (the one being copied
+  out while the next runs, the one prefetched back before its backward).
+- `optimizer_in_backward`: each gradient is stepped and freed as soon as it is complete, so the gradients that
+  exist at once are the ones in flight: the largest outside the layers (the embedding, which a tied output head
+  keeps accumulating through the whole backward) and two layers' (one being completed, one being stepped).
+- `precision`: the bytes of weights, gradients and optimizer state, as above.
 """
 
 from __future__ import annotations
@@ -16,20 +27,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from fusetune.spec.hyperparameters import LoraSpec
 from fusetune.spec.job import JobSpec
 from fusetune.spec.methods import METHODS
+from fusetune.spec.plan import MemoryPlan
 from fusetune.spec.precision import DTYPE_BYTES, PrecisionMode, mode_for
-
-
-def bytes_per_trained_param(mode: PrecisionMode) -> float:
-    """Weight + gradient (both in the weights' dtype) + the optimizer's state; under bf16-mixed 4 + 4 + 8."""
-    return 2 * mode.weight_bytes + mode.optimizer_state_bytes
-
-
-def bytes_per_frozen_param(mode: PrecisionMode) -> int:
-    """LoRA's base model: the weight only."""
-    return mode.weight_bytes
 
 
 # Tensors saved for the backward, bytes per token and decoder layer, with h = hidden size, q = heads x
@@ -47,7 +48,7 @@ def bytes_per_frozen_param(mode: PrecisionMode) -> int:
 # With gradient checkpointing a layer keeps only its input (4h, or 2h in bf16) until its backward recomputes it.
 # (The product and the checkpointing case were added after the first comparison with a GPU had left them out:
 # benchmarks/results/h100-step.json, section memory-estimate.)
-def _saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool, bf16_weights: bool) -> int:
+def saved_bytes_per_token_layer(h: int, q: int, kv: int, i: int, fused: bool, bf16_weights: bool) -> int:
     if fused and bf16_weights:
         return 4 * h + 4 * q + 4 * kv + 4 * i
     fused_bytes = 12 * h + 4 * q + 4 * kv + 6 * i
@@ -64,6 +65,11 @@ FUSED_LOSS_EXTRA_CHUNK_BYTES = 252 * 2**20
 # cuBLAS workspaces, the NCCL/DDP buffers and the allocator's rounding and fragmentation (what torch reserves
 # beyond what it has allocated), observed at 0.5-2 GiB.
 FIXED_OVERHEAD_BYTES = 2 * 2**30
+# Offloaded layers whose activations are on the GPU at once: one copied out while the next layer runs forward,
+# one copied back ahead of its backward.
+OFFLOAD_PREFETCH_LAYERS = 2
+# Layers whose gradients exist at once under optimizer_in_backward: one being completed, one being stepped.
+OPTIMIZER_IN_BACKWARD_LAYERS_IN_FLIGHT = 2
 
 # The default micro-batch holds at most this many tokens (sequences x max_seq_length) per process: 8 x 2048,
 # the end-to-end benchmark shape. Activation memory grows with the tokens of a micro-batch, not with the global
@@ -110,13 +116,16 @@ class ModelShape:
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
 
-    def parameter_count(self) -> int:
+    def layer_parameter_count(self) -> int:
+        """Parameters of one decoder layer (attention, MLP and its two norms)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h
         mlp = 3 * h * self.intermediate_size
-        per_layer = attention + mlp + 2 * h
-        embeddings = self.vocab_size * h * (1 if self.tied_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h
+        return attention + mlp + 2 * h
+
+    def parameter_count(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_parameter_count() + embeddings + self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:
         matmul_params = self.parameter_count() - (
@@ -133,6 +142,10 @@ class Estimate:
     micro_batch_size: int  # sequences per forward on one GPU (examples, for a method of paired rows)
     peak_memory_bytes_per_gpu: int
     memory_breakdown: dict[str, int]
+    # The plan the memory was estimated for (a dict in as_dict()).
+    plan: MemoryPlan
+    # Pinned host memory per GPU that the offloaded activations take.
+    host_activation_bytes: int
     tokens_per_second: float | None
     duration_s: float | None
     throughput_source: str
@@ -183,148 +196,157 @@ class DataCounts:
     padded_length: int | None = None
 
 
+def sequences_per_gpu(job: JobSpec) -> int:
+    hyper = job.hyperparameters
+    return max(1, hyper.batch_size // hyper.n_gpus)
+
+
+def job_plan(
+    shape: ModelShape, job: JobSpec, micro_batch_size: int | None = None, on_gpu: bool = True
+) -> MemoryPlan:
+    """The plan a job's own hyperparameters name, with what the planner would choose left at its plainest: the
+    trainer's default micro-batch, no recompute (every layer with gradient_checkpointing), no offload, the step
+    after the backward."""
+    hyper = job.hyperparameters
+    micro = micro_batch_size or hyper.micro_batch_size
+    if micro is None:
+        micro = default_micro_batch_size(sequences_per_gpu(job), hyper.max_seq_length)
+    if hyper.recompute_layers is not None:
+        recompute = hyper.recompute_layers
+    else:
+        recompute = shape.num_layers if hyper.gradient_checkpointing else 0
+    return MemoryPlan(
+        micro_batch_size=micro,
+        recompute_layers=recompute,
+        offload_layers=hyper.offload_layers or 0,
+        precision=mode_for(hyper.precision, on_gpu).name,
+        optimizer_in_backward=bool(hyper.optimizer_in_backward),
+    )
+
+
+def row_tokens(job: JobSpec, data: DataCounts) -> int:
+    """Tokens of a padded row: the data's longest when known, else max_seq_length when examples come near it and
+    twice the mean if not."""
+    hyper, method = job.hyperparameters, METHODS[job.method.type]
+    rows = data.example_count * method.rows_per_example
+    mean_tokens = max(1, min(hyper.max_seq_length, data.token_estimate // max(1, rows)))
+    return data.padded_length or min(hyper.max_seq_length, 2 * mean_tokens)
+
+
+def _model_state_bytes(shape: ModelShape, job: JobSpec, plan: MemoryPlan, mode: PrecisionMode) -> int:
+    """Weights, gradients, optimizer state and a mixed mode's compute-dtype weight copies on one GPU."""
+    hyper = job.hyperparameters
+    params, layers = shape.parameter_count(), shape.num_layers
+    if hyper.lora is not None:
+        trained = lora_parameter_count(shape, hyper.lora.r, hyper.lora.target_modules)
+        trained_outside_layers = 0
+    else:
+        trained = params
+        trained_outside_layers = params - layers * shape.layer_parameter_count()
+    # A mixed mode's autocast keeps a compute-dtype copy of each weight for the backward (the input gradient
+    # needs it). A recomputed layer saves nothing in its forward, so its copies are made again, one layer at a
+    # time, when the backward recomputes it: only the other layers' copies stay.
+    copy = mode.compute_copy_bytes * (layers - plan.recompute_layers) / layers
+    weights = (params + (trained if hyper.lora is not None else 0)) * (mode.weight_bytes + copy)
+    if plan.optimizer_in_backward:
+        in_flight = trained_outside_layers + OPTIMIZER_IN_BACKWARD_LAYERS_IN_FLIGHT * (
+            (trained - trained_outside_layers) // layers
+        )
+        gradients = min(trained, in_flight) * mode.weight_bytes
+    else:
+        gradients = trained * mode.weight_bytes
+    states = int(weights + gradients + trained * mode.optimizer_state_bytes)
+    # FSDP shards all of it over the GPUs and gathers one layer's weights (in the compute dtype) at a time (two
+    # in flight while the next is prefetched).
+    if hyper.distributed == "fsdp" and hyper.n_gpus > 1:
+        states = states // hyper.n_gpus + 2 * shape.layer_parameter_count() * DTYPE_BYTES[mode.compute_dtype]
+    return states
+
+
 def estimate_job(
     shape: ModelShape,
     job: JobSpec,
     data: DataCounts,
     *,
     micro_batch_size: int | None = None,
+    plan: MemoryPlan | None = None,
     measured_tokens_per_second: float | None = None,
 ) -> Estimate:
-    """`micro_batch_size`: sequences per forward on one GPU, the trainer's default when None;
-    `measured_tokens_per_second`: for the duration (earlier jobs of the model on this server)."""
+    """The job's tokens, memory and duration under `plan` (default: the plan its hyperparameters name, see
+    `job_plan`, at `micro_batch_size` when given); `measured_tokens_per_second`: for the duration (earlier jobs
+    of the model on this server)."""
     hyper, method = job.hyperparameters, METHODS[job.method.type]
-    n_epochs, batch_size, max_seq_length, n_gpus = (
-        hyper.n_epochs, hyper.batch_size, hyper.max_seq_length, hyper.n_gpus,
-    )  # fmt: skip
-    example_count, token_estimate, rows_per_example = (
-        data.example_count,
-        data.token_estimate,
-        method.rows_per_example,
-    )
-    mode = mode_for(hyper.precision, on_gpu=True)
-    rows = example_count * rows_per_example
-    mean_tokens = max(1, min(max_seq_length, token_estimate // max(1, rows)))
-    epoch_tokens = min(token_estimate, rows * max_seq_length)
-    training_tokens = epoch_tokens * n_epochs
-    steps = n_epochs * max(1, example_count // batch_size)
-    params = shape.parameter_count()
+    plan = plan or job_plan(shape, job, micro_batch_size)
+    mode = mode_for(plan.precision)
+    rows = data.example_count * method.rows_per_example
+    epoch_tokens = min(data.token_estimate, rows * hyper.max_seq_length)
+    training_tokens = epoch_tokens * hyper.n_epochs
+    steps = hyper.n_epochs * max(1, data.example_count // hyper.batch_size)
 
-    # Weights, gradients and optimizer state; FSDP shards all three over the GPUs and gathers one layer's
-    # weights (in the compute dtype) at a time (two in flight while the next is prefetched).
-    if hyper.lora is not None:
-        trained = lora_parameter_count(shape, hyper.lora.r, hyper.lora.target_modules)
-        frozen = params
-    else:
-        trained, frozen = params, 0
-    # A mixed mode's autocast keeps a compute-dtype copy of each weight for the backward (the input gradient
-    # needs it). Under gradient checkpointing the forward saves nothing inside the layers, so the copies are
-    # made again, one layer at a time, when the backward recomputes it.
-    copy = 0 if hyper.gradient_checkpointing else mode.compute_copy_bytes
-    states = int(
-        trained * (bytes_per_trained_param(mode) + copy) + frozen * (bytes_per_frozen_param(mode) + copy)
-    )
-    if hyper.distributed == "fsdp" and n_gpus > 1:
-        layer_params = (params - shape.vocab_size * shape.hidden_size) // shape.num_layers
-        states = states // n_gpus + 2 * layer_params * DTYPE_BYTES[mode.compute_dtype]
-
-    # Activations of one micro-batch (the trainer's default micro-batch; padded to its longest sequence, taken
-    # as max_seq_length when examples come near it, else twice the mean).
-    sequences_per_gpu = max(1, batch_size // n_gpus)
-    micro_batch = micro_batch_size or default_micro_batch_size(sequences_per_gpu, max_seq_length)
-    row_tokens = data.padded_length or min(max_seq_length, 2 * mean_tokens)
-    tokens = micro_batch * rows_per_example * row_tokens
+    # Activations of one micro-batch (padded to its longest sequence).
+    tokens = plan.micro_batch_size * method.rows_per_example * row_tokens(job, data)
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     bf16_weights = mode.weight_dtype == "bfloat16"
-    fused_kernels = hyper.kernels
-    per_layer = _saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, fused_kernels, bf16_weights)
-    if hyper.gradient_checkpointing:
-        activations = tokens * (shape.num_layers * (2 if bf16_weights else 4) * h + per_layer)
-    else:
-        activations = tokens * shape.num_layers * per_layer
-    if fused_kernels:
+    per_layer = saved_bytes_per_token_layer(h, q, kv, shape.intermediate_size, hyper.kernels, bf16_weights)
+    layer_input = (2 if bf16_weights else 4) * h
+    recomputed, offloaded = plan.recompute_layers, plan.offload_layers
+    kept = shape.num_layers - recomputed - offloaded
+    on_gpu_layers = kept + min(offloaded, OFFLOAD_PREFETCH_LAYERS) + (1 if recomputed else 0)
+    activations = tokens * (on_gpu_layers * per_layer + recomputed * layer_input)
+    if hyper.kernels:
         logits = fused_loss_chunk_rows(tokens, shape) * shape.vocab_size * 2
     else:
         logits = tokens * shape.vocab_size * UNFUSED_LOGIT_BYTES_PER_TOKEN_PER_VOCAB
-    breakdown = {"weights_grads_optimizer": states, "activations": activations, "logits": logits,
-                 "overhead": FIXED_OVERHEAD_BYTES}  # fmt: skip
+    breakdown = {"weights_grads_optimizer": _model_state_bytes(shape, job, plan, mode), "activations": activations,
+                 "logits": logits, "overhead": FIXED_OVERHEAD_BYTES}  # fmt: skip
     # A forward is about a third of a training step's compute (forward + backward).
     timed_tokens = training_tokens + (epoch_tokens / 3 if method.has_reference_pass else 0)
-    duration = timed_tokens / measured_tokens_per_second if measured_tokens_per_second else None
+    measured = measured_tokens_per_second
     return Estimate(
         training_tokens=int(training_tokens),
         steps=steps,
-        parameters=params,
-        micro_batch_size=micro_batch,
+        parameters=shape.parameter_count(),
+        micro_batch_size=plan.micro_batch_size,
         peak_memory_bytes_per_gpu=int(sum(breakdown.values())),
         memory_breakdown=breakdown,
-        tokens_per_second=measured_tokens_per_second,
-        duration_s=duration,
+        plan=plan,
+        host_activation_bytes=tokens * offloaded * per_layer,
+        tokens_per_second=measured,
+        duration_s=timed_tokens / measured if measured else None,
         throughput_source="median tokens/s of this model's earlier jobs on this server"
-        if measured_tokens_per_second
+        if measured
         else "no earlier job of this model on this server",
     )
 
 
-# What may make a job fit that does not, tried one at a time by `fit_micro_batch`.
-_REMEDIES: tuple[tuple[str, dict], ...] = (
-    ("kernels on", {"kernels": True}),
-    ("gradient_checkpointing on", {"gradient_checkpointing": True}),
-    ("LoRA (r=16)", {"lora": LoraSpec(r=16, target_modules="all-linear")}),
-)
+def checkpoint_bytes(shape: ModelShape, job: JobSpec, precision: str) -> int:
+    """Bytes of one checkpoint: the weights it saves (in the weights' dtype; the adapter alone for LoRA, plus
+    the merged model with merge_lora_on_save) and the training state, whose optimizer part is the optimizer's
+    state per trained parameter (fusetune/spec/precision.py: the 8-bit state saves its codes and scales). The
+    tokenizer and the small files are left out: megabytes beside gigabytes."""
+    hyper, mode = job.hyperparameters, mode_for(precision)
+    params = shape.parameter_count()
+    if hyper.lora is not None:
+        trained = lora_parameter_count(shape, hyper.lora.r, hyper.lora.target_modules)
+        saved = trained + (params if hyper.merge_lora_on_save else 0)
+    else:
+        trained = saved = params
+    return int(saved * mode.weight_bytes + trained * mode.optimizer_state_bytes)
 
 
-@dataclass(frozen=True)
-class MicroBatchFit:
-    """The estimate at the largest micro-batch that fits (or at 1 when none does), and, when none does, what
-    would make the job fit at micro-batch 1 with its peak."""
-
-    estimate: Estimate
-    fits: bool
-    remedies: dict[str, int]
-
-    def refusal(self, memory_bytes: int) -> str:
-        return too_large_message(self.estimate.peak_memory_bytes_per_gpu, memory_bytes, self.remedies)
+def checkpoints_on_disk(keep_last_checkpoints: int) -> int:
+    """Checkpoints a run holds at most: the kept ones and the next while it is written (the oldest goes only
+    once the new one is whole)."""
+    return keep_last_checkpoints + 1
 
 
-def too_large_message(peak_bytes: int, memory_bytes: int, remedies: dict[str, int] | None) -> str:
-    """Why a job does not fit one GPU, and what would make it fit."""
-    text = (
-        f"The job needs about {peak_bytes / 2**30:.1f} GiB per GPU even at micro_batch_size 1, more than the "
-        f"{memory_bytes / 2**30:.1f} GiB a GPU has for it."
+def disk_refusal(need_bytes: int, free_bytes: int, per_checkpoint: int, count: int) -> str | None:
+    """Why a job's checkpoints cannot fit the free space, or None when they can."""
+    if need_bytes <= free_bytes:
+        return None
+    return (
+        f"The job's checkpoints need about {need_bytes / 1e9:.1f} GB of disk ({count} checkpoints of "
+        f"{per_checkpoint / 1e9:.1f} GB: the kept ones and the next while it is written), but the data directory "
+        f"has {free_bytes / 1e9:.1f} GB free. Free space, keep fewer checkpoints (FUSETUNE_KEEP_LAST_CHECKPOINTS), "
+        "train LoRA adapters, or use precision bf16-sr-8bit (a smaller optimizer state)."
     )
-    if remedies:
-        options = ", ".join(f"{name} ({peak / 2**30:.1f} GiB)" for name, peak in remedies.items())
-        return f"{text} It would fit with: {options}."
-    return f"{text} Use a smaller max_seq_length, FSDP over more GPUs, or a smaller model."
-
-
-def fit_micro_batch(
-    shape: ModelShape,
-    memory_bytes: int,
-    job: JobSpec,
-    data: DataCounts,
-    measured_tokens_per_second: float | None = None,
-) -> MicroBatchFit:
-    """The largest micro-batch (a divisor of the sequences per GPU) whose estimated peak fits `memory_bytes`.
-    Larger micro-batches need fewer accumulation steps, and fewer, larger matmuls run closer to the GPU's
-    peak."""
-    hyper = job.hyperparameters
-    sequences_per_gpu = max(1, hyper.batch_size // hyper.n_gpus)
-    for micro in sorted(
-        (d for d in range(1, sequences_per_gpu + 1) if sequences_per_gpu % d == 0), reverse=True
-    ):
-        estimate = estimate_job(
-            shape, job, data, micro_batch_size=micro, measured_tokens_per_second=measured_tokens_per_second
-        )
-        if estimate.peak_memory_bytes_per_gpu <= memory_bytes:
-            return MicroBatchFit(estimate, True, {})
-    remedies = {}
-    for name, change in _REMEDIES:
-        if all(getattr(hyper, key) == value for key, value in change.items()):
-            continue  # already so
-        changed = job.model_copy(update={"hyperparameters": hyper.model_copy(update=change)})
-        peak = estimate_job(shape, changed, data, micro_batch_size=1).peak_memory_bytes_per_gpu
-        if peak <= memory_bytes:
-            remedies[name] = peak
-    return MicroBatchFit(estimate, False, remedies)

@@ -88,21 +88,6 @@ class LoraSpec(Spec):
     )
 
 
-class EarlyStoppingSpec(Spec):
-    """Stop training once the validation loss has not improved for `patience` evaluations in a row. The job
-    still succeeds; its fine-tuned model is the checkpoint of its best evaluation (fusetune's own field: the
-    OpenAI API has none)."""
-
-    patience: int = Field(
-        3, ge=1, le=1000, description="Evaluations in a row without improvement after which training stops"
-    )
-    min_delta: float = Field(
-        0.0,
-        ge=0,
-        description="How much lower than the best so far a validation loss must be to count as better",
-    )
-
-
 class TrainingHyperparameters(Spec):
     """What a job trains with, every value decided."""
 
@@ -125,9 +110,20 @@ class TrainingHyperparameters(Spec):
         "describes each",
     )
     kernels: bool = Field(True, description="Patch the model with fusetune's Triton kernels (GPU)")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute every decoder layer in the backward: recompute_layers set to the model's layer "
+        "count (a recompute_layers given with it must be that count)",
+    )
     # The memory plan (fusetune/spec/plan.py). None leaves that part to the planner, which picks the fastest plan
     # that fits the GPU the job lands on; the trainer runs with every part decided.
+    micro_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Sequences per forward on each GPU; gradient accumulation makes up the rest of batch_size / "
+        "n_gpus, which it must divide (null: the planner decides)",
+    )
     recompute_layers: int | None = Field(
         None,
         ge=0,
@@ -152,16 +148,6 @@ class TrainingHyperparameters(Spec):
     # "ddp": a full replica per GPU; "fsdp": parameters, gradients and optimizer state sharded (FSDP2, one unit
     # per decoder layer), for models that do not fit.
     distributed: Literal["ddp", "fsdp"] = Field("ddp", description="fsdp shards models too big for one GPU")
-    # Evaluation on the validation file runs at the end of every epoch, at every checkpoint, and every
-    # eval_every_steps steps when set; early stopping counts those evaluations.
-    eval_every_steps: int | None = Field(
-        None, ge=1, description="Also evaluate on the validation file every this many steps"
-    )
-    early_stopping: EarlyStoppingSpec | None = Field(
-        None,
-        description="Stop once the validation loss stops improving (needs a validation_file); null: train to "
-        "the end",
-    )
 
     @model_validator(mode="after")
     def _merge_needs_lora(self) -> TrainingHyperparameters:
@@ -182,8 +168,8 @@ class JobHyperparameters(TrainingHyperparameters):
     n_gpus: int = Field(1, ge=1, le=64, description="Processes (GPUs) the job trains on")
 
 
-# Fields a client may leave to the service, as the OpenAI API allows.
-AUTO_FIELDS = ("n_epochs", "batch_size", "learning_rate_multiplier")
+# Fields a client may leave to the service, as the OpenAI API allows (micro_batch_size: to the memory planner).
+AUTO_FIELDS = ("n_epochs", "batch_size", "learning_rate_multiplier", "micro_batch_size")
 
 
 class HyperparametersRequest(JobHyperparameters):
@@ -194,6 +180,7 @@ class HyperparametersRequest(JobHyperparameters):
     n_epochs: int | Literal["auto"] = "auto"  # type: ignore[assignment]
     batch_size: int | Literal["auto"] = "auto"  # type: ignore[assignment]
     learning_rate_multiplier: float | Literal["auto"] = "auto"  # type: ignore[assignment]
+    micro_batch_size: int | Literal["auto"] | None = "auto"  # type: ignore[assignment]
     learning_rate: float | None = Field(  # type: ignore[assignment]
         None, description="Overrides the server's base learning rate x learning_rate_multiplier"
     )
@@ -228,6 +215,7 @@ class HyperparametersRequest(JobHyperparameters):
                 f"hyperparameters.batch_size ({values['batch_size']}) must be a multiple of "
                 f"hyperparameters.n_gpus ({n_gpus}).",
             )
+        _check_memory_plan_pins(values)
         if values["learning_rate"] is None:
             if values["learning_rate_multiplier"] == AUTO:
                 values["learning_rate_multiplier"] = DEFAULT_LEARNING_RATE_MULTIPLIER
@@ -242,3 +230,23 @@ class HyperparametersRequest(JobHyperparameters):
             raise SpecError(
                 str(error["loc"][0]), f"hyperparameters.{error['loc'][0]}: {error['msg']}"
             ) from None
+
+
+def _check_memory_plan_pins(values: dict[str, Any]) -> None:
+    """The parts of the memory plan a request pins, checked where no model shape is needed (the planner checks
+    the layer counts against the model). "auto" (or null) micro_batch_size is left to the planner."""
+    if values["micro_batch_size"] == AUTO:
+        values["micro_batch_size"] = None
+    micro, per_gpu = values["micro_batch_size"], values["batch_size"] // values["n_gpus"]
+    if micro is not None and per_gpu % micro:
+        raise SpecError(
+            "hyperparameters.micro_batch_size",
+            f"hyperparameters.micro_batch_size ({micro}) must divide the sequences per GPU and step "
+            f"(batch_size / n_gpus = {per_gpu}).",
+        )
+    if values["optimizer_in_backward"] and micro is not None and micro != per_gpu:
+        raise SpecError(
+            "hyperparameters.micro_batch_size",
+            f"hyperparameters.optimizer_in_backward needs one micro-batch per step on each GPU (no gradient "
+            f"accumulation): micro_batch_size must be batch_size / n_gpus = {per_gpu}, not {micro}.",
+        )

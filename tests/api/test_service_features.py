@@ -171,14 +171,15 @@ def test_dry_run_estimates_and_creates_nothing(tmp_path):
     assert estimate["micro_batch_size"] == 4 and estimate["remedies"] is None
     assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
 
-    tight = Settings(data_dir=tmp_path / "est", gpu_memory_bytes=8 * 2**30)
+    tight = Settings(data_dir=tmp_path / "est", gpu_memory_bytes=5 * 2**30)
     client = _client(create_app(tight), tight.dev_api_key)
     too_large = client.post("/v1/fine_tuning/jobs", json={**body, "dry_run": True}).json()
-    # The weights, gradients and AdamW state alone (9.2 GiB) exceed 8 GiB; LoRA would fit.
-    assert too_large["fits"] is False and too_large["micro_batch_size"] == 1
-    assert set(too_large["remedies"]) == {"LoRA (r=16)"}
+    # Even bf16 weights with 8-bit AdamW state and only the gradients in flight (5.3 GiB) exceed 5 GiB; four GPUs
+    # under FSDP or LoRA would fit.
+    assert too_large["fits"] is False and too_large["plan"]["precision"] == "bf16-sr-8bit"
+    assert set(too_large["remedies"]) == {"n_gpus 4 and distributed fsdp", "LoRA (r=16)"}
     refused = client.post("/v1/fine_tuning/jobs", json=body)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "job_too_large"
-    assert "even at micro_batch_size 1" in refused.json()["error"]["message"]
-    assert "It would fit with: LoRA (r=16)" in refused.json()["error"]["message"]
+    assert "even with its smallest plan" in refused.json()["error"]["message"]
+    assert "LoRA (r=16) (micro-batch 4" in refused.json()["error"]["message"]
     assert client.get("/v1/fine_tuning/jobs").json()["data"] == []

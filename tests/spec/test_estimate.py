@@ -1,6 +1,16 @@
 """The job estimate's memory model responds to each setting the way the trainer's memory does."""
 
-from fusetune.spec.estimate import DataCounts, ModelShape, estimate_job, fit_micro_batch, lora_parameter_count
+import dataclasses
+
+from fusetune.spec.estimate import (
+    OFFLOAD_PREFETCH_LAYERS,
+    DataCounts,
+    ModelShape,
+    checkpoint_bytes,
+    estimate_job,
+    job_plan,
+    lora_parameter_count,
+)
 from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 
@@ -110,26 +120,74 @@ def test_bf16_weights_with_the_fused_mlp_keep_fewer_activations():
     assert _estimate(precision="bf16-sr", kernels=False).memory_breakdown["activations"] > mixed
 
 
-def test_micro_batch_is_the_largest_that_fits_and_a_job_too_large_says_what_would_fit():
-    job = _job(kernels=False)
-    peaks = {
-        m: estimate_job(LLAMA_1B, job, DATA, micro_batch_size=m).peak_memory_bytes_per_gpu
-        for m in (1, 2, 4, 8)
-    }
-    assert peaks[1] < peaks[2] < peaks[4] < peaks[8]
-    # Room for micro-batches of 2 but not 4: 2 it is, the rest of the batch by accumulation.
-    fit = fit_micro_batch(LLAMA_1B, (peaks[2] + peaks[4]) // 2, job, DATA)
+def _with(**plan_changes):
+    """The same job's estimate under its plan with `plan_changes`."""
+    job = _job(precision="bf16-sr")
+    plan = dataclasses.replace(job_plan(LLAMA_1B, job), **plan_changes)
+    return estimate_job(LLAMA_1B, job, DATA, plan=plan).memory_breakdown
+
+
+def test_each_recomputed_layer_keeps_only_its_input():
+    """k of 16 layers recomputed: 16 - k layers' saved tensors, k bf16 inputs, and one layer rebuilt at a time
+    in the backward; k = 16 is gradient_checkpointing, k = 0 none."""
+    tokens, per_layer, layer_input = 8 * 2048, 4 * 2048 + 4 * 2048 + 4 * 512 + 4 * 8192, 2 * 2048
+    none = _with(recompute_layers=0)["activations"]
+    assert none == tokens * 16 * per_layer
+    for k in (1, 5, 16):
+        assert _with(recompute_layers=k)["activations"] == tokens * (
+            (16 - k) * per_layer + k * layer_input + per_layer
+        )
     assert (
-        fit.fits and fit.estimate.micro_batch_size == 2 and fit.estimate.peak_memory_bytes_per_gpu == peaks[2]
+        _with(recompute_layers=16)["activations"]
+        == (_estimate(precision="bf16-sr", gradient_checkpointing=True).memory_breakdown["activations"])
     )
-    assert fit_micro_batch(LLAMA_1B, peaks[8], job, DATA).estimate.micro_batch_size == 8
-    # Not even one sequence fits: refused, with the changes that would fit and their peaks.
-    kernels_on = estimate_job(LLAMA_1B, _job(kernels=True), DATA, micro_batch_size=1)
-    fit = fit_micro_batch(LLAMA_1B, kernels_on.peak_memory_bytes_per_gpu, job, DATA)
-    assert not fit.fits and fit.estimate.micro_batch_size == 1
-    assert fit.remedies["kernels on"] == kernels_on.peak_memory_bytes_per_gpu
-    assert set(fit.remedies) == {"kernels on", "gradient_checkpointing on", "LoRA (r=16)"}
-    assert all(peak <= kernels_on.peak_memory_bytes_per_gpu for peak in fit.remedies.values())
-    message = fit.refusal(kernels_on.peak_memory_bytes_per_gpu)
-    assert "even at micro_batch_size 1" in message and "kernels on" in message
-    assert not fit_micro_batch(LLAMA_1B, 2**30, job, DATA).remedies  # nothing helps on 1 GiB
+    # A mixed mode's compute-dtype weight copies go with the layers that keep their activations.
+    mixed = _job(precision="bf16-mixed")
+    states = [
+        estimate_job(
+            LLAMA_1B, mixed, DATA, plan=dataclasses.replace(job_plan(LLAMA_1B, mixed), recompute_layers=k)
+        ).memory_breakdown["weights_grads_optimizer"]
+        for k in (0, 8, 16)
+    ]
+    assert states[0] - states[1] == states[1] - states[2] == LLAMA_1B.parameter_count()  # 2 bytes x half
+
+
+def test_offloaded_layers_leave_the_gpu_but_a_prefetch_window():
+    job = _job(precision="bf16-sr")
+    tokens, per_layer = 8 * 2048, 4 * 2048 + 4 * 2048 + 4 * 512 + 4 * 8192
+    for o in (0, 1, OFFLOAD_PREFETCH_LAYERS, 10, 16):
+        plan = dataclasses.replace(job_plan(LLAMA_1B, job), offload_layers=o)
+        estimate = estimate_job(LLAMA_1B, job, DATA, plan=plan)
+        on_gpu = 16 - o + min(o, OFFLOAD_PREFETCH_LAYERS)
+        assert estimate.memory_breakdown["activations"] == tokens * on_gpu * per_layer
+        assert estimate.host_activation_bytes == tokens * o * per_layer
+
+
+def test_optimizer_in_backward_keeps_only_the_gradients_in_flight():
+    """The gradients that exist at once: the embedding's (tied to the output layer, it accumulates through the
+    whole backward) and two layers' (one completed, one stepped), in bf16."""
+    after = _with(optimizer_in_backward=False)["weights_grads_optimizer"]
+    inside = _with(optimizer_in_backward=True)["weights_grads_optimizer"]
+    params = LLAMA_1B.parameter_count()
+    in_flight = params - 16 * LLAMA_1B.layer_parameter_count() + 2 * LLAMA_1B.layer_parameter_count()
+    assert after - inside == 2 * (params - in_flight)
+    # LoRA: two layers' adapters.
+    lora = _job(precision="bf16-sr", lora={"r": 16, "target_modules": "all-linear"})
+    plans = [dataclasses.replace(job_plan(LLAMA_1B, lora), optimizer_in_backward=b) for b in (False, True)]
+    lora_states = [estimate_job(LLAMA_1B, lora, DATA, plan=plan).memory_breakdown for plan in plans]
+    adapters = lora_parameter_count(LLAMA_1B, 16, "all-linear")
+    saved = lora_states[0]["weights_grads_optimizer"] - lora_states[1]["weights_grads_optimizer"]
+    assert saved == 2 * (adapters - 2 * adapters // 16)
+
+
+def test_a_checkpoint_holds_the_weights_and_the_optimizer_state():
+    params = LLAMA_1B.parameter_count()
+    job = _job()
+    assert checkpoint_bytes(LLAMA_1B, job, "bf16-sr") == params * (2 + 4)
+    assert checkpoint_bytes(LLAMA_1B, job, "bf16-sr-8bit") == int(params * (2 + 2 * (1 + 4 / 256)))
+    assert checkpoint_bytes(LLAMA_1B, job, "bf16-mixed") == params * (4 + 8)
+    adapters = lora_parameter_count(LLAMA_1B, 16, "all-linear")
+    lora = _job(lora={"r": 16, "target_modules": "all-linear"})
+    assert checkpoint_bytes(LLAMA_1B, lora, "bf16-sr") == adapters * 6
+    merged = _job(lora={"r": 16, "target_modules": "all-linear"}, merge_lora_on_save=True)
+    assert checkpoint_bytes(LLAMA_1B, merged, "bf16-sr") == adapters * 6 + params * 2

@@ -37,10 +37,11 @@ from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import AttemptEnd, Checkpoint, File, Job, JobStatus, new_id, now_s
-from fusetune.spec.estimate import DataCounts, ModelShape, estimate_job, fit_micro_batch, too_large_message
+from fusetune.spec.estimate import DataCounts, ModelShape
 from fusetune.spec.hyperparameters import SpecError
 from fusetune.spec.job import JobSpec
 from fusetune.spec.methods import DEFAULT_METHOD, reads_the_same_files
+from fusetune.spec.planner import PlanError, checkpoint_disk, free_disk_bytes, plan_job
 from fusetune.storage import Storage, StorageError
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -75,12 +76,10 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
         method={"type": method_type, method_type: {"hyperparameters": public}},
         model=job.model,
         organization_id=job.tenant,
-        result_files=[job.result_file_id] if job.result_file_id else [],
+        result_files=[],
         seed=job.seed,
         status=job.status,
         trained_tokens=job.trained_tokens,
-        estimated_finish=job.estimated_finish if job.status == JobStatus.RUNNING else None,
-        integrations=job.integrations,
         training_file=job.training_file_id,
         validation_file=job.validation_file_id,
         metadata=job.user_metadata,
@@ -177,16 +176,34 @@ def _estimate(
         return None
     data = DataCounts(example_count=training.example_count, token_estimate=training.token_estimate)
     measured = queries.median_tokens_per_second(session, model)
+    # The memory plan for the GPU the job would land on: FUSETUNE_GPU_MEMORY_BYTES (workers advertise their GPU
+    # count, not its memory); the worker plans again from the memory free when the job starts.
     capacity = settings.gpu_memory_bytes
-    if capacity is None:
-        estimate = estimate_job(shape, spec, data, measured_tokens_per_second=measured)
-        return EstimateObject(model=model, gpu_memory_bytes=None, fits=None, **estimate.as_dict())
-    # The worker sizes micro-batches to its GPU the same way when the job starts.
-    fit = fit_micro_batch(shape, capacity, spec, data, measured_tokens_per_second=measured)
+    try:
+        planned = plan_job(shape, spec, data, capacity, measured_tokens_per_second=measured)
+    except PlanError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from exc
+    # The data directory holds the runs' checkpoints (the worker's, when they share a host; a worker checks its
+    # own again before it trains).
+    disk = checkpoint_disk(
+        shape, spec, planned.plan, settings.keep_last_checkpoints, free_disk_bytes(settings.data_dir)
+    )
+    estimate = planned.estimate.as_dict()
     return EstimateObject(
-        model=model, gpu_memory_bytes=capacity, fits=fit.fits, remedies=fit.remedies or None,
-        **fit.estimate.as_dict(),
-    )  # fmt: skip
+        model=model,
+        gpu_memory_bytes=capacity,
+        fits=planned.fits,
+        plan_description=planned.plan.describe(),
+        alternatives=[a.as_dict() for a in planned.alternatives] or None,
+        remedies={a.change: a.peak_memory_bytes_per_gpu for a in planned.alternatives} or None,
+        refusal=planned.refusal() if planned.fits is False else disk.refusal(),
+        checkpoint_bytes=disk.checkpoint_bytes,
+        checkpoints_on_disk=disk.checkpoints_on_disk,
+        checkpoint_disk_bytes=disk.needed_bytes,
+        disk_free_bytes=disk.free_bytes,
+        disk_fits=disk.fits,
+        **estimate,
+    )
 
 
 # ---- create_job's steps, in the order it takes them ---------------------------------------------------------
@@ -226,27 +243,18 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
 def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpec:
     """ "auto" is resolved once, here, so the job row says exactly what will run."""
     try:
-        spec = JobSpec.from_request(
+        return JobSpec.from_request(
             body.method, body.hyperparameters, training.example_count, settings.base_learning_rate
         )
     except SpecError as exc:
         raise ApiError(400, str(exc), param=exc.field) from exc
-    if spec.hyperparameters.early_stopping is not None and body.validation_file is None:
-        raise ApiError(400, "hyperparameters.early_stopping needs a validation_file: it stops on the validation "
-                       "loss.", param="hyperparameters.early_stopping")  # fmt: skip
-    return spec
 
 
 def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
-    if estimate is not None and estimate.fits is False:
-        raise ApiError(
-            400,
-            too_large_message(
-                estimate.peak_memory_bytes_per_gpu, estimate.gpu_memory_bytes, estimate.remedies
-            ),
-            param="hyperparameters",
-            code="job_too_large",
-        )
+    """No memory plan fits the GPU, or the checkpoints do not fit the disk: refused, saying what would fit."""
+    if estimate is not None and estimate.refusal is not None:
+        code = "job_too_large" if estimate.fits is False else "insufficient_disk"
+        raise ApiError(400, estimate.refusal, param="hyperparameters", code=code)
 
 
 def _refuse_if_it_can_never_run(session: Session, settings: Settings, tenant: str, spec: JobSpec) -> None:
@@ -277,9 +285,6 @@ def _insert_job(
         seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") % (2**31),
         suffix=body.suffix,
         user_metadata=body.metadata,
-        integrations=[i.model_dump(mode="json", exclude_none=True) for i in body.integrations]
-        if body.integrations
-        else None,
         n_gpus=spec.hyperparameters.n_gpus,
         waiting_reason=waiting_reason,
     )
@@ -528,7 +533,6 @@ def _checkpoint_schema(job: Job, checkpoint: Checkpoint) -> CheckpointObject:
         fine_tuning_job_id=job.id,
         metrics=checkpoint.metrics,
         step_number=checkpoint.step,
-        best=checkpoint.best,
     )
 
 

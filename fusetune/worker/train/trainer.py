@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fusetune.worker.train import float8, optim, optimizer_in_backward
+from fusetune.worker.train import optim, optimizer_in_backward
 from fusetune.worker.train.activations import ActivationLayout, ActivationOffload, apply_activation_layout
 from fusetune.worker.train.checkpoints import state as checkpoint_state
 from fusetune.worker.train.checkpoints.checkpointer import Checkpointer
@@ -52,7 +52,6 @@ from fusetune.worker.train.checkpoints.state import (
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
 from fusetune.worker.train.distributed import DistInfo, all_reduce, parallelize, synchronize
-from fusetune.worker.train.early_stopping import RESUME_EARLY_STOPPING, EarlyStopping
 from fusetune.worker.train.evaluation import evaluate
 from fusetune.worker.train.loading import (
     apply_kernels,
@@ -78,9 +77,9 @@ from fusetune.worker.train.outcome import (
     TrainingFailure,
     TrainResult,
 )
+from fusetune.worker.train.planning import RunPlan, free_gpu_memory_bytes, plan_run
 from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision
 from fusetune.worker.train.reporter import Reporter, StopRequest
-from fusetune.worker.train.sizing import micro_batches_for_the_gpu
 
 __all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor"]
 
@@ -108,7 +107,6 @@ class Trainer:
 
         self.resume_from: tuple[int, Path] | None = find_resume_point(config, dist_info)
         self.checkpoints = Checkpointer(config, dist_info, reporter)
-        self.early_stopping = EarlyStopping(config.early_stopping, self.checkpoints, reporter)
 
         self.tokenizer = self._load_tokenizer()
         self.pad_token_id = next(
@@ -117,10 +115,9 @@ class Trainer:
         self.method = TRAINING_METHODS[config.method.type](config, self.tokenizer, self.pad_token_id)
         self.train_data = self._load_data(config.training_file, packing=config.packing)
         self.row_lengths = [self.method.row_length(row) for row in self.train_data.sequences]
-        if self.device.type == "cuda" and config.micro_batch_size is None:
-            sized = micro_batches_for_the_gpu(config, dist_info, self.method, self.row_lengths)
-            if sized is not None:
-                self.micro_batch_size, self.grad_accum_steps, self.micro_batch_reason = sized
+        # The memory plan, before the model loads: from here on the config has every part of it decided.
+        self.run_plan = self._plan_run()
+        config = self.config = self.run_plan.config
         self.valid_data = (
             self._load_data(config.validation_file, packing=False) if config.validation_file else None
         )
@@ -133,7 +130,6 @@ class Trainer:
 
         self.model = self._build_model()
         self.kernels_applied = self._apply_kernels()
-        self.float8 = float8.apply(self.model, self.precision, self.reporter)  # fp8's linears; None otherwise
         self.model.train()
         self.activation_layout, self.activation_offload = self._arrange_activations()
         self.train_model = self._parallelize()
@@ -168,6 +164,33 @@ class Trainer:
     last_train_loss = property(lambda self: self.progress.last_train_loss)
 
     # ----------------------------------------------------------------------------------------------- setup
+
+    def _plan_memory_bytes(self) -> int | None:
+        """The GPU memory the plan must fit: free on the tightest of the job's GPUs; None on a CPU (a test may
+        give a size, so that the CPU runs a plan chosen against one)."""
+        return free_gpu_memory_bytes(self.device)
+
+    def _plan_run(self) -> RunPlan:
+        """The run's memory plan (planning.py); the precision and the micro-batches follow it."""
+        pinned_micro = self.config.micro_batch_size
+        run_plan = plan_run(
+            self.config,
+            self.dist.world_size,
+            self.row_lengths,
+            self.method.rows_per_example,
+            self._plan_memory_bytes(),
+            on_gpu=self.device.type == "cuda",
+            resumed_checkpoint=self.resume_from[1] if self.resume_from is not None else None,
+        )
+        try:
+            self.precision = resolve_precision(run_plan.config.precision, self.device, self.fsdp)
+            self.micro_batch_size, self.grad_accum_steps = run_plan.config.micro_batches_per_rank(
+                self.dist.world_size
+            )
+        except ValueError as exc:
+            raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
+        self.micro_batch_reason = "as set" if pinned_micro else run_plan.reason
+        return run_plan
 
     def _load_tokenizer(self):
         return load_tokenizer(self.config.model_path)
@@ -358,7 +381,7 @@ class Trainer:
         for epoch in range(start_epoch, config.n_epochs):
             first_batch = start_batch if epoch == start_epoch else 0
             for batch_index, micro_batches in self.epoch_batches(epoch, first_batch):
-                if self.step >= self.total_steps or self.early_stopping.stopped:
+                if self.step >= self.total_steps:
                     break
                 started = time.perf_counter()
                 stats = self.train_step(micro_batches)
@@ -384,10 +407,8 @@ class Trainer:
                 continue
             break  # max_steps reached inside the epoch
 
-        if self.early_stopping.stopped:
-            self.last_checkpoint = self.early_stopping.end_on_best()
-        elif self.last_checkpoint_step != self.step:
-            self._save_checkpoint(self.meter.checkpoint_metrics(self.step))
+        if self.last_checkpoint_step != self.step:
+            self._save_checkpoint({"train_loss": self.last_train_loss})
         assert self.last_checkpoint is not None
         result = TrainResult(
             trained_tokens=self.trained_tokens,
@@ -404,6 +425,8 @@ class Trainer:
 
     def _report_start(self) -> None:
         message, data = run_summary(self)
+        # The started event names the memory plan that runs, with the estimate it was chosen by.
+        message, data = f"{message}; {self.run_plan.summary()}", {**data, **self.run_plan.event_data()}
         self.reporter.event(message, data=data)
         self.reporter.resolved(resolved_plan(data))
 
@@ -414,8 +437,7 @@ class Trainer:
         peaks, stop, periodic = share_step_state(
             self.device, self.reporter, self.checkpoint_schedule.due(self.step, epoch_done)
         )
-        values = self.meter.step_values(read, stats, step_time, peaks, self.step, self.trained_tokens)
-        periodic = periodic and self.step < self.total_steps  # the final checkpoint is saved after the loop
+        values = self.meter.step_values(read, stats, step_time, peaks, self.step)
         evaluate_now = (
             stop != StopRequest.CANCEL
             and self.valid_data is not None
@@ -423,7 +445,6 @@ class Trainer:
                 epoch_done
                 or self.step == self.total_steps
                 or (config.eval_every_steps is not None and self.step % config.eval_every_steps == 0)
-                or periodic  # a checkpoint's metrics include the whole validation file's
             )
         )
         if evaluate_now:
@@ -431,13 +452,11 @@ class Trainer:
         self.reporter.metric(self.step, values)
         if stop == StopRequest.CANCEL:
             raise JobStopped("cancelled", f"stopped at step {self.step}: the job was cancelled", self.step)
-        best = evaluate_now and self.early_stopping.observe(self.step, values.get("valid_loss"))
-        if periodic or best or stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
+        # The final checkpoint is saved after the loop, unless a pause or a hand-over needs it now.
+        if (periodic and self.step < self.total_steps) or stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
             if self.last_checkpoint_step != self.step:
-                self._save_checkpoint(self.meter.checkpoint_metrics(self.step))
+                self._save_checkpoint({k: v for k, v in values.items() if k in ("train_loss", "valid_loss")})
                 self.checkpoint_schedule.saved()
-            if best:
-                self.early_stopping.best_saved()
         if stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
             reason = "paused" if stop == StopRequest.PAUSE else "handed_over"
             what = "paused" if stop == StopRequest.PAUSE else "handed over (its worker is stopping)"
@@ -486,15 +505,8 @@ class Trainer:
             self.model,
             self.optimizer,
             self.tokenizer,
-            lambda rng_states: (
-                resume_state(
-                    self.progress,
-                    self.scheduler,
-                    rng_states,
-                    self._run_description(),
-                    self.method.state_dict(),
-                )
-                | {RESUME_EARLY_STOPPING: self.early_stopping.state_dict()}
+            lambda rng_states: resume_state(
+                self.progress, self.scheduler, rng_states, self._run_description(), self.method.state_dict()
             ),
         )
 
@@ -504,7 +516,6 @@ class Trainer:
         self.scheduler.load_state_dict(state[checkpoint_state.RESUME_SCHEDULER])
         self.progress.load_state_dict(state)
         self.method.load_state_dict(state[checkpoint_state.RESUME_METHOD])
-        self.early_stopping.load_state_dict(state.get(RESUME_EARLY_STOPPING))
         rng_states = state[checkpoint_state.RESUME_RNG]
         # Under another world size, ranks beyond the saved ones reuse saved states (only dropout draws).
         checkpoint_state.restore_rng_state(rng_states[self.dist.rank % len(rng_states)], self.device)

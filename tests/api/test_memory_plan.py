@@ -1,0 +1,133 @@
+"""The dry run's memory plan for the GPU a job would land on, a user's pins, and the refusals at creation: no
+plan fits the GPU, or the checkpoints do not fit the disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fusetune.api.app import create_app
+from fusetune.api.routes import jobs as jobs_route
+from fusetune.config import Settings
+from fusetune.db.migrate import upgrade
+
+GIB = 2**30
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}  # fmt: skip
+LINE = json.dumps(
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+)
+
+
+@pytest.fixture(autouse=True)
+def a_large_disk(monkeypatch):
+    """The data directory's free space as the test sets it, not as this machine has it."""
+    monkeypatch.setattr(jobs_route, "free_disk_bytes", lambda path: 10**15)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    settings = Settings(data_dir=tmp_path_factory.mktemp("plan") / "data")
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    (settings.models_dir / "llama-8b").mkdir()
+    (settings.models_dir / "llama-8b" / "config.json").write_text(json.dumps(LLAMA_8B))
+    return settings.data_dir
+
+
+def _client(data_dir, gpu_memory_bytes: int | None) -> tuple[TestClient, str]:
+    settings = Settings(data_dir=data_dir, gpu_memory_bytes=gpu_memory_bytes)
+    client = TestClient(create_app(settings), headers={"Authorization": f"Bearer {settings.dev_api_key}"})
+    upload = {"file": ("train.jsonl", "\n".join([LINE] * 8).encode())}
+    file_id = client.post("/v1/files", files=upload, data={"purpose": "fine-tune"}).json()["id"]
+    return client, file_id
+
+
+def _dry_run(client, file_id, **hyperparameters):
+    body = {"model": "llama-8b", "training_file": file_id, "dry_run": True,
+            "hyperparameters": {"batch_size": 4, **hyperparameters}}  # fmt: skip
+    return client.post("/v1/fine_tuning/jobs", json=body)
+
+
+def test_the_dry_run_returns_the_plan_for_the_gpu_the_job_would_land_on(data_dir):
+    client, file_id = _client(data_dir, 80 * GIB)
+    roomy = _dry_run(client, file_id).json()
+    # 8B in bf16-sr: weights, gradients and AdamW state take 60 GiB; everything else is small at this data.
+    assert roomy["plan"] == {"micro_batch_size": 4, "recompute_layers": 0, "offload_layers": 0,
+                             "precision": "bf16-sr", "optimizer_in_backward": False}  # fmt: skip
+    assert roomy["plan_description"] == "micro-batch 4, precision bf16-sr, no recompute"
+    assert roomy["fits"] is True and roomy["refusal"] is None and roomy["alternatives"] is None
+    assert roomy["peak_memory_bytes_per_gpu"] == sum(roomy["memory_breakdown"].values()) <= 80 * GIB
+    # Its checkpoints: bf16 weights and two bf16 moments (48 GB each), the two kept and the next.
+    assert 47e9 < roomy["checkpoint_bytes"] < 49e9 and roomy["checkpoints_on_disk"] == 3
+    assert roomy["checkpoint_disk_bytes"] == 3 * roomy["checkpoint_bytes"]
+    assert roomy["disk_free_bytes"] == 10**15 and roomy["disk_fits"] is True
+
+    client, file_id = _client(data_dir, 40 * GIB)
+    tight = _dry_run(client, file_id).json()
+    # 40 GiB: the 8-bit state and the step inside the backward (all four sequences in one micro-batch).
+    assert tight["fits"] is True and tight["peak_memory_bytes_per_gpu"] <= 40 * GIB
+    assert tight["plan"]["precision"] == "bf16-sr-8bit" and tight["plan"]["optimizer_in_backward"] is True
+    assert tight["plan"]["micro_batch_size"] == 4
+    assert tight["checkpoint_bytes"] < 0.7 * roomy["checkpoint_bytes"]  # the 8-bit state is saved as such
+
+    # A server that does not know its GPUs' memory: the job's settings and the defaults, fits unknown.
+    client, file_id = _client(data_dir, None)
+    unknown = _dry_run(client, file_id).json()
+    assert (
+        unknown["fits"] is None and unknown["gpu_memory_bytes"] is None and unknown["plan"] == roomy["plan"]
+    )
+
+
+def test_a_user_pins_any_part_and_a_plan_that_cannot_fit_is_refused_with_one_that_would(data_dir):
+    client, file_id = _client(data_dir, 40 * GIB)
+    pinned = _dry_run(client, file_id, micro_batch_size=2, recompute_layers=8, offload_layers=4).json()
+    assert pinned["plan"]["micro_batch_size"] == 2 and pinned["plan"]["recompute_layers"] == 8
+    assert pinned["plan"]["offload_layers"] == 4
+    # bf16-sr with the step after the backward cannot fit 40 GiB: the refusal names plans that would.
+    refused = _dry_run(client, file_id, precision="bf16-sr", optimizer_in_backward=False).json()
+    assert refused["fits"] is False and refused["plan"]["precision"] == "bf16-sr"
+    changes = {alternative["change"]: alternative for alternative in refused["alternatives"]}
+    assert "n_gpus 2 and distributed fsdp" in changes and "LoRA (r=16)" in changes
+    assert all(a["peak_memory_bytes_per_gpu"] <= 40 * GIB for a in refused["alternatives"])
+    assert changes["LoRA (r=16)"]["plan"]["precision"] == "bf16-sr"
+    created = client.post(
+        "/v1/fine_tuning/jobs",
+        json={"model": "llama-8b", "training_file": file_id,
+              "hyperparameters": {"batch_size": 4, "precision": "bf16-sr", "optimizer_in_backward": False}},
+    )  # fmt: skip
+    error = created.json()["error"]
+    assert (
+        created.status_code == 400
+        and error["code"] == "job_too_large"
+        and error["message"] == refused["refusal"]
+    )
+    assert "It would fit with: n_gpus 2 and distributed fsdp (" in error["message"]
+    # Pins no trainer could run, each named.
+    for pins, param in [
+        ({"recompute_layers": 33}, "hyperparameters.recompute_layers"),
+        ({"micro_batch_size": 3}, "hyperparameters.micro_batch_size"),
+        ({"micro_batch_size": 2, "optimizer_in_backward": True}, "hyperparameters.micro_batch_size"),
+        ({"recompute_layers": 30, "offload_layers": 3}, "hyperparameters.offload_layers"),
+    ]:
+        response = _dry_run(client, file_id, **pins)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_a_job_whose_checkpoints_cannot_fit_the_disk_is_refused(data_dir, monkeypatch):
+    client, file_id = _client(data_dir, 80 * GIB)
+    monkeypatch.setattr(jobs_route, "free_disk_bytes", lambda path: 100 * 10**9)
+    estimate = _dry_run(client, file_id).json()
+    assert estimate["disk_free_bytes"] == 100 * 10**9 and estimate["disk_fits"] is False
+    body = {"model": "llama-8b", "training_file": file_id, "hyperparameters": {"batch_size": 4}}
+    refused = client.post("/v1/fine_tuning/jobs", json=body)
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["code"] == "insufficient_disk"
+    need = estimate["checkpoint_disk_bytes"]
+    assert f"about {need / 1e9:.1f} GB of disk" in error["message"] and "100.0 GB free" in error["message"]
+    assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
+    # The 8-bit optimizer state makes three checkpoints fit.
+    smaller = _dry_run(client, file_id, precision="bf16-sr-8bit").json()
+    assert smaller["disk_fits"] is True and smaller["refusal"] is None

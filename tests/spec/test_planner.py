@@ -1,0 +1,202 @@
+"""The memory planner: every pin honoured, the fastest plan that fits chosen, a refusal that names a plan that
+fits, and the disk the checkpoints need."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from fusetune.spec.estimate import DataCounts, ModelShape, checkpoint_bytes, estimate_job
+from fusetune.spec.hyperparameters import JobHyperparameters
+from fusetune.spec.job import JobSpec
+from fusetune.spec.plan import MemoryPlan
+from fusetune.spec.planner import PlanError, checkpoint_disk, plan_job, step_time_s
+
+GIB = 2**30
+LLAMA_8B = ModelShape(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, vocab_size=128256, tied_embeddings=False)  # fmt: skip
+# Four layers, so that every plan can be enumerated; the shape of a 1B model's layer.
+SMALL = ModelShape(hidden_size=2048, intermediate_size=8192, num_layers=4, num_heads=32, num_kv_heads=8,
+                   head_dim=64, vocab_size=32000, tied_embeddings=True)  # fmt: skip
+
+
+def _job(**hyperparameters) -> JobSpec:
+    return JobSpec(
+        hyperparameters=JobHyperparameters(**{"batch_size": 8, "max_seq_length": 8192, **hyperparameters})
+    )
+
+
+def _data(seq: int = 8192) -> DataCounts:
+    return DataCounts(example_count=64, token_estimate=64 * seq, padded_length=seq)
+
+
+def _peak(shape, job, data, plan) -> int:
+    return estimate_job(shape, job, data, plan=plan).peak_memory_bytes_per_gpu
+
+
+def _every_plan(shape: ModelShape, job: JobSpec):
+    layers, per_gpu = shape.num_layers, job.hyperparameters.batch_size // job.hyperparameters.n_gpus
+    for precision, micro, backward, recompute in itertools.product(
+        ("bf16-sr", "bf16-sr-8bit"), (1, 2, 4, 8), (False, True), range(layers + 1)
+    ):
+        if micro <= per_gpu and per_gpu % micro == 0 and (not backward or micro == per_gpu):
+            for offload in range(layers - recompute + 1):
+                yield MemoryPlan(micro, recompute, offload, precision, backward)
+
+
+def test_the_fastest_plan_that_fits_is_chosen():
+    """Against every plan of a 4-layer model, at memory sizes from roomy to tight: the chosen plan fits and no
+    plan that fits is faster."""
+    job, data = _job(max_seq_length=4096), _data(4096)
+    plans = list(_every_plan(SMALL, job))
+    peaks = {plan: _peak(SMALL, job, data, plan) for plan in plans}
+    times = {plan: step_time_s(SMALL, job, data, plan) for plan in plans}
+    chosen_kinds = set()
+    for memory in sorted(set(peaks.values()))[:: max(1, len(set(peaks.values())) // 40)]:
+        planned = plan_job(SMALL, job, data, memory, host_memory_bytes=2**50)
+        assert planned.fits and planned.estimate.peak_memory_bytes_per_gpu == peaks[planned.plan] <= memory
+        fastest = min(times[plan] for plan in plans if peaks[plan] <= memory)
+        assert times[planned.plan] == pytest.approx(fastest, rel=1e-12)
+        chosen_kinds.add((planned.plan.precision, planned.plan.recompute_layers > 0,
+                          planned.plan.offload_layers > 0, planned.plan.optimizer_in_backward))  # fmt: skip
+    # The sweep went through plans of every kind, so the comparison above covered each.
+    assert len(chosen_kinds) >= 4, chosen_kinds
+    # With room to spare: the plainest, fastest plan.
+    roomy = plan_job(SMALL, job, data, 80 * GIB)
+    assert roomy.plan == MemoryPlan(8, 0, 0, "bf16-sr", False)
+
+
+def test_the_time_model_ranks_the_costs_as_documented():
+    job, data = _job(), _data()
+    plain = MemoryPlan(1, 0, 0, "bf16-sr", False)
+    base = step_time_s(LLAMA_8B, job, data, plain)
+    every_layer = step_time_s(LLAMA_8B, job, data, dataclasses.replace(plain, recompute_layers=32))
+    # Recomputing every layer costs about a third of the layers' forward + backward (the output layer and the
+    # optimizer step take the rest of the step).
+    assert 0.25 < (every_layer - base) / base < 1 / 3
+    # A few offloaded layers hide behind the compute; all of them do not.
+    assert step_time_s(LLAMA_8B, job, data, dataclasses.replace(plain, offload_layers=4)) == base
+    assert step_time_s(LLAMA_8B, job, data, dataclasses.replace(plain, offload_layers=32)) > base
+    eight_bit = step_time_s(LLAMA_8B, job, data, dataclasses.replace(plain, precision="bf16-sr-8bit"))
+    assert base < eight_bit < base * 1.01
+    # Larger micro-batches are faster, less and less so.
+    times = [
+        step_time_s(LLAMA_8B, job, data, dataclasses.replace(plain, micro_batch_size=m)) for m in (1, 2, 4, 8)
+    ]
+    assert times[0] > times[1] > times[2] > times[3] and times[0] - times[1] > times[2] - times[3]
+    assert step_time_s(LLAMA_8B, job, data, MemoryPlan(8, 0, 0, "bf16-sr", True)) == times[3]
+
+
+@pytest.mark.parametrize(
+    "pins",
+    [
+        {"micro_batch_size": 4},
+        {"recompute_layers": 5},
+        {"offload_layers": 7},
+        {"precision": "bf16-sr"},
+        {"optimizer_in_backward": False},
+        {"optimizer_in_backward": True},
+        {"gradient_checkpointing": True},
+        {"micro_batch_size": 1, "recompute_layers": 32, "precision": "bf16"},
+    ],
+)
+def test_every_pin_is_honoured(pins):
+    """An 8B model at 8,192 tokens on 80 GiB: the planner alone picks 8-bit state and offload at micro-batch 2;
+    whatever a job pins stays pinned, and the rest is planned around it."""
+    free = plan_job(LLAMA_8B, _job(), _data(), 80 * GIB)
+    assert free.fits and free.plan == MemoryPlan(2, 0, 12, "bf16-sr-8bit", False)
+    planned = plan_job(LLAMA_8B, _job(**pins), _data(), 80 * GIB)
+    expected = {key: value for key, value in pins.items() if key in MemoryPlan.__dataclass_fields__}
+    if pins.get("gradient_checkpointing"):
+        expected["recompute_layers"] = 32
+    if pins.get("optimizer_in_backward"):
+        expected["micro_batch_size"] = 8  # no gradient accumulation
+    assert {key: getattr(planned.plan, key) for key in expected} == expected
+    # Each pin but the last placement is a value the planner would not have chosen by itself.
+    assert planned.plan != free.plan or pins == {"optimizer_in_backward": False}
+    if planned.fits:
+        assert planned.estimate.peak_memory_bytes_per_gpu <= 80 * GIB
+
+
+def test_pins_the_model_cannot_run_are_refused_naming_the_field():
+    for pins, field in [
+        ({"recompute_layers": 33}, "hyperparameters.recompute_layers"),
+        ({"gradient_checkpointing": True, "recompute_layers": 3}, "hyperparameters.recompute_layers"),
+        ({"recompute_layers": 30, "offload_layers": 3}, "hyperparameters.offload_layers"),
+    ]:
+        with pytest.raises(PlanError) as refused:
+            plan_job(LLAMA_8B, _job(**pins), _data(), 80 * GIB)
+        assert refused.value.field == field and "32 decoder layers" in str(refused.value)
+    # gradient_checkpointing with the model's own layer count is the same thing said twice.
+    same = plan_job(LLAMA_8B, _job(gradient_checkpointing=True, recompute_layers=32), _data(), 80 * GIB)
+    assert same.plan.recompute_layers == 32
+
+
+def test_without_a_memory_size_or_a_gpu_the_plan_is_the_plainest():
+    # The trainer's default micro-batch: 16,384 tokens, two rows of 8,192.
+    unknown = plan_job(LLAMA_8B, _job(), _data(), None)
+    assert unknown.fits is None and unknown.plan == MemoryPlan(2, 0, 0, "bf16-sr", False)
+    pinned = plan_job(LLAMA_8B, _job(optimizer_in_backward=True, gradient_checkpointing=True), _data(), None)
+    assert pinned.plan == MemoryPlan(8, 32, 0, "bf16-sr", True)
+    cpu = plan_job(SMALL, _job(max_seq_length=128), _data(100), None, on_gpu=False)
+    assert cpu.plan == MemoryPlan(8, 0, 0, "fp32", False)
+    pinned = plan_job(SMALL, _job(max_seq_length=128, recompute_layers=2, optimizer_in_backward=True), _data(100),
+                      None, on_gpu=False)  # fmt: skip
+    assert pinned.plan == MemoryPlan(8, 2, 0, "fp32", True)
+    # On a CPU with a memory size (a test's), nothing is offloaded: recompute and smaller micro-batches instead.
+    tight = plan_job(SMALL, _job(max_seq_length=4096), _data(4096), 8 * GIB, on_gpu=False)
+    assert tight.fits and tight.plan.offload_layers == 0 and tight.plan.precision == "fp32"
+    assert tight.plan != plan_job(SMALL, _job(max_seq_length=4096), _data(4096), None, on_gpu=False).plan
+
+
+def test_when_nothing_fits_the_refusal_names_plans_that_fit():
+    """An 8B full fine-tune at 8,192 tokens, batch 8, in 40 GiB: no plan fits one GPU (the weights, gradients and
+    state alone are about 45 GiB, and the step inside the backward would hold 8 sequences at once). The refusal
+    names what would fit, each with a plan that does fit when the job is changed so."""
+    job, data, memory = _job(), _data(), 40 * GIB
+    planned = plan_job(LLAMA_8B, job, data, memory)
+    assert planned.fits is False and planned.estimate.peak_memory_bytes_per_gpu > memory
+    # The smallest plan is no larger than any other.
+    assert all(planned.estimate.peak_memory_bytes_per_gpu <= _peak(LLAMA_8B, job, data, MemoryPlan(m, k, 0, p, False))
+               for m, k, p in [(1, 32, "bf16-sr-8bit"), (1, 0, "bf16-sr-8bit"), (8, 32, "bf16-sr")])  # fmt: skip
+    changes = {alternative.change: alternative for alternative in planned.alternatives}
+    assert set(changes) == {"n_gpus 2 and distributed fsdp", "LoRA (r=16)", "max_seq_length 1024"}
+    for alternative in planned.alternatives:
+        hyperparameters = {**job.hyperparameters.model_dump(), **alternative.hyperparameters}
+        changed = JobSpec(hyperparameters=JobHyperparameters(**hyperparameters))
+        shorter = dataclasses.replace(data, padded_length=min(8192, changed.hyperparameters.max_seq_length))
+        again = plan_job(LLAMA_8B, changed, shorter, memory)
+        assert again.fits and again.plan == alternative.plan
+        assert again.estimate.peak_memory_bytes_per_gpu == alternative.peak_memory_bytes_per_gpu <= memory
+    fsdp = changes["n_gpus 2 and distributed fsdp"].plan
+    assert fsdp.precision == "bf16-sr"  # the 8-bit optimizer does not run under FSDP
+    message = planned.refusal()
+    assert "even with its smallest plan" in message and "more than the 40.0 GiB" in message
+    assert (
+        "n_gpus 2 and distributed fsdp (micro-batch 1, precision bf16-sr" in message
+        and "GiB per GPU" in message
+    )
+    # Nothing helps a 16 GiB GPU but many GPUs.
+    tight = plan_job(LLAMA_8B, _job(max_seq_length=2048), _data(2048), 16 * GIB)
+    assert [a.change for a in tight.alternatives] == ["n_gpus 8 and distributed fsdp"]
+    assert not plan_job(LLAMA_8B, _job(), _data(), 4 * GIB).alternatives
+
+
+def test_the_checkpoints_must_fit_the_disk():
+    job = _job()
+    plan = MemoryPlan(1, 0, 0, "bf16-sr", False)
+    size = checkpoint_bytes(LLAMA_8B, job, "bf16-sr")
+    assert 47e9 < size < 49e9  # 8.03e9 parameters: bf16 weights and two bf16 AdamW moments
+    disk = checkpoint_disk(LLAMA_8B, job, plan, keep_last_checkpoints=2, free_bytes=100 * 10**9)
+    assert (disk.checkpoints_on_disk, disk.needed_bytes) == (3, 3 * size)  # the kept two and the next
+    assert disk.fits is False
+    message = disk.refusal()
+    assert f"{3 * size / 1e9:.1f} GB" in message and "3 checkpoints" in message and "100.0 GB free" in message
+    # The 8-bit state shrinks the training state: 3 checkpoints of about 32 GB fit 100 GB.
+    eight_bit = checkpoint_disk(
+        LLAMA_8B, job, dataclasses.replace(plan, precision="bf16-sr-8bit"), 2, 100 * 10**9
+    )
+    assert eight_bit.fits and eight_bit.refusal() is None and eight_bit.checkpoint_bytes < 0.7 * size
+    # A resumed run's checkpoints are on the disk already; an unknown free space refuses nothing.
+    assert checkpoint_disk(LLAMA_8B, job, plan, 2, 100 * 10**9, checkpoints_present=2).fits
+    assert checkpoint_disk(LLAMA_8B, job, plan, 2, None).refusal() is None
