@@ -4,7 +4,7 @@ WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
 COPY fusetune ./fusetune
 COPY migrations ./migrations
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".[tracking]"
 ENV FUSETUNE_DATA_DIR=/data
 VOLUME ["/data"]
 EXPOSE 8000

@@ -153,6 +153,42 @@ def moto_s3_server(workdir: Path, bucket: str | None = "fusetune-test", **env: s
         log.close()
 
 
+@contextmanager
+def mlflow_server(workdir: Path) -> Iterator[str]:
+    """A real ``mlflow server`` (mlflow-skinny's, on SQLite, artifacts proxied to a folder) on a free loopback
+    port; yields its tracking URI."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        skip_or_fail("mlflow-skinny is not installed (the dev extra installs it)")
+    port = free_port()
+    log = open(workdir / f"mlflow-{port}.log", "ab")  # noqa: SIM115 - handed to the child
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{workdir / 'mlflow.db'}",
+         "--artifacts-destination", str(workdir / "mlflow-artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=workdir,
+    )  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{uri}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    "mlflow server did not start: " + (workdir / f"mlflow-{port}.log").read_text()
+                )
+            time.sleep(0.2)
+        yield uri
+    finally:
+        _stop(process)
+        log.close()
+
+
 class Service:
     """A running ``fusetune serve`` (API + embedded worker) and an HTTP client for it."""
 

@@ -74,11 +74,18 @@ IMPLS = {
     "bf16-sr": "bf16-sr",
     "adamw8bit": "bf16-sr",
     "adamw8bit-linear-nearest": "bf16-sr",
+    # The optimizer step inside the backward (fusetune/worker/train/optimizer_in_backward.py): each step clipped
+    # by the previous step's gradient norm.
+    "bf16-sr-in-backward": "bf16-sr",
+    "adamw8bit-in-backward": "bf16-sr",
 }
+IN_BACKWARD = "-in-backward"
 DEFAULT_IMPLS = ("fp32-master", "bf16-plain", "bf16-sr")
 # (checks' name, impl that must match fp32-master, impl that must be worse than both)
 COMPARISONS = (("bf16_sr", "bf16-sr", "bf16_plain", "bf16-plain"),
-               ("adamw8bit", "adamw8bit", "adamw8bit_linear_nearest", "adamw8bit-linear-nearest"))  # fmt: skip
+               ("adamw8bit", "adamw8bit", "adamw8bit_linear_nearest", "adamw8bit-linear-nearest"),
+               ("bf16_sr_in_backward", "bf16-sr-in-backward", None, None),
+               ("adamw8bit_in_backward", "adamw8bit-in-backward", None, None))  # fmt: skip
 QUANTIZATION_BLOCK = 256
 PRETRAIN_PRECISION = "bf16-mixed"
 MAX_GRAD_NORM = 1.0
@@ -231,14 +238,28 @@ def eval_loss(model: Any, sequences: Any, autocast: Any, batch: int) -> float:
     return float(total) / len(sequences)
 
 
-def train_steps(model, optimizer, optimizer_name, autocast, batches, max_norm) -> Any:
-    """One optimizer step per batch through the trainer's clip-and-step; returns the losses (on the device)."""
+def train_steps(model, optimizer, optimizer_name, autocast, batches, max_norm, in_backward=False) -> Any:
+    """One optimizer step per batch through the trainer's clip-and-step (or, `in_backward`, inside the backward as
+    the trainer runs it); returns the losses (on the device)."""
     import torch
 
     from fusetune.worker.train import optim
 
     params = [p for p in model.parameters() if p.requires_grad]
     losses = []
+    if in_backward:
+        from fusetune.worker.train.optimizer_in_backward import OptimizerInBackward
+
+        stepper, carried = OptimizerInBackward(optimizer, params, max_norm), float("nan")
+        for input_ids in batches:
+            with autocast():
+                loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            stepper.start(loss, carried)
+            loss.backward()
+            carried = float(stepper.finish())  # the trainer reads each step's norm too
+            losses.append(loss.detach().float())
+        stepper.remove()
+        return torch.stack(losses)
     for input_ids in batches:
         with autocast():
             loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
@@ -336,7 +357,7 @@ def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -
     model.load_state_dict(pretrained)
     params = [p for p in model.parameters() if p.requires_grad]
     if impl.startswith("adamw8bit"):
-        optimizer = build_8bit_optimizer(impl, params, lr, args.weight_decay, seed)
+        optimizer = build_8bit_optimizer(impl.removesuffix(IN_BACKWARD), params, lr, args.weight_decay, seed)
     else:
         optimizer = optim.build_optimizer(
             precision.mode.optimizer,
@@ -353,8 +374,9 @@ def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -
     synchronize(device)
     started = time.perf_counter()
     losses = train_steps(
-        model, optimizer, precision.mode.optimizer, precision.autocast, pool[picks], MAX_GRAD_NORM
-    )
+        model, optimizer, precision.mode.optimizer, precision.autocast, pool[picks], MAX_GRAD_NORM,
+        in_backward=impl.endswith(IN_BACKWARD),
+    )  # fmt: skip
     synchronize(device)
     seconds = time.perf_counter() - started
     del optimizer
@@ -481,7 +503,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         good_key, bad_key = f"{good_name}_relative_to_fp32_master", f"{bad_name}_relative_to_fp32_master"
         if not any(good_key in check or bad_key in check for check in payload["verdicts"].values()):
             continue
-        lines += ["", f"| lr | start | margin | {good} vs fp32-master | {bad} vs fp32-master | verdict |"]
+        lines += ["", f"| lr | start | margin | {good} vs fp32-master | {bad or '(no worse variant)'} vs fp32-master "
+                  "| verdict |"]  # fmt: skip
         lines.append("|---|---|---|---|---|---|")
         for lr, check in payload["verdicts"].items():
             failed = [name for name, value in check.items() if value is False and name != "passed"]

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fusetune.spec.hyperparameters import HyperparametersRequest
+from fusetune.spec.integrations import Integrations
 from fusetune.spec.methods import DEFAULT_METHOD, MethodRequest
 
 
@@ -61,7 +62,12 @@ class JobCreate(_Request):
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     suffix: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     metadata: dict[str, str] | None = None
-    integrations: list[dict[str, Any]] | None = None
+    integrations: Integrations | None = Field(
+        default=None,
+        description='Also report the run to Weights & Biases ({"type": "wandb", "wandb": {"project", "name", '
+        '"entity", "tags"}}) or an MLflow tracking server ({"type": "mlflow", "mlflow": {"tracking_uri", '
+        '"experiment_name", "run_name", "tags"}})',
+    )
     dry_run: bool = Field(default=False, description="Create nothing; return the job's estimate instead")
 
     @field_validator("metadata")
@@ -113,14 +119,20 @@ class JobObject(BaseModel):
     method: dict[str, Any]
     model: str
     organization_id: str
-    result_files: list[str] = []
+    result_files: list[str] = Field(
+        default=[],
+        description="Once the job succeeded: the id of its results file, a CSV of every step's metrics (step, "
+        "train_loss, train_mean_token_accuracy, valid_loss, valid_mean_token_accuracy, then the method's own)",
+    )
     seed: int
     status: str
     trained_tokens: int | None = None
     training_file: str
     validation_file: str | None = None
     integrations: list[dict[str, Any]] | None = None
-    estimated_finish: int | None = None
+    estimated_finish: int | None = Field(
+        default=None, description="While the job runs: when it should end, at its recent measured step time"
+    )
     metadata: dict[str, str] | None = None
     user_provided_suffix: str | None = None
     # fusetune: every start of the job with how it ended, and the time it trained over all of them.
@@ -165,8 +177,16 @@ class CheckpointObject(BaseModel):
     created_at: int
     fine_tuned_model_checkpoint: str
     fine_tuning_job_id: str
-    metrics: dict[str, Any]
+    metrics: dict[str, Any] = Field(
+        description="step, train_loss (and the method's training metrics of that step), and when the job has a "
+        "validation file valid_loss, valid_mean_token_accuracy (or the method's valid_ metrics) with their "
+        "full_valid_ copies: all over the whole validation file at that step"
+    )
     step_number: int
+    best: bool = Field(
+        default=False,
+        description="fusetune: the checkpoint of the best evaluation of a job that stopped early (its model)",
+    )
 
 
 class CheckpointList(BaseModel):
@@ -194,8 +214,12 @@ METRIC_VALUES_DESCRIPTION = """The step's metrics by name. Counts are over all o
 - `peak_memory_allocated_bytes`, `peak_memory_reserved_bytes`: the CUDA allocator's peaks during the step,
   the largest over processes (on CPU: the peak resident set size).
 - `step_time_s`: wall time of the step; `epoch`: epochs done, fractional; `eta_s`: time left at the mean step
-  time of the last 20 steps.
-- `valid_loss`, `valid_token_accuracy`: on evaluation steps, over the validation file's trained tokens.
+  time of the last 20 steps; `trained_tokens`: input tokens trained on so far (the job's `trained_tokens`).
+- `train_mean_token_accuracy` (supervised, where the model computes logits: not with the fused loss kernel):
+  the share of the step's trained tokens that the model predicts exactly (its argmax).
+- `valid_loss`, `valid_mean_token_accuracy`: on evaluation steps (each epoch's end, each checkpoint,
+  `eval_every_steps`), over the validation file's trained tokens; preference methods report `valid_loss` and
+  `valid_` versions of their reward metrics.
 """
 
 

@@ -6,7 +6,19 @@ import secrets
 import time
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 DEFAULT_TENANT = "default"
@@ -88,6 +100,12 @@ class Job(Base):
     # A job parked for its tenant's limit or a worker's size has no message in the queue: a worker sends one
     # when the job can start (fusetune.worker.capacity).
     waiting_reason: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # The job's `integrations` as it asked for them (fusetune/spec/integrations.py).
+    integrations: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    # The results file (a File of purpose fine-tune-results: its per-step CSV), written when the job succeeds.
+    result_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # When a running job should end, from its trainer's measured step time (updated with every step).
+    estimated_finish: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")
@@ -162,6 +180,8 @@ class Checkpoint(Base):
     storage_path: Mapped[str] = mapped_column(String(1024))
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    # The checkpoint of the best evaluation of a job that stopped early (its fine-tuned model).
+    best: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     job: Mapped[Job] = relationship(back_populates="checkpoints")
 

@@ -47,6 +47,7 @@ def file_in_use(session: Session, file_id: str) -> bool:
 
 def delete_file(session: Session, file: File) -> None:
     """Forgets the file's row; the caller deletes the stored bytes after its commit."""
+    session.execute(update(Job).where(Job.result_file_id == file.id).values(result_file_id=None))
     session.delete(file)
 
 
@@ -358,6 +359,41 @@ def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any])
     message = f"Step {step}: training loss={loss:.4f}" if isinstance(loss, int | float) else f"Step {step}"
     add_event(session, job_id, message, type="metrics", data=data)
     return metric
+
+
+def set_job_progress(
+    session: Session, job_id: str, trained_tokens: int | None, estimated_finish: int | None
+) -> None:
+    """A running job's tokens trained so far and when it should end (its trainer's step times)."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == JobStatus.RUNNING)
+        .values(trained_tokens=trained_tokens, estimated_finish=estimated_finish)
+    )
+
+
+def mark_best_checkpoint(session: Session, job_id: str, storage_path: str) -> None:
+    """The job's checkpoint at `storage_path` is its best; no other is."""
+    session.execute(
+        update(Checkpoint)
+        .where(Checkpoint.job_id == job_id)
+        .values(best=Checkpoint.storage_path == storage_path)
+    )
+
+
+def metric_rows(session: Session, job_id: str) -> list[tuple[int, dict[str, Any]]]:
+    """Every step of the job with its values, oldest first (the results file)."""
+    query = (
+        select(JobMetric.step, JobMetric.values).where(JobMetric.job_id == job_id).order_by(JobMetric.step)
+    )
+    return [(step, values or {}) for step, values in session.execute(query)]
+
+
+def add_result_file(session: Session, job_id: str, file: File) -> None:
+    """Records the job's results file (added with the same transaction)."""
+    session.add(file)
+    session.flush()
+    session.execute(update(Job).where(Job.id == job_id).values(result_file_id=file.id))
 
 
 def add_checkpoint(

@@ -136,7 +136,7 @@ def _metrics_table(metrics: list[dict]) -> Table:
             str(point["step"]),
             f"{point['train_loss']:.4f}",
             f"{values['valid_loss']:.4f}" if valid else "",
-            f"{values['valid_token_accuracy']:.1%}" if valid else "",
+            f"{values['valid_mean_token_accuracy']:.1%}" if valid else "",
             f"{values.get('learning_rate', 0):.2e}",
             f"{values.get('tokens_per_second', 0):,.0f}",
         )

@@ -88,6 +88,21 @@ class LoraSpec(Spec):
     )
 
 
+class EarlyStoppingSpec(Spec):
+    """Stop training once the validation loss has not improved for `patience` evaluations in a row. The job
+    still succeeds; its fine-tuned model is the checkpoint of its best evaluation (fusetune's own field: the
+    OpenAI API has none)."""
+
+    patience: int = Field(
+        3, ge=1, le=1000, description="Evaluations in a row without improvement after which training stops"
+    )
+    min_delta: float = Field(
+        0.0,
+        ge=0,
+        description="How much lower than the best so far a validation loss must be to count as better",
+    )
+
+
 class TrainingHyperparameters(Spec):
     """What a job trains with, every value decided."""
 
@@ -148,6 +163,16 @@ class TrainingHyperparameters(Spec):
     # "ddp": a full replica per GPU; "fsdp": parameters, gradients and optimizer state sharded (FSDP2, one unit
     # per decoder layer), for models that do not fit.
     distributed: Literal["ddp", "fsdp"] = Field("ddp", description="fsdp shards models too big for one GPU")
+    # Evaluation on the validation file runs at the end of every epoch, at every checkpoint, and every
+    # eval_every_steps steps when set; early stopping counts those evaluations.
+    eval_every_steps: int | None = Field(
+        None, ge=1, description="Also evaluate on the validation file every this many steps"
+    )
+    early_stopping: EarlyStoppingSpec | None = Field(
+        None,
+        description="Stop once the validation loss stops improving (needs a validation_file); null: train to "
+        "the end",
+    )
 
     @model_validator(mode="after")
     def _merge_needs_lora(self) -> TrainingHyperparameters:

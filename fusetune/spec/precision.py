@@ -63,6 +63,11 @@ class PrecisionMode:
     # The tensor-core peak MFU divides by. Every mode reports against the dense bf16 peak, so that MFU compares
     # across modes (a faster number format shows as a higher MFU, not as a different denominator).
     mfu_peak_dtype: str = "bfloat16"
+    # The decoder's linear layers compute in float8 with dynamic scales (fusetune/worker/train/float8.py); the
+    # weights, gradients and optimizer state stay as `weight_dtype` and `optimizer` say.
+    float8_linears: bool = False
+    # The lowest CUDA compute capability that runs the mode: float8 tensor cores start at 8.9 (Ada, Hopper).
+    min_compute_capability: tuple[int, int] | None = None
 
     @property
     def mixed(self) -> bool:
@@ -116,6 +121,14 @@ PRECISIONS: dict[str, PrecisionMode] = {
             description="bf16-sr with the AdamW moments in 8 bits (fusetune.kernels.FusedAdamW8bit): about 2 "
             "bytes of optimizer state per parameter instead of 4, within 0.2% of fp32 master weights' eval "
             "loss in tests/kernels/test_adamw_quality.py; not with FSDP",
+        ),
+        PrecisionMode(
+            "fp8", "bfloat16", "bfloat16", "adamw-stochastic-rounding", needs_gpu=True,
+            description="bf16-sr's weights, gradients and AdamW state, with the decoder's linear layers "
+            "computing in float8 (e4m3, dynamic scales; torchao's float8 training) and the output layer in "
+            "bf16: float8 tensor cores run twice the bf16 rate; needs compute capability 8.9 or newer "
+            "(H100, H200, L40S)",
+            float8_linears=True, min_compute_capability=(8, 9),
         ),
     )
 }  # fmt: skip

@@ -28,7 +28,7 @@ from fusetune.db.models import AttemptEnd, Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.spec.job import JobSpec
 from fusetune.storage import StorageError, open_storage
-from fusetune.worker import run_storage
+from fusetune.worker import results, run_storage
 from fusetune.worker.lifecycle import detect_gpus
 from fusetune.worker.redact import without_paths
 from fusetune.worker.train.checkpoints import store as checkpoint_store
@@ -174,10 +174,19 @@ class JobRunner:
                 outcome.fields["error"]["message"] += f" (gave up after {faults} faults)"
             if queries.finish_job(session, job.id, outcome.status, **outcome.fields):
                 queries.add_event(session, job.id, outcome.message, level=outcome.level)
+                if outcome.status == JobStatus.SUCCEEDED:
+                    self._record_results_file(session, job)
             elif outcome.status != JobStatus.SUCCEEDED:
                 queries.add_event(session, job.id, outcome.message, level=outcome.level)
             session.commit()
         return outcome.status
+
+    def _record_results_file(self, session, job: Job) -> None:
+        """The succeeded job's per-step CSV as a file; a store that fails costs the file, not the job."""
+        try:
+            results.record_results_file(session, self.storage, job)
+        except StorageError:
+            log.warning("job %s: could not store its results file", job.id, exc_info=True)
 
     # ---- steps -----------------------------------------------------------------------------------------------
 
@@ -211,6 +220,8 @@ class JobRunner:
             method=spec.method,
             job_id=job.id,
             database_url=self.settings.database_url,
+            integrations=job.integrations or [],
+            mlflow_tracking_uri=self.settings.mlflow_tracking_uri or None,
             model_path=model_location,
             training_file=str(
                 run_storage.stage_input(self.storage, job.tenant, training.storage_name, run_dir)

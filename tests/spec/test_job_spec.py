@@ -32,7 +32,7 @@ LINE = json.dumps(
 # What a run's configuration holds besides its training choices: where it lives, and its seed (random).
 RUN_FIELDS = {
     "job_id", "database_url", "model_path", "training_file", "validation_file", "output_dir",
-    "checkpoint_paths_relative_to", "seed",
+    "checkpoint_paths_relative_to", "seed", "integrations", "mlflow_tracking_uri",
 }  # fmt: skip
 
 
@@ -90,9 +90,12 @@ def test_every_hyperparameter_reaches_the_trainer_as_given(client, settings, tmp
         "gradient_checkpointing": True, "recompute_layers": 3, "offload_layers": 1, "optimizer_in_backward": True,
         "micro_batch_size": 2,
         "lora": {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj"]},
-        "merge_lora_on_save": True, "distributed": "fsdp",
+        "merge_lora_on_save": True, "distributed": "fsdp", "eval_every_steps": 5,
     }  # fmt: skip
-    assert set(chosen) == set(JobHyperparameters.model_fields) - {"learning_rate_multiplier", "n_gpus"}
+    # early_stopping needs a validation file: tests/test_tracking_and_results.py sends it.
+    assert set(chosen) == set(JobHyperparameters.model_fields) - {
+        "learning_rate_multiplier", "n_gpus", "early_stopping"
+    }  # fmt: skip
     body = {"method": {"type": "supervised", "supervised": {"hyperparameters": {**chosen, "n_gpus": 2}}}}
     config = _job_config(client, settings, tmp_path, body)
     assert config.model_dump(mode="json", include=set(chosen)) == chosen
@@ -111,7 +114,7 @@ def test_the_job_reports_its_method_and_precision(client):
         and job["method"]["supervised"]["hyperparameters"]["n_epochs"] == 3
     )
     for bad, param in (
-        ({"hyperparameters": {"precision": "fp8"}}, "hyperparameters.precision"),
+        ({"hyperparameters": {"precision": "fp4"}}, "hyperparameters.precision"),
         ({"method": {"type": "reinforce"}}, "method.type"),
     ):
         error = client.post("/v1/fine_tuning/jobs", json={**body, **bad}).json()["error"]
@@ -122,7 +125,7 @@ def test_names_come_from_the_method_and_precision_tables():
     for name in ("auto", *PRECISIONS):
         assert JobHyperparameters(precision=name).precision == name
     with pytest.raises(ValidationError, match="precision"):
-        JobHyperparameters(precision="fp8")
+        JobHyperparameters(precision="fp4")
     assert set(METHODS) >= {"supervised", "dpo"}
     # A row stored before methods and precision were part of the job: supervised, precision auto.
     old_row = {

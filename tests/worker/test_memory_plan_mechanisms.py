@@ -186,3 +186,35 @@ def test_offload_needs_a_gpu(model_dir, train_file, tmp_path):
         Trainer(
             make_config(model_dir, train_file, tmp_path, offload_layers=1), ONE_CPU_RANK, RecordingReporter()
         )
+
+
+@pytest.mark.gpu
+def test_offloaded_and_recomputed_layers_train_as_kept_ones_on_the_gpu(
+    model_dir, train_file, tmp_path, monkeypatch
+):
+    """Offload copies saved tensors to pinned host memory and back on a side stream: a tensor read before its
+    copy back lands, or a stale one, would change the gradients. Losses and weights must follow the run that
+    keeps everything, within what the GPU's reduction order moves in fp32."""
+    from fusetune.worker.train import activations
+
+    monkeypatch.setattr(activations, "MIN_OFFLOAD_BYTES", 0)  # the tiny model's tensors are all small
+    device = torch.device("cuda", 0)
+    dist = type(ONE_CPU_RANK)(rank=0, local_rank=0, world_size=1, device=device)
+    runs = []
+    for name, plan in (("kept", {}), ("offloaded", {"offload_layers": 1, "recompute_layers": 1})):
+        reporter = RecordingReporter()
+        config = make_config(model_dir, train_file, tmp_path / name, precision="fp32", max_steps=3, **plan)
+        trainer = Trainer(config, dist, reporter)
+        trainer.train()
+        runs.append((trainer, reporter))
+    (kept, kept_reporter), (offloaded, offloaded_reporter) = runs
+    assert offloaded.activation_layout.offloaded == (0,) and offloaded.activation_layout.recomputed == (1,)
+    assert offloaded.activation_offload._saved[0], "nothing was offloaded"
+    torch.testing.assert_close(
+        [v["train_loss"] for _, v in offloaded_reporter.metrics],
+        [v["train_loss"] for _, v in kept_reporter.metrics],
+        rtol=1e-5,
+        atol=0,
+    )
+    for a, b in zip(kept.model.parameters(), offloaded.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

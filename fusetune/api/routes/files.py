@@ -228,7 +228,7 @@ def file_content(file_id: str, session: SessionDep, storage: StorageDep, tenant:
         return presigned_redirect(url)
     return StreamingResponse(
         storage.iter_file(tenant, row.storage_name),
-        media_type="application/jsonl",
+        media_type="text/csv" if row.filename.endswith(".csv") else "application/jsonl",  # results files
         headers={
             "Content-Length": str(row.bytes),
             "Content-Disposition": f"attachment; filename*=utf-8''{quote(row.filename)}",

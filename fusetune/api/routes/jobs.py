@@ -76,10 +76,12 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
         method={"type": method_type, method_type: {"hyperparameters": public}},
         model=job.model,
         organization_id=job.tenant,
-        result_files=[],
+        result_files=[job.result_file_id] if job.result_file_id else [],
         seed=job.seed,
         status=job.status,
         trained_tokens=job.trained_tokens,
+        estimated_finish=job.estimated_finish if job.status == JobStatus.RUNNING else None,
+        integrations=job.integrations,
         training_file=job.training_file_id,
         validation_file=job.validation_file_id,
         metadata=job.user_metadata,
@@ -243,11 +245,15 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
 def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpec:
     """ "auto" is resolved once, here, so the job row says exactly what will run."""
     try:
-        return JobSpec.from_request(
+        spec = JobSpec.from_request(
             body.method, body.hyperparameters, training.example_count, settings.base_learning_rate
         )
     except SpecError as exc:
         raise ApiError(400, str(exc), param=exc.field) from exc
+    if spec.hyperparameters.early_stopping is not None and body.validation_file is None:
+        raise ApiError(400, "hyperparameters.early_stopping needs a validation_file: it stops on the validation "
+                       "loss.", param="hyperparameters.early_stopping")  # fmt: skip
+    return spec
 
 
 def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
@@ -285,6 +291,9 @@ def _insert_job(
         seed=body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little") % (2**31),
         suffix=body.suffix,
         user_metadata=body.metadata,
+        integrations=[i.model_dump(mode="json", exclude_none=True) for i in body.integrations]
+        if body.integrations
+        else None,
         n_gpus=spec.hyperparameters.n_gpus,
         waiting_reason=waiting_reason,
     )
@@ -533,6 +542,7 @@ def _checkpoint_schema(job: Job, checkpoint: Checkpoint) -> CheckpointObject:
         fine_tuning_job_id=job.id,
         metrics=checkpoint.metrics,
         step_number=checkpoint.step,
+        best=checkpoint.best,
     )
 
 

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from fusetune.config import Settings
 from fusetune.spec.estimate import default_micro_batch_size
 from fusetune.spec.hyperparameters import DEFAULT_N_EPOCHS, TrainingHyperparameters
+from fusetune.spec.integrations import Integrations
 from fusetune.spec.methods import MethodSpec, method_spec
 
 _SERVICE = Settings.model_fields
@@ -33,6 +34,10 @@ class TrainConfig(TrainingHyperparameters):
     # Where the job lives. `database_url=None` reports to the console instead of SQL (standalone runs, tests).
     job_id: str | None = None
     database_url: str | None = None
+    # Where rank 0 also reports the run (fusetune/spec/integrations.py, worker/train/tracking.py): the job's
+    # integrations, and the server's MLflow tracking server for every job (FUSETUNE_MLFLOW_TRACKING_URI).
+    integrations: Integrations = Field(default_factory=list)
+    mlflow_tracking_uri: str | None = None
 
     # Inputs and outputs: local paths (a model id already in the local Hugging Face cache works too).
     model_path: str
@@ -58,8 +63,7 @@ class TrainConfig(TrainingHyperparameters):
     )
     train_on_inputs: bool = Field(False, description="put the loss on every token, not only the assistant's")
 
-    # Evaluation and checkpoints (evaluation also runs at the end of every epoch when a validation file is set).
-    eval_every_steps: int | None = Field(None, ge=1)
+    # Checkpoints (evaluation, eval_every_steps, is the job specification's).
     # Resumable checkpoints before the final one (see checkpoints/schedule.py): a crashed run resumes from
     # the newest. The defaults are the service's (fusetune.config.Settings, where 0 means none).
     checkpoint_every_steps: int | None = Field(

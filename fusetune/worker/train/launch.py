@@ -24,6 +24,7 @@ from fusetune.worker.train.outcome import (
     write_stopped,
 )
 from fusetune.worker.train.reporter import HANDOVER_FILENAME, Reporter, make_reporter
+from fusetune.worker.train.tracking import with_trackers
 from fusetune.worker.train.trainer import Trainer
 
 # How long ranks other than 0 wait, after a known failure, for rank 0 to write error.json before they exit:
@@ -55,6 +56,7 @@ def run(config: TrainConfig) -> int:
     try:
         handover_file = output_dir / HANDOVER_FILENAME
         reporter = make_reporter(config.database_url, config.job_id, dist_info.is_main, handover_file)
+        reporter = with_trackers(reporter, config, dist_info.is_main)  # W&B, MLflow: rank 0 only
         result = Trainer(config, dist_info, reporter).train()
         if dist_info.is_main:
             write_result(output_dir, result)

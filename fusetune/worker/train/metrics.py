@@ -74,6 +74,9 @@ class StepMeter:
         self.total_steps = total_steps
         self.peak_flops = peak_flops
         self._recent_step_times: deque[float] = deque(maxlen=ETA_WINDOW_STEPS)
+        # The last step's values (the loop adds its evaluation to them) and which of them are the method's.
+        self.last_values: dict[str, float] = {}
+        self.last_method_metrics: tuple[str, ...] = ()
 
     def step_values(
         self,
@@ -82,9 +85,10 @@ class StepMeter:
         step_time: float,
         peak_memory: tuple[float, float],
         step: int,
+        trained_tokens: int,
     ) -> dict[str, float]:
         """`read` is `stats.read()`; `peak_memory` the (allocated, reserved) peaks of the step over all ranks;
-        `step` the number of steps done."""
+        `step` the number of steps done, `trained_tokens` the input tokens of all of them."""
         self._recent_step_times.append(step_time)
         mean_step_time = sum(self._recent_step_times) / len(self._recent_step_times)
         tokens_per_second = read["n_input_tokens"] / step_time
@@ -103,11 +107,27 @@ class StepMeter:
             "step_time_s": step_time,
             "epoch": step / self.steps_per_epoch,
             "eta_s": mean_step_time * (self.total_steps - step),
+            "trained_tokens": trained_tokens,
         }
         if self.peak_flops:
             flops_per_token = training_flops_per_token(self.model, stats.attended_length)
             values["mfu"] = per_device * flops_per_token / self.peak_flops
+        self.last_values, self.last_method_metrics = values, stats.metric_names
         return values
+
+    def checkpoint_metrics(self, step: int) -> dict[str, float]:
+        """A checkpoint's metrics as OpenAI has them, from the last step: `step`, `train_loss` and the method's
+        training metrics, and the step's evaluation (over the whole validation file) under its names and again
+        as `full_valid_*`. Any method's metrics flow in by name."""
+        values = self.last_values
+        metrics: dict[str, float] = {"step": float(step)}
+        for name in ("train_loss", *self.last_method_metrics):
+            if name in values:
+                metrics[name] = values[name]
+        for name, value in values.items():
+            if name.startswith("valid_"):
+                metrics[name] = metrics[f"full_{name}"] = value
+        return metrics
 
 
 # Dense bf16 tensor-core peak FLOP/s from the vendors' spec sheets, matched by substring of the device name,

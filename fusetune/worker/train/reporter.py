@@ -1,11 +1,13 @@
 """Where rank 0 sends events, per-step metrics and checkpoints: SQL for service jobs, stdout otherwise.
 
-Other ranks get a `NullReporter`, so the trainer calls one object the same way on every rank.
+Other ranks get a `NullReporter`, so the trainer calls one object the same way on every rank. Rank 0's reporter
+may be wrapped in a `tracking.TrackingReporter`, which also sends the run to W&B or MLflow.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from enum import StrEnum
@@ -49,6 +51,9 @@ class Reporter(Protocol):
 
     def checkpoints_deleted(self, paths: list[str]) -> None: ...
 
+    def best_checkpoint(self, path: str) -> None:
+        """The checkpoint at `path` is the run's best (early stopping ended the run on it)."""
+
     def resolved(self, plan: dict[str, Any]) -> None:
         """What this run resolved at its start (precision, kernels, micro-batch, distribution): the job reports it."""
 
@@ -68,6 +73,9 @@ class NullReporter:
         pass
 
     def checkpoints_deleted(self, paths: list[str]) -> None:
+        pass
+
+    def best_checkpoint(self, path: str) -> None:
         pass
 
     def resolved(self, plan: dict[str, Any]) -> None:
@@ -102,6 +110,9 @@ class ConsoleReporter:
 
     def checkpoints_deleted(self, paths: list[str]) -> None:
         self._print({"kind": "checkpoints_deleted", "paths": paths})
+
+    def best_checkpoint(self, path: str) -> None:
+        self._print({"kind": "best_checkpoint", "path": path})
 
     def resolved(self, plan: dict[str, Any]) -> None:
         pass  # the `started` event printed before it holds the same values
@@ -172,7 +183,14 @@ class SqlReporter:
     def metric(self, step: int, values: dict[str, float]) -> None:
         from fusetune.db import queries
 
-        self._write(f"metrics of step {step}", lambda s: queries.add_metric(s, self._job_id, step, values))
+        def write(session) -> None:
+            queries.add_metric(session, self._job_id, step, values)
+            # The job object's trained_tokens and estimated_finish follow the run (OpenAI's fields).
+            tokens, eta_s = values.get("trained_tokens"), values.get("eta_s")
+            finish = int(time.time() + eta_s) if eta_s is not None and math.isfinite(eta_s) else None
+            queries.set_job_progress(session, self._job_id, None if tokens is None else int(tokens), finish)
+
+        self._write(f"metrics of step {step}", write)
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
         from fusetune.db import queries
@@ -181,6 +199,11 @@ class SqlReporter:
             f"the checkpoint of step {step}",
             lambda s: queries.add_checkpoint(s, self._job_id, step, path, metrics),
         )
+
+    def best_checkpoint(self, path: str) -> None:
+        from fusetune.db import queries
+
+        self._write("the best checkpoint", lambda s: queries.mark_best_checkpoint(s, self._job_id, path))
 
     def checkpoints_deleted(self, paths: list[str]) -> None:
         from fusetune.db import queries

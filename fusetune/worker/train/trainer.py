@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fusetune.worker.train import optim, optimizer_in_backward
+from fusetune.worker.train import float8, optim, optimizer_in_backward
 from fusetune.worker.train.activations import ActivationLayout, ActivationOffload, apply_activation_layout
 from fusetune.worker.train.checkpoints import state as checkpoint_state
 from fusetune.worker.train.checkpoints.checkpointer import Checkpointer
@@ -52,6 +52,7 @@ from fusetune.worker.train.checkpoints.state import (
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
 from fusetune.worker.train.distributed import DistInfo, all_reduce, parallelize, synchronize
+from fusetune.worker.train.early_stopping import RESUME_EARLY_STOPPING, EarlyStopping
 from fusetune.worker.train.evaluation import evaluate
 from fusetune.worker.train.loading import (
     apply_kernels,
@@ -107,6 +108,7 @@ class Trainer:
 
         self.resume_from: tuple[int, Path] | None = find_resume_point(config, dist_info)
         self.checkpoints = Checkpointer(config, dist_info, reporter)
+        self.early_stopping = EarlyStopping(config.early_stopping, self.checkpoints, reporter)
 
         self.tokenizer = self._load_tokenizer()
         self.pad_token_id = next(
@@ -130,6 +132,7 @@ class Trainer:
 
         self.model = self._build_model()
         self.kernels_applied = self._apply_kernels()
+        self.float8 = float8.apply(self.model, self.precision, self.reporter)  # fp8's linears; None otherwise
         self.model.train()
         self.activation_layout, self.activation_offload = self._arrange_activations()
         self.train_model = self._parallelize()
@@ -381,7 +384,7 @@ class Trainer:
         for epoch in range(start_epoch, config.n_epochs):
             first_batch = start_batch if epoch == start_epoch else 0
             for batch_index, micro_batches in self.epoch_batches(epoch, first_batch):
-                if self.step >= self.total_steps:
+                if self.step >= self.total_steps or self.early_stopping.stopped:
                     break
                 started = time.perf_counter()
                 stats = self.train_step(micro_batches)
@@ -407,8 +410,10 @@ class Trainer:
                 continue
             break  # max_steps reached inside the epoch
 
-        if self.last_checkpoint_step != self.step:
-            self._save_checkpoint({"train_loss": self.last_train_loss})
+        if self.early_stopping.stopped:
+            self.last_checkpoint = self.early_stopping.end_on_best()
+        elif self.last_checkpoint_step != self.step:
+            self._save_checkpoint(self.meter.checkpoint_metrics(self.step))
         assert self.last_checkpoint is not None
         result = TrainResult(
             trained_tokens=self.trained_tokens,
@@ -437,7 +442,8 @@ class Trainer:
         peaks, stop, periodic = share_step_state(
             self.device, self.reporter, self.checkpoint_schedule.due(self.step, epoch_done)
         )
-        values = self.meter.step_values(read, stats, step_time, peaks, self.step)
+        values = self.meter.step_values(read, stats, step_time, peaks, self.step, self.trained_tokens)
+        periodic = periodic and self.step < self.total_steps  # the final checkpoint is saved after the loop
         evaluate_now = (
             stop != StopRequest.CANCEL
             and self.valid_data is not None
@@ -445,6 +451,7 @@ class Trainer:
                 epoch_done
                 or self.step == self.total_steps
                 or (config.eval_every_steps is not None and self.step % config.eval_every_steps == 0)
+                or periodic  # a checkpoint's metrics include the whole validation file's
             )
         )
         if evaluate_now:
@@ -452,11 +459,13 @@ class Trainer:
         self.reporter.metric(self.step, values)
         if stop == StopRequest.CANCEL:
             raise JobStopped("cancelled", f"stopped at step {self.step}: the job was cancelled", self.step)
-        # The final checkpoint is saved after the loop, unless a pause or a hand-over needs it now.
-        if (periodic and self.step < self.total_steps) or stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
+        best = evaluate_now and self.early_stopping.observe(self.step, values.get("valid_loss"))
+        if periodic or best or stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
             if self.last_checkpoint_step != self.step:
-                self._save_checkpoint({k: v for k, v in values.items() if k in ("train_loss", "valid_loss")})
+                self._save_checkpoint(self.meter.checkpoint_metrics(self.step))
                 self.checkpoint_schedule.saved()
+            if best:
+                self.early_stopping.best_saved()
         if stop in (StopRequest.PAUSE, StopRequest.HANDOVER):
             reason = "paused" if stop == StopRequest.PAUSE else "handed_over"
             what = "paused" if stop == StopRequest.PAUSE else "handed over (its worker is stopping)"
@@ -505,8 +514,15 @@ class Trainer:
             self.model,
             self.optimizer,
             self.tokenizer,
-            lambda rng_states: resume_state(
-                self.progress, self.scheduler, rng_states, self._run_description(), self.method.state_dict()
+            lambda rng_states: (
+                resume_state(
+                    self.progress,
+                    self.scheduler,
+                    rng_states,
+                    self._run_description(),
+                    self.method.state_dict(),
+                )
+                | {RESUME_EARLY_STOPPING: self.early_stopping.state_dict()}
             ),
         )
 
@@ -516,6 +532,7 @@ class Trainer:
         self.scheduler.load_state_dict(state[checkpoint_state.RESUME_SCHEDULER])
         self.progress.load_state_dict(state)
         self.method.load_state_dict(state[checkpoint_state.RESUME_METHOD])
+        self.early_stopping.load_state_dict(state.get(RESUME_EARLY_STOPPING))
         rng_states = state[checkpoint_state.RESUME_RNG]
         # Under another world size, ranks beyond the saved ones reuse saved states (only dropout draws).
         checkpoint_state.restore_rng_state(rng_states[self.dist.rank % len(rng_states)], self.device)

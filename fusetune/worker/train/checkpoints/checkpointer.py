@@ -37,6 +37,8 @@ class Checkpointer:
         self.config = config
         self.dist = dist_info
         self.reporter = reporter
+        # A checkpoint pruning leaves alone whatever keep_last_checkpoints says (early stopping's best).
+        self.keep: Path | None = None
 
     def reported_path(self, path: Path) -> str:
         base = self.config.checkpoint_paths_relative_to
@@ -97,6 +99,7 @@ class Checkpointer:
         the API never lists a checkpoint whose folder is gone (the worker removes their objects from the store
         after the run, see store.remove_unrecorded_checkpoints)."""
         stale = layout.stale_checkpoints(self.config.output_dir, self.config.keep_last_checkpoints)
+        stale = [path for path in stale if path != self.keep]
         if stale:
             self.reporter.checkpoints_deleted([self.reported_path(path) for path in stale])
         for path in stale:

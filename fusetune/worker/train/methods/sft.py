@@ -59,7 +59,11 @@ class SupervisedFineTuning(TrainingMethod):
             num_items_in_batch=normaliser,
             use_cache=False,
         )
-        return outputs.loss, {}
+        if outputs.logits is None:  # the fused loss never builds the logits: no accuracy to read from them
+            return outputs.loss, {}
+        labels = batch["shifted_labels"]
+        correct = ((outputs.logits.detach().argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
+        return outputs.loss, {"train_mean_token_accuracy": correct / normaliser.to(correct.device)}
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(**model_inputs(batch), use_cache=False).logits
@@ -72,4 +76,4 @@ class SupervisedFineTuning(TrainingMethod):
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
         loss, tokens, correct = sums
-        return {"valid_loss": loss / tokens, "valid_token_accuracy": correct / tokens}
+        return {"valid_loss": loss / tokens, "valid_mean_token_accuracy": correct / tokens}

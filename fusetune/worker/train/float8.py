@@ -1,0 +1,182 @@
+"""The fp8 precision mode's change to the model: the decoder's linear layers compute in float8.
+
+torchao's float8 training (`convert_to_float8_training`) swaps each chosen `nn.Linear` for its `Float8Linear`,
+which keeps the same bf16 weight and bias parameters (so the optimizer, DDP, FSDP2, LoRA's merge and the
+checkpoints see the parameters they always did, under the same state-dict keys) and casts the input, the
+weight and, in the backward, the output gradient to float8 with scales computed from each tensor on every
+call (dynamic scaling), then multiplies on the float8 tensor cores.
+
+Which layers: every linear layer of the decoder except
+- the output layer (`lm_head`): it stays bf16 inside the fused linear cross-entropy, which never builds the
+  logits; a float8 head would need its own kernel, and its gradient is the loss's most sensitive one;
+- LoRA's adapters (`lora_A`, `lora_B`): they stay bf16 and are trained as in bf16-sr; the frozen base layer
+  they wrap computes in float8;
+- a mixture of experts' router: its top-k choice is a comparison of logits that float8 rounding could flip;
+- layers whose input or output size is not a multiple of 16, which the float8 matmul (`torch._scaled_mm`)
+  refuses.
+
+The fused MLP block (fusetune/models/fused.py) runs the whole MLP as one autograd node only over plain
+`nn.Linear` projections, so with `Float8Linear`s in place it calls the projection modules themselves, with
+the fused gated activation between them: its three matmuls run in float8 and the activation stays fused.
+
+Where torchao falls short, for a later fused kernel once the GPU profile says it matters: the cast of each
+matmul's input to float8 (and, rowwise, its scales) is a pass of its own over the activation, after the RMSNorm
+that made it (q, k, v, gate and up) and after the gated activation (down); a kernel that wrote float8 and its
+scales from the norm's or the activation's epilogue would save that pass. The MLP block also keeps the gated
+product for down's backward, which the one-node fused MLP recomputed. And a frozen LoRA base layer still
+computes its weight gradient in the backward, which autograd then drops (torchao's float8 matmul computes
+both gradients).
+
+Eager float8 runs its casts as separate small kernels; `compile_layers` compiles each decoder layer (in place,
+so parameter names do not change) so that Inductor fuses them: compiling a whole 8B model with float8 did not
+finish within 140 s on an H100 (shared/PLATFORM.md), one layer at a time compiles once and reuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from fusetune.models.wrappers import unwrap_model
+from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+    from fusetune.worker.train.precision import PrecisionPolicy
+    from fusetune.worker.train.reporter import Reporter
+
+# The scaling recipe of the fp8 mode: "rowwise" (a scale per row of each operand, e4m3 in both directions) or
+# "tensorwise" (one scale per tensor, the output gradient in e5m2; the fastest casts, and the only recipe whose
+# weights FSDP2 can all-gather in float8). Rowwise first: its scales follow outlier rows instead of letting one
+# row set the scale of a whole activation, which is where float8 training loses quality. The choice is to be
+# confirmed by the fp8 rows of benchmarks/step/e2e.py (both recipes in one run) and the quality script
+# (benchmarks/quality/precision.py --impls bf16-sr,fp8,fp8-tensorwise,fp8-e5m2-forward).
+RECIPE = "rowwise"
+RECIPES = ("rowwise", "tensorwise")
+# torch._scaled_mm needs both matmul dimensions of each operand to be multiples of 16.
+DIMENSION_MULTIPLE = 16
+LORA_ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+ROUTER_NAMES = ("gate", "router")
+
+
+@dataclass(frozen=True)
+class Float8Conversion:
+    """What `convert_linears` did: the recipe, the layers converted and those left in bf16 with the reason."""
+
+    recipe: str
+    converted: list[str] = field(default_factory=list)
+    left: dict[str, str] = field(default_factory=dict)
+    fsdp_float8_all_gather: bool = False
+    compiled_layers: int = 0
+
+    def event(self) -> tuple[str, dict]:
+        """The `float8` event of a run: (message, data)."""
+        reasons: dict[str, int] = {}
+        for reason in self.left.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        left = "; ".join(f"{count} {reason}" for reason, count in reasons.items())
+        message = f"Float8 linear layers ({self.recipe} scaling): {len(self.converted)} converted"
+        message += f", left in bf16: {left}" if left else ""
+        data = {
+            "event": "float8",
+            "recipe": self.recipe,
+            "converted": len(self.converted),
+            "left": self.left,
+            "fsdp_float8_all_gather": self.fsdp_float8_all_gather,
+            "compiled_layers": self.compiled_layers,
+        }
+        return message, data
+
+
+def float8_config(recipe: str = RECIPE, *, emulate: bool = False, fsdp: bool = False) -> Float8LinearConfig:
+    """torchao's config of `recipe`. `emulate`: the casts as on a GPU, the matmul in the input's dtype on the
+    dequantized operands (CPUs and GPUs without float8 tensor cores; tests). `fsdp`: all-gather FSDP2's
+    weight shards in float8 where the recipe allows it (tensorwise: one scale, agreed over the shards)."""
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe not in RECIPES:
+        raise ValueError(f"float8 recipe {recipe!r} is not one of {', '.join(RECIPES)}")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(
+        config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp and recipe == "tensorwise"
+    )
+
+
+def why_not_converted(model: nn.Module, module: nn.Module, fqn: str) -> str | None:
+    """Why the linear layer `module` at `fqn` stays in bf16, or None to convert it."""
+    if module is _output_layer(model):
+        return "the output layer (bf16 in the fused linear cross-entropy)"
+    parts = fqn.split(".")
+    if any(part in LORA_ADAPTER_NAMES for part in parts):
+        return "LoRA adapters (trained in bf16)"
+    if parts[-1] in ROUTER_NAMES and hasattr(model.get_submodule(".".join(parts[:-1])), "experts"):
+        return "a mixture of experts' router"
+    if module.in_features % DIMENSION_MULTIPLE or module.out_features % DIMENSION_MULTIPLE:
+        return f"sizes not multiples of {DIMENSION_MULTIPLE}"
+    return None
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    base = unwrap_model(model)
+    return base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (transformers' `get_decoder().layers`), or none where it has no such list."""
+    base = unwrap_model(model)
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def convert_linears(
+    model: nn.Module, config: Float8LinearConfig, recipe: str = RECIPE, *, compile_layers: bool = False
+) -> Float8Conversion:
+    """Swap the decoder's linear layers of `model` (in place; PEFT-wrapped too) for torchao's Float8Linear
+    with `config` (`recipe` names it in the report); compile each decoder layer in place if `compile_layers`."""
+    from torchao.float8 import convert_to_float8_training
+
+    converted: list[str] = []
+    left: dict[str, str] = {}
+
+    def module_filter(module: nn.Module, fqn: str) -> bool:
+        if type(module) is not nn.Linear:
+            return False
+        reason = why_not_converted(model, module, fqn)
+        if reason is None:
+            converted.append(fqn)
+        else:
+            left[fqn] = reason
+        return reason is None
+
+    convert_to_float8_training(model, module_filter_fn=module_filter, config=config)
+    layers = decoder_layers(model) if compile_layers else []
+    for layer in layers:
+        layer.compile()
+    return Float8Conversion(
+        recipe, converted, left, config.enable_fsdp_float8_all_gather, compiled_layers=len(layers)
+    )
+
+
+def apply(model: nn.Module, precision: PrecisionPolicy, reporter: Reporter) -> Float8Conversion | None:
+    """The trainer's call: convert `model`'s decoder linears when the precision mode computes them in float8
+    (None otherwise), before the model is wrapped for DDP or sharded by FSDP2, and report what was done. Off a
+    GPU the casts are emulated (only tests run the mode there: the worker refuses it on a CPU)."""
+    if not precision.float8_linears:
+        return None
+    on_gpu = precision.device.type == "cuda"
+    config = float8_config(RECIPE, emulate=not on_gpu, fsdp=precision.fsdp)
+    conversion = convert_linears(model, config, RECIPE, compile_layers=on_gpu)
+    if not conversion.converted:
+        raise TrainingFailure(
+            ErrorCode.TRAINER_ERROR,
+            f"precision {precision.name!r} found no decoder linear layer of this model it can run in float8 "
+            f"({'; '.join(sorted(set(conversion.left.values()))) or 'no linear layers'}); use 'bf16-sr'",
+        )
+    message, data = conversion.event()
+    reporter.event(message, data=data)
+    return conversion

@@ -1,0 +1,287 @@
+"""The fp8 precision mode on CPU: refused where it cannot run, the layers it converts, its composition with the
+fused MLP block, LoRA and FSDP2, and a run that checkpoints plain weights and resumes exactly.
+
+torchao's float8 matmul (torch._scaled_mm) needs a GPU of compute capability 8.9 or newer; here its casts are
+emulated (`Float8LinearConfig.emulate`: the same scales and float8 values, the matmul on the dequantized
+operands), which is what the trainer does when a test lets the mode run on a CPU. The quality evidence is in
+tests/worker/test_float8_quality.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+from torchao.float8.float8_linear import Float8Linear
+
+from fusetune.demo import assets
+from fusetune.spec.hyperparameters import LoraSpec
+from fusetune.worker.train import float8, lora
+from fusetune.worker.train.checkpoints import layout as ckpt
+from fusetune.worker.train.outcome import JobStopped, TrainingFailure
+from fusetune.worker.train.precision import resolve_precision
+from fusetune.worker.train.reporter import StopRequest
+from fusetune.worker.train.trainer import Trainer
+from tests.models.tiny import build_tiny_model, make_batches
+from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config
+
+CUDA = torch.device("cuda")
+DECODER_LINEARS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """The fp8 mode allowed on this CPU, where the trainer emulates its float8 casts; with torch's AdamW, as
+    FusedAdamW's Triton kernel would run interpreted here (minutes for a few runs; its own resume is
+    tests/worker/test_train_resume.py's)."""
+    from fusetune.spec import precision
+
+    entry = dataclasses.replace(precision.PRECISIONS["fp8"], needs_gpu=False, optimizer="adamw")
+    monkeypatch.setitem(precision.PRECISIONS, "fp8", entry)
+
+
+@pytest.fixture
+def float8_forwards(monkeypatch) -> Counter:
+    """Counts Float8Linear forwards by layer name (a class attribute, not a hook: hooks change the fused path)."""
+    calls: Counter = Counter()
+    original = Float8Linear.forward
+
+    def counted(self, input):
+        calls[id(self)] += 1
+        return original(self, input)
+
+    monkeypatch.setattr(Float8Linear, "forward", counted)
+    return calls
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch) -> Counter:
+    """Counts calls of the fused MLP's kernel functions (the patched models look them up per call)."""
+    import importlib
+
+    calls: Counter = Counter()
+    for module_name, function_name in [
+        ("swiglu", "swiglu"),
+        ("swiglu", "gated_mlp"),
+        ("swiglu", "add_rms_norm_gated_mlp"),
+        ("rms_norm", "add_rms_norm"),
+        ("fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+    ]:
+        module = importlib.import_module(f"fusetune.kernels.{module_name}")
+        real = getattr(module, function_name)
+
+        def counted(*args, _real=real, _name=function_name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, function_name, counted)
+    return calls
+
+
+def emulated(recipe: str = float8.RECIPE, fsdp: bool = False):
+    return float8.float8_config(recipe, emulate=True, fsdp=fsdp)
+
+
+# ------------------------------------------------------------------------------------------------ refusal
+
+
+def test_fp8_is_refused_on_cpu_and_below_compute_capability_8_9_with_the_reason():
+    with pytest.raises(
+        ValueError, match=r"'fp8' needs a GPU of compute capability 8\.9 or newer; use 'fp32'"
+    ):
+        resolve_precision("fp8", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"NVIDIA A100-SXM4-80GB is 8\.0: use 'bf16-sr'"):
+        resolve_precision("fp8", CUDA, capability=(8, 0), gpu_name="NVIDIA A100-SXM4-80GB")
+    for capability in ((8, 9), (9, 0), (10, 0)):
+        policy = resolve_precision("fp8", CUDA, capability=capability, gpu_name="a GPU")
+        assert policy.float8_linears and policy.weight_dtype == torch.bfloat16
+        assert (
+            policy.mode.optimizer == "adamw-stochastic-rounding" and policy.mode.mfu_peak_dtype == "bfloat16"
+        )
+    # Other modes do not ask for a capability.
+    assert not resolve_precision("bf16-sr", CUDA, capability=(7, 0), gpu_name="V100").float8_linears
+
+
+def test_a_trainer_refuses_fp8_on_cpu_before_it_loads_the_model(tmp_path):
+    config = make_config(tmp_path / "no-model", tmp_path / "no-file.jsonl", tmp_path / "out", precision="fp8")
+    with pytest.raises(TrainingFailure, match="compute capability 8.9") as failure:
+        Trainer(config, ONE_CPU_RANK, RecordingReporter())
+    assert failure.value.code == "trainer_error"
+
+
+# ----------------------------------------------------------------------------------------- what converts
+
+
+def test_the_decoder_linears_convert_and_the_head_and_odd_sizes_stay_bf16():
+    model = build_tiny_model("llama", dtype=torch.bfloat16)
+    names_before = {name: (p.shape, p.dtype) for name, p in model.state_dict().items()}
+    conversion = float8.convert_linears(model, emulated())
+    assert len(conversion.converted) == 2 * DECODER_LINEARS_PER_LAYER
+    assert all(isinstance(model.get_submodule(name), Float8Linear) for name in conversion.converted)
+    assert conversion.left == {"lm_head": "the output layer (bf16 in the fused linear cross-entropy)"}
+    assert type(model.lm_head) is nn.Linear
+    # The parameters are the same tensors under the same names: optimizer, checkpoints and resume see no change.
+    assert {name: (p.shape, p.dtype) for name, p in model.state_dict().items()} == names_before
+
+    odd = torch.nn.Module()
+    odd.proj = nn.Linear(64, 72)
+    odd.router_block = torch.nn.Module()
+    odd.router_block.experts = nn.ModuleList()
+    odd.router_block.gate = nn.Linear(64, 64)
+    assert float8.why_not_converted(odd, odd.proj, "proj") == "sizes not multiples of 16"
+    assert float8.why_not_converted(odd, odd.router_block.gate, "router_block.gate") == (
+        "a mixture of experts' router"
+    )
+    message, data = float8.convert_linears(odd, emulated()).event()
+    assert data["converted"] == 0 and "1 sizes not multiples of 16" in message
+
+
+def test_an_unknown_recipe_is_refused():
+    with pytest.raises(ValueError, match="recipe 'blockwise' is not one of rowwise, tensorwise"):
+        float8.float8_config("blockwise")
+
+
+# ---------------------------------------------------------------------------------------- composition
+
+
+def test_the_fused_mlp_block_runs_its_matmuls_in_float8(float8_forwards, kernel_calls):
+    """With Float8Linear projections the fused decoder layer calls the projection modules (every decoder matmul
+    in float8) with the fused gated activation between them, and trains as the bf16 model does within float8's
+    rounding."""
+    from fusetune.models import apply_fusetune
+
+    batch = make_batches()[0]
+    reference = build_tiny_model("llama", dtype=torch.bfloat16)
+    model = build_tiny_model("llama", dtype=torch.bfloat16)
+    handles = [apply_fusetune(reference, strict=True), apply_fusetune(model, strict=True)]
+    try:
+        float8.convert_linears(model, emulated())
+        loss = model(**batch).loss
+        loss.backward()
+        calls = dict(kernel_calls)
+        kernel_calls.clear()
+        reference_loss = reference(**batch).loss
+        reference_loss.backward()
+        # The control: in bf16 the layer runs its add, norm and whole MLP as one node.
+        assert kernel_calls["add_rms_norm_gated_mlp"] == 2
+    finally:
+        for handle in handles:
+            handle.revert()
+    assert len(float8_forwards) == 2 * DECODER_LINEARS_PER_LAYER and set(float8_forwards.values()) == {1}
+    assert (
+        calls.get("swiglu") == 2 and calls.get("add_rms_norm") == 2 and "add_rms_norm_gated_mlp" not in calls
+    )
+    assert calls.get("fused_linear_cross_entropy") == 1
+    # e4m3 rounds each operand by up to 2^-4 of its value, so the loss moves by about a percent and each
+    # gradient by a few; a wrong matmul (dropped, transposed, of another layer) points elsewhere entirely.
+    torch.testing.assert_close(loss, reference_loss, rtol=0.02, atol=0)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        cosine = nn.functional.cosine_similarity(
+            ours.grad.float().flatten(), theirs.grad.float().flatten(), 0
+        )
+        assert cosine > 0.95, (name, float(cosine))
+
+
+def test_lora_keeps_its_adapters_in_bf16_over_a_float8_base():
+    model = lora.apply_lora(build_tiny_model("llama", dtype=torch.bfloat16), LoraSpec(r=8, alpha=16))
+    conversion = float8.convert_linears(model, emulated())
+    assert len(conversion.converted) == 2 * DECODER_LINEARS_PER_LAYER
+    assert all(name.endswith(".base_layer") for name in conversion.converted)
+    adapters = [
+        name for name, reason in conversion.left.items() if reason == "LoRA adapters (trained in bf16)"
+    ]
+    assert len(adapters) == 2 * 2 * DECODER_LINEARS_PER_LAYER
+
+    model(**make_batches()[0]).loss.backward()
+    for name, parameter in model.named_parameters():
+        assert (parameter.grad is not None) == ("lora_" in name), name
+    merged = model.merge_and_unload()
+    plain = build_tiny_model("llama", dtype=torch.bfloat16).state_dict()
+    assert {k: (v.shape, v.dtype) for k, v in merged.state_dict().items()} == {
+        k: (v.shape, v.dtype) for k, v in plain.items()
+    }
+
+
+def test_fsdp2_gathers_tensorwise_weights_in_float8(tmp_path):
+    """One rank of a gloo group: FSDP2 shards the converted model; with the tensorwise recipe its weights are
+    torchao's float8-all-gather tensors, and a step runs; the state dict keeps plain names and bf16 values."""
+    import torch.distributed as dist
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from fusetune.worker.train.distributed import shard_fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_tiny_model("llama", dtype=torch.bfloat16)
+        names = set(model.state_dict())
+        conversion = float8.convert_linears(model, emulated("tensorwise", fsdp=True), "tensorwise")
+        assert conversion.fsdp_float8_all_gather
+        projection = model.model.layers[0].self_attn.q_proj
+        assert isinstance(projection.weight.data, WeightWithDynamicFloat8CastTensor)
+        shard_fsdp(model, torch.device("cpu"), torch.distributed.fsdp.MixedPrecisionPolicy())
+        model(**make_batches()[0]).loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+        state = model.state_dict()
+        assert set(state) == names
+        assert {v.full_tensor().dtype for v in state.values()} == {torch.bfloat16}
+    finally:
+        dist.destroy_process_group()
+    # Rowwise has no float8 all-gather in torchao: the weights stay plain parameters.
+    assert not float8.float8_config("rowwise", fsdp=True).enable_fsdp_float8_all_gather
+
+
+# ------------------------------------------------------------------------------------ a run, and its resume
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return assets.build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def train_file(tmp_path_factory):
+    return assets.write_demo_dataset(tmp_path_factory.mktemp("data") / "train.jsonl", n_examples=48, seed=5)
+
+
+def test_an_fp8_run_checkpoints_plain_weights_and_resumes_exactly(
+    model_dir, train_file, tmp_path, fp8_on_cpu
+):
+    run = dict(precision="fp8", n_epochs=1, max_steps=4, checkpoint_every_steps=2)
+    whole = RecordingReporter()
+    whole_trainer = Trainer(
+        make_config(model_dir, train_file, tmp_path / "whole", **run), ONE_CPU_RANK, whole
+    )
+    whole_trainer.train()
+    started = next(data for _, data in whole.events if data.get("event") == "started")
+    assert started["precision"] == "fp8"
+    float8_event = next(data for _, data in whole.events if data.get("event") == "float8")
+    assert (
+        float8_event["recipe"] == float8.RECIPE and float8_event["converted"] == 2 * DECODER_LINEARS_PER_LAYER
+    )
+
+    # The checkpoint holds the base model's tensors under their names, in bf16: nothing of float8.
+    checkpoint = ckpt.list_checkpoints(tmp_path / "whole")[-1][1]
+    with (
+        safe_open(str(checkpoint / "model.safetensors"), "pt") as saved,
+        safe_open(str(model_dir / "model.safetensors"), "pt") as base,
+    ):
+        assert set(saved.keys()) == set(base.keys())
+        assert {saved.get_tensor(key).dtype for key in saved.keys()} == {torch.bfloat16}
+    assert json.loads((checkpoint / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+    before = RecordingReporter(stop_after_step=2, stop=StopRequest.PAUSE)
+    config = make_config(model_dir, train_file, tmp_path / "resumed", **run)
+    with pytest.raises(JobStopped):
+        Trainer(config, ONE_CPU_RANK, before).train()
+    after = RecordingReporter()
+    resumed = Trainer(config, ONE_CPU_RANK, after)
+    resumed.train()
+    curve = [values["train_loss"] for _, values in before.metrics + after.metrics]
+    assert curve == [values["train_loss"] for _, values in whole.metrics]
+    for a, b in zip(whole_trainer.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
