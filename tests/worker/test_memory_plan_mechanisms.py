@@ -66,13 +66,18 @@ def _grads(model, inputs):
     model(inputs).square().mean().backward()
 
 
-def test_each_step_is_clipped_by_the_previous_steps_norm():
+def test_each_step_is_clipped_by_the_previous_steps_norm(device):
     """Step 1 unclipped; step t clipped by min(1, max_norm / norm_{t-1}): the same as FusedAdamW stepped after the
     backward with that factor. Clipping by the current norm instead would give other weights at step 2."""
     torch.manual_seed(0)
-    inputs = [torch.randn(4, 6) for _ in range(3)]
-    reference = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).bfloat16()
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).bfloat16()
+    inputs = [torch.randn(4, 6, device=device) for _ in range(3)]
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    reference = reference.bfloat16().to(device)
+    model = (
+        torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        .bfloat16()
+        .to(device)
+    )
     model.load_state_dict(reference.state_dict())
     max_norm = 1e-3  # far below the gradients' norms: every step after the first is clipped
     expected = FusedAdamW(reference.parameters(), lr=1e-2, seed=1)
@@ -85,9 +90,9 @@ def test_each_step_is_clipped_by_the_previous_steps_norm():
         )
         norm = torch.linalg.vector_norm(norm)
         factor = (
-            torch.tensor(1.0)
+            torch.tensor(1.0, device=device)
             if previous != previous
-            else gradient_clipping_scale(torch.tensor(previous), max_norm)
+            else gradient_clipping_scale(torch.tensor(previous, device=device), max_norm)
         )
         expected.step(grad_scale=factor)
         previous = float(norm)
@@ -110,13 +115,13 @@ def test_each_step_is_clipped_by_the_previous_steps_norm():
         torch.testing.assert_close(a, b, rtol=0, atol=2**-9)
 
 
-def test_a_non_finite_loss_changes_no_weight():
-    model = torch.nn.Linear(4, 2).bfloat16()
+def test_a_non_finite_loss_changes_no_weight(device):
+    model = torch.nn.Linear(4, 2).bfloat16().to(device)
     before = [p.detach().clone() for p in model.parameters()]
     inside = OptimizerInBackward(
         FusedAdamW(model.parameters(), lr=1.0, seed=0), list(model.parameters()), 1.0
     )
-    loss = model(torch.randn(3, 4).bfloat16()).sum() * float("inf")
+    loss = model(torch.randn(3, 4, device=device).bfloat16()).sum() * float("inf")
     inside.start(loss, float("nan"))
     loss.backward()
     assert not torch.isfinite(inside.finish())
