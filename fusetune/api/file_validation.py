@@ -11,8 +11,9 @@ double can hold and lone UTF-16 surrogates are refused with the line's number.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -118,3 +119,30 @@ def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
     if report.example_count == 0 and not report.errors:
         report.errors.append("the file holds no examples")
     return report
+
+
+def numbered_examples(chunks: Iterable[bytes], parse: Callable[[Any], Any]) -> Iterator[tuple[int, Any]]:
+    """A stored file's examples with their line numbers, read lazily from its bytes: lines split at "\n" as
+    above, the byte order mark and blank lines left out, each line parsed by its format's `parse` (the file passed
+    the upload check, so a line that fails it now is an error)."""
+    pending: list[bytes] = []  # the start of a line not yet ended (a long line may span many chunks)
+    line_number = 0
+    for chunk in chunks:
+        parts = chunk.split(b"\n")
+        if len(parts) == 1:
+            pending.append(chunk)
+            continue
+        lines = [b"".join([*pending, parts[0]]), *parts[1:-1]]
+        pending = [parts[-1]]
+        for raw in lines:
+            line_number += 1
+            if line_number == 1:
+                raw = raw.removeprefix(UTF8_BOM)
+            if raw.strip():
+                yield line_number, parse(parse_line(raw))
+    last = b"".join(pending)
+    line_number += 1
+    if line_number == 1:
+        last = last.removeprefix(UTF8_BOM)
+    if last.strip():
+        yield line_number, parse(parse_line(last))

@@ -237,6 +237,63 @@ class MetricList(BaseModel):
     has_more: bool = False
 
 
+class DataCheckSegment(BaseModel):
+    text: str
+    trained: bool
+
+
+class DataCheckSequence(BaseModel):
+    label: str = Field(
+        description='"example", or a preference pair\'s "preferred_output" / "non_preferred_output"'
+    )
+    tokens: int
+    trained_tokens: int
+    segments: list[DataCheckSegment] = Field(
+        description="the sequence as the model sees it (the chat template applied), in stretches that are trained "
+        "or not; a long stretch keeps its start and its end"
+    )
+
+
+class DataCheckPreview(BaseModel):
+    file: str
+    line: int
+    sequences: list[DataCheckSequence]
+    marked_text: str = Field(description="the same, trained stretches between ⟦ and ⟧")
+
+
+class DataCheckFailureObject(BaseModel):
+    check: str = Field(description="the check that failed (see data_check.checks)")
+    file: str
+    param: str = Field(description="training_file or validation_file")
+    line: int
+    message: str
+
+
+class DataCheckFile(BaseModel):
+    file: str
+    param: str
+    examples_checked: int
+    all_examples_checked: bool = Field(description="false when only the first examples were checked")
+    examples_truncated: int = Field(description="of those checked, examples longer than max_seq_length")
+    examples_without_trained_tokens: int = Field(
+        description="of those checked, examples max_seq_length cuts to no trained token (the trainer leaves them out)"
+    )
+
+
+class DataCheckObject(BaseModel):
+    """The job's files tokenized and masked as the trainer will (fusetune/tokenization/check.py)."""
+
+    status: Literal["passed", "failed", "not_checked"]
+    reason: str | None = Field(default=None, description="why the data was not checked here")
+    checks: dict[str, str] = Field(default={}, description="each check run, by name, with what it holds to")
+    stop_tokens: list[str] = Field(default=[], description="the tokens that stop the model's generation")
+    files: list[DataCheckFile] = []
+    failure: DataCheckFailureObject | None = None
+    preview: DataCheckPreview | None = Field(
+        default=None, description="the failing example, else the training file's first"
+    )
+
+
 class MemoryPlanObject(BaseModel):
     """A memory plan (fusetune/spec/plan.py); each part may be pinned by the job's hyperparameter of its name."""
 
@@ -294,3 +351,7 @@ class EstimateObject(BaseModel):
     tokens_per_second: float | None
     duration_s: float | None
     throughput_source: str
+    data_check: DataCheckObject | None = Field(
+        default=None,
+        description="the data check of the job's files: creating the job is refused when it fails",
+    )

@@ -18,12 +18,14 @@ from sqlalchemy.orm import Session
 from fusetune import capacity
 from fusetune.api import idempotency
 from fusetune.api.checkpoint_archive import archive_response, iter_archive_bytes, plan_stored_archive
+from fusetune.api.data_check import check_job_data, refuse_if_the_data_fails
 from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.routes.files import presigned_redirect
 from fusetune.api.schemas import (
     CheckpointList,
     CheckpointObject,
+    DataCheckObject,
     EstimateObject,
     EventList,
     JobAttemptObject,
@@ -263,6 +265,22 @@ def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
         raise ApiError(400, estimate.refusal, param="hyperparameters", code=code)
 
 
+def _data_check(
+    session: Session,
+    settings: Settings,
+    storage: Storage,
+    tenant: str,
+    body: JobCreate,
+    training: File,
+    spec: JobSpec,
+) -> DataCheckObject:
+    """The job's files tokenized and masked as the trainer will (fusetune/api/data_check.py)."""
+    files = [("training_file", training)]
+    if body.validation_file is not None:
+        files.append(("validation_file", queries.get_file(session, body.validation_file, tenant)))
+    return check_job_data(settings, storage, tenant, body.model, spec, files)
+
+
 def _refuse_if_it_can_never_run(session: Session, settings: Settings, tenant: str, spec: JobSpec) -> None:
     problem = capacity.creation_problem(settings, session, tenant, spec.hyperparameters.n_gpus)
     if problem is not None:
@@ -359,9 +377,12 @@ def create_job(
                 f"No estimate for model '{body.model}': no config.json with its shape was found.",
                 param="model",
             )
-        return estimate
+        return estimate.model_copy(
+            update={"data_check": _data_check(session, settings, storage, tenant, body, training, spec)}
+        )
     _refuse_if_too_large(estimate)
     _refuse_if_it_can_never_run(session, settings, tenant, spec)
+    refuse_if_the_data_fails(_data_check(session, settings, storage, tenant, body, training, spec))
     waiting = capacity.NO_WORKER if capacity.no_worker_up(settings, session) else None
     job, created = _insert_job(session, tenant, body, spec, key, request_hash, waiting)
     if created:
