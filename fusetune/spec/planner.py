@@ -341,7 +341,8 @@ def plan_job(
     if not groups:
         raise PlanError(
             "hyperparameters.micro_batch_size",
-            "hyperparameters.optimizer_in_backward needs micro_batch_size = batch_size / n_gpus.",
+            "hyperparameters.optimizer_in_backward needs one micro-batch per step on each GPU (no gradient "
+            f"accumulation): micro_batch_size must be batch_size / n_gpus = {per_gpu}, not {micros[0]}.",
         )
     smallest_plans = [
         plan

@@ -131,3 +131,23 @@ def test_a_job_whose_checkpoints_cannot_fit_the_disk_is_refused(data_dir, monkey
     # The 8-bit optimizer state makes three checkpoints fit.
     smaller = _dry_run(client, file_id, precision="bf16-sr-8bit").json()
     assert smaller["disk_fits"] is True and smaller["refusal"] is None
+
+
+def test_the_job_object_reports_the_plan_that_ran():
+    """Once a trainer started, the job's hyperparameters say what its plan decided (null meant "the planner")."""
+    from types import SimpleNamespace
+
+    plan = {"micro_batch_size": 2, "recompute_layers": 8, "offload_layers": 0, "precision": "bf16-sr-8bit",
+            "optimizer_in_backward": False}  # fmt: skip
+    row = {"n_epochs": 3, "batch_size": 8, "learning_rate_multiplier": 1.0, "precision": "auto",
+           "micro_batch_size": None, "recompute_layers": None, "offload_layers": None, "optimizer_in_backward": None}  # fmt: skip
+    job = SimpleNamespace(
+        id="ftjob-1", created_at=1, error=None, fine_tuned_model=None, finished_at=None, started_at=2,
+        hyperparameters=row, model="llama-8b", tenant="default", seed=0, status="running", trained_tokens=0,
+        training_file_id="file-1", validation_file_id=None, user_metadata=None, suffix=None, waiting_reason=None,
+        result_file_id=None, estimated_finish=None, integrations=None,
+        resolved={"precision": "bf16-sr-8bit", "kernels": True, "memory_plan": plan,
+                  "memory_plan_description": "micro-batch 2, precision bf16-sr-8bit, 8 layers recomputed"},
+    )  # fmt: skip
+    reported = jobs_route.to_schema(job).hyperparameters
+    assert {key: reported[key] for key in plan} == plan

@@ -60,8 +60,10 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
     hyper = dict(job.hyperparameters)
     resolved = job.resolved
     if resolved:
-        # What ran, once a trainer started: "auto" made concrete, kernels a CPU run could not apply turned off.
+        # What ran, once a trainer started: "auto" made concrete, kernels a CPU run could not apply turned off,
+        # every part of the memory plan decided.
         hyper.update({key: resolved[key] for key in ("precision", "kernels") if key in resolved})
+        hyper.update(resolved.get("memory_plan") or {})
     method = hyper.pop("method", None) or {}
     method_type = method.get("type", DEFAULT_METHOD)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}

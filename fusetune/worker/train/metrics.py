@@ -222,7 +222,7 @@ def share_step_state(
 # the job's hyperparameters, and how the run is split.
 RESOLVED_KEYS = (
     "precision", "optimizer", "kernels", "micro_batch_size", "micro_batch_reason", "grad_accum_steps",
-    "gradient_checkpointing", "distributed", "world_size", "device",
+    "gradient_checkpointing", "distributed", "world_size", "device", "memory_plan", "memory_plan_description",
 )  # fmt: skip
 
 

@@ -124,6 +124,7 @@ export function render(main, [jobId]) {
       fact("Precision", precision, "job-precision"),
       ran ? fact("Trained on", `${ran.world_size} × ${ran.device}, ${ran.distributed}, kernels ${ran.kernels ? "on" : "off"}`, "job-trained-on") : null,
       ran ? fact("Micro-batch", `${ran.micro_batch_size} × ${ran.grad_accum_steps} accumulation step(s) per GPU`, "job-micro-batch") : null,
+      ran && ran.memory_plan_description ? fact("Memory plan", ran.memory_plan_description, "job-memory-plan") : null,
       fact("Fine-tuned model", job.fine_tuned_model || "—"),
       fact("Training file", job.training_file),
       fact("Validation file", job.validation_file || "—"),

@@ -187,10 +187,13 @@ export function render(main) {
       row("Training tokens", formatCount(e.training_tokens), "estimate-tokens"),
       row("Steps", formatCount(e.steps), "estimate-steps"),
       row("Parameters", formatCount(e.parameters)),
+      row("Memory plan", e.plan_description || "—", "estimate-plan"),
       row("Peak memory per GPU", formatBytes(e.peak_memory_bytes_per_gpu), "estimate-memory"),
       Object.entries(e.memory_breakdown || {}).map(([part, bytes]) => row(part.replaceAll("_", " "), formatBytes(bytes), null, true)),
       row("GPU memory", e.gpu_memory_bytes ? formatBytes(e.gpu_memory_bytes) : "not set"),
       row("Fits", fits, "estimate-fits"),
+      e.refusal ? row("Refused because", e.refusal, "estimate-refusal") : null,
+      e.checkpoint_disk_bytes ? row("Checkpoint disk", `${formatBytes(e.checkpoint_disk_bytes)} (${e.checkpoints_on_disk} × ${formatBytes(e.checkpoint_bytes)}), ${e.disk_free_bytes !== null ? formatBytes(e.disk_free_bytes) + " free" : "free space unknown"}`, "estimate-disk") : null,
       row("Time", e.duration_s !== null ? formatDuration(e.duration_s) : "unknown until this server has trained the model", "estimate-duration"),
       row("Throughput", e.tokens_per_second ? `${formatCount(Math.round(e.tokens_per_second))} tokens/s (${e.throughput_source})` : e.throughput_source)));
   }
