@@ -12,7 +12,8 @@ of row b the upstream gradient of row b, negated:
 
 Preference losses (DPO, IPO) need exactly this: one number per chosen or rejected sequence, with the gradient
 of the sequence's loss flowing back into every one of its tokens. A row whose tokens are all ignored has log
-probability 0 and no gradient.
+probability 0 and no gradient. Policy-gradient losses (GRPO) need the terms before the sum, one per token:
+`token_log_probs`, whose backward takes any per-token upstream gradient (g[b, t] in place of g[b] above).
 
 `sequence_log_probs_from_logits` is the same quantity from logits a model has already built (the path of models
 whose output layer is not fused); `sequence_log_probs_reference` is the float64 reference.
@@ -25,7 +26,13 @@ from torch import Tensor
 
 from fusetune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["sequence_log_probs", "sequence_log_probs_from_logits", "sequence_log_probs_reference"]
+__all__ = [
+    "sequence_log_probs",
+    "sequence_log_probs_from_logits",
+    "sequence_log_probs_reference",
+    "token_log_probs",
+    "token_log_probs_from_logits",
+]
 
 
 def sequence_log_probs(
@@ -55,6 +62,43 @@ def sequence_log_probs(
         logits_chunk_bytes=logits_chunk_bytes,
     )
     return -per_token_loss.sum(dim=-1)
+
+
+def token_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    logits_chunk_bytes: int | None = None,
+) -> Tensor:
+    """log p(label) of every token of ``labels [B, T]``, float32 [B, T] (0 at ignored tokens), from ``hidden
+    [B, T, H]`` and ``weight [V, H]``, one [C, V] chunk of logits at a time."""
+    if labels.dim() != 2 or hidden.shape[:2] != labels.shape:
+        raise ValueError(
+            f"hidden [B, T, H] and labels [B, T] must agree (got {tuple(hidden.shape)} and {tuple(labels.shape)})"
+        )
+    per_token_loss = fused_linear_cross_entropy(
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index=ignore_index,
+        reduction="none",
+        softcap=softcap,
+        logits_chunk_bytes=logits_chunk_bytes,
+    )
+    return -per_token_loss.view(labels.shape)
+
+
+def token_log_probs_from_logits(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:
+    """The same from logits [B, T, V] (pure PyTorch, in float32 or the logits' wider dtype; 0 at ignored
+    tokens)."""
+    valid = labels != ignore_index
+    log_probs = torch.log_softmax(logits if logits.dtype.itemsize >= 4 else logits.float(), dim=-1)
+    return log_probs.gather(-1, labels.masked_fill(~valid, 0).unsqueeze(-1)).squeeze(-1) * valid
 
 
 def sequence_log_probs_from_logits(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> Tensor:

@@ -324,6 +324,9 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
     `sequence_log_probs=True` (fusetune's own keyword; in training and in eval, with labels) returns in
     `loss` each row's sum of log-probabilities of its labelled tokens, [batch], through
     `fusetune.kernels.sequence_log_probs` (what preference losses need), still without the logits.
+    `token_log_probs=True` returns each labelled token's log-probability instead, [batch, length] (what
+    policy-gradient losses need), of the logits divided by `logits_temperature` (default 1; the temperature
+    completions were sampled at).
     """
     softcap_attribute = spec.logit_softcap_config_attribute
     scale_attribute, scale_operation = spec.logit_scale_config_attribute, spec.logit_scale_operation
@@ -342,11 +345,17 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
         **kwargs: Any,
     ) -> Any:
         per_sequence = bool(kwargs.pop("sequence_log_probs", False))
+        per_token = bool(kwargs.pop("token_log_probs", False))
+        temperature = float(kwargs.pop("logits_temperature", 1.0))
         if not (
-            (self.training or per_sequence) and labels is not None and isinstance(self.lm_head, nn.Linear)
+            (self.training or per_sequence or per_token)
+            and labels is not None
+            and isinstance(self.lm_head, nn.Linear)
         ):
-            if per_sequence:
-                raise ValueError("sequence_log_probs=True needs labels and an nn.Linear lm_head")
+            if per_sequence or per_token:
+                raise ValueError(
+                    "sequence_log_probs or token_log_probs needs labels and an nn.Linear lm_head"
+                )
             return original_forward(
                 self,
                 input_ids=input_ids,
@@ -406,13 +415,30 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             bias = bias.to(autocast_dtype) if bias is not None else None
         softcap = getattr(self.config, softcap_attribute, None) if softcap_attribute else None
         logit_scale = getattr(self.config, scale_attribute, None) if scale_attribute else None
+        if temperature != 1:
+            if softcap is not None:
+                raise ValueError(
+                    "token log-probabilities at a temperature other than 1 need logits without a softcap"
+                )
+            logit_scale = (logit_scale if logit_scale is not None else 1.0) * (
+                1 / temperature if scale_operation != "divide" else temperature
+            )
         if logit_scale is not None and logit_scale != 1:
             # (h * s) @ W^T + b * s = s * (h @ W^T + b): the scaled logits without building them.
             factor = 1.0 / logit_scale if scale_operation == "divide" else logit_scale
             hidden_states = hidden_states * factor
             bias = bias * factor if bias is not None else None
         with torch.autocast(device_type, enabled=False) if autocast_dtype else contextlib.nullcontext():
-            if per_sequence:
+            if per_token:
+                loss = kernels.sequence_log_probs.token_log_probs(
+                    hidden_states.view(per_sequence_shape),
+                    weight,
+                    shift_labels.view(per_sequence_shape[:-1]),
+                    bias,
+                    ignore_index=ignore_index,
+                    softcap=softcap,
+                )
+            elif per_sequence:
                 loss = kernels.sequence_log_probs.sequence_log_probs(
                     hidden_states.view(per_sequence_shape),
                     weight,

@@ -50,6 +50,12 @@ class JobSpec(Spec):
         spec = method.spec() if method is not None else method_spec()
         if resolved.packing and not METHODS[spec.type].supports_packing:
             raise SpecError("hyperparameters.packing", f"packing is not available with method {spec.type}.")
+        refusal = METHODS[spec.type].fsdp_refusal
+        if resolved.distributed == "fsdp" and resolved.n_gpus > 1 and refusal:
+            raise SpecError(
+                "hyperparameters.distributed",
+                f"distributed fsdp is not available with method {spec.type}: {refusal}.",
+            )
         if resolved.distributed == "fsdp" and resolved.n_gpus > 1 and resolved.precision != AUTO:
             optimizer = OPTIMIZERS[PRECISIONS[resolved.precision].optimizer]
             if not optimizer.supports_fsdp:

@@ -5,7 +5,8 @@ pydantic model (`DpoSettings`). From that one model come
 - the stored specification, `MethodSpec`: a union discriminated by `type`, `{"type": "dpo", "dpo": {...}}`,
   which the job row keeps and the trainer's configuration carries (`method.settings`);
 - the request, `MethodRequest`: OpenAI's `{"type": t, t: {"hyperparameters": {...}}}`, where a method's
-  hyperparameters are the shared ones plus its settings, each of which may be "auto".
+  hyperparameters are the shared ones plus its settings, each of which may be "auto"; a setting the OpenAI API
+  places beside `hyperparameters` (reinforcement's `grader`) is one of the method's `request_fields`.
 The API's OpenAPI schema therefore documents every method. The training half of a method lives in
 fusetune/worker/train/methods/<type>.py, found there by its `type`.
 
@@ -30,7 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-from fusetune.spec.examples import PREFERENCE, SUPERVISED, ExampleFormat
+from fusetune.spec.examples import PREFERENCE, REINFORCEMENT, SUPERVISED, ExampleFormat
+from fusetune.spec.graders import Grader
 from fusetune.spec.hyperparameters import AUTO, STRICT, HyperparametersRequest, Spec, within_bounds
 
 SFT_WEIGHT = (
@@ -39,7 +41,8 @@ SFT_WEIGHT = (
 
 
 class MethodSettings(Spec):
-    """The base of a method's own settings (every field has a default: "auto" in a request means it)."""
+    """The base of a method's own settings (every field has a default: "auto" in a request means it; only a
+    `request_fields` setting, given beside the hyperparameters, may be required)."""
 
 
 class DpoSettings(MethodSettings):
@@ -70,6 +73,62 @@ class SimpoSettings(MethodSettings):
     sft_weight: float = Field(0.0, ge=0, le=100, description=SFT_WEIGHT)
 
 
+# Completions sampled per prompt by default (reinforcement's `n`): DeepSeekMath's GRPO sampled 64, TRL's default is
+# 8; 8 keeps a group's reward spread informative at an eighth of the generation.
+DEFAULT_COMPLETIONS_PER_PROMPT = 8
+
+
+class ReinforcementSettings(MethodSettings):
+    """Reinforcement fine-tuning by GRPO (fusetune/worker/train/methods/reinforcement.py): completions sampled
+    from the policy, scored by the grader, and trained on by their advantage within their prompt's group.
+
+    The first five after the grader are the OpenAI API's own hyperparameters; the rest are fusetune's."""
+
+    grader: Grader = Field(description="What scores a completion, as the OpenAI API's grader objects")
+    eval_interval: int | None = Field(
+        None,
+        ge=1,
+        description="Steps between evaluations on the validation file (null: at the end of each epoch)",
+    )
+    eval_samples: int | None = Field(
+        None, ge=1, description="Validation prompts evaluated, the first of the file (null: all of them)"
+    )
+    compute_multiplier: float = Field(
+        1.0,
+        gt=0,
+        le=16,
+        description="Scales the completions sampled per prompt (n), the exploration per step",
+    )
+    reasoning_effort: Literal["default", "low", "medium", "high"] = Field(
+        "default",
+        description="Accepted as the OpenAI API sends it; the models served here have no reasoning mode",
+    )
+    n: int = Field(
+        DEFAULT_COMPLETIONS_PER_PROMPT,
+        ge=2,
+        le=256,
+        description="Completions sampled per prompt (a group; its rewards are normalised within it)",
+    )
+    max_completion_tokens: int = Field(
+        256, ge=1, le=32768, description="Tokens a completion may have at most"
+    )
+    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature of the completions")
+    clip_epsilon: float = Field(
+        0.2, gt=0, le=1, description="PPO's clip: the probability ratio is held within [1 - eps, 1 + eps]"
+    )
+    kl_beta: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description="Weight of the per-token KL divergence to the starting model (0: none, no reference kept)",
+    )
+
+    @property
+    def completions_per_prompt(self) -> int:
+        """`n` scaled by `compute_multiplier` (at least 2: a group of one has no spread)."""
+        return max(2, round(self.n * self.compute_multiplier))
+
+
 @dataclass(frozen=True)
 class Method:
     type: str
@@ -81,6 +140,10 @@ class Method:
     rows_per_example: int = 1
     supports_packing: bool = True
     has_reference_pass: bool = False
+    # Whether the method runs sharded (FSDP2) on several GPUs; `fsdp_refusal` says why not.
+    fsdp_refusal: str | None = None
+    # Settings the OpenAI API's request places beside `hyperparameters`, not in it (reinforcement's grader).
+    request_fields: tuple[str, ...] = ()
 
 
 METHODS: dict[str, Method] = {
@@ -96,6 +159,13 @@ METHODS: dict[str, Method] = {
         Method(
             "simpo", "simple preference optimisation: length-normalised rewards, no reference model", PREFERENCE,
             SimpoSettings, rows_per_example=2, supports_packing=False,
+        ),
+        Method(
+            "reinforcement", "GRPO: sampled completions scored by a grader, advantages normalised per prompt",
+            REINFORCEMENT, ReinforcementSettings, rows_per_example=DEFAULT_COMPLETIONS_PER_PROMPT,
+            supports_packing=False, request_fields=("grader",),
+            fsdp_refusal="sampling completions under FSDP gathers every layer's weights for each generated "
+            "token; use distributed ddp (with LoRA for a model that does not fit one GPU)",
         ),
     )
 }  # fmt: skip
@@ -167,7 +237,7 @@ def _settings_bounds(settings: type[MethodSettings]):
     def check(cls, value: Any, info: ValidationInfo) -> Any:
         return within_bounds(settings, info.field_name, value)
 
-    return field_validator(*settings.model_fields)(classmethod(check))
+    return field_validator(*settings.model_fields, check_fields=False)(classmethod(check))
 
 
 @cache
@@ -178,7 +248,9 @@ def hyperparameters_request(method_type: str) -> type[HyperparametersRequest]:
     if settings is None:
         return HyperparametersRequest
     fields = {
-        name: (field.annotation | Literal["auto"], AUTO) for name, field in settings.model_fields.items()
+        name: (field.annotation | Literal["auto"], AUTO)
+        for name, field in settings.model_fields.items()
+        if name not in METHODS[method_type].request_fields
     }
     return create_model(
         _model_name(method_type, "HyperparametersRequest"),
@@ -188,13 +260,21 @@ def hyperparameters_request(method_type: str) -> type[HyperparametersRequest]:
     )
 
 
-def settings_from_request(method_type: str, hyperparameters: BaseModel | None) -> _StoredMethod:
-    """The stored method of a request's `method.<type>.hyperparameters` ("auto" settings at their defaults)."""
-    settings = METHODS[method_type].settings
-    if settings is None or hyperparameters is None:
+def settings_from_request(
+    method_type: str, hyperparameters: BaseModel | None, beside: dict[str, Any] | None = None
+) -> _StoredMethod:
+    """The stored method of a request's `method.<type>.hyperparameters` ("auto" settings at their defaults) and
+    of the settings given `beside` them (the method's `request_fields`)."""
+    method = METHODS[method_type]
+    if method.settings is None or (hyperparameters is None and not beside):
         return method_spec(method_type)
-    chosen = {name: getattr(hyperparameters, name) for name in settings.model_fields}
-    return method_spec(method_type, **{name: value for name, value in chosen.items() if value != AUTO})
+    chosen = {
+        name: getattr(hyperparameters, name)
+        for name in method.settings.model_fields
+        if hyperparameters is not None and name not in method.request_fields
+    }
+    chosen = {name: value for name, value in chosen.items() if value != AUTO}
+    return method_spec(method_type, **chosen, **(beside or {}))
 
 
 class _MethodRequestBase(BaseModel):
@@ -206,6 +286,9 @@ class _MethodRequestBase(BaseModel):
         for name in type(self).model_fields:
             if name != "type" and getattr(self, name) is not None and name != self.type:
                 raise ValueError(f"method.{name} is given but method.type is '{self.type}'")
+        required = METHODS[self.type].request_fields
+        if required and getattr(self, self.type, None) is None:
+            raise ValueError(f"method.{self.type} with its {', '.join(required)} is required")
         return self
 
     def hyperparameters(self) -> HyperparametersRequest | None:
@@ -213,17 +296,23 @@ class _MethodRequestBase(BaseModel):
         return settings.hyperparameters if settings is not None else None
 
     def spec(self) -> _StoredMethod:
-        return settings_from_request(self.type, self.hyperparameters())
+        settings = getattr(self, self.type, None)
+        beside = {name: getattr(settings, name) for name in METHODS[self.type].request_fields}
+        return settings_from_request(self.type, self.hyperparameters(), beside)
 
 
 def _method_request_model() -> type[_MethodRequestBase]:
     fields: dict[str, Any] = {"type": (MethodType, DEFAULT_METHOD)}
     for name, method in METHODS.items():
+        beside = {
+            field: (method.settings.model_fields[field].annotation, ...) for field in method.request_fields
+        }
         settings_request = create_model(
             _model_name(name, "MethodRequest"),
             __config__=STRICT,
             __doc__=method.description,
             hyperparameters=(hyperparameters_request(name) | None, None),
+            **beside,
         )
         fields[name] = (settings_request | None, None)
     return create_model(

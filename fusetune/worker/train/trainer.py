@@ -387,7 +387,7 @@ class Trainer:
                 if self.step >= self.total_steps or self.early_stopping.stopped:
                     break
                 started = time.perf_counter()
-                stats = self.train_step(micro_batches)
+                stats = self.train_step(self.method.prepare_step(self, micro_batches))
                 synchronize(self.device)  # the step time covers the optimizer step the GPU may still run
                 step_time = time.perf_counter() - started
                 values = stats.read()
@@ -438,11 +438,11 @@ class Trainer:
     def _after_step(
         self, read: dict[str, float], stats: StepStats, step_time: float, epoch_done: bool
     ) -> None:
-        config = self.config
         peaks, stop, periodic = share_step_state(
             self.device, self.reporter, self.checkpoint_schedule.due(self.step, epoch_done)
         )
         values = self.meter.step_values(read, stats, step_time, peaks, self.step, self.trained_tokens)
+        every = self.method.eval_every_steps
         periodic = periodic and self.step < self.total_steps  # the final checkpoint is saved after the loop
         evaluate_now = (
             stop != StopRequest.CANCEL
@@ -450,7 +450,7 @@ class Trainer:
             and (
                 epoch_done
                 or self.step == self.total_steps
-                or (config.eval_every_steps is not None and self.step % config.eval_every_steps == 0)
+                or (every is not None and self.step % every == 0)
                 or periodic  # a checkpoint's metrics include the whole validation file's
             )
         )

@@ -88,6 +88,17 @@ class TrainingMethod(ABC):
     def before_training(self, trainer: Any) -> None:  # noqa: B027 - optional, does nothing by default
         """A pass before the first step (a frozen reference model's log-probabilities, for instance)."""
 
+    def prepare_step(self, trainer: Any, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """This rank's micro-batches of the step as the loss takes them, made from those of its examples
+        (reinforcement samples and grades completions of its prompts here); inside the step's time. The same
+        micro-batches by default."""
+        return micro_batches
+
+    @property
+    def eval_every_steps(self) -> int | None:
+        """Steps between evaluations besides those at each epoch's end (the run's `eval_every_steps`)."""
+        return self.config.eval_every_steps
+
     @abstractmethod
     def loss(
         self, model: torch.nn.Module, batch: dict[str, torch.Tensor], normaliser: torch.Tensor
