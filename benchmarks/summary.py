@@ -25,6 +25,7 @@ from benchmarks import harness
 from benchmarks.harness import format_cell, markdown_table
 from benchmarks.kernels import loss_skip, ops, optimizer, sustained
 from benchmarks.models import families_share
+from benchmarks.quality import float8 as float8_quality
 from benchmarks.quality import precision
 from benchmarks.scaling import gpus
 from benchmarks.service import jobs, load
@@ -46,6 +47,7 @@ RENDERERS: dict[str, Callable[[Payload], str]] = {
     load.RESULTS.name: load.render_markdown,
     gpus.RESULTS.name: gpus.render_markdown,
     precision.RESULTS.name: precision.render_markdown,
+    float8_quality.RESULTS.name: float8_quality.render_markdown,
     families_share.RESULTS.name: families_share.render_markdown,
 }
 TOPIC_TITLES = {

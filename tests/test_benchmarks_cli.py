@@ -37,6 +37,7 @@ SCRIPT_OPTIONS = {
     "benchmarks.service.object_store_clients": ("--endpoint",),
     "benchmarks.scaling.gpus": ("--nproc", "--cpu-smoke", "--out"),
     "benchmarks.quality.precision": ("--tiny", "--lrs", "--out"),
+    "benchmarks.quality.float8": ("--tiny", "--lrs", "--impls", "--out"),
     "benchmarks.models.families_share": ("--model-types", "--out"),
     "benchmarks.summary": ("--results", "--merge-in"),
 }
