@@ -63,7 +63,8 @@ def worker(
     ] = None,
 ) -> None:
     """Run a Celery worker that trains jobs one at a time. SIGTERM or SIGINT hands a job in training back to the
-    queue with a checkpoint, then stops the worker."""
+    queue with a checkpoint, then stops the worker; SIGHUP does the same, then starts the worker again in the same
+    process (on a terminal that hung up, it only stops)."""
     from fusetune.worker.celery_app import run_worker
 
     logging.basicConfig(level=loglevel, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 
 from celery import Celery
+from celery.platforms import EX_OK, close_open_fds
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.worker import state as celery_state
 
 from fusetune import capacity
 from fusetune.config import Settings
@@ -20,7 +24,9 @@ from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
 log = logging.getLogger(__name__)
 
 
-def make_worker_app(settings: Settings) -> Celery:
+def make_worker_app(settings: Settings, restart: threading.Event | None = None) -> Celery:
+    """The worker's Celery app. SIGTERM and SIGINT hand a job in training back to the queue with a checkpoint and
+    stop the worker; SIGHUP does the same, then sets `restart` (see `run_worker`)."""
     app = make_celery_app(settings)
     queue = JobQueue(app)
     runner = JobRunner(settings, requeue=queue.enqueue)
@@ -58,6 +64,26 @@ def make_worker_app(settings: Settings) -> Celery:
     @worker_shutting_down.connect(weak=False)
     def _hand_over(**_kwargs) -> None:
         runner.stopping.set()
+        if restart is not None:
+            restart.clear()  # a SIGTERM or SIGINT after a SIGHUP: stop, as asked last
+
+    def _hand_over_and_restart(is_terminal: bool) -> None:
+        """SIGHUP. Celery's own restarts the worker once the task in hand returns, which is at the end of the
+        training run, and then runs again what `sys.argv` says, which is not `python -m fusetune.cli`. Here the
+        job is handed over as on SIGTERM, the worker stops as on SIGTERM, and `run_worker` starts it again. A
+        worker on a terminal that hung up stops without a restart (Celery restarts only one detached from a
+        terminal: it would go on in the background of a closed one)."""
+        runner.stopping.set()
+        if restart is not None and not is_terminal:
+            restart.set()
+        celery_state.should_stop = EX_OK  # Celery's warm stop, as its SIGTERM handler sets it
+
+    class Worker(app.Worker):
+        def install_platform_tweaks(self, worker) -> None:
+            super().install_platform_tweaks(worker)  # Celery's signal handlers, SIGHUP's among them
+            signal.signal(signal.SIGHUP, lambda _signum, _frame: _hand_over_and_restart(self._isatty))
+
+    app.Worker = Worker
 
     @worker_shutdown.connect(weak=False)
     def _unregister(**_kwargs) -> None:
@@ -70,10 +96,12 @@ def make_worker_app(settings: Settings) -> Celery:
 
 def run_worker(settings: Settings, loglevel: str = "INFO", parent_pid: int | None = None) -> None:
     """Blocks, consuming jobs one at a time (a worker owns its GPUs for the whole job). With `parent_pid`, the
-    worker stops as on SIGTERM when that process exits."""
+    worker stops as on SIGTERM when that process exits. After a SIGHUP the process runs its command line again
+    (the same pid: a supervisor sees no exit), with the code and settings as they are now."""
     if parent_pid is not None:
         stop_with_parent(parent_pid)
-    app = make_worker_app(settings)
+    restart = threading.Event()
+    app = make_worker_app(settings, restart)
     declare_jobs_queue(app)  # before the consumer declares it, which would exit on a lost race
     app.worker_main(
         [
@@ -87,3 +115,16 @@ def run_worker(settings: Settings, loglevel: str = "INFO", parent_pid: int | Non
             "--without-mingle",
         ]
     )
+    if restart.is_set():
+        log.warning("restarting the worker (SIGHUP)")
+        _run_again()
+
+
+def _run_again() -> None:
+    """Replaces this process with its own command line, `python -m fusetune.cli worker ...` or the `fusetune`
+    script alike (sys.orig_argv holds the interpreter's options, which sys.argv has lost)."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
+    close_open_fds([sys.__stdin__, sys.__stdout__, sys.__stderr__])
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
