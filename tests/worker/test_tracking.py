@@ -1,5 +1,6 @@
-"""Tracking to W&B (offline, read back from the files wandb writes) and to a real MLflow server (read back
-through MLflow's client), and trackers that fail without failing anything."""
+"""Tracking to W&B (offline, read back from the files wandb writes), which MLflow server a job reports to, and
+trackers that fail without failing anything. A job tracked to a real MLflow server through the service:
+tests/test_tracking_and_results.py."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ from pathlib import Path
 import pytest
 
 from fusetune.worker.train.config import TrainConfig
-from fusetune.worker.train.tracking import JOB_ID_TAG, Tracker, TrackingReporter, with_trackers
-from tests.services import free_port, mlflow_server
+from fusetune.worker.train.tracking import (
+    MlflowTracker,
+    Tracker,
+    TrackingReporter,
+    trackers_of,
+    with_trackers,
+)
+from tests.services import free_port
 from tests.wandb_files import read_offline_run
 
 pytestmark = pytest.mark.slow
@@ -41,12 +48,6 @@ class RecordingReporter:
         self.closed = True
 
 
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
-        yield uri
-
-
 def _config(tmp_path: Path, integrations: list, **fields) -> TrainConfig:
     return TrainConfig(
         job_id="ftjob-tracking1", model_path=str(tmp_path / "tiny-llama"), training_file="t.jsonl",
@@ -70,27 +71,19 @@ def _run(reporter, steps: int = 3, outcome_event: str = "finished") -> None:
     reporter.close()
 
 
-def test_a_run_reaches_wandb_offline_and_a_real_mlflow_server(tmp_path, mlflow_uri):
-    from mlflow.tracking import MlflowClient
-
-    config = _config(tmp_path, [
-        {"type": "wandb", "wandb": {"project": "digits", "name": "first try", "tags": ["ci", "tiny"]}},
-        {"type": "mlflow", "mlflow": {"tracking_uri": mlflow_uri, "experiment_name": "digits",
-                                      "tags": {"team": "ml"}}},
-    ])  # fmt: skip
+def test_a_run_reaches_wandb_offline_with_its_config_steps_and_events(tmp_path):
+    config = _config(tmp_path, [{"type": "wandb", "wandb": {"project": "digits", "name": "first try",
+                                                            "tags": ["ci", "tiny"]}}])  # fmt: skip
     inner = RecordingReporter()
     reporter = with_trackers(inner, config, is_main_process=True)
     assert isinstance(reporter, TrackingReporter)
     _run(reporter)
     assert inner.closed and [step for step, _ in inner.metrics] == [1, 2, 3]  # the job's own record is whole
-    where = {e["data"]["tracker"]: e["data"] for e in inner.events if e["data"].get("event") == "tracking"}
-    assert set(where) == {"wandb", "mlflow"}, inner.events
+    (where,) = [e["data"] for e in inner.events if e["data"].get("event") == "tracking"]
     assert not [e for e in inner.events if e["level"] != "info"], inner.events
-
-    # W&B: offline (no key here), in the job's run folder, named by a path relative to the runs directory.
-    wandb = where["wandb"]
-    assert wandb["mode"] == "offline" and wandb["path"].startswith("ftjob-tracking1/wandb/offline-run-")
-    run = read_offline_run(tmp_path / "runs" / wandb["path"])
+    # Offline (no key here), in the job's run folder, named by a path relative to the runs directory.
+    assert where["mode"] == "offline" and where["path"].startswith("ftjob-tracking1/wandb/offline-run-")
+    run = read_offline_run(tmp_path / "runs" / where["path"])
     assert (run.run_id, run.project, run.name, run.tags) == (
         "ftjob-tracking1",
         "digits",
@@ -107,32 +100,17 @@ def test_a_run_reaches_wandb_offline_and_a_real_mlflow_server(tmp_path, mlflow_u
     assert [row[2] for row in events["data"]][-2:] == ["Evaluation at step 3", "Training finished"]
     assert run.exit_code == 0
 
-    # MLflow: one run, tagged with the job, with its parameters, every step, the events and its status.
-    client = MlflowClient(tracking_uri=mlflow_uri)
-    experiment = client.get_experiment_by_name("digits")
-    (found,) = client.search_runs([experiment.experiment_id], f"tags.`{JOB_ID_TAG}` = 'ftjob-tracking1'")
-    assert found.info.run_name == "ftjob-tracking1" and found.info.status == "FINISHED"
-    assert found.data.tags["team"] == "ml" and where["mlflow"]["run_id"] == found.info.run_id
-    assert where["mlflow"]["url"].startswith(mlflow_uri)
-    params = found.data.params
-    assert (
-        params["n_epochs"] == "2"
-        and params["run.precision"] == "fp32"
-        and params["method.type"] == "supervised"
-    )
-    history = client.get_metric_history(found.info.run_id, "train_loss")
-    assert [(m.step, m.value) for m in history] == [(1, 2.0), (2, 1.0), (3, 2.0 / 3)]
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "valid_loss")] == [3]
-    artifact = Path(client.download_artifacts(found.info.run_id, "fusetune_events.jsonl", str(tmp_path)))
-    logged = [json.loads(line) for line in artifact.read_text().splitlines()]
-    assert logged[-1]["data"] == {"event": "finished"}
 
-    # The same job, resumed (a pause, a retry): the same MLflow run goes on; a stopped attempt is KILLED.
-    inner = RecordingReporter()
-    _run(with_trackers(inner, config, is_main_process=True), steps=4, outcome_event="stopped")
-    runs = client.search_runs([experiment.experiment_id], f"tags.`{JOB_ID_TAG}` = 'ftjob-tracking1'")
-    assert [r.info.run_id for r in runs] == [found.info.run_id] and runs[0].info.status == "KILLED"
-    assert len(client.get_metric_history(found.info.run_id, "train_loss")) == 7
+def test_the_servers_mlflow_setting_tracks_every_job_and_a_job_may_name_its_own_server(tmp_path):
+    assert [type(t).__name__ for t in trackers_of(_config(tmp_path, []))] == []
+    (server,) = trackers_of(_config(tmp_path, [], mlflow_tracking_uri="http://mlflow.internal:5000"))
+    assert isinstance(server, MlflowTracker) and server.tracking_uri == "http://mlflow.internal:5000"
+    own = {"type": "mlflow", "mlflow": {"tracking_uri": "https://mlflow.example", "experiment_name": "x"}}
+    (job,) = trackers_of(_config(tmp_path, [own], mlflow_tracking_uri="http://mlflow.internal:5000"))
+    assert job.tracking_uri == "https://mlflow.example" and job.settings.experiment_name == "x"
+    (named,) = trackers_of(_config(tmp_path, [{"type": "mlflow", "mlflow": {"experiment_name": "y"}}],
+                                   mlflow_tracking_uri="http://mlflow.internal:5000"))  # fmt: skip
+    assert named.tracking_uri == "http://mlflow.internal:5000" and named.settings.experiment_name == "y"
 
 
 def test_other_ranks_and_jobs_without_integrations_track_nothing(tmp_path):

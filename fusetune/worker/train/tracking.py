@@ -39,6 +39,11 @@ DEFAULT_MLFLOW_EXPERIMENT = "fusetune"
 # answer costs the run seconds, not the minutes of MLflow's own defaults.
 MLFLOW_REQUEST_TIMEOUT_S = 10
 MLFLOW_REQUEST_RETRIES = 1
+# MLflow refuses a parameter value longer than this (its server's limit): a longer one is cut. One log_batch
+# request takes at most this many parameters and metrics.
+MLFLOW_PARAM_CHARS = 6000
+MLFLOW_BATCH_PARAMS = 100
+MLFLOW_BATCH_METRICS = 1000
 # How long the check for a route to W&B waits before the run is logged offline.
 WANDB_ROUTE_TIMEOUT_S = 3.0
 WANDB_DEFAULT_HOST = "https://api.wandb.ai"
@@ -176,7 +181,6 @@ class MlflowTracker(Tracker):
     def start(self, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(MLFLOW_REQUEST_TIMEOUT_S))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(MLFLOW_REQUEST_RETRIES))
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
@@ -201,8 +205,7 @@ class MlflowTracker(Tracker):
             run = self.client.create_run(experiment_id, run_name=self.settings.run_name or self.config.job_id,
                                          tags=tags)  # fmt: skip
             self.run_id = run.info.run_id
-            params = [Param(key, str(value)) for key, value in flatten(config).items()]
-            self.client.log_batch(self.run_id, params=params)
+            self._log_params({key: str(value) for key, value in flatten(config).items()})
         url = f"{self.tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}"
         data = {"event": "tracking", "tracker": "mlflow", "run_id": self.run_id,
                 "experiment_id": experiment_id, "url": url}  # fmt: skip
@@ -218,19 +221,24 @@ class MlflowTracker(Tracker):
             return experiment.experiment_id
 
     def log_config(self, values: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
         # Parameters cannot change once logged: what the run resolved goes under run.*; a resumed run's are there.
         logged = self.client.get_run(self.run_id).data.params
-        params = [Param(f"run.{key}", str(value)) for key, value in flatten(values).items()]
-        self.client.log_batch(self.run_id, params=[p for p in params if p.key not in logged])
+        self._log_params({f"run.{k}": str(v) for k, v in flatten(values).items() if f"run.{k}" not in logged})
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(key, value[:MLFLOW_PARAM_CHARS]) for key, value in params.items()]
+        for start in range(0, len(items), MLFLOW_BATCH_PARAMS):
+            self.client.log_batch(self.run_id, params=items[start : start + MLFLOW_BATCH_PARAMS])
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
         metrics = [Metric(name, value, now_ms, step) for name, value in finite_numbers(values).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        for start in range(0, len(metrics), MLFLOW_BATCH_METRICS):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + MLFLOW_BATCH_METRICS])
 
     def finish(self, outcome: str, events: list[dict[str, Any]]) -> None:
         if events:
