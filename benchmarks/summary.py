@@ -23,13 +23,13 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import format_cell, markdown_table
-from benchmarks.kernels import loss_skip, ops, optimizer, sustained
+from benchmarks.kernels import attention, loss_skip, ops, optimizer, sustained
 from benchmarks.models import families_share
 from benchmarks.quality import float8 as float8_quality
 from benchmarks.quality import precision
 from benchmarks.scaling import gpus
 from benchmarks.service import jobs, load
-from benchmarks.step import dpo, e2e, memory_estimate, trainer_step
+from benchmarks.step import dpo, e2e, memory_estimate, memory_plans, trainer_step
 
 Payload = dict[str, Any]
 Headline = tuple[str, str, str, str]  # measurement, setting, fusetune's number, the others'
@@ -43,6 +43,8 @@ RENDERERS: dict[str, Callable[[Payload], str]] = {
     trainer_step.RESULTS.name: trainer_step.render_markdown,
     dpo.RESULTS.name: dpo.render_markdown,
     memory_estimate.RESULTS.name: memory_estimate.render_markdown,
+    memory_plans.RESULTS.name: memory_plans.render_markdown,
+    attention.RESULTS.name: attention.render_markdown,
     jobs.RESULTS.name: jobs.render_markdown,
     load.RESULTS.name: load.render_markdown,
     gpus.RESULTS.name: gpus.render_markdown,
@@ -237,6 +239,43 @@ def memory_estimate_headlines(payload: Payload) -> list[Headline]:
     ]  # fmt: skip
 
 
+def memory_plans_headlines(payload: Payload) -> list[Headline]:
+    """Per (model, rows, cap): fusetune's fastest plan against TRL + Liger-Kernel."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in payload["rows"]:
+        groups.setdefault((row["model"], row["batch"], row["seq"], row.get("memory_gib")), []).append(row)
+    headlines = []
+    for (model, batch, seq, cap), rows in groups.items():
+        ours = [r for r in rows if r["impl"].startswith("fusetune") and r.get("tokens_per_s")]
+        anchor = next((r for r in rows if r["impl"].startswith("trl-liger") and r.get("tokens_per_s")), None)
+        if not ours:
+            continue
+        best = max(ours, key=lambda r: r["tokens_per_s"])
+        setting = (
+            f"{model}, {batch} x {seq}" + (f", capped at {cap} GiB" if cap else "") + f", {best['impl']}"
+        )
+        others = (
+            [("TRL + Liger", _with_memory(anchor["tokens_per_s"], anchor.get("peak_alloc_gb")))]
+            if anchor
+            else []
+        )
+        headlines.append(("8B-class full fine-tune, tokens/s (peak GB)", setting,
+                          _with_memory(best["tokens_per_s"], best.get("peak_alloc_gb")), _others(others)))  # fmt: skip
+    return headlines
+
+
+def attention_headlines(payload: Payload) -> list[Headline]:
+    rows = [r for r in payload["rows"] if r.get("fwd_bwd_ms")]
+    headlines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        cells = {r["impl"]: r["fwd_bwd_ms"] for r in rows if r["shape"] == shape}
+        others = [(impl, str(ms)) for impl, ms in cells.items() if impl != "varlen"]
+        headlines.append(
+            ("causal attention fwd+bwd ms", shape, str(cells.get("varlen", "–")), _others(others))
+        )
+    return headlines
+
+
 def jobs_headlines(payload: Payload) -> list[Headline]:
     reference = next((row for row in payload["rows"] if row.get("impl") != "service"), {})
     reference_cell = _with_memory(reference.get("tokens_per_s"), reference.get("peak_alloc_gb"))
@@ -309,6 +348,8 @@ HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
     trainer_step.RESULTS.name: trainer_step_headlines,
     dpo.RESULTS.name: dpo_headlines,
     memory_estimate.RESULTS.name: memory_estimate_headlines,
+    memory_plans.RESULTS.name: memory_plans_headlines,
+    attention.RESULTS.name: attention_headlines,
     jobs.RESULTS.name: jobs_headlines,
     load.RESULTS.name: load_headlines,
     gpus.RESULTS.name: gpus_headlines,

@@ -31,6 +31,8 @@ SCRIPT_OPTIONS = {
     "benchmarks.step.trainer_step": ("--variants", "--tiny", "--out"),
     "benchmarks.step.dpo": ("--impls", "--tiny", "--pairs", "--out"),
     "benchmarks.step.memory_estimate": ("--configs", "--out"),
+    "benchmarks.step.memory_plans": ("--variants", "--memory-gib", "--tiny", "--out", "--merge"),
+    "benchmarks.kernels.attention": ("--out",),
     "benchmarks.service.jobs": ("--variants", "--out"),
     "benchmarks.service.load": ("--clients", "--out"),
     "benchmarks.service.lifecycle": ("--cases",),
