@@ -65,7 +65,7 @@ README_PATH = harness.REPO_ROOT / "README.md"
 README_START = "<!-- benchmarks.summary: start -->"
 README_END = "<!-- benchmarks.summary: end -->"
 # The sections whose headline rows README.md shows (the rest is in SUMMARY.md).
-README_SECTIONS = ("e2e", "jobs", "dpo", "gpus")
+README_SECTIONS = ("e2e", "memory-plans", "jobs", "dpo", "gpus")
 
 
 # ---------------------------------------------------------------------------------------------------------
