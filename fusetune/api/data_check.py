@@ -151,6 +151,7 @@ def check_job_data(
                     file=file.id,
                     param=param,
                     line=checked.line,
+                    problem=checked.failure.problem,
                     message=failure_message(tokenizer, checked.failure, where),
                 )
                 break

@@ -267,7 +267,8 @@ class DataCheckFailureObject(BaseModel):
     file: str
     param: str = Field(description="training_file or validation_file")
     line: int
-    message: str
+    problem: str = Field(description="what is wrong with the example")
+    message: str = Field(description="the 400's message: where, the check, the problem, the example marked")
 
 
 class DataCheckFile(BaseModel):

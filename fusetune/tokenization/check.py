@@ -90,25 +90,22 @@ def _supervised_sequences(
     return [LabeledSequence("example", mask_example(tokenizer, example, train_on_inputs, stop_ids))]
 
 
-def preference_sides(
-    tokenizer: Any, example: PreferenceExample, stop_ids: Collection[int] | None = None
-) -> tuple[MaskedTokens, MaskedTokens]:
-    """A preference pair's two sequences: the input with the preferred output, and with the other. The input's
-    own assistant turns are context (weight 0); only the output is trained."""
+def _preference_sequences(
+    tokenizer: Any, example: PreferenceExample, train_on_inputs: bool, stop_ids: Collection[int]
+) -> list[LabeledSequence]:
+    """The input with the preferred output, and with the other. The input's own assistant turns are context
+    (weight 0); only the output is trained, whatever `train_on_inputs`."""
     prompt = [
         {**message, "weight": 0} if message["role"] == "assistant" else message
         for message in example.messages
     ]
-    chosen = mask_conversation(tokenizer, [*prompt, example.preferred], stop_ids=stop_ids)
-    rejected = mask_conversation(tokenizer, [*prompt, example.non_preferred], stop_ids=stop_ids)
-    return chosen, rejected
-
-
-def _preference_sequences(
-    tokenizer: Any, example: PreferenceExample, train_on_inputs: bool, stop_ids: Collection[int]
-) -> list[LabeledSequence]:
-    chosen, rejected = preference_sides(tokenizer, example, stop_ids)
-    return [LabeledSequence("preferred_output", chosen), LabeledSequence("non_preferred_output", rejected)]
+    return [
+        LabeledSequence(label, mask_conversation(tokenizer, [*prompt, output], stop_ids=stop_ids))
+        for label, output in (
+            ("preferred_output", example.preferred),
+            ("non_preferred_output", example.non_preferred),
+        )
+    ]
 
 
 MASKINGS: dict[str, FormatMasking] = {

@@ -120,6 +120,10 @@ def test_a_template_that_masks_wrongly_refuses_the_job_before_it_exists(client, 
         f"training_file '{training}' (train.jsonl), line 1: the data check '{check}' failed: "
     )
     assert "trained tokens between ⟦ and ⟧:\n<|begin_of_text|>" in error["message"]
+    assert (
+        f"failed: {dry['failure']['problem']}." in error["message"]
+        and dry["failure"]["message"] == error["message"]
+    )
     assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
 
 
