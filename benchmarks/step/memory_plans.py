@@ -8,7 +8,8 @@ Each row runs in a fresh process:
                      (`trl-liger:nogc` without it)
     fusetune:PLAN    fusetune's Trainer, the worker's training loop (kernels, precision, plan) on the same rows,
                      with the memory plan PLAN = precision/recompute/offload/in-backward/micro-batch, for example
-                     `bf16-sr-8bit/r0/o0/ib0/m1`; `fusetune:auto` leaves every part to the planner
+                     `bf16-sr-8bit/r0/o0/ib0/m1`; `fusetune:auto` leaves every part to the planner; a suffix
+                     `@varlen` runs whole rows through the variable-length flash kernel instead of sdpa
 
 Rows: documents of random words, each longer than --seq tokens of the demo tokenizer and cut to --seq, so every
 row is --seq tokens of one document and every token is trained in both setups. The model is built with random
@@ -117,7 +118,12 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
         def _load_model(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
             return _build_model(spec, self.device, dtype)
 
-    plan = parse_plan(spec["plan"])
+    plan_text, _, attention = spec["plan"].partition("@")
+    if attention == "varlen":  # whole rows through the variable-length kernel, as before sdpa took them
+        from fusetune.models import attention as attention_module
+
+        attention_module.WHOLE_ROWS_TO_SDPA = False
+    plan = parse_plan(plan_text)
     trainer = build_trainer(spec, trainer_class=BuiltOnTheDevice, packing=False, **plan)
     config = trainer.config
     batches = job_batches(trainer, spec["warmup_steps"] + spec["steps"])

@@ -124,6 +124,18 @@ def varlen_kernel_applies(query: torch.Tensor, key: torch.Tensor, dropout: float
     )
 
 
+# Whether rows that are each one whole sequence run torch's scaled_dot_product_attention instead of the
+# variable-length kernel (see varlen_attention_forward).
+WHOLE_ROWS_TO_SDPA = True
+
+
+def _one_sequence_per_row(kwargs: dict, batch: int, seq: int) -> bool:
+    """Whether the boundaries (on the host) make each row one sequence of its full length: as many sequences as
+    rows, none shorter than a row."""
+    boundaries = kwargs["cu_seq_lens_q"]
+    return int(boundaries.numel()) - 1 == batch and int(kwargs["max_length_q"]) == seq
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -145,11 +157,18 @@ def varlen_attention_forward(
             **kwargs,
         )  # fmt: skip
     batch, heads, seq, dim = query.shape
+    scale = scaling if scaling is not None else dim**-0.5
+    if WHOLE_ROWS_TO_SDPA and query.is_cuda and _one_sequence_per_row(kwargs, batch, seq):
+        # Unpacked rows without padding: torch's own causal attention, whose back end on Hopper outruns the
+        # variable-length flash kernel (benchmarks/results/h100-kernels.json, section attention).
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=key.shape[1] != heads
+        )
+        return output.transpose(1, 2), None
     cu_seq_lens = kwargs["cu_seq_lens_q"].to(device=query.device, dtype=torch.int32)
     if int(cu_seq_lens.numel()) < 2:
         raise ValueError("cu_seq_lens_q must hold at least two boundaries")
     # [batch, heads, seq, dim] -> [tokens, heads, dim]: free when the projection wrote [batch, seq, heads, dim].
     packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query, key, value)]
-    scale = scaling if scaling is not None else dim**-0.5
     output = _VarlenFlashAttention.apply(*packed, cu_seq_lens, int(kwargs["max_length_q"]), scale)
     return output.view(batch, seq, heads, dim), None

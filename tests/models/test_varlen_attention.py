@@ -190,3 +190,34 @@ def test_the_flash_kernel_matches_per_sequence_attention_forward_and_backward(he
         error = (got.double() - want).abs().max().item()
         scale = want.abs().max().item()
         assert error <= 2e-2 * scale, f"{name}: max error {error} vs max {scale}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (12, 2, 128), (4, 4, 80)])
+def test_whole_rows_run_sdpa_and_match_per_row_attention(heads, kv_heads, dim, monkeypatch):
+    """Rows that are each one sequence go to torch's sdpa (WHOLE_ROWS_TO_SDPA), with the varlen kernel's result:
+    causal within each row, grouped-query heads, [batch, seq, heads, dim] out."""
+    from fusetune.models.attention import packed_sequence_kwargs, varlen_attention_forward
+
+    calls = []
+    monkeypatch.setattr(attention_module._VarlenFlashAttention, "apply", lambda *a: calls.append(a))
+    torch.manual_seed(0)
+    batch, seq = 2, 1000
+    q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kwargs = packed_sequence_kwargs(torch.arange(seq).expand(batch, -1))
+    module = torch.nn.Module()
+    out, _ = varlen_attention_forward(module, q, k, v, None, scaling=dim**-0.5, **kwargs)
+    assert not calls and out.shape == (batch, seq, heads, dim)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (q64, k64, v64)]
+    ref = reference_varlen(*packed, kwargs["cu_seq_lens_q"], seq, dim**-0.5).view(batch, seq, heads, dim)
+    ref.backward(grad.double())
+    for name, got, want in (("out", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
+                            ("dv", v.grad, v64.grad)):  # fmt: skip
+        error = (got.double() - want).abs().max().item()
+        scale = want.abs().max().item()
+        assert error <= 2e-2 * scale, f"{name}: max error {error} vs max {scale}"
