@@ -216,8 +216,8 @@ METRIC_VALUES_DESCRIPTION = """The step's metrics by name. Counts are over all o
   the largest over processes (on CPU: the peak resident set size).
 - `step_time_s`: wall time of the step; `epoch`: epochs done, fractional; `eta_s`: time left at the mean step
   time of the last 20 steps; `trained_tokens`: input tokens trained on so far (the job's `trained_tokens`).
-- `train_mean_token_accuracy` (supervised, where the model computes logits: not with the fused loss kernel):
-  the share of the step's trained tokens that the model predicts exactly (its argmax).
+- `train_mean_token_accuracy` (supervised): the share of the step's trained tokens that the model predicts
+  exactly (its argmax; the fused loss kernel counts them without building the logits).
 - `valid_loss`, `valid_mean_token_accuracy`: on evaluation steps (each epoch's end, each checkpoint,
   `eval_every_steps`), over the validation file's trained tokens; preference methods report `valid_loss` and
   `valid_` versions of their reward metrics.

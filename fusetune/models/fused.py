@@ -345,6 +345,9 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
         **kwargs: Any,
     ) -> Any:
         per_sequence = bool(kwargs.pop("sequence_log_probs", False))
+        # fusetune's own keyword: also return in `token_accuracy` the share of labelled tokens whose argmax is the
+        # label (the kernel counts them as it goes; the unfused forward's caller reads its logits instead).
+        token_accuracy, accuracy = bool(kwargs.pop("token_accuracy", False)), None
         per_token = bool(kwargs.pop("token_log_probs", False))
         temperature = float(kwargs.pop("logits_temperature", 1.0))
         if not (
@@ -456,7 +459,10 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
                     ignore_index=ignore_index,
                     num_items_in_batch=num_items_in_batch,
                     softcap=softcap,
+                    return_accuracy=token_accuracy,
                 )
+                if token_accuracy:
+                    loss, accuracy = loss
 
         if spec.router_aux_loss:
             output = _moe_output(self, spec, loss, outputs, attention_mask, kwargs["output_router_logits"])
@@ -468,6 +474,8 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
                 hidden_states=outputs.hidden_states,
                 attentions=outputs.attentions,
             )
+        if accuracy is not None:
+            output["token_accuracy"] = accuracy
         return output if return_dict else output.to_tuple()
 
     forward.fusetune_fused_loss = True  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from fusetune.storage import Storage
 
 RESULTS_PURPOSE = "fine-tune-results"
 # OpenAI's columns, always there (empty where a step has no value: validation only on evaluation steps, token
-# accuracy only where the model computed logits).
+# accuracy only for supervised training).
 OPENAI_COLUMNS = (
     "step",
     "train_loss",

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fusetune.models.fused import has_fused_loss
 from fusetune.worker.train.data import (
     IGNORE_INDEX,
     LoadedData,
@@ -52,17 +53,21 @@ class SupervisedFineTuning(TrainingMethod):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # The model computes the loss itself (fused with the output layer when the kernels are applied):
         # labels already shifted, summed over tokens and divided by the step's global count of trained tokens.
+        # The fused loss never builds the logits: its kernel counts the tokens predicted right instead.
+        fused = has_fused_loss(model)
         outputs = model(
             **model_inputs(batch),
             labels=batch["shifted_labels"],
             shift_labels=batch["shifted_labels"],
             num_items_in_batch=normaliser,
             use_cache=False,
+            **({"token_accuracy": True} if fused else {}),
         )
-        if outputs.logits is None:  # the fused loss never builds the logits: no accuracy to read from them
-            return outputs.loss, {}
         labels = batch["shifted_labels"]
-        correct = ((outputs.logits.detach().argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
+        if fused:
+            correct = outputs["token_accuracy"] * int(batch["n_trained_tokens"])
+        else:
+            correct = ((outputs.logits.detach().argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
         return outputs.loss, {"train_mean_token_accuracy": correct / normaliser.to(correct.device)}
 
     def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
