@@ -10,6 +10,12 @@ Each model is built from its architecture's config (no download), in bf16, and t
                       fused_linear_cross_entropy), applied before the model is built
     fusetune          AutoFusedModelForCausalLM.from_config (apply_fusetune on the built model)
     fusetune+compile  the same, then torch.compile(model)
+    fusetune+fp8      fusetune with the fp8 precision mode's float8 linear layers (fusetune/worker/train/float8.py,
+                      its recipe, rowwise), each decoder layer compiled in place, as the trainer runs them
+    fusetune+fp8-tensorwise   the same with the tensorwise recipe
+
+`--optimizer fusetune-adamw` steps every row with fusetune.kernels.FusedAdamW (bf16-sr's and fp8's optimizer)
+instead of torch's fused AdamW, for rows that compare with a bf16-sr job.
 
 Every (model, impl) pair runs in a fresh subprocess, so no monkey-patch or compiled graph leaks into the
 next. Results go to the section "e2e" of `benchmarks/results/<gpu-slug>-step.json` (rows in the format of
@@ -36,7 +42,10 @@ from benchmarks.harness import GIB, format_cell, markdown_table, short_error
 from benchmarks.workloads import MODEL_SHAPES, SINGLE_GPU_MODELS, build_config
 
 RESULTS = harness.Benchmark("e2e", topic="step")
-IMPLS = ("hf", "compile", "liger", "fusetune", "fusetune+compile")
+IMPLS = ("hf", "compile", "liger", "fusetune", "fusetune+compile", "fusetune+fp8", "fusetune+fp8-tensorwise")
+# impl -> the float8 recipe of its linear layers
+FLOAT8_IMPLS = {"fusetune+fp8": "rowwise", "fusetune+fp8-tensorwise": "tensorwise"}
+OPTIMIZERS = ("torch-adamw", "fusetune-adamw")
 
 LIGER_PATCHES = {
     "llama": ("apply_liger_kernel_to_llama", "swiglu"),
@@ -114,6 +123,7 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
     model_name, impl, device = spec["model"], spec["impl"], spec["device"]
     family = MODEL_SHAPES[model_name][0]
     row: dict[str, Any] = {"model": model_name, "impl": impl, "batch": spec["batch"], "seq": spec["seq"]}
+    row.update(optimizer_field(spec.get("optimizer")))
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
@@ -138,7 +148,7 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         )
         getattr(liger_transformers, patch_name)(rope=True, rms_norm=True, **loss, **{mlp_option: True})
     with torch.device(device):
-        if impl in ("fusetune", "fusetune+compile"):
+        if impl.startswith("fusetune"):
             try:
                 from fusetune.models import AutoFusedModelForCausalLM, fusetune_handle
             except ImportError as error:
@@ -184,7 +194,26 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
     # A token of a packed row attends within its document: the attention term counts the document's length.
     row["flops_per_token"] = flops_per_token(model, config, spec.get("packed_length") or spec["seq"])
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if impl in FLOAT8_IMPLS:
+        from fusetune.worker.train.float8 import convert_linears, float8_config
+
+        recipe = FLOAT8_IMPLS[impl]
+        # Each decoder layer compiled on its own (eager float8 runs its casts as separate kernels; a whole 8B
+        # model under torch.compile with float8 did not compile within 140 s, shared/PLATFORM.md).
+        conversion = convert_linears(
+            model,
+            float8_config(recipe, emulate=device != "cuda"),
+            recipe,
+            compile_layers=device == "cuda" and spec.get("fp8_compile_layers", True),
+        )
+        row["float8"] = {"recipe": recipe, "converted": len(conversion.converted), "left": conversion.left,
+                         "compiled_layers": conversion.compiled_layers}  # fmt: skip
+    if spec.get("optimizer") == "fusetune-adamw":
+        from fusetune.kernels import FusedAdamW
+
+        optimizer = FusedAdamW(model.parameters(), lr=1e-5, seed=0)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     step_model = torch.compile(model) if impl in ("compile", "fusetune+compile") else model
 
     generator = torch.Generator(device=device).manual_seed(1)
@@ -416,8 +445,14 @@ def _finite(value: float) -> bool:
     return value == value and abs(value) != float("inf")
 
 
+def optimizer_field(optimizer: str | None) -> dict[str, str]:
+    """The row's `optimizer`, named only when it is not torch's AdamW (the rows before the option had none)."""
+    return {"optimizer": optimizer} if optimizer and optimizer != "torch-adamw" else {}
+
+
 def _failed_row(spec: dict[str, Any], error: BaseException) -> dict[str, Any]:
     row = {"model": spec["model"], "impl": spec["impl"], "batch": spec["batch"], "seq": spec["seq"]}
+    row.update(optimizer_field(spec.get("optimizer")))
     if type(error).__name__ == "OutOfMemoryError":
         import torch
 
@@ -457,6 +492,7 @@ def setup_key(row: dict[str, Any]) -> tuple:
         row.get("packed_length"),
         row.get("untrained_fraction"),
         row.get("loss_chunk"),
+        row.get("optimizer", "torch-adamw"),
     )
 
 
@@ -468,6 +504,8 @@ def setup_title(row: dict[str, Any]) -> str:
         title += f", the first {row['untrained_fraction']:.0%} of each document untrained"
     if row.get("gradient_checkpointing"):
         title += ", gradient checkpointing"
+    if row.get("optimizer") == "fusetune-adamw":
+        title += ", fusetune's FusedAdamW (bf16-sr's optimizer) in every row"
     if row.get("loss_chunk") == "liger":
         title += ", fusetune's fused linear cross-entropy with Liger-Kernel's chunk rows"
     return title
@@ -594,6 +632,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="chunk rows of fusetune's fused linear cross-entropy: its default budget, or Liger-Kernel's "
         "chunk (the loss before its budget grew), to compare the two in one run",
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="torch-adamw",
+        help="torch's fused AdamW on the bf16 weights, or fusetune's FusedAdamW (stochastic rounding: bf16-sr)",
+    )
+    parser.add_argument(
+        "--fp8-compile-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the fp8 rows compile each decoder layer (as the trainer does); --no-fp8-compile-layers: eager",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument(
@@ -652,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         for impl in args.impls:
             base = {"model": model, "impl": impl, "batch": args.batch, "seq": args.seq}
+            base.update(optimizer_field(args.optimizer))
             if args.time_budget_s is not None and time.time() - started > args.time_budget_s:
                 rows.append({**base, "error": "skipped: time budget of the run used up", "skipped": True})
                 continue
@@ -669,6 +720,8 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_tflops": peak_tflops,
                 "profile": args.profile,
                 "loss_chunk": args.loss_chunk,
+                "optimizer": args.optimizer,
+                "fp8_compile_layers": args.fp8_compile_layers,
             }
             timeout = args.impl_timeout_s
             if args.time_budget_s is not None:
