@@ -141,6 +141,16 @@ def test_the_decoder_linears_convert_and_the_head_and_odd_sizes_stay_bf16():
     assert data["converted"] == 0 and "1 sizes not multiples of 16" in message
 
 
+def test_compiled_layers_keep_their_parameter_names():
+    """Each decoder layer compiled in place (`nn.Module.compile`), not wrapped: the names checkpoints use stay."""
+    model = build_tiny_model("llama", dtype=torch.bfloat16)
+    names = list(model.state_dict())
+    conversion = float8.convert_linears(model, emulated(), compile_layers=True)
+    assert conversion.compiled_layers == 2
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert list(model.state_dict()) == names
+
+
 def test_an_unknown_recipe_is_refused():
     with pytest.raises(ValueError, match="recipe 'blockwise' is not one of rowwise, tensorwise"):
         float8.float8_config("blockwise")

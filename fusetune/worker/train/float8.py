@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from fusetune.models.wrappers import unwrap_model
+from fusetune.worker.train.activations import decoder_layers
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 if TYPE_CHECKING:
@@ -123,14 +124,6 @@ def why_not_converted(model: nn.Module, module: nn.Module, fqn: str) -> str | No
 def _output_layer(model: nn.Module) -> nn.Module | None:
     base = unwrap_model(model)
     return base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's decoder layers (transformers' `get_decoder().layers`), or none where it has no such list."""
-    base = unwrap_model(model)
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
 def convert_linears(
