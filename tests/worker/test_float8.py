@@ -217,6 +217,41 @@ def test_lora_keeps_its_adapters_in_bf16_over_a_float8_base():
     }
 
 
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_a_frozen_float8_layer_computes_the_input_gradient_alone(recipe):
+    """A weight without gradient (a LoRA base layer): the output and input gradient of torchao's Float8Linear,
+    bit for bit, without its weight-gradient matmul and without keeping the input for it."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16))
+    ours[0].weight.requires_grad_(False)
+    torchaos = Float8Linear.from_float(nn.Linear(64, 48, dtype=torch.bfloat16), config=emulated(recipe))
+    torchaos.load_state_dict(ours[0].state_dict())
+    torchaos.weight.requires_grad_(False)
+    float8.convert_linears(ours, emulated(recipe), recipe)
+
+    results = []
+    for layer in (ours, torchaos):
+        x = torch.randn(3, 8, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        saved: list[torch.Tensor] = []
+
+        def pack(tensor, saved=saved):
+            saved.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            y = layer(x)
+        y.backward(torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(2)))
+        results.append((y, x.grad, len(saved)))
+    (y, grad, saved), (torchao_y, torchao_grad, torchao_saved) = results
+    assert torch.equal(y, torchao_y) and torch.equal(grad, torchao_grad)
+    assert (saved, torchao_saved) == (1, 2)  # the weight; torchao's also the input, for the weight gradient
+    # A trained weight goes through torchao's own matmul.
+    ours[0].weight.requires_grad_(True)
+    ours(x).sum().backward()
+    assert ours[0].weight.grad is not None
+
+
 def test_fsdp2_gathers_tensorwise_weights_in_float8(tmp_path):
     """One rank of a gloo group: FSDP2 shards the converted model; with the tensorwise recipe its weights are
     torchao's float8-all-gather tensors, and a step runs; the state dict keeps plain names and bf16 values."""

@@ -23,9 +23,9 @@ Where torchao falls short, for a later fused kernel once the GPU profile says it
 matmul's input to float8 (and, rowwise, its scales) is a pass of its own over the activation, after the RMSNorm
 that made it (q, k, v, gate and up) and after the gated activation (down); a kernel that wrote float8 and its
 scales from the norm's or the activation's epilogue would save that pass. The MLP block also keeps the gated
-product for down's backward, which the one-node fused MLP recomputed. And a frozen LoRA base layer still
-computes its weight gradient in the backward, which autograd then drops (torchao's float8 matmul computes
-both gradients).
+product for down's backward, which the one-node fused MLP recomputed. And torchao's float8 matmul computes the
+weight gradient whatever the weight: for a frozen weight (a LoRA base layer) `frozen_aware_float8_linear` runs
+the input gradient alone, with torchao's casts, and keeps no input for the backward.
 
 Eager float8 runs its casts as separate small kernels; `compile_layers` compiles each decoder layer (in place,
 so parameter names do not change) so that Inductor fuses them: compiling a whole 8B model with float8 did not
@@ -35,9 +35,11 @@ finish within 140 s on an H100 (shared/PLATFORM.md), one layer at a time compile
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from fusetune.models.wrappers import unwrap_model
@@ -91,6 +93,70 @@ class Float8Conversion:
             "compiled_layers": self.compiled_layers,
         }
         return message, data
+
+
+@functools.cache
+def frozen_aware_float8_linear() -> type:
+    """torchao's Float8Linear, whose weight, when it takes no gradient, costs no weight-gradient matmul: the
+    forward as torchao's, the backward only grad_input = cast(grad_output) @ cast(weight).T, with the casts of
+    torchao's grad_input matmul. Built at first use: importing torchao takes seconds, which every other
+    precision's trainer would pay."""
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    def cast(tensor, cast_config, config, mm_config, role, axis: int):
+        # As is when it arrived in float8 (FSDP2's float8 all-gather).
+        if tensor_already_casted_to_fp8(tensor):
+            return tensor
+        return hp_tensor_to_float8_dynamic(
+            tensor,
+            cast_config.target_dtype,
+            mm_config,
+            gemm_input_role=role,
+            scaling_granularity=cast_config.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(axis, cast_config.scaling_granularity),
+            round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+        )
+
+    class FrozenWeightMatmul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input_hp, weight_hp_t, mm_config, config):
+            ctx.save_for_backward(weight_hp_t)
+            ctx.mm_config, ctx.config = mm_config, config
+            input8 = cast(input_hp, config.cast_config_input, config, mm_config, GemmInputRole.INPUT, -1)
+            weight8 = cast(weight_hp_t, config.cast_config_weight, config, mm_config, GemmInputRole.WEIGHT, 0)
+            output = torch.mm(input8.reshape(-1, input8.shape[-1]), weight8)
+            return output.reshape(*input8.shape[:-1], output.shape[-1])
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            (weight_hp_t,) = ctx.saved_tensors
+            config, mm_config = ctx.config, ctx.mm_config
+            flat = grad_output.reshape(-1, grad_output.shape[-1])
+            grad8 = cast(
+                flat, config.cast_config_grad_output, config, mm_config, GemmInputRole.GRAD_OUTPUT, -1
+            )
+            weight8 = cast(
+                weight_hp_t,
+                config.cast_config_weight_for_grad_input,
+                config,
+                mm_config,
+                GemmInputRole.WEIGHT,
+                -1,
+            )
+            grad_input = torch.mm(grad8, weight8.t())
+            return grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1]), None, None, None
+
+    class FrozenAwareFloat8Linear(Float8Linear):
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            if self.weight.requires_grad or torch.is_autocast_enabled():
+                return super().forward(input)
+            output = FrozenWeightMatmul.apply(input, self.weight.t(), self.linear_mm_config, self.config)
+            return output + self.bias.to(output.dtype) if self.bias is not None else output
+
+    return FrozenAwareFloat8Linear
 
 
 def float8_config(recipe: str = RECIPE, *, emulate: bool = False, fsdp: bool = False) -> Float8LinearConfig:
@@ -147,6 +213,9 @@ def convert_linears(
         return reason is None
 
     convert_to_float8_training(model, module_filter_fn=module_filter, config=config)
+    frozen_aware = frozen_aware_float8_linear()
+    for name in converted:
+        model.get_submodule(name).__class__ = frozen_aware
     layers = decoder_layers(model) if compile_layers else []
     for layer in layers:
         layer.compile()
