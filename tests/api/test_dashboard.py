@@ -287,8 +287,30 @@ def test_finished_job_page_plots_every_step_and_downloads_a_checkpoint(dashboard
         "return Array.from(document.querySelector(\"[data-chart='loss']\").uplot.data[1])"
     )
     assert plotted_loss == pytest.approx([point["train_loss"] for point in metrics])
-    for chart in ("throughput", "memory"):
+    for chart in ("throughput", "memory", "accuracy"):
         assert _chart_steps(browser, chart) == steps
+    # Validation beside training: the whole validation file's loss and token accuracy at each epoch's end, as
+    # points on the loss and accuracy charts, the same values the API reports.
+    evaluated = [p["values"].get("valid_loss") is not None for p in metrics]
+    assert sum(evaluated) == EPOCHS
+    for chart, column, name in (("loss", 2, "valid_loss"), ("accuracy", 1, "train_mean_token_accuracy"),
+                                ("accuracy", 2, "valid_mean_token_accuracy")):  # fmt: skip
+        plotted = browser.execute_script(
+            "return Array.from(document.querySelector(`[data-chart='${arguments[0]}']`).uplot.data[arguments[1]])",
+            chart, column,
+        )  # fmt: skip
+        assert plotted == pytest.approx([p["values"].get(name) for p in metrics]), name
+    # The checkpoints with OpenAI's metrics over the whole validation file; the results file; no ETA once done.
+    listed = service.client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
+    row = f"#job-checkpoints tr[data-checkpoint-id='{listed[0]['id']}']"
+    valid_loss = listed[0]["metrics"]["full_valid_loss"]
+    assert _wait_for(
+        lambda: _text(browser, f"{row} td.valid-loss") == f"{valid_loss:.4g}", "checkpoint metrics"
+    )
+    accuracy = listed[0]["metrics"]["full_valid_mean_token_accuracy"]
+    assert _text(browser, f"{row} td.valid-accuracy") == f"{accuracy * 100:.1f}%"
+    assert _text(browser, "#job-result-files") == demo.finished["result_files"][0]
+    assert _text(browser, "#job-eta") == "—"
     assert _element(browser, "#job-status").get_attribute("data-status") == "succeeded"
     assert _wait_for(lambda: "fp32" in _text(browser, "#job-precision"), "the precision")
     assert "n_epochs" in _text(browser, "#job-hyperparameters")
@@ -514,6 +536,10 @@ def test_running_job_chart_grows_and_cancel_works_from_the_page(dashboard, demo)
     )
     assert len(grown) > len(plotted)
     assert grown == _api_steps(service, job_id)[: len(grown)]  # one point per reported step, none skipped
+    # When it should end, from the job object's estimated_finish (the trainer's measured step times).
+    assert service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()["estimated_finish"] is not None
+    assert "in about" in _wait_for(lambda: (t := _text(browser, "#job-eta")) != "—" and t, "the ETA")
+
 
     browser.find_element(By.ID, "job-cancel").click()
     WebDriverWait(browser, 10).until(expected_conditions.alert_is_present())

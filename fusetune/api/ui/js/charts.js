@@ -84,6 +84,9 @@ export function alignOnSteps(tables) {
   return { steps, columns };
 }
 
+/** Validation metrics come on evaluation steps only: their series are drawn as points. */
+export const isValidation = (name) => name.startsWith("valid_");
+
 export const valueOf = (point, name) => {
   if (name === "train_loss" && point.train_loss !== null && point.train_loss !== undefined) return point.train_loss;
   const value = point.values ? point.values[name] : undefined;
@@ -93,6 +96,17 @@ export const valueOf = (point, name) => {
 /** The charts of the job page and the compare view: which metric, how it is shown. */
 export const METRIC_CHARTS = [
   { name: "loss", title: "Loss", metrics: [["train_loss", "train"], ["valid_loss", "validation"]], format: (v) => v.toFixed(3) },
+  // Supervised jobs report token accuracy, preference jobs reward accuracy; the validation series are the whole
+  // validation file at each evaluation (epoch ends, checkpoints, eval_every_steps).
+  {
+    name: "accuracy",
+    title: "Accuracy",
+    metrics: [
+      ["train_mean_token_accuracy", "train tokens"], ["valid_mean_token_accuracy", "validation tokens"],
+      ["reward_accuracy", "train rewards"], ["valid_reward_accuracy", "validation rewards"],
+    ],
+    format: (v) => `${(v * 100).toFixed(1)}%`,
+  },
   { name: "throughput", title: "Tokens / s", metrics: [["tokens_per_second", "tokens/s"]], format: (v) => compact(v) },
   { name: "mfu", title: "MFU (model FLOPs utilisation)", metrics: [["mfu", "MFU"]], format: (v) => `${(v * 100).toFixed(1)}%` },
   {

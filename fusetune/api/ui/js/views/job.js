@@ -2,7 +2,7 @@
 // log, checkpoints with downloads, cancel / pause / resume, and the error of a failed job.
 
 import { MetricsStream, downloadCheckpoint, jobs } from "../api.js";
-import { METRIC_CHARTS, PALETTE, StepChart, valueOf } from "../charts.js";
+import { METRIC_CHARTS, PALETTE, StepChart, isValidation, valueOf } from "../charts.js";
 import {
   FINISHED_STATUSES,
   errorBox,
@@ -65,7 +65,7 @@ export function render(main, [jobId]) {
     chartGrid,
     h("h2", {}, "Checkpoints"),
     h("table", { class: "data", id: "job-checkpoints" },
-      h("thead", {}, h("tr", {}, ["Step", "Saved", "Train loss", "Valid loss", "Model", "Download"].map((c) => h("th", {}, c)))),
+      h("thead", {}, h("tr", {}, ["Step", "Saved", "Train loss", "Valid loss", "Valid accuracy", "Model", "Download"].map((c) => h("th", {}, c)))),
       checkpoints),
     downloadStatus,
     h("h2", {}, "Events"),
@@ -80,7 +80,7 @@ export function render(main, [jobId]) {
       name: spec.name,
       title: spec.title,
       format: spec.format,
-      series: spec.metrics.map(([, label], i) => ({ label, color: PALETTE[i], points: label === "validation" ? true : undefined })),
+      series: spec.metrics.map(([name, label], i) => ({ label, color: PALETTE[i], points: isValidation(name) ? true : undefined })),
     });
     const note = h("p", { class: "muted chart-note" });
     box.append(note);
@@ -131,6 +131,8 @@ export function render(main, [jobId]) {
       fact("Created", formatTime(job.created_at)),
       fact("Started", formatTime(job.attempts && job.attempts.length ? job.attempts[0].started_at : job.started_at)),
       fact("Finished", formatTime(job.finished_at)),
+      fact("Estimated finish", estimatedFinish(job), "job-eta"),
+      fact("Results file", job.result_files && job.result_files.length ? job.result_files.join(", ") : "—", "job-result-files"),
       fact("Training time", formatDuration(jobDuration(job)), "job-training-time"),
       fact("Attempts", formatAttempts(job.attempts), "job-attempts"),
       fact("Trained tokens", formatCount(job.trained_tokens), "job-trained-tokens"),
@@ -159,11 +161,16 @@ export function render(main, [jobId]) {
         button.addEventListener("click", () => download_(c, withState, button));
         return button;
       };
-      return h("tr", { dataset: { checkpointId: c.id } },
-        h("td", {}, c.step_number),
+      // OpenAI's checkpoint metrics: full_valid_* over the whole validation file; a preference job's accuracy
+      // is its reward accuracy. The best checkpoint of a job that stopped early is marked.
+      const m = c.metrics || {};
+      const accuracy = m.full_valid_mean_token_accuracy ?? m.full_valid_reward_accuracy;
+      return h("tr", { dataset: { checkpointId: c.id, best: String(Boolean(c.best)) } },
+        h("td", {}, c.best ? `${c.step_number} (best)` : c.step_number),
         h("td", {}, formatTime(c.created_at)),
-        h("td", {}, formatNumber(c.metrics.train_loss)),
-        h("td", {}, formatNumber(c.metrics.valid_loss)),
+        h("td", {}, formatNumber(m.train_loss)),
+        h("td", { class: "valid-loss" }, formatNumber(m.full_valid_loss ?? m.valid_loss)),
+        h("td", { class: "valid-accuracy" }, accuracy == null ? "—" : `${(accuracy * 100).toFixed(1)}%`),
         h("td", {}, c.fine_tuned_model_checkpoint),
         h("td", { class: "nowrap" }, download(false), " ", download(true)));
     }));
@@ -234,6 +241,13 @@ export function render(main, [jobId]) {
     stopPolling();
     for (const { chart } of charts) chart.destroy();
   };
+}
+
+/** When a running job should end (the job object's estimated_finish, from its measured step times). */
+function estimatedFinish(job) {
+  if (job.status !== "running" || job.estimated_finish == null) return "—";
+  const left = Math.max(0, job.estimated_finish - Date.now() / 1000);
+  return `${formatTime(job.estimated_finish)} (in about ${formatDuration(left)})`;
 }
 
 /** {"lora": {"r": 8}} -> [["lora.r", 8]] */
