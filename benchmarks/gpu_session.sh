@@ -17,6 +17,7 @@
 #   e2e MODELS IMPLS [ARGS...] benchmarks.step.e2e
 #   trainer-step [ARGS...]     benchmarks.step.trainer_step
 #   dpo [ARGS...]              benchmarks.step.dpo
+#   grpo [ARGS...]             benchmarks.step.grpo (about 8 minutes: BUDGET_S=540)
 #   estimate [CONFIGS]         benchmarks.step.memory_estimate
 #   service [ARGS...]          benchmarks.service.jobs
 #   scaling [ARGS...]          benchmarks.scaling.gpus (e.g. --nproc 1,2,4)
@@ -70,6 +71,8 @@ case "$name" in
     stage trainer-step 30 timeout "$budget" python3 -m benchmarks.step.trainer_step --out "$OUT" "$@" ;;
   dpo)
     stage dpo 30 timeout "$budget" python3 -m benchmarks.step.dpo --out "$OUT" "$@" ;;
+  grpo)
+    stage grpo 30 timeout "$budget" python3 -m benchmarks.step.grpo --out "$OUT" "$@" ;;
   estimate)
     stage estimate 20 timeout "$budget" python3 -m benchmarks.step.memory_estimate ${1:+--configs "$1"} --out "$OUT" ;;
   service)

@@ -30,6 +30,7 @@ SCRIPT_OPTIONS = {
     "benchmarks.step.e2e": ("--impls", "--out", "--merge", "--section"),
     "benchmarks.step.trainer_step": ("--variants", "--tiny", "--out"),
     "benchmarks.step.dpo": ("--impls", "--tiny", "--pairs", "--out"),
+    "benchmarks.step.grpo": ("--variants", "--tiny", "--prompts", "--completion-tokens", "--out"),
     "benchmarks.step.memory_estimate": ("--configs", "--out"),
     "benchmarks.step.memory_plans": ("--variants", "--memory-gib", "--tiny", "--out", "--merge"),
     "benchmarks.kernels.attention": ("--out",),

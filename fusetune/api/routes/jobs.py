@@ -42,7 +42,7 @@ from fusetune.db.models import AttemptEnd, Checkpoint, File, Job, JobStatus, new
 from fusetune.spec.estimate import DataCounts, ModelShape
 from fusetune.spec.hyperparameters import SpecError
 from fusetune.spec.job import JobSpec
-from fusetune.spec.methods import DEFAULT_METHOD, reads_the_same_files
+from fusetune.spec.methods import DEFAULT_METHOD, METHODS, reads_the_same_files
 from fusetune.spec.planner import PlanError, checkpoint_disk, free_disk_bytes, plan_job
 from fusetune.storage import Storage, StorageError
 
@@ -67,8 +67,11 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
     method = hyper.pop("method", None) or {}
     method_type = method.get("type", DEFAULT_METHOD)
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
-    # A method's own settings (DPO's beta, ...) are reported beside the shared hyperparameters, as OpenAI does.
-    public.update(method.get(method_type) or {})
+    # A method's own settings (DPO's beta, ...) are reported beside the shared hyperparameters, as OpenAI does;
+    # those its request gives beside the hyperparameters (reinforcement's grader) beside them again.
+    settings = dict(method.get(method_type) or {})
+    beside = {name: settings.pop(name) for name in METHODS[method_type].request_fields if name in settings}
+    public.update(settings)
     return JobObject(
         id=job.id,
         created_at=job.created_at,
@@ -77,7 +80,7 @@ def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
         finished_at=job.finished_at,
         started_at=job.started_at,
         hyperparameters=hyper,
-        method={"type": method_type, method_type: {"hyperparameters": public}},
+        method={"type": method_type, method_type: {"hyperparameters": public, **beside}},
         model=job.model,
         organization_id=job.tenant,
         result_files=[job.result_file_id] if job.result_file_id else [],

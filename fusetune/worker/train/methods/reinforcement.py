@@ -212,6 +212,13 @@ class GroupRelativePolicyOptimization(TrainingMethod):
                 f"the reinforcement method does not run under FSDP: {METHODS[self.type].fsdp_refusal}",
             )
         self.rank, self.world_size = trainer.dist.rank, trainer.dist.world_size
+        # A completion also ends at any end-of-sequence token the model's generation config names (an instruct
+        # model's end of turn).
+        generation_eos = getattr(getattr(trainer.model, "generation_config", None), "eos_token_id", None)
+        if generation_eos is not None:
+            self.eos_token_ids |= set(
+                generation_eos if isinstance(generation_eos, list) else [generation_eos]
+            )
         if trainer.valid_data is not None and self.settings.eval_samples is not None:
             # Evaluation samples the first eval_samples prompts of the validation file.
             prompts = trainer.valid_data.sequences[: self.settings.eval_samples]
