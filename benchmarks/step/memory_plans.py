@@ -300,7 +300,38 @@ def render_markdown(payload: dict[str, Any]) -> str:
     lines.append(markdown_table(
         ["model", "rows", "cap GiB", "setup", "plan", "tokens/s", "step ms", "peak alloc GB", "peak reserved GB",
          "x TRL+Liger", "error"], table))  # fmt: skip
+    if payload.get("estimates"):
+        lines += ["", "The memory model's peak for each plan (fusetune/spec/estimate.py; `--estimates`) beside the "
+                  "measured one:", ""]  # fmt: skip
+        lines.append(markdown_table(
+            ["setup", "model", "rows", "measured GiB", "estimated GiB", "estimate / measured"],
+            [[r["impl"], r["model"], r["rows"], r["measured_gib"], r["estimated_gib"], r["ratio"]]
+             for r in payload["estimates"]]))  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def estimate_rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The memory model's peak (fusetune/spec/estimate.py) for each fusetune row's plan beside its measured peak."""
+    from fusetune.spec.estimate import DataCounts, ModelShape, estimate_job
+    from fusetune.spec.hyperparameters import JobHyperparameters
+    from fusetune.spec.job import JobSpec
+    from fusetune.spec.plan import MemoryPlan
+
+    rows = []
+    for row in payload["rows"]:
+        if not (row["impl"].startswith("fusetune") and row.get("plan") and row.get("peak_alloc_gb")):
+            continue
+        shape = ModelShape.from_config_dict(build_config(row["model"], tiny=False).to_dict())
+        job = JobSpec(hyperparameters=JobHyperparameters(batch_size=row["batch"], max_seq_length=row["seq"]))
+        data = DataCounts(
+            example_count=row["batch"], token_estimate=row["batch"] * row["seq"], padded_length=row["seq"]
+        )
+        estimate = estimate_job(shape, job, data, plan=MemoryPlan(**row["plan"]))
+        estimated_gib = estimate.peak_memory_bytes_per_gpu / GIB
+        rows.append({"impl": row["impl"], "model": row["model"], "rows": f"{row['batch']} x {row['seq']}",
+                     "measured_gib": row["peak_alloc_gb"], "estimated_gib": round(estimated_gib, 2),
+                     "ratio": round(estimated_gib / row["peak_alloc_gb"], 3)})  # fmt: skip
+    return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -319,12 +350,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny model of the family on the CPU (a smoke run)"
     )
+    parser.add_argument("--estimates", type=Path, default=None,
+                        help="print the memory model's estimate of each plan in this results file beside its "
+                        "measured peak (any machine), and add them to the file's section")  # fmt: skip
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.estimates:
+        content = harness.load_json(args.estimates)
+        section = content["sections"][args.section]
+        section["estimates"] = estimate_rows(section)
+        harness.write_json(args.estimates, content)
+        print(markdown_table(["setup", "model", "rows", "measured GiB", "estimated GiB", "estimate / measured"],
+                             [list(r.values()) for r in section["estimates"]]))  # fmt: skip
+        return 0
     if args._worker:
         return harness.run_as_worker(run_row, args._worker, lambda spec, _error: {
             "impl": spec["variant"], "model": spec["model"], "seq": spec["seq"], "batch": spec["batch"],
