@@ -20,10 +20,16 @@ URL = "/v1/fine_tuning/options"
 # A line of each training file format (fusetune/spec/examples.py).
 LINES = {
     "supervised": '{"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}\n',
+    "reinforcement": '{"messages": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}\n',
     "preference": '{"input": {"messages": [{"role": "user", "content": "1 + 1?"}]}, '
     '"preferred_output": [{"role": "assistant", "content": "2"}], '
     '"non_preferred_output": [{"role": "assistant", "content": "3"}]}\n',
 }
+# What a method's request gives beside its hyperparameters, which no option offers (reinforcement's grader).
+BESIDE = {
+    "reinforcement": {"grader": {"type": "string_check", "name": "exact", "operation": "eq",
+                                 "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}"}},
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -113,7 +119,7 @@ def test_a_job_made_of_the_offered_defaults_is_created_for_every_method(client, 
         ).json()["id"]
         settings = {setting: option["default"] for setting, option in method["settings"].items()}
         body = {"model": "tiny", "training_file": file_id,
-                "method": {"type": name, name: {"hyperparameters": shared | settings}}}  # fmt: skip
+                "method": {"type": name, name: {"hyperparameters": shared | settings, **BESIDE.get(name, {})}}}  # fmt: skip
         response = client.post("/v1/fine_tuning/jobs", json=body)
         assert response.status_code == 200, response.text
         job = response.json()

@@ -124,9 +124,9 @@ def _method_settings(method_type: str) -> dict[str, Option]:
         return {}
     decided = settings.model_json_schema()
     requested = hyperparameters_request(method_type).model_json_schema()
-    return _options(
-        decided, {"properties": {name: requested["properties"][name] for name in decided["properties"]}}
-    )
+    # A setting the request gives beside the hyperparameters (reinforcement's grader) is no hyperparameter.
+    names = [name for name in decided["properties"] if name not in METHODS[method_type].request_fields]
+    return _options(decided, {"properties": {name: requested["properties"][name] for name in names}})
 
 
 @cache
