@@ -330,3 +330,37 @@ def test_an_fp8_run_checkpoints_plain_weights_and_resumes_exactly(
     assert curve == [values["train_loss"] for _, values in whole.metrics]
     for a, b in zip(whole_trainer.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_on_a_gpu_compiled_float8_layers_train_as_bf16_does(recipe):
+    """The real float8 matmul (torch._scaled_mm) under each decoder layer's torch.compile, with the fused
+    kernels: a few steps track the bf16 model's losses (needs compute capability 8.9 or newer)."""
+    from fusetune.models import apply_fusetune
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9")
+    batches = make_batches("cuda")
+    losses = {}
+    for name in ("bf16", "fp8"):
+        model = build_tiny_model("llama", dtype=torch.bfloat16).cuda()
+        handle = apply_fusetune(model, strict=True)
+        try:
+            if name == "fp8":
+                conversion = float8.convert_linears(
+                    model, float8.float8_config(recipe), recipe, compile_layers=True
+                )
+                assert conversion.compiled_layers == 2
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            losses[name] = []
+            for batch in batches * 2:
+                loss = model(**batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses[name].append(float(loss))
+        finally:
+            handle.revert()
+    assert losses["fp8"][-1] < losses["fp8"][0], losses
+    torch.testing.assert_close(torch.tensor(losses["fp8"]), torch.tensor(losses["bf16"]), rtol=0.03, atol=0)
