@@ -252,16 +252,22 @@ def test_a_frozen_float8_layer_computes_the_input_gradient_alone(recipe):
     assert ours[0].weight.grad is not None
 
 
-def test_fsdp2_gathers_tensorwise_weights_in_float8(tmp_path):
-    """One rank of a gloo group: FSDP2 shards the converted model; with the tensorwise recipe its weights are
-    torchao's float8-all-gather tensors, and a step runs; the state dict keeps plain names and bf16 values."""
+def test_ddp_and_fsdp2_take_the_converted_model(tmp_path):
+    """One rank of a gloo group. DDP wraps the converted model and reduces every gradient. FSDP2 shards it; with
+    the tensorwise recipe its weights are torchao's float8-all-gather tensors, and a step runs; the state dict
+    keeps plain names and bf16 values."""
     import torch.distributed as dist
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from fusetune.worker.train.distributed import shard_fsdp
+    from fusetune.worker.train.distributed import shard_fsdp, wrap_ddp
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
+        model = build_tiny_model("llama", dtype=torch.bfloat16)
+        float8.convert_linears(model, emulated())
+        wrap_ddp(model, torch.device("cpu"), None)(**make_batches()[0]).loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
+
         model = build_tiny_model("llama", dtype=torch.bfloat16)
         names = set(model.state_dict())
         conversion = float8.convert_linears(model, emulated("tensorwise", fsdp=True), "tensorwise")
