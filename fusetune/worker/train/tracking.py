@@ -143,6 +143,8 @@ class WandbTracker(Tracker):
             rows = [[e["created_at"], e["level"], e["message"], json.dumps(e["data"])] for e in events]
             self.run.log({"events": wandb.Table(columns=columns, data=rows)})
         self.run.finish(exit_code=0 if outcome in ("finished", "stopped") else 1)
+        # finish() can return before wandb's service has written the whole run to disk; its teardown waits.
+        wandb.teardown()
 
 
 def wandb_mode() -> str:
