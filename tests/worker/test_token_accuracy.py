@@ -1,5 +1,5 @@
 """A supervised step's train_mean_token_accuracy is the same whether the model builds its logits or the fused
-loss kernel counts the tokens predicted right (the kernels run under the Triton interpreter on a CPU)."""
+loss kernel counts the tokens predicted right (on a GPU, or under the Triton interpreter on a CPU)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fusetune.worker.train.methods.sft import SupervisedFineTuning
 ONLY_LOSS = {"rope": False, "rms_norm": False, "swiglu": False, "geglu": False}
 
 
-def test_the_fused_loss_counts_the_same_accuracy_as_the_logits(tmp_path):
+def test_the_fused_loss_counts_the_same_accuracy_as_the_logits(tmp_path, device):
     model_dir = assets.build_tiny_model(tmp_path / "model")
     train = assets.write_demo_dataset(tmp_path / "train.jsonl", n_examples=6, seed=3)
     config = TrainConfig(model_path=str(model_dir), training_file=str(train), output_dir=str(tmp_path / "out"),
@@ -24,9 +24,10 @@ def test_the_fused_loss_counts_the_same_accuracy_as_the_logits(tmp_path):
     tokenizer = load_tokenizer(str(model_dir))
     method = SupervisedFineTuning(config, tokenizer, tokenizer.pad_token_id or 0)
     batch = method.collate(method.load_data(str(train), packing=False).sequences, packed=False)
-    model = load_model(str(model_dir), torch.float32)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) and v.ndim else v for k, v in batch.items()}
+    model = load_model(str(model_dir), torch.float32).to(device)
     model.train()
-    normaliser = torch.tensor(int(batch["n_trained_tokens"]) * 2)  # as if another rank had as many tokens
+    normaliser = torch.tensor(int(batch["n_trained_tokens"]) * 2, device=device)  # another rank's as many
     loss, metrics = method.loss(model, batch, normaliser)
     handle = apply_fusetune(model, **ONLY_LOSS)
     try:
