@@ -142,12 +142,15 @@ def test_the_decoder_linears_convert_and_the_head_and_odd_sizes_stay_bf16():
 
 
 def test_compiled_layers_keep_their_parameter_names():
-    """Each decoder layer compiled in place (`nn.Module.compile`), not wrapped: the names checkpoints use stay."""
+    """Each decoder layer compiled in place (`nn.Module.compile`), not wrapped: the names checkpoints use stay. A
+    layer with forward hooks (activation offload's) stays eager."""
     model = build_tiny_model("llama", dtype=torch.bfloat16)
     names = list(model.state_dict())
+    first, second = model.model.layers
+    first.register_forward_pre_hook(lambda module, args: None)
     conversion = float8.convert_linears(model, emulated(), compile_layers=True)
-    assert conversion.compiled_layers == 2
-    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
+    assert conversion.compiled_layers == 1
+    assert first._compiled_call_impl is None and second._compiled_call_impl is not None
     assert list(model.state_dict()) == names
 
 

@@ -216,7 +216,13 @@ def convert_linears(
     frozen_aware = frozen_aware_float8_linear()
     for name in converted:
         model.get_submodule(name).__class__ = frozen_aware
-    layers = decoder_layers(model) if compile_layers else []
+    # A layer with forward hooks (activation offload's saved-tensor hooks, entered and left around its forward)
+    # stays eager: compiling it would trace the hooks into its graph.
+    layers = [
+        layer
+        for layer in (decoder_layers(model) if compile_layers else [])
+        if not (layer._forward_pre_hooks or layer._forward_hooks)
+    ]
     for layer in layers:
         layer.compile()
     return Float8Conversion(

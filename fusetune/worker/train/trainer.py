@@ -132,9 +132,9 @@ class Trainer:
 
         self.model = self._build_model()
         self.kernels_applied = self._apply_kernels()
-        self.float8 = float8.apply(self.model, self.precision, self.reporter)  # fp8's linears; None otherwise
         self.model.train()
         self.activation_layout, self.activation_offload = self._arrange_activations()
+        self.float8 = float8.apply(self.model, self.precision, self.reporter)  # fp8's linears; None otherwise
         self.train_model = self._parallelize()
 
         self.steps_per_epoch, self.total_steps, self.warmup_steps = schedule_lengths(
