@@ -72,6 +72,9 @@ def test_patience_counts_evaluations_without_an_improvement_larger_than_min_delt
     resumed.load_state_dict(json.loads(json.dumps(stopper.state_dict())))
     assert resumed.checkpoints.keep == Path("/run/checkpoints/step-1")  # its best is never pruned
     assert not resumed.observe(3, 2.2) and resumed.stopped
+    again = _stopper(patience=2, min_delta=0.1)
+    again.load_state_dict(resumed.state_dict())  # paused at the step it stopped: it stays stopped
+    assert again.stopped and again.best_step == 1
 
     off = EarlyStopping(None, SimpleNamespace(), NullReporter())
     assert not any(off.observe(step, 1.0 / step) for step in range(1, 10)) and not off.stopped

@@ -94,3 +94,5 @@ class EarlyStopping:
         self.evaluations_without_improvement = state["evaluations_without_improvement"]
         if self.spec is not None and self.best_step is not None:
             self.best_saved()
+        # A run paused at the very step its patience ran out ends at once when it resumes.
+        self.stopped = self.spec is not None and self.evaluations_without_improvement >= self.spec.patience
