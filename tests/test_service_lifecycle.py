@@ -1,8 +1,10 @@
 """Stopping ``fusetune serve`` stops everything it started, whatever stops it, and loses no job.
 
-A case kills `serve` while a job trains (and another waits queued behind it), waits for every process of the
-service to exit, starts `serve` again on the same data directory and waits for the jobs. Gated on events only (a
-metric row, a process's exit, a job's status); pytest-timeout bounds them.
+One run stops `serve` with each signal in turn (SIGTERM, SIGINT, SIGHUP, SIGKILL), each time while a job trains
+and another waits queued behind it, waits for every process of the service to exit, and starts `serve` again on
+the same data directory: the job in training was handed over with a checkpoint and resumes from it, the queued
+one is untouched. Gated on events only (a metric row, a process's exit, a job's status or event);
+pytest-timeout bounds them.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from tests.services import running_service
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-llama"
-# 4 steps an epoch. The job in training has epochs enough to be mid-run at its stop however fast the machine (the
-# hand-over request reaches the trainer within about two seconds), and is cancelled once it has resumed; the
-# queued one trains one epoch to the end.
-TRAIN_LINES, BATCH_SIZE, LONG_EPOCHS = 32, 8, 50
+# 8 steps an epoch, 100 epochs: each job is mid-run at every stop however fast the machine (a hand-over request
+# reaches the trainer within about two seconds), and is cancelled once it has resumed at the end.
+TRAIN_LINES, BATCH_SIZE, LONG_EPOCHS = 64, 8, 100
+# A terminal's Ctrl-C, a supervisor's stop, a hang-up, and the kill that leaves serve no chance to act.
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL)
+HANDED_OVER = re.compile(r"Worker \S+ is stopping: training handed over with the checkpoint of step (\d+)")
+STARTED = "Fine-tuning job started on worker"
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +64,40 @@ def wait_for_exit(pids: set[int]) -> None:
             time.sleep(0.05)
 
 
-def _create_job(service, file_id: str, n_epochs: int = 1) -> str:
+def _create_job(service, file_id: str) -> str:
     response = service.client.post("/v1/fine_tuning/jobs", json={
         "model": MODEL, "training_file": file_id, "seed": 0,
-        "hyperparameters": {"n_epochs": n_epochs, "batch_size": BATCH_SIZE, "n_gpus": 1}})  # fmt: skip
+        "hyperparameters": {"n_epochs": LONG_EPOCHS, "batch_size": BATCH_SIZE, "n_gpus": 1}})  # fmt: skip
     assert response.status_code == 200, response.text
     return response.json()["id"]
 
 
-def _wait_for_first_step(service, job_id: str) -> None:
-    while not service.client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"]:
-        time.sleep(0.1)
+def _status(service, job_id: str) -> str:
+    return service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"]
+
+
+def _attempt_ended(service, job_id: str) -> bool:
+    return service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()["attempts"][-1]["ended_at"] is not None
 
 
 def _messages(service, job_id: str) -> list[str]:
     events = service.client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 1000}).json()
     return [event["message"] for event in reversed(events["data"])]
+
+
+def _handed_over_steps(service, job_id: str) -> list[int]:
+    return [int(match.group(1)) for m in _messages(service, job_id) if (match := HANDED_OVER.match(m))]
+
+
+def _wait_for_training(service, trained_to: dict[str, int]) -> str:
+    """The job that trains now: the one with a step beyond the checkpoint it was last handed over with (its
+    earlier attempts recorded none, each having stopped at its checkpoint)."""
+    while True:
+        for job_id, step in trained_to.items():
+            params = {"min_step": step + 1}
+            if service.client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics", params=params).json()["data"]:
+                return job_id
+        time.sleep(0.1)
 
 
 def _install(tmp_path: Path, tiny_model: Path) -> tuple[Path, Path]:
@@ -96,51 +119,61 @@ def _kill_and_wait(service, signum: int) -> None:
     assert not service_pids(service.settings.data_dir), "a process of the service outlived serve"
 
 
-# Training cases are the expensive ones (about a minute each on 2 cores): the two ways serve ends, each with a job
-# in training; the queued job rides along with one of them. SIGINT and SIGHUP reach the worker the same way as
-# SIGTERM (serve stops it), which the idle case below checks for each.
-@pytest.mark.parametrize(
-    ("signum", "with_queued_job"),
-    [(signal.SIGTERM, True), (signal.SIGKILL, False)],
-    ids=["SIGTERM-running-and-queued", "SIGKILL-running"],
-)
-def test_serve_stopped_mid_job_hands_it_over_and_loses_none(tmp_path, tiny_model, signum, with_queued_job):
+def test_serve_stopped_by_each_signal_mid_job_with_one_queued_loses_no_job(tmp_path, tiny_model):
     data_dir, train = _install(tmp_path, tiny_model)
-    with running_service(data_dir) as service:
-        file_id = service.upload(train).json()["id"]
-        running = _create_job(service, file_id, n_epochs=LONG_EPOCHS)
-        _wait_for_first_step(service, running)
-        queued = _create_job(service, file_id) if with_queued_job else None
-        assert len(service_pids(data_dir)) >= 4  # serve, the worker, torchrun, a rank
-        _kill_and_wait(service, signum)
+    trained_to: dict[str, int] = {}  # each job's step when it was last handed over (0: never trained)
+    stopped_in_training: list[str] = []
+    for signum in (*STOPS, None):
+        with running_service(data_dir) as service:
+            if not trained_to:
+                file_id = service.upload(train).json()["id"]
+                trained_to = {_create_job(service, file_id): 0 for _ in range(2)}
+                trained = list(trained_to)
+            if stopped_in_training:  # the last stop's hand-over, read now that the API is up again
+                handed = _handed_over_steps(service, stopped_in_training[-1])
+                assert len(handed) == stopped_in_training.count(stopped_in_training[-1]), handed
+                trained_to[stopped_in_training[-1]] = handed[-1]
+            if signum is not None:
+                training = _wait_for_training(service, trained_to)
+                (waiting,) = set(trained_to) - {training}
+                assert _status(service, waiting) == "queued"
+                assert len(service_pids(data_dir)) >= 4  # serve, the worker, torchrun, a rank
+                _kill_and_wait(service, signum)
+                stopped_in_training.append(training)
+                continue
+            # Each job resumes in turn from the checkpoint it was handed over with, and is then cancelled.
+            while trained_to:
+                training = _wait_for_training(service, trained_to)
+                resumed = f"Resumed from the checkpoint of step {trained_to.pop(training)}"
+                assert resumed in _messages(service, training)
+                assert service.client.post(f"/v1/fine_tuning/jobs/{training}/cancel").status_code == 200
+                while not _attempt_ended(service, training):  # the worker has stopped the trainer
+                    time.sleep(0.1)
+            jobs = {job_id: service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json() for job_id in trained}
+            messages = {job_id: _messages(service, job_id) for job_id in jobs}
 
-    with running_service(data_dir) as service:
-        while not any(
-            m.startswith("Resumed from the checkpoint of step") for m in _messages(service, running)
-        ):
-            time.sleep(0.2)
-        assert service.client.post(f"/v1/fine_tuning/jobs/{running}/cancel").status_code == 200
-        if queued is not None:
-            job = service.wait_for_job(queued)
-            assert job["status"] == "succeeded", job
-        job = service.wait_for_job(running)
-        messages = _messages(service, running)
-    # The hand-over is no fault: it uses up none of the job's retries.
-    assert job["attempts"][0]["cause"] == "handed_over" and not job["attempts"][0]["fault"], job
-    # The job was handed over with a checkpoint at once, not left for its lease to lapse, and resumed from it.
-    handed = [m for m in messages if re.match(r"Worker \S+ is stopping: training handed over", m)]
-    assert len(handed) == 1, messages
-    assert not any("stopped renewing its lease" in m for m in messages), messages
-    step = re.search(r"the checkpoint of step (\d+)", handed[0]).group(1)
-    assert f"Resumed from the checkpoint of step {step}" in messages, messages
-    # One trainer at a time: two starts, the second after the hand-over.
-    starts = [i for i, m in enumerate(messages) if m.startswith("Fine-tuning job started on worker")]
-    assert len(starts) == 2 and starts[0] < messages.index(handed[0]) < starts[1], messages
+    # Both jobs trained, each stop handed the one in training over and left the queued one alone.
+    assert set(stopped_in_training) == set(jobs) and len(stopped_in_training) == len(STOPS)
+    for job_id, job in jobs.items():
+        stops = stopped_in_training.count(job_id)
+        # The hand-overs are no faults: they use up none of the job's retries.
+        causes = [(attempt["cause"], attempt["fault"]) for attempt in job["attempts"]]
+        assert causes == [("handed_over", False)] * stops + [("cancelled", False)], job
+        # Handed over with a checkpoint at once, not left for its lease to lapse, and resumed from it: one
+        # trainer at a time, each start after the previous attempt's hand-over.
+        assert not any("stopped renewing its lease" in m for m in messages[job_id]), messages[job_id]
+        timeline = [m for m in messages[job_id] if m.startswith(STARTED) or HANDED_OVER.match(m)
+                    or m.startswith("Resumed from the checkpoint of step")]  # fmt: skip
+        expected = [STARTED]
+        for handed in [m for m in timeline if HANDED_OVER.match(m)]:
+            step = HANDED_OVER.match(handed).group(1)
+            expected += [handed, STARTED, f"Resumed from the checkpoint of step {step}"]
+        assert [m if not m.startswith(STARTED) else STARTED for m in timeline] == expected, messages[job_id]
+        assert len(expected) == 1 + 3 * stops
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
-def test_serve_stops_its_worker_on(tmp_path, signum):
+def test_serve_stops_its_idle_worker(tmp_path):
     with running_service(tmp_path / "data") as service:
         while len(service_pids(service.settings.data_dir)) < 2:  # the worker has started
             time.sleep(0.05)
-        _kill_and_wait(service, signum)
+        _kill_and_wait(service, signal.SIGHUP)
