@@ -3,10 +3,12 @@
 For each case it starts `fusetune serve` on a fresh data directory, starts one job (epochs of 8 steps, a
 resumable checkpoint at every epoch's end, the service's default), waits for its 3rd step, then:
 
-- `serve-sigterm`, `serve-sigkill`: stops `serve` with the signal, times until every process of the service has
-  exited, starts `serve` again and times until the job trains again;
+- `serve-sigterm`, `serve-sigint`, `serve-sighup`, `serve-sigkill`: stops `serve` with the signal, times until
+  every process of the service has exited, starts `serve` again and times until the job trains again;
 - `worker-sigkill`: kills the embedded worker alone (a crash), and times until the job trains again, which waits
   for its lease to lapse (FUSETUNE_LEASE_S) and a reaper pass;
+- `worker-sighup`: SIGHUP to the worker alone (what a standalone `fusetune worker` does with it too: hand the job
+  over, start again in the same process), and times until the job trains again;
 - `pause`: pauses the job, waits until it is paused, resumes it and times until it trains again.
 
 "Steps lost" is the last step reported before the stop minus the step the job resumed from (0: the stop saved a
@@ -28,7 +30,9 @@ from pathlib import Path
 
 from benchmarks.service.jobs import Service
 
-CASES = ("serve-sigterm", "serve-sigkill", "worker-sigkill", "pause")
+SERVE_STOPS = {"serve-sigterm": signal.SIGTERM, "serve-sigint": signal.SIGINT, "serve-sighup": signal.SIGHUP,
+               "serve-sigkill": signal.SIGKILL}  # fmt: skip
+CASES = (*SERVE_STOPS, "worker-sigkill", "worker-sighup", "pause")
 MODEL = "tiny-llama"
 # 8 steps an epoch, and epochs enough that no job ends before its stop, however fast the machine.
 TRAIN_LINES, BATCH_SIZE, EPOCHS = 64, 8, 50
@@ -62,11 +66,17 @@ def _wait(condition, interval_s: float = 0.1):
     return value
 
 
+def _messages(service: Service, job_id: str) -> list[str]:
+    url = f"/v1/fine_tuning/jobs/{job_id}/events"
+    return [e["message"] for e in service.check(service.client.get(url, params={"limit": 1000}))["data"]]
+
+
 def _resumed_from(service: Service, job_id: str) -> int:
     """The step of the checkpoint the job resumed from; 0 when it started over (no checkpoint yet)."""
-    url = f"/v1/fine_tuning/jobs/{job_id}/events"
-    events = service.check(service.client.get(url, params={"limit": 1000}))["data"]
-    resumed = [re.match(r"Resumed from the checkpoint of step (\d+)", e["message"]) for e in events]
+    resumed = [
+        re.match(r"Resumed from the checkpoint of step (\d+)", message)
+        for message in _messages(service, job_id)
+    ]
     return next((int(match.group(1)) for match in resumed if match), 0)
 
 
@@ -95,7 +105,7 @@ def run_case(case: str, workdir: Path) -> str:
         if case.startswith("serve-"):
             before = _service_pids(data_dir)
             stop = time.monotonic()
-            os.killpg(service.process.pid, signal.SIGTERM if case == "serve-sigterm" else signal.SIGKILL)
+            os.killpg(service.process.pid, SERVE_STOPS[case])
             service.process.wait()
             _wait(lambda: not (before & _service_pids(data_dir)), 0.02)
             stopped_s = time.monotonic() - stop
@@ -109,16 +119,23 @@ def run_case(case: str, workdir: Path) -> str:
             lost = last - _resumed_from(service, job_id)
             return (f"{case}: every process gone {stopped_s:.1f} s after the signal; steps lost {lost}; training "
                     f"again {again_s:.1f} s after serve was started again")  # fmt: skip
-        if case == "worker-sigkill":
+        if case.startswith("worker-"):
             (worker,) = [pid for pid in _service_pids(data_dir) if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
                          and b"fusetune.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
             kill, kill_s = time.monotonic(), time.time()
-            os.kill(worker, signal.SIGKILL)
-            last = max(_steps(service, job_id))
-            _trains_again(service, job_id, kill_s)
+            os.kill(worker, signal.SIGKILL if case == "worker-sigkill" else signal.SIGHUP)
+            if case == "worker-sighup":
+                # The trainer goes on to its next step and saves it: the attempt's steps are all in once the job
+                # is handed over, and a later step is the next attempt's.
+                _wait(lambda: "training handed over" in " ".join(_messages(service, job_id)))
+                last = max(_steps(service, job_id))
+                _wait(lambda: max(_steps(service, job_id)) > last)
+            else:
+                last = max(_steps(service, job_id))
+                _trains_again(service, job_id, kill_s)
             again_s = time.monotonic() - kill
             lost = last - _resumed_from(service, job_id)
-            return f"{case}: steps lost {lost}; training again {again_s:.1f} s after the kill"
+            return f"{case}: steps lost {lost}; training again {again_s:.1f} s after the signal"
         # pause
         service.check(service.client.post(f"/v1/fine_tuning/jobs/{job_id}/pause"))
         _wait(lambda: "paused at step" in " ".join(
