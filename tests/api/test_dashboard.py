@@ -466,6 +466,50 @@ def test_the_new_job_form_is_built_from_the_options_and_sends_a_methods_settings
     assert service.client.post(f"/v1/fine_tuning/jobs/{created['id']}/cancel").status_code == 200
 
 
+def test_the_new_job_form_previews_the_data_check_with_the_trained_tokens_highlighted(dashboard, demo):
+    """The estimate shows the data check: the first example as the model sees it, its trained tokens highlighted;
+    for a model whose chat template leaves the end-of-turn token untrained, the failed check and the example."""
+    browser = dashboard
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    service = demo.service
+    models_dir = service.settings.models_dir
+    no_eot = models_dir / f"{MODEL}-no-eot"
+    shutil.copytree(models_dir / MODEL, no_eot)
+    template = (no_eot / "chat_template.jinja").read_text()
+    # The end-of-turn token moved out of the generation block: rendered, never trained.
+    moved = template.replace("{{- eos_token }}{%- endgeneration %}", "{%- endgeneration %}{{- eos_token }}")
+    assert moved != template
+    (no_eot / "chat_template.jinja").write_text(moved)
+    try:
+        browser.get(f"{service.base_url}/ui/#/new")
+        models = lambda: [o.get_attribute("value") for o in Select(_element(browser, "#model")).options]  # noqa: E731
+        _wait_for(lambda: no_eot.name in models(), "the model without a trained end-of-turn token")
+        Select(browser.find_element(By.ID, "model")).select_by_value(MODEL)
+        Select(browser.find_element(By.ID, "training_file")).select_by_value(demo.training_file)
+        status = lambda: _element(browser, "#data-check").get_attribute("data-status")  # noqa: E731
+        _wait_for(lambda: status() == "passed", "the passed data check")
+        body = {"model": MODEL, "training_file": demo.training_file, "dry_run": True}
+        preview = service.client.post("/v1/fine_tuning/jobs", json=body).json()["data_check"]["preview"]
+        trained = [s["text"] for s in preview["sequences"][0]["segments"] if s["trained"]]
+
+        def marks() -> list[str]:
+            found = browser.find_elements(By.CSS_SELECTOR, "#data-check mark.trained")
+            return [mark.get_attribute("textContent") for mark in found]
+
+        assert marks() == trained and trained[0].endswith("<|eot|>")
+
+        Select(browser.find_element(By.ID, "model")).select_by_value(no_eot.name)
+        _wait_for(lambda: status() == "failed", "the failed data check")
+        failure = _text(browser, "#data-check-failure")
+        assert failure.startswith("end_of_turn_trained failed at training_file line 1: ")
+        assert "would be refused" in _text(browser, "#data-check-status")
+        assert marks() == [trained[0].removesuffix("<|eot|>")]  # the answer alone: its end never learnt
+    finally:
+        shutil.rmtree(no_eot)
+
+
 def test_a_failed_jobs_status_updates_live_and_its_error_is_shown_plainly(dashboard, demo):
     from fusetune.db import queries
     from fusetune.db.session import make_engine, make_session_factory

@@ -2,8 +2,9 @@
 // choices, the methods with their own settings and the precision modes all come from the server
 // (/v1/fine_tuning/options, read from the job specification), so that one added or changed there shows here
 // with no change to this file, which only words and orders them. Every change asks the server for a dry-run
-// estimate (memory per GPU, time, whether it fits), and the job can be created only once the estimate for
-// exactly the values in the form has been shown.
+// estimate (memory per GPU, time, whether it fits) and the data check of its files with an example's trained
+// tokens highlighted, and the job can be created only once the estimate for exactly the values in the form has
+// been shown.
 
 import { ApiError, api, jobs } from "../api.js";
 import { errorBox, formatBytes, formatCount, formatDuration, h, replaceChildren } from "../dom.js";
@@ -195,7 +196,8 @@ export function render(main) {
       e.refusal ? row("Refused because", e.refusal, "estimate-refusal") : null,
       e.checkpoint_disk_bytes ? row("Checkpoint disk", `${formatBytes(e.checkpoint_disk_bytes)} (${e.checkpoints_on_disk} × ${formatBytes(e.checkpoint_bytes)}), ${e.disk_free_bytes !== null ? formatBytes(e.disk_free_bytes) + " free" : "free space unknown"}`, "estimate-disk") : null,
       row("Time", e.duration_s !== null ? formatDuration(e.duration_s) : "unknown until this server has trained the model", "estimate-duration"),
-      row("Throughput", e.tokens_per_second ? `${formatCount(Math.round(e.tokens_per_second))} tokens/s (${e.throughput_source})` : e.throughput_source)));
+      row("Throughput", e.tokens_per_second ? `${formatCount(Math.round(e.tokens_per_second))} tokens/s (${e.throughput_source})` : e.throughput_source)),
+      dataCheck(e.data_check));
   }
 
   let requestedFor = null; // the body of the latest estimate asked for
@@ -233,6 +235,35 @@ export function render(main) {
   });
 
   return () => clearTimeout(timer);
+}
+
+// The data check of the files (fusetune/tokenization/check.py): whether the job would be refused for it, and an
+// example as the model sees it (the failing one, else the first), its trained stretches highlighted.
+const DATA_CHECK_STATUS = {
+  passed: "passed",
+  failed: "failed — creating the job would be refused",
+  not_checked: "not checked here",
+};
+
+function dataCheck(check) {
+  if (!check) return null;
+  const status = h("p", { id: "data-check-status", class: check.status === "failed" ? "warn" : check.status === "passed" ? "ok" : "muted", dataset: { status: check.status } },
+    `Data check: ${DATA_CHECK_STATUS[check.status] || check.status}`, check.reason ? ` (${check.reason})` : "");
+  const counts = check.files.map((f) => h("p", { class: "muted" },
+    `${f.param}: ${formatCount(f.examples_checked)} examples checked${f.all_examples_checked ? " (all)" : " (the first)"}` +
+    `, ${formatCount(f.examples_truncated)} longer than max_seq_length, ${formatCount(f.examples_without_trained_tokens)} cut to no trained token`));
+  const failure = check.failure
+    ? h("p", { id: "data-check-failure", class: "warn" },
+      `${check.failure.check} failed at ${check.failure.param} line ${check.failure.line}: ${check.failure.problem}`)
+    : null;
+  const preview = check.preview
+    ? h("div", { class: "data-preview" },
+      h("p", { class: "muted" }, `Line ${check.preview.line} as the model sees it; trained tokens highlighted:`),
+      check.preview.sequences.map((sequence) => h("pre", { class: "tokens", dataset: { label: sequence.label } },
+        check.preview.sequences.length > 1 ? h("span", { class: "muted" }, `${sequence.label}: `) : null,
+        sequence.segments.map((segment) => (segment.trained ? h("mark", { class: "trained" }, segment.text) : segment.text)))))
+    : null;
+  return h("section", { id: "data-check", dataset: { status: check.status } }, status, failure, counts, preview);
 }
 
 function randomKey() {
