@@ -34,7 +34,7 @@ class Completion:
     `start` is where the served prompt ends; `end` is one past the first stop token after it, or the end of the
     turn's rendering when the template puts no stop token there (`has_stop` False)."""
 
-    what: str  # "messages[2] (assistant)", "the completion": for messages
+    what: str  # what it is, for messages: "messages[2] (assistant)", "the completion"
     start: int
     end: int
     has_stop: bool
@@ -135,8 +135,9 @@ def _served_completions(
 
 def _quoted_tail(tokenizer: Any, ids: list[int], differs_at: int, chars: int = 30) -> str:
     """The text around where two renderings part: "…'<|im_start|>assistant\\n' then '<think>\\n\\n'"."""
-    before = tokenizer.decode(ids[max(0, differs_at - chars) : differs_at], skip_special_tokens=False)[-chars:]
-    after = tokenizer.decode(ids[differs_at : differs_at + chars], skip_special_tokens=False)[:chars]
+    before = tokenizer.decode(ids[max(0, differs_at - chars) : differs_at], skip_special_tokens=False)
+    after = tokenizer.decode(ids[differs_at : differs_at + chars], skip_special_tokens=False)
+    before, after = before[-chars:], after[:chars]
     return f"…{before!r} then {after!r}" if after else f"…{before!r}, where it ends"
 
 
