@@ -6,6 +6,7 @@ prompts, group size and completion length, each setup in a fresh process of the 
     fusetune            fusetune's Trainer with method reinforcement (the worker's loop: kernels, bf16-sr,
                         static KV cache, the fused per-token log-probs)
     fusetune:compiled   the same, with Hugging Face compiling the decoding step over the static cache
+    fusetune:dynamic    the same with Hugging Face's dynamic KV cache (not in the default --variants)
 
 Both: --prompts arithmetic prompts a step, --n completions each, at most --completion-tokens tokens, temperature 1
 over the whole vocabulary, no KL term (beta 0: no reference model), one optimizer step per batch of completions,
@@ -70,6 +71,7 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
     from fusetune.worker.train.trainer import Trainer
 
     GroupRelativePolicyOptimization.compile_generation = spec["variant"].endswith(":compiled")
+    GroupRelativePolicyOptimization.static_cache = not spec["variant"].endswith(":dynamic")
     cuda = spec["device"] == "cuda"
 
     class Recording(NullReporter):

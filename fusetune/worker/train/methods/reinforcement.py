@@ -122,8 +122,10 @@ class Prompt:
 class GroupRelativePolicyOptimization(TrainingMethod):
     type = "reinforcement"
     eval_sum_names: tuple[str, ...] = ()  # set per grader in __init__
-    # Whether Hugging Face compiles the decoding step over the static cache (a GPU only). Off until it measures
-    # faster: benchmarks/step/grpo.py times both.
+    # On a GPU, sampling keeps its KV cache in one static buffer (what compiling the decoding step needs), and
+    # Hugging Face compiles that step only with `compile_generation`: off until it measures faster.
+    # benchmarks/step/grpo.py times the static cache eager and compiled, and the dynamic one.
+    static_cache: ClassVar[bool] = True
     compile_generation: ClassVar[bool] = False
 
     def __init__(self, config: Any, tokenizer: Any, pad_token_id: int) -> None:
@@ -265,7 +267,7 @@ class GroupRelativePolicyOptimization(TrainingMethod):
             options.update(do_sample=True, temperature=self.settings.temperature, top_k=0, top_p=1.0)
         else:
             options.update(do_sample=False)
-        if device.type == "cuda":
+        if device.type == "cuda" and self.static_cache:
             options.update(cache_implementation="static", disable_compile=not self.compile_generation)
         was_training = model.training
         model.eval()
