@@ -277,6 +277,25 @@ def attention_headlines(payload: Payload) -> list[Headline]:
     return headlines
 
 
+def grpo_headlines(payload: Payload) -> list[Headline]:
+    rows = [r for r in payload["rows"] if r.get("step_s")]
+    anchor = next((r for r in rows if r["impl"].startswith("trl")), None)
+    ours = [r for r in rows if r["impl"].startswith("fusetune")]
+    if not ours:
+        return []
+    best = min(ours, key=lambda r: r["step_s"])
+    setting = f"{best['model']}, {best['prompts']} prompts x {best['n']} x {best.get('completion_tokens')}, {best['impl']}"
+    others = [("TRL + Liger", _with_memory(anchor["step_s"], anchor.get("peak_alloc_gb")))] if anchor else []
+    return [
+        (
+            "GRPO step s (peak GB)",
+            setting,
+            _with_memory(best["step_s"], best.get("peak_alloc_gb")),
+            _others(others),
+        )
+    ]
+
+
 def jobs_headlines(payload: Payload) -> list[Headline]:
     reference = next((row for row in payload["rows"] if row.get("impl") != "service"), {})
     reference_cell = _with_memory(reference.get("tokens_per_s"), reference.get("peak_alloc_gb"))
@@ -351,6 +370,7 @@ HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
     memory_estimate.RESULTS.name: memory_estimate_headlines,
     memory_plans.RESULTS.name: memory_plans_headlines,
     attention.RESULTS.name: attention_headlines,
+    grpo.RESULTS.name: grpo_headlines,
     jobs.RESULTS.name: jobs_headlines,
     load.RESULTS.name: load_headlines,
     gpus.RESULTS.name: gpus_headlines,
