@@ -249,9 +249,17 @@ def _model_state_bytes(shape: ModelShape, job: JobSpec, plan: MemoryPlan, mode: 
     copy = mode.compute_copy_bytes * (layers - plan.recompute_layers) / layers
     weights = (params + (trained if hyper.lora is not None else 0)) * (mode.weight_bytes + copy)
     if plan.optimizer_in_backward:
-        in_flight = trained_outside_layers + OPTIMIZER_IN_BACKWARD_LAYERS_IN_FLIGHT * (
-            (trained - trained_outside_layers) // layers
-        )
+        # Each gradient is freed once its parameter is updated: a few layers' gradients exist at once, beside the
+        # tables outside the layers. A tied embedding's gradient accumulates through the whole backward (the
+        # output layer uses it first, the embedding last); untied, the output layer's is stepped and freed at
+        # the start and the embedding's is made at the end, so only the larger of a table and the layers counts.
+        table = shape.vocab_size * shape.hidden_size
+        per_layer = (trained - trained_outside_layers) // layers
+        layers_in_flight = OPTIMIZER_IN_BACKWARD_LAYERS_IN_FLIGHT * per_layer
+        if trained_outside_layers >= 2 * table:
+            in_flight = max(table, layers_in_flight) + trained_outside_layers - 2 * table
+        else:
+            in_flight = trained_outside_layers + layers_in_flight
         gradients = min(trained, in_flight) * mode.weight_bytes
     else:
         gradients = trained * mode.weight_bytes

@@ -65,22 +65,26 @@ from fusetune.spec.precision import (
 
 @dataclass(frozen=True)
 class TimeCosts:
-    """The time model's constants (H100 80 GB; to be replaced by GPU-measured ones)."""
+    """The time model's constants, measured on one H100 80 GB (benchmarks/step/memory_plans.py,
+    benchmarks/results/h100-step.json, section memory-plans; Llama-3.1-8B shape, 8 x 8192)."""
 
-    # bf16 matmul FLOP/s a training step reaches at a large micro-batch: about 55% of the 723 TFLOP/s that
-    # ../shared/ANCHORS.md measured for a bare bf16 matmul.
-    achieved_flops: float = 400e12
+    # FLOP/s a training step reaches at a large micro-batch, as this model counts FLOPs (6 x layer parameters +
+    # 12 x attention width x row length per token and layer): 8-bit state, no recompute, 5.79 s a step.
+    achieved_flops: float = 650e12
     # Tokens per micro-batch at which the matmuls run at half that rate (small micro-batches leave the tensor
     # cores waiting on memory and launches).
     half_rate_tokens: int = 512
     # Fixed time of one micro-batch's forward and backward outside the matmuls (launches, the loss's chunks).
     micro_batch_overhead_s: float = 2e-3
-    # A recomputed layer's extra forward, as a share of its forward + backward.
+    # A recomputed layer's extra forward, as a share of its forward + backward (measured: 8 recomputed layers
+    # added 476 ms to a 6.54 s step of 32 layers, 0.29 of a layer's share).
     recompute_fraction: float = 1 / 3
     # GPU <-> pinned host memory, bytes/s each way (PCIe Gen5 x16 is 64 GB/s on paper; about 25 in practice).
     host_link_bytes_per_s: float = 25e9
-    # Share of a pass's compute the activation copies can hide behind (they run on a side stream).
-    offload_overlap: float = 0.9
+    # Share of a pass's compute the activation copies can hide behind (they run on a side stream): 12 layers
+    # offloaded at micro-batch 2 added about 2.0 s to the step, what 0.6 gives at 25 GB/s (0.9 gave 1.0 s and
+    # made the planner prefer that plan, 7,458 tokens/s, to no offload at 10,015).
+    offload_overlap: float = 0.6
     # GPU memory bandwidth the optimizer step streams at (ANCHORS.md: 3012 GB/s copy bandwidth on an H100).
     memory_bytes_per_s: float = 3.0e12
     # The 8-bit optimizer's dequantize and requantize, as a share of the same step with unquantized state.
@@ -88,6 +92,11 @@ class TimeCosts:
 
 
 TIME_COSTS = TimeCosts()
+# The share of a GPU's free memory a plan's estimated peak may take: the allocator's fragmentation and late
+# allocations need a few percent beyond the estimate. At 8 x 16384 (Llama-3.1-8B shape, one H100) a plan
+# estimated at 76.5 GiB ran out of memory with 79.1 GiB allowed (1.4 GiB reserved but unused at the failure);
+# one estimated at 71.3 GiB ran, 71.8 GiB allocated at its peak.
+PLANNABLE_FRACTION = 0.96
 # What the planner chooses among when a job's precision is "auto" on a GPU: the default, then the same with the
 # optimizer's state in 8 bits (slower by eight_bit_step_overhead, 2 bytes a parameter smaller).
 AUTO_PRECISIONS_ON_GPU = (GPU_DEFAULT, "bf16-sr-8bit")
@@ -310,7 +319,7 @@ def plan_job(
         return estimate(plan).peak_memory_bytes_per_gpu
 
     def fits(plan: MemoryPlan) -> bool:
-        return memory_bytes is None or peak(plan) <= memory_bytes
+        return memory_bytes is None or peak(plan) <= memory_bytes * PLANNABLE_FRACTION
 
     def most_offload(plan: MemoryPlan) -> int:
         """The most layers of `plan` that may offload within `host_memory_bytes`."""

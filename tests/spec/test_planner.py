@@ -3,6 +3,7 @@ fits, and the disk the checkpoints need."""
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 
@@ -10,7 +11,7 @@ from fusetune.spec.estimate import DataCounts, ModelShape, checkpoint_bytes, est
 from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
-from fusetune.spec.planner import PlanError, checkpoint_disk, plan_job, step_time_s
+from fusetune.spec.planner import PLANNABLE_FRACTION, PlanError, checkpoint_disk, plan_job, step_time_s
 
 GIB = 2**30
 LLAMA_8B = ModelShape(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -53,7 +54,7 @@ def test_the_fastest_plan_that_fits_is_chosen():
     times = {plan: step_time_s(SMALL, job, data, plan) for plan in plans}
     chosen_kinds = set()
     for memory in sorted(set(peaks.values()))[:: max(1, len(set(peaks.values())) // 40)]:
-        planned = plan_job(SMALL, job, data, memory, host_memory_bytes=2**50)
+        planned = plan_job(SMALL, job, data, math.ceil(memory / PLANNABLE_FRACTION), host_memory_bytes=2**50)
         assert planned.fits and planned.estimate.peak_memory_bytes_per_gpu == peaks[planned.plan] <= memory
         fastest = min(times[plan] for plan in plans if peaks[plan] <= memory)
         assert times[planned.plan] == pytest.approx(fastest, rel=1e-12)
@@ -101,10 +102,11 @@ def test_the_time_model_ranks_the_costs_as_documented():
     ],
 )
 def test_every_pin_is_honoured(pins):
-    """An 8B model at 8,192 tokens on 80 GiB: the planner alone picks 8-bit state and offload at micro-batch 2;
-    whatever a job pins stays pinned, and the rest is planned around it."""
+    """An 8B model at 8,192 tokens on 80 GiB: the planner alone picks 8-bit state and no recompute at
+    micro-batch 1 (the fastest plan measured on an H100, benchmarks/results/h100-step.json, section
+    memory-plans); whatever a job pins stays pinned, and the rest is planned around it."""
     free = plan_job(LLAMA_8B, _job(), _data(), 80 * GIB)
-    assert free.fits and free.plan == MemoryPlan(2, 0, 12, "bf16-sr-8bit", False)
+    assert free.fits and free.plan == MemoryPlan(1, 0, 0, "bf16-sr-8bit", False)
     planned = plan_job(LLAMA_8B, _job(**pins), _data(), 80 * GIB)
     expected = {key: value for key, value in pins.items() if key in MemoryPlan.__dataclass_fields__}
     if pins.get("gradient_checkpointing"):
@@ -115,7 +117,7 @@ def test_every_pin_is_honoured(pins):
     # Each pin but the last placement is a value the planner would not have chosen by itself.
     assert planned.plan != free.plan or pins == {"optimizer_in_backward": False}
     if planned.fits:
-        assert planned.estimate.peak_memory_bytes_per_gpu <= 80 * GIB
+        assert planned.estimate.peak_memory_bytes_per_gpu <= 80 * GIB * PLANNABLE_FRACTION
 
 
 def test_pins_the_model_cannot_run_are_refused_naming_the_field():

@@ -2,6 +2,7 @@
 the disk's free space are arguments), and the started event that names it."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from fusetune.spec.estimate import DataCounts, ModelShape, checkpoint_bytes, est
 from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
+from fusetune.spec.planner import PLANNABLE_FRACTION
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import DistInfo
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
@@ -41,6 +43,11 @@ def _peak(model_dir, plan: MemoryPlan, rows: int = 100, **hyperparameters) -> in
     return estimate_job(shape, job, data, plan=plan).peak_memory_bytes_per_gpu
 
 
+def _room(peak: int) -> int:
+    """The free memory in which an estimated `peak` just fits (the planner keeps a margin)."""
+    return math.ceil(peak / PLANNABLE_FRACTION)
+
+
 def test_the_whole_plan_is_decided_for_the_free_memory(model_dir, tmp_path):
     lengths = [100] * 64
     roomy = plan_run(_config(model_dir, tmp_path), 1, lengths, 1, 2**40, on_gpu=True, free_disk=2**50)
@@ -49,7 +56,7 @@ def test_the_whole_plan_is_decided_for_the_free_memory(model_dir, tmp_path):
     assert roomy.config.gradient_checkpointing is False and roomy.estimate is not None
     # Room for micro-batches of 4 but not 8 (recomputing is ruled out): 4, the rest by accumulation.
     pinned = _config(model_dir, tmp_path, recompute_layers=0, optimizer_in_backward=False)
-    four = _peak(model_dir, MemoryPlan(4, 0, 0, "bf16-sr", False), recompute_layers=0)
+    four = _room(_peak(model_dir, MemoryPlan(4, 0, 0, "bf16-sr", False), recompute_layers=0))
     tight = plan_run(pinned, 1, lengths, 1, four, on_gpu=True, free_disk=2**50)
     assert tight.plan.micro_batch_size == 4 and tight.config.micro_batch_size == 4
     assert tight.estimate.peak_memory_bytes_per_gpu <= four
@@ -122,8 +129,10 @@ def test_the_started_event_names_the_plan_that_runs(model_dir, tmp_path):
     unplanned = _TrainerWithMemory(config, cpu, reporter)
     assert unplanned.run_plan.plan.micro_batch_size == 8
     longest = max(unplanned.row_lengths)
-    two = _peak(
-        model_dir, MemoryPlan(2, 0, 0, "fp32", False), rows=longest, max_seq_length=64, precision="fp32"
+    two = _room(
+        _peak(
+            model_dir, MemoryPlan(2, 0, 0, "fp32", False), rows=longest, max_seq_length=64, precision="fp32"
+        )
     )
     _TrainerWithMemory.memory_bytes = two
     trainer = _TrainerWithMemory(config, cpu, reporter)
