@@ -24,7 +24,9 @@ from benchmarks import harness
 from benchmarks.harness import GIB, markdown_table
 from benchmarks.scaling import gpus
 from benchmarks.workloads import build_config
-from fusetune.spec.estimate import ModelShape, estimate_job
+from fusetune.spec.estimate import DataCounts, ModelShape, estimate_job
+from fusetune.spec.hyperparameters import JobHyperparameters
+from fusetune.spec.job import JobSpec
 
 RESULTS = harness.Benchmark("memory-estimate", topic="step")
 TOLERANCE = 0.25
@@ -73,18 +75,18 @@ METHOD = (
 
 def _estimate(config: dict[str, Any], steps: int) -> dict[str, Any]:
     shape = ModelShape.from_config_dict(build_config(config["model"], tiny=False).to_dict())
-    estimate = estimate_job(
-        shape,
+    hyperparameters = {
+        "n_epochs": 1, "batch_size": config["batch"], "max_seq_length": config["seq"], "kernels": config["kernels"],
+        "lora": config.get("lora"), "gradient_checkpointing": config.get("gradient_checkpointing", False),
+        "precision": "bf16-mixed", "micro_batch_size": config["batch"],
+    }  # fmt: skip
+    job = JobSpec(hyperparameters=JobHyperparameters(**hyperparameters))
+    data = DataCounts(
         example_count=config["batch"] * steps,
         token_estimate=config["batch"] * steps * config["seq"],
-        n_epochs=1,
-        batch_size=config["batch"],
-        max_seq_length=config["seq"],
-        n_gpus=1,
-        fused_kernels=config["kernels"],
-        lora=config.get("lora"),
-        gradient_checkpointing=config.get("gradient_checkpointing", False),
+        padded_length=config["seq"],
     )
+    estimate = estimate_job(shape, job, data)
     return {
         "estimate_gb": round(estimate.peak_memory_bytes_per_gpu / GIB, 2),
         "estimate_breakdown_gb": {k: round(v / GIB, 2) for k, v in estimate.memory_breakdown.items()},
