@@ -128,7 +128,6 @@ def test_serve_stopped_by_each_signal_mid_job_with_one_queued_loses_no_job(tmp_p
             if not trained_to:
                 file_id = service.upload(train).json()["id"]
                 trained_to = {_create_job(service, file_id): 0 for _ in range(2)}
-                trained = list(trained_to)
             if stopped_in_training:  # the last stop's hand-over, read now that the API is up again
                 handed = _handed_over_steps(service, stopped_in_training[-1])
                 assert len(handed) == stopped_in_training.count(stopped_in_training[-1]), handed
@@ -141,35 +140,45 @@ def test_serve_stopped_by_each_signal_mid_job_with_one_queued_loses_no_job(tmp_p
                 _kill_and_wait(service, signum)
                 stopped_in_training.append(training)
                 continue
-            # Each job resumes in turn from the checkpoint it was handed over with, and is then cancelled.
-            while trained_to:
-                training = _wait_for_training(service, trained_to)
-                resumed = f"Resumed from the checkpoint of step {trained_to.pop(training)}"
-                assert resumed in _messages(service, training)
-                assert service.client.post(f"/v1/fine_tuning/jobs/{training}/cancel").status_code == 200
-                while not _attempt_ended(service, training):  # the worker has stopped the trainer
-                    time.sleep(0.1)
-            jobs = {job_id: service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json() for job_id in trained}
+            # The job that trains again resumes from the checkpoint it was last handed over with; the other, queued
+            # still, is cancelled there (its start would cost CI time and show nothing the resumes above do not).
+            last_trained = _wait_for_training(service, trained_to)
+            (still_queued,) = set(trained_to) - {last_trained}
+            assert _status(service, still_queued) == "queued"
+            assert service.client.post(f"/v1/fine_tuning/jobs/{still_queued}/cancel").status_code == 200
+            if trained_to[last_trained]:
+                resumed = f"Resumed from the checkpoint of step {trained_to[last_trained]}"
+                assert resumed in _messages(service, last_trained)
+            assert service.client.post(f"/v1/fine_tuning/jobs/{last_trained}/cancel").status_code == 200
+            while not _attempt_ended(service, last_trained):  # the worker has stopped the trainer
+                time.sleep(0.1)
+            jobs = {
+                job_id: service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json() for job_id in trained_to
+            }
             messages = {job_id: _messages(service, job_id) for job_id in jobs}
 
-    # Both jobs trained, each stop handed the one in training over and left the queued one alone.
-    assert set(stopped_in_training) == set(jobs) and len(stopped_in_training) == len(STOPS)
+    # Each stop handed the job in training over and left the queued one alone (no attempt of its own).
+    assert len(stopped_in_training) == len(STOPS)
     for job_id, job in jobs.items():
         stops = stopped_in_training.count(job_id)
         # The hand-overs are no faults: they use up none of the job's retries.
         causes = [(attempt["cause"], attempt["fault"]) for attempt in job["attempts"]]
-        assert causes == [("handed_over", False)] * stops + [("cancelled", False)], job
+        ended = [("cancelled", False)] if job_id == last_trained else []
+        assert causes == [("handed_over", False)] * stops + ended, job
         # Handed over with a checkpoint at once, not left for its lease to lapse, and resumed from it: one
         # trainer at a time, each start after the previous attempt's hand-over.
         assert not any("stopped renewing its lease" in m for m in messages[job_id]), messages[job_id]
-        timeline = [m for m in messages[job_id] if m.startswith(STARTED) or HANDED_OVER.match(m)
-                    or m.startswith("Resumed from the checkpoint of step")]  # fmt: skip
-        expected = [STARTED]
-        for handed in [m for m in timeline if HANDED_OVER.match(m)]:
-            step = HANDED_OVER.match(handed).group(1)
-            expected += [handed, STARTED, f"Resumed from the checkpoint of step {step}"]
-        assert [m if not m.startswith(STARTED) else STARTED for m in timeline] == expected, messages[job_id]
-        assert len(expected) == 1 + 3 * stops
+        timeline = [STARTED if m.startswith(STARTED) else m for m in messages[job_id] if m.startswith(STARTED)
+                    or HANDED_OVER.match(m) or m.startswith("Resumed from the checkpoint of step")]  # fmt: skip
+        handed = [m for m in timeline if HANDED_OVER.match(m)]
+        assert len(handed) == stops, messages[job_id]
+        expected = [STARTED] if stops or job_id == last_trained else []
+        for message in handed:
+            step = HANDED_OVER.match(message).group(1)
+            expected += [message, STARTED, f"Resumed from the checkpoint of step {step}"]
+        if job_id != last_trained and stops:  # cancelled in the queue after its last hand-over
+            expected = expected[:-2]
+        assert timeline == expected, messages[job_id]
 
 
 def test_serve_stops_its_idle_worker(tmp_path):
