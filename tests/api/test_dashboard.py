@@ -381,12 +381,13 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     row = _text(browser, f"#files-table tr[data-file-id='{demo.training_file}']")
     assert f"{file['example_count']:,}" in row and f"{file['token_estimate']:,}" in row and "valid" in row
     # An upload that fails the check shows the server's line-numbered problems and adds no file.
+    files_before = len(browser.find_elements(By.CSS_SELECTOR, "#files-table tbody tr"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(TRAIN_FILE.read_text().splitlines()[0] + "\n{not json\n")
     browser.find_element(By.ID, "upload-file").send_keys(str(bad))
     browser.find_element(By.CSS_SELECTOR, "#upload-form button[type=submit]").click()
     assert "line 2: not valid JSON" in _text(browser, "#upload-result .error")
-    assert len(browser.find_elements(By.CSS_SELECTOR, "#files-table tbody tr")) == 3
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#files-table tbody tr")) == files_before
 
     browser.get(f"{service.base_url}/ui/#/new")
     _wait_for(lambda: Select(_element(browser, "#training_file")).options, "the file choices")
@@ -583,7 +584,6 @@ def test_running_job_chart_grows_and_cancel_works_from_the_page(dashboard, demo)
     # When it should end, from the job object's estimated_finish (the trainer's measured step times).
     assert service.client.get(f"/v1/fine_tuning/jobs/{job_id}").json()["estimated_finish"] is not None
     assert "in about" in _wait_for(lambda: (t := _text(browser, "#job-eta")) != "—" and t, "the ETA")
-
 
     browser.find_element(By.ID, "job-cancel").click()
     WebDriverWait(browser, 10).until(expected_conditions.alert_is_present())
