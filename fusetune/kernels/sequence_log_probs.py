@@ -47,21 +47,15 @@ def sequence_log_probs(
 ) -> Tensor:
     """Sum over each row of ``labels [B, T]`` of log p(label), from ``hidden [B, T, H]`` and the output layer
     ``weight [V, H]`` (+ ``bias``): a float32 tensor [B]. Ignored tokens (``ignore_index``) count 0."""
-    if labels.dim() != 2 or hidden.shape[:2] != labels.shape:
-        raise ValueError(
-            f"hidden [B, T, H] and labels [B, T] must agree (got {tuple(hidden.shape)} and {tuple(labels.shape)})"
-        )
-    per_token_loss = fused_linear_cross_entropy(
+    return token_log_probs(
         hidden,
         weight,
         labels,
         bias,
         ignore_index=ignore_index,
-        reduction="none",
         softcap=softcap,
         logits_chunk_bytes=logits_chunk_bytes,
-    )
-    return -per_token_loss.sum(dim=-1)
+    ).sum(dim=-1)
 
 
 def token_log_probs(
