@@ -127,7 +127,13 @@ FORBIDDEN = {
     "fusetune.models": ("fusetune.api", "fusetune.worker", "fusetune.db"),
     "fusetune.worker.train": ("fusetune.api", "fusetune.worker."),
     # Graders are called by the API and the trainer alike; they read the spec and the settings only.
-    "fusetune.graders": ("fusetune.api", "fusetune.worker", "fusetune.db", "fusetune.models", "fusetune.kernels"),
+    "fusetune.graders": (
+        "fusetune.api",
+        "fusetune.worker",
+        "fusetune.db",
+        "fusetune.models",
+        "fusetune.kernels",
+    ),
 }
 
 
