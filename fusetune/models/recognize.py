@@ -262,7 +262,7 @@ class _Walk:
 
     def _random(self, shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0):
         generator = torch.Generator().manual_seed(seed)
-        return (torch.randn(shape, generator=generator) * scale).to(self.device, dtype)
+        return (torch.randn(shape, generator=generator, device="cpu") * scale).to(self.device, dtype)
 
     @staticmethod
     def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -371,7 +371,7 @@ class _Walk:
         root = math.sqrt(max(eps, 1e-12))
         scales = torch.tensor([4.0, 1.0, 0.25, 4 * root, root, root / 4]).view(2, 3, 1)
         generator = torch.Generator().manual_seed(seed)
-        rows = (torch.randn(2, 3, width, generator=generator) + 0.5) * scales
+        rows = (torch.randn(2, 3, width, generator=generator, device="cpu") + 0.5) * scales
         return rows.to(self.device, dtype)
 
     def _norm_probe_copy(self, norm: nn.Module, weight: torch.Tensor) -> nn.Module:
@@ -664,9 +664,9 @@ class _Walk:
         n_experts = getattr(model, "num_experts", None)
         extra = {"output_router_logits": True} if spec.router_aux_loss else {}
         generator = torch.Generator().manual_seed(51)
-        labels = torch.randint(0, vocab, (PROBE_BATCH, PROBE_SEQ), generator=generator)
+        labels = torch.randint(0, vocab, (PROBE_BATCH, PROBE_SEQ), generator=generator, device="cpu")
         labels[0, :2] = -100
-        input_ids = torch.randint(0, vocab, (PROBE_BATCH, PROBE_SEQ), generator=generator)
+        input_ids = torch.randint(0, vocab, (PROBE_BATCH, PROBE_SEQ), generator=generator, device="cpu")
         router_logits = (
             tuple(
                 self._random((PROBE_BATCH * PROBE_SEQ, n_experts), torch.float32, 52 + i)
@@ -742,7 +742,7 @@ class _Walk:
         vocab = int(getattr(self.config, "vocab_size", 0) or 0)
         parameter = next(self.model.parameters())
         generator = torch.Generator().manual_seed(61)
-        input_ids = torch.randint(3, max(vocab, 4), (PROBE_BATCH, PROBE_SEQ), generator=generator)
+        input_ids = torch.randint(3, max(vocab, 4), (PROBE_BATCH, PROBE_SEQ), generator=generator, device="cpu")
         handle = layers[0].register_forward_pre_hook(record, with_kwargs=True)
         self.model.eval()
         try:

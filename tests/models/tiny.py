@@ -91,7 +91,7 @@ def _init_weights_(model: PreTrainedModel, seed: int) -> None:
     gemma_norms = model.config.model_type.startswith("gemma")
     with torch.no_grad():
         for name, parameter in sorted(model.named_parameters()):
-            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
+            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float32, device="cpu")
             if parameter.dim() == 1 and "norm" in name:
                 value = 0.1 * noise if gemma_norms else 1.0 + 0.1 * noise
             elif parameter.dim() == 1:
