@@ -18,6 +18,7 @@
 #   trainer-step [ARGS...]     benchmarks.step.trainer_step
 #   dpo [ARGS...]              benchmarks.step.dpo
 #   grpo [ARGS...]             benchmarks.step.grpo (about 8 minutes: BUDGET_S=540)
+#   generation [ARGS...]       benchmarks.step.generation (sampling alone, by kernels, KV cache and compilation)
 #   estimate [CONFIGS]         benchmarks.step.memory_estimate
 #   service [ARGS...]          benchmarks.service.jobs
 #   scaling [ARGS...]          benchmarks.scaling.gpus (e.g. --nproc 1,2,4)
@@ -73,6 +74,8 @@ case "$name" in
     stage dpo 30 timeout "$budget" python3 -m benchmarks.step.dpo --out "$OUT" "$@" ;;
   grpo)
     stage grpo 30 timeout "$budget" python3 -m benchmarks.step.grpo --out "$OUT" "$@" ;;
+  generation)
+    stage generation 40 timeout "$budget" python3 -m benchmarks.step.generation --out "$OUT" "$@" ;;
   estimate)
     stage estimate 20 timeout "$budget" python3 -m benchmarks.step.memory_estimate ${1:+--configs "$1"} --out "$OUT" ;;
   service)

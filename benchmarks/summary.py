@@ -29,7 +29,7 @@ from benchmarks.quality import float8 as float8_quality
 from benchmarks.quality import precision
 from benchmarks.scaling import gpus
 from benchmarks.service import jobs, load
-from benchmarks.step import dpo, e2e, grpo, memory_estimate, memory_plans, trainer_step
+from benchmarks.step import dpo, e2e, generation, grpo, memory_estimate, memory_plans, trainer_step
 
 Payload = dict[str, Any]
 Headline = tuple[str, str, str, str]  # measurement, setting, fusetune's number, the others'
@@ -43,6 +43,7 @@ RENDERERS: dict[str, Callable[[Payload], str]] = {
     trainer_step.RESULTS.name: trainer_step.render_markdown,
     dpo.RESULTS.name: dpo.render_markdown,
     grpo.RESULTS.name: grpo.render_markdown,
+    generation.RESULTS.name: generation.render_markdown,
     memory_estimate.RESULTS.name: memory_estimate.render_markdown,
     memory_plans.RESULTS.name: memory_plans.render_markdown,
     attention.RESULTS.name: attention.render_markdown,

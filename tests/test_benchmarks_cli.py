@@ -31,6 +31,7 @@ SCRIPT_OPTIONS = {
     "benchmarks.step.trainer_step": ("--variants", "--tiny", "--out"),
     "benchmarks.step.dpo": ("--impls", "--tiny", "--pairs", "--out"),
     "benchmarks.step.grpo": ("--variants", "--tiny", "--prompts", "--completion-tokens", "--out"),
+    "benchmarks.step.generation": ("--variants", "--tiny", "--prompts", "--completion-tokens", "--profile"),
     "benchmarks.step.memory_estimate": ("--configs", "--out"),
     "benchmarks.step.memory_plans": ("--variants", "--memory-gib", "--tiny", "--out", "--merge"),
     "benchmarks.kernels.attention": ("--out",),
