@@ -369,7 +369,7 @@ class _Walk:
         square, so a wrong epsilon moves the output by tens of percent), each with a mean of half its scale
         (which a LayerNorm would take out)."""
         root = math.sqrt(max(eps, 1e-12))
-        scales = torch.tensor([4.0, 1.0, 0.25, 4 * root, root, root / 4]).view(2, 3, 1)
+        scales = torch.tensor([4.0, 1.0, 0.25, 4 * root, root, root / 4], device="cpu").view(2, 3, 1)
         generator = torch.Generator().manual_seed(seed)
         rows = (torch.randn(2, 3, width, generator=generator, device="cpu") + 0.5) * scales
         return rows.to(self.device, dtype)

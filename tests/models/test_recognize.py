@@ -13,6 +13,8 @@ from torch import nn
 
 from fusetune.models import FAMILIES, apply_fusetune, revert_fusetune
 from fusetune.models.families import proposed_row
+from fusetune.models.probe import ProbeCall, compare, run_probe
+from fusetune.models.probe import tolerance_for as tolerance_for_probe
 from fusetune.models.recognize import recognize
 from fusetune.worker.train.loading import kernels_event
 from tests.models.test_convergence import tolerance_for
@@ -346,6 +348,61 @@ def test_the_event_of_a_structure_patch_says_what_was_left(device: str) -> None:
     assert set(data["left"]) == EXPECTED["gpt_oss"][1]
     assert data["patched"]["GptOssRMSNorm.forward"] == 5
     handle.revert()
+
+
+def _loss_probe_call(vocab: int, hidden: int = 256, tokens: int = 16):
+    """A head and cross-entropy probe of `vocab` tokens: hidden states and weights as the loss probe draws
+    them (random, std 1 and 1/sqrt(hidden))."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, hidden, generator=generator) / hidden**0.5
+    states = torch.randn(tokens, hidden, generator=generator)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+
+    def make_call(dtype: torch.dtype, upcast: bool) -> ProbeCall:
+        target = torch.float32 if upcast else dtype
+        w, x = weight.to(dtype).to(target).requires_grad_(), states.to(dtype).to(target).requires_grad_()
+        return ProbeCall((x, w, labels), {}, [x, w], ["hidden states", "lm_head.weight"])
+
+    return make_call
+
+
+def _cross_entropy(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.nn.functional.cross_entropy(x @ w.T, labels),)
+
+
+def _chunked_cross_entropy(x, w, labels, scale: float = 1.0, chunk: int = 4096):
+    """The same loss as the fused kernel orders it: logits a vocabulary chunk at a time, a running
+    log-sum-exp; `scale` != 1 is a wrong replacement (logits off by that factor)."""
+    lse = torch.full((x.shape[0],), -torch.inf)
+    for start in range(0, w.shape[0], chunk):
+        lse = torch.logaddexp(lse, torch.logsumexp(scale * x @ w[start : start + chunk].T, dim=-1))
+    picked = scale * (x * w[labels]).sum(-1)
+    return ((lse - picked).mean(),)
+
+
+def test_the_loss_probe_scales_its_tolerance_as_the_kernel_test_does() -> None:
+    """At a real vocabulary, float32's own rounding of the log-sum-exp (about log(vocab) * 6e-8) moves every
+    vocabulary row of the lm_head gradient by a relative 1e-6: per row, a correct chunked loss misses the
+    kernel test's tolerance, while scaled by the whole tensor (as the kernel test scales it) it passes, and a
+    loss whose logits are off by 1e-4 relative still fails."""
+    make_call = _loss_probe_call(vocab=100_000)
+    passed = run_probe(_cross_entropy, _chunked_cross_entropy, make_call, lambda out: out, "causal_lm_loss",
+                       torch.float32)  # fmt: skip
+    assert passed.passed, passed.detail
+    expected = [t for t in probe_outputs(_cross_entropy, make_call)]
+    actual = [t for t in probe_outputs(_chunked_cross_entropy, make_call)]
+    per_row = compare(actual, expected, ["loss", "grad hidden", "grad lm_head"],
+                      tolerance_for_probe("causal_lm_loss", torch.float32), per_row=True)  # fmt: skip
+    assert not per_row.passed, per_row.detail
+    wrong = run_probe(_cross_entropy, lambda *a: _chunked_cross_entropy(*a, scale=1 + 1e-4), make_call,
+                      lambda out: out, "causal_lm_loss", torch.float32)  # fmt: skip
+    assert not wrong.passed, wrong.detail
+
+
+def probe_outputs(function, make_call) -> list[torch.Tensor]:
+    call = make_call(torch.float32, False)
+    (loss,) = function(*call.args)
+    return [loss.detach(), *torch.autograd.grad(loss, call.wrt)]
 
 
 # ------------------------------------------------------------------------------------------------ GPU
