@@ -292,6 +292,22 @@ def _weight_gradient_over_its_transposed_logits(
         top = low
 
 
+# The logits buffer's rows start every LOGITS_ROW_ALIGNMENT elements, whatever the vocabulary size. With an odd
+# vocabulary the rows of a dense [C, V] buffer are misaligned, and cuBLAS then runs the three matmuls that read
+# or write it (h @ W^T, dh, dW) with its slow unaligned kernels (cutlass `align1`), and the cross-entropy
+# kernel's row loads go unaligned too. H100, Granite-3.3-2B shape (V = 49,159), 4 x 2048 tokens
+# (benchmarks/step/e2e.py --profile, 2026-11-27): those matmuls took 42 ms of a 314 ms step and the
+# cross-entropy kernel 7.9 ms (1.4 at OLMo-2's V = 100,352, a multiple of 64). The padding columns are never
+# read: every kernel and matmul sees the [C, V] view, whose row stride is the padded width.
+LOGITS_ROW_ALIGNMENT = 64
+
+
+def _logits_buffer(n_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised [n_rows, vocab_size] view whose rows are LOGITS_ROW_ALIGNMENT-aligned."""
+    width = triton.cdiv(vocab_size, LOGITS_ROW_ALIGNMENT) * LOGITS_ROW_ALIGNMENT
+    return torch.empty((n_rows, width), dtype=dtype, device=device)[:, :vocab_size]
+
+
 def _per_token(rows: Tensor, valid_rows: Tensor | None, n_tokens: int) -> Tensor:
     """Per-token values from the rows that ran: 0 at the tokens that were dropped."""
     if valid_rows is None:
@@ -662,7 +678,7 @@ def _chunked_linear_cross_entropy(
         else:
             chunk_rows = max(chunk_sizes)
             try:
-                logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+                logits_buffer = _logits_buffer(chunk_rows, vocab_size, hidden.dtype, device)
             except torch.OutOfMemoryError:
                 # Only now is the device asked: smaller chunks within half of what is free.
                 free_bytes, _ = torch.cuda.mem_get_info(device)
@@ -671,7 +687,7 @@ def _chunked_linear_cross_entropy(
                     rows_to_chunk=n_rows, free_bytes=free_bytes,
                 )  # fmt: skip
                 chunk_rows = max(chunk_sizes)
-                logits_buffer = torch.empty((chunk_rows, vocab_size), dtype=hidden.dtype, device=device)
+                logits_buffer = _logits_buffer(chunk_rows, vocab_size, hidden.dtype, device)
         if skipping:
             count_columns = live_count_columns(vocab_size, device, compute_accuracy=compute_accuracy)
             live_counts = torch.empty(

@@ -456,6 +456,28 @@ def test_chunk_sizes_are_whole_units_and_never_a_sliver():
         assert max(sizes) - min(sizes) < 2 * unit
 
 
+# The logits buffer's padded row width at VOCAB (777, odd on purpose).
+ALIGNED_VOCAB = -(-VOCAB // flce_module.LOGITS_ROW_ALIGNMENT) * flce_module.LOGITS_ROW_ALIGNMENT
+
+
+def test_logits_rows_are_aligned_at_an_odd_vocabulary(device, monkeypatch):
+    """Every chunk's logits reach the matmuls and the cross-entropy kernel as a [C, V] view whose rows start
+    at multiples of LOGITS_ROW_ALIGNMENT elements (cuBLAS's unaligned kernels are several times slower), and
+    the loss and gradients stay the reference's."""
+    strides: list[int] = []
+    real_launch = flce_module.launch_cross_entropy_forward
+
+    def launch(logits, *args, **kwargs):
+        assert logits.shape[1] == VOCAB
+        strides.append(logits.stride(0))
+        return real_launch(logits, *args, **kwargs)
+
+    monkeypatch.setattr(flce_module, "launch_cross_entropy_forward", launch)
+    hidden, weight, labels, _ = make_inputs(40, torch.float32, device, ignored_every=0)
+    assert_matches_reference(hidden, weight, labels, reduction="mean")
+    assert strides and all(stride == ALIGNED_VOCAB for stride in strides), strides
+
+
 def test_chunk_that_does_not_fit_is_cut_to_half_the_free_memory(device, monkeypatch):
     """The chunk is sized without asking the device; when its allocation fails, the free memory is asked
     once and the chunks shrink to half of it, with the same loss and gradients."""
@@ -468,7 +490,7 @@ def test_chunk_that_does_not_fit_is_cut_to_half_the_free_memory(device, monkeypa
 
     def empty(*args, **kwargs):
         shape = args[0] if args and isinstance(args[0], tuple) else None
-        if shape is not None and len(shape) == 2 and shape[1] == VOCAB:
+        if shape is not None and len(shape) == 2 and shape[1] == ALIGNED_VOCAB:
             allocated_rows.append(shape[0])
             if shape[0] > 16:
                 raise torch.OutOfMemoryError("the chunk does not fit")
