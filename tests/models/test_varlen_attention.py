@@ -153,6 +153,81 @@ def test_without_boundaries_the_model_runs_sdpa_unchanged():
     revert_fusetune(model)
 
 
+@pytest.mark.parametrize("mask_kind", ["boolean", "additive", "none"])
+def test_grouped_decode_equals_transformers_sdpa_over_a_padded_cache(mask_kind):
+    """One decoding step over a cache of 20 with left padding (row 1's first 5 slots masked): the grouped
+    query rows give transformers' own sdpa result, whose K and V are widened to every head."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 8, 1, 16, generator=generator)
+    key, value = (torch.randn(3, 2, 20, 16, generator=generator) for _ in range(2))
+    allowed = torch.ones(3, 1, 1, 20, dtype=torch.bool)
+    allowed[1, :, :, :5] = False
+    allowed[2, :, :, 12:] = False  # a static cache's slots not yet written
+    mask = {"boolean": allowed, "additive": torch.zeros(allowed.shape).masked_fill(~allowed, -1e9),
+            "none": None}[mask_kind]  # fmt: skip
+    module = torch.nn.Module().eval()
+    module.num_key_value_groups, module.is_causal = 4, True
+    assert attention_module.grouped_decode_applies(module, query, key, 0.0, mask, {})
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    actual, _ = attention_module.grouped_query_decode(query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    # Pairing query heads with KV heads any other way (here interleaved) is caught.
+    shuffled = query.view(3, 4, 2, 1, 16).transpose(1, 2).reshape(3, 8, 1, 16)
+    wrong, _ = attention_module.grouped_query_decode(shuffled, key, value, mask, scaling=0.3)
+    wrong = wrong.view(3, 1, 2, 4, 16).transpose(2, 3).reshape(3, 1, 8, 16)
+    assert not torch.allclose(wrong, expected, atol=1e-3)
+
+
+def test_training_and_full_attention_calls_do_not_take_the_decode_path():
+    module = torch.nn.Module().train()
+    query, key = torch.zeros(1, 8, 1, 4), torch.zeros(1, 2, 6, 4)
+    assert not attention_module.grouped_decode_applies(module, query, key, 0.0, None, {})
+    module.eval()
+    assert not attention_module.grouped_decode_applies(module, torch.zeros(1, 8, 6, 4), key, 0.0, None, {})
+    assert not attention_module.grouped_decode_applies(module, query, torch.zeros(1, 8, 6, 4), 0.0, None, {})
+    assert not attention_module.grouped_decode_applies(module, query, key, 0.0, None, {"softcap": 50.0})
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_patched_model_samples_what_transformers_samples(cache):
+    """Greedy decoding of left-padded prompts, 12 new tokens, by the attention switched to fusetune's (its
+    decoding steps through grouped_query_decode) and by transformers' sdpa: the same tokens, and the last
+    step's scores within float32 rounding."""
+    from transformers import GenerationConfig
+
+    model = tiny_llama()
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, 97, (2, 7), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    config = GenerationConfig(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                              output_scores=True, return_dict_in_generate=True,
+                              cache_implementation=None if cache == "dynamic" else "static")  # fmt: skip
+
+    def sample():
+        with torch.no_grad():
+            return model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+            )
+
+    expected = sample()
+    calls = []
+    real = attention_module.grouped_query_decode
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_module, "grouped_query_decode", lambda *a: calls.append(1) or real(*a))
+        apply_fusetune(model, rope=False, rms_norm=False, swiglu=False, geglu=False,
+                       fused_linear_cross_entropy=False)  # fmt: skip
+        try:
+            actual = sample()
+        finally:
+            revert_fusetune(model)
+    assert len(calls) == 11 * 2  # every step after the prompt's, in both layers
+    assert torch.equal(actual.sequences, expected.sequences)
+    torch.testing.assert_close(actual.scores[-1], expected.scores[-1], atol=1e-5, rtol=1e-5)
+
+
 def test_a_model_on_another_attention_is_left_alone():
     from transformers import LlamaConfig, LlamaForCausalLM
 
