@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import format_cell, markdown_table
-from benchmarks.kernels import attention, loss_skip, ops, optimizer, sustained
+from benchmarks.kernels import attention, decode_attention, loss_skip, ops, optimizer, sustained
 from benchmarks.models import families_share
 from benchmarks.quality import float8 as float8_quality
 from benchmarks.quality import precision
@@ -47,6 +47,7 @@ RENDERERS: dict[str, Callable[[Payload], str]] = {
     memory_estimate.RESULTS.name: memory_estimate.render_markdown,
     memory_plans.RESULTS.name: memory_plans.render_markdown,
     attention.RESULTS.name: attention.render_markdown,
+    decode_attention.RESULTS.name: decode_attention.render_markdown,
     jobs.RESULTS.name: jobs.render_markdown,
     load.RESULTS.name: load.render_markdown,
     gpus.RESULTS.name: gpus.render_markdown,

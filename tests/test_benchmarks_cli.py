@@ -35,6 +35,7 @@ SCRIPT_OPTIONS = {
     "benchmarks.step.memory_estimate": ("--configs", "--out"),
     "benchmarks.step.memory_plans": ("--variants", "--memory-gib", "--tiny", "--out", "--merge"),
     "benchmarks.kernels.attention": ("--out",),
+    "benchmarks.kernels.decode_attention": ("--out",),
     "benchmarks.service.jobs": ("--variants", "--out"),
     "benchmarks.service.load": ("--clients", "--out"),
     "benchmarks.service.lifecycle": ("--cases",),

@@ -1,0 +1,133 @@
+"""One decoding step of grouped-query attention over a KV cache (what sampling runs per layer and token, see
+fusetune.models.attention.grouped_query_decode), by how the query heads meet the cache and which back end of
+scaled_dot_product_attention runs it. The mask is a static cache's: row-wise left padding and the slots not yet
+written, [batch, 1, 1, length] boolean.
+
+    widened            transformers' sdpa path: K and V repeated to every query head, then sdpa with the mask
+    grouped            the query heads of a KV head as its query rows (fusetune's decoding path), torch's
+                       choice of back end
+    grouped-<backend>  the same with one back end forced (math, efficient, cudnn)
+    grouped-compiled   the grouped math (two matmuls and a masked softmax) compiled by torch.compile
+
+Per row: microseconds per call (triton.testing.do_bench) and the K and V bytes read once over that time.
+
+    python3 -m benchmarks.kernels.decode_attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from benchmarks import harness
+from benchmarks.harness import markdown_table, short_error
+
+RESULTS = harness.Benchmark("decode-attention", topic="kernels")
+# (name, rows, query heads, key/value heads, head dim, cache length, filled length)
+SHAPES = (
+    ("llama-3.2-1b 512 rows, cache 280", 512, 32, 8, 64, 280, 200),
+    ("llama-3.2-1b 512 rows, cache 536", 512, 32, 8, 64, 536, 400),
+    ("llama-3.1-8b 64 rows, cache 2048", 64, 32, 8, 128, 2048, 1500),
+)
+IMPLS = ("widened", "grouped", "grouped-math", "grouped-efficient", "grouped-cudnn", "grouped-compiled")
+
+
+def decode_call(impl: str):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fusetune.models.attention import grouped_query_decode
+
+    if impl == "widened":
+
+        def run(q, k, v, mask):
+            repeat = q.shape[1] // k.shape[1]
+            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        return run
+    if impl == "grouped-compiled":
+
+        def grouped_math(q, k, v, mask):
+            batch, heads, _, dim = q.shape
+            grouped = q.reshape(batch, k.shape[1], heads // k.shape[1], dim)
+            scores = (grouped @ k.transpose(-1, -2)).float() * dim**-0.5
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
+            return (probs @ v).reshape(batch, heads, 1, dim)
+
+        return torch.compile(grouped_math, fullgraph=True)
+    backend = {"grouped-math": SDPBackend.MATH, "grouped-efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "grouped-cudnn": SDPBackend.CUDNN_ATTENTION}.get(impl)  # fmt: skip
+
+    def run(q, k, v, mask):
+        if backend is None:
+            return grouped_query_decode(q, k, v, mask, None)[0]
+        with sdpa_kernel([backend]):
+            return grouped_query_decode(q, k, v, mask, None)[0]
+
+    return run
+
+
+def measure(name: str, rows: int, heads: int, kv_heads: int, dim: int, length: int, filled: int, impl: str):
+    import torch
+    import triton.testing
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(rows, heads, 1, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = (
+        torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for _ in range(2)
+    )
+    positions = torch.arange(length, device="cuda")
+    padding = torch.randint(0, 16, (rows, 1), device="cuda", generator=generator)
+    mask = ((positions >= padding) & (positions < filled)).view(rows, 1, 1, length)
+    run = decode_call(impl)
+    out = run(q, k, v, mask)
+    reference = decode_call("widened")(q, k, v, mask)
+    us = triton.testing.do_bench(lambda: run(q, k, v, mask), warmup=25, rep=200) * 1e3
+    cache_bytes = 2 * k.numel() * k.element_size()
+    return {
+        "shape": name, "impl": impl, "us": round(us, 1), "cache_gb_per_s": round(cache_bytes / (us * 1e-6) / 1e9),
+        "max_abs_diff_vs_widened": float((out.float().reshape(reference.shape) - reference.float()).abs().max()),
+    }  # fmt: skip
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    table = [[r["shape"], r["impl"], r.get("us"), r.get("cache_gb_per_s"), r.get("max_abs_diff_vs_widened"),
+              r.get("error") or ""] for r in payload["rows"]]  # fmt: skip
+    return "\n".join([
+        f"# One decoding step of grouped-query attention — {payload['gpu']}, {payload['date']}", "",
+        f"`{payload['command']}`", "",
+        markdown_table(["shape", "impl", "us", "K+V GB/s", "max |diff| vs widened", "error"], table), "",
+    ])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    harness.add_results_arguments(parser, RESULTS)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{__spec__.name} measures GPU kernels; no CUDA device here", file=sys.stderr)
+        return 2
+    rows = []
+    for shape in SHAPES:
+        for impl in IMPLS:
+            try:
+                rows.append(measure(*shape, impl))
+            except Exception as error:  # noqa: BLE001 - a back end that refuses a shape is a row's error
+                rows.append({"shape": shape[0], "impl": impl, "error": short_error(error, 200)})
+            print(rows[-1], flush=True)
+    device_name = torch.cuda.get_device_name(0)
+    payload = {**harness.run_meta(device_name), "command": f"python3 -m {__spec__.name}", "rows": rows}
+    RESULTS.save(args, harness.results_slug(args, device_name), payload, render_markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
