@@ -279,6 +279,29 @@ def attention_headlines(payload: Payload) -> list[Headline]:
     return headlines
 
 
+def decode_attention_headlines(payload: Payload) -> list[Headline]:
+    rows = [r for r in payload["rows"] if r.get("us")]
+    headlines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        cells = {r["impl"]: r["us"] for r in rows if r["shape"] == shape}
+        others = [(impl, str(us)) for impl, us in cells.items() if impl != "grouped"]
+        headlines.append(("GQA decoding step us", shape, str(cells.get("grouped", "–")), _others(others)))
+    return headlines
+
+
+def generation_headlines(payload: Payload) -> list[Headline]:
+    rows = [r for r in payload["rows"] if r.get("ms_per_token_step")]
+    ours = [r for r in rows if r["impl"].startswith("fusetune")]
+    if not ours:
+        return []
+    best = min(ours, key=lambda r: r["ms_per_token_step"])
+    setting = (
+        f"{best['model']}, {best['prompts']} x {best['n']} x {best['completion_tokens']}, {best['impl']}"
+    )
+    others = [(r["impl"], str(r["ms_per_token_step"])) for r in rows if r is not best]
+    return [("sampling ms per token step", setting, str(best["ms_per_token_step"]), _others(others))]
+
+
 def grpo_headlines(payload: Payload) -> list[Headline]:
     rows = [r for r in payload["rows"] if r.get("step_s")]
     anchor = next((r for r in rows if r["impl"].startswith("trl")), None)
@@ -372,7 +395,9 @@ HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
     memory_estimate.RESULTS.name: memory_estimate_headlines,
     memory_plans.RESULTS.name: memory_plans_headlines,
     attention.RESULTS.name: attention_headlines,
+    decode_attention.RESULTS.name: decode_attention_headlines,
     grpo.RESULTS.name: grpo_headlines,
+    generation.RESULTS.name: generation_headlines,
     jobs.RESULTS.name: jobs_headlines,
     load.RESULTS.name: load_headlines,
     gpus.RESULTS.name: gpus_headlines,
