@@ -348,6 +348,42 @@ def run_as_worker(
     return 0
 
 
+def run_rows_in_workers(
+    module: str,
+    specs: Iterable[dict[str, Any]],
+    identity: Callable[[dict[str, Any]], dict[str, Any]],
+    *,
+    args: argparse.Namespace,
+    benchmark: Benchmark,
+    slug: str,
+    device_name: str,
+    render: Callable[[dict[str, Any]], str],
+    timeout_s: float | None,
+) -> dict[str, Any]:
+    """Each spec's row measured by `python -m module --_worker SPEC` in a fresh process (see run_as_worker),
+    after the rows of an earlier run when the run merges; a worker that reports nothing gives the row
+    `identity(spec)` with its failure as the error. The results file is rewritten after every row, so that a
+    run stopped midway keeps what it measured; at the end the section's markdown is printed. Returns the
+    payload written."""
+    previous = benchmark.previous(args, slug)
+    rows = list(previous["rows"]) if previous else []
+    payload: dict[str, Any] = {}
+    for spec in specs:
+        print(f"row {spec.get('variant', '')} ...", flush=True)
+        run = run_worker(module, ["--_worker", json.dumps(spec)], timeout_s=timeout_s)
+        row = run.results[-1] if run.results else {**identity(spec), "error": short_error(run.failure, 600)}
+        print(f"  {json.dumps({k: v for k, v in row.items() if k != 'profile'})}", flush=True)
+        rows.append(row)
+        payload = {
+            **run_meta(device_name),
+            "command": f"python3 -m {module} " + " ".join(sys.argv[1:]),
+            "rows": rows,
+        }
+        benchmark.write(args.out, slug, payload, getattr(args, "section", None))
+    benchmark.save(args, slug, payload, render)
+    return payload
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Results files.
 

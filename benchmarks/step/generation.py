@@ -24,13 +24,12 @@ largest kernels.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import GIB, markdown_table, short_error
+from benchmarks.harness import GIB, markdown_table
 from benchmarks.workloads import MODEL_SHAPES, build_config
 
 RESULTS = harness.Benchmark("generation", topic="step")
@@ -184,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args._worker:
-        return harness.run_as_worker(run_row, args._worker, lambda spec, _error: {
-            "impl": spec["variant"], "model": spec["model"], "prompts": spec["prompts"], "n": spec["n"],
-            "completion_tokens": spec["completion_tokens"]})  # fmt: skip
+        return harness.run_as_worker(run_row, args._worker, lambda spec, _error: identity(spec))
     variants = harness.choices(parser, "--variants", args.variants, VARIANTS)
     import torch
 
@@ -196,31 +193,24 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-    slug = harness.results_slug(args, device_name, on_gpu=device == "cuda")
-    previous = RESULTS.previous(args, slug)
-    rows = list(previous["rows"]) if previous else []
-    payload: dict[str, Any] = {}
-    for variant in variants:
-        spec = {
-            "variant": variant, "model": args.model, "prompts": args.prompts, "n": args.n,
-            "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
-            "profile": args.profile, "device": device, "tiny": args.tiny,
-        }  # fmt: skip
-        print(f"row {variant} ...", flush=True)
-        run = harness.run_worker(__spec__.name, ["--_worker", json.dumps(spec)], timeout_s=args.timeout_s)
-        row = run.results[-1] if run.results else {
-            "impl": variant, "model": args.model, "prompts": args.prompts, "n": args.n,
-            "completion_tokens": args.completion_tokens, "error": short_error(run.failure, 600)}  # fmt: skip
-        print(f"  {json.dumps({k: v for k, v in row.items() if k != 'profile'})}", flush=True)
-        rows.append(row)
-        payload = {
-            **harness.run_meta(device_name),
-            "command": f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:]),
-            "rows": rows,
-        }
-        RESULTS.write(args.out, slug, payload, getattr(args, "section", None))
-    RESULTS.save(args, slug, payload, render_markdown)
+    specs = [
+        {"variant": variant, "model": args.model, "prompts": args.prompts, "n": args.n,
+         "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
+         "profile": args.profile, "device": device, "tiny": args.tiny}
+        for variant in variants
+    ]  # fmt: skip
+    harness.run_rows_in_workers(
+        __spec__.name, specs, identity, args=args, benchmark=RESULTS, device_name=device_name,
+        slug=harness.results_slug(args, device_name, on_gpu=device == "cuda"), render=render_markdown,
+        timeout_s=args.timeout_s,
+    )  # fmt: skip
     return 0
+
+
+def identity(spec: dict[str, Any]) -> dict[str, Any]:
+    """What names a row, also the row of a setup that failed."""
+    return {"impl": spec["variant"], "model": spec["model"], "prompts": spec["prompts"], "n": spec["n"],
+            "completion_tokens": spec["completion_tokens"]}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import GIB, markdown_table, short_error
+from benchmarks.harness import GIB, markdown_table
 from benchmarks.step.trainer_step import build_trainer, job_batches
 from benchmarks.workloads import MODEL_SHAPES, build_config
 
@@ -368,9 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                              [list(r.values()) for r in section["estimates"]]))  # fmt: skip
         return 0
     if args._worker:
-        return harness.run_as_worker(run_row, args._worker, lambda spec, _error: {
-            "impl": spec["variant"], "model": spec["model"], "seq": spec["seq"], "batch": spec["batch"],
-            "memory_gib": spec.get("memory_gib")})  # fmt: skip
+        return harness.run_as_worker(run_row, args._worker, lambda spec, _error: identity(spec))
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -383,30 +381,24 @@ def main(argv: list[str] | None = None) -> int:
     model_path, training_file = prepare(args, folder)
     device_name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     slug = harness.results_slug(args, device_name, on_gpu=device == "cuda")
-    previous = RESULTS.previous(args, slug)
-    rows = list(previous["rows"]) if previous else []
-    for variant in harness.comma_list(args.variants):
-        spec = {
-            "variant": variant, "plan": variant.split(":", 1)[1] if variant.startswith("fusetune:") else None,
-            "model": args.model, "model_path": str(model_path), "training_file": str(training_file),
-            "batch": args.batch, "seq": args.seq, "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "device": device, "tiny": args.tiny, "memory_gib": args.memory_gib,
-        }  # fmt: skip
-        print(f"row {variant} ...", flush=True)
-        run = harness.run_worker(__spec__.name, ["--_worker", json.dumps(spec)], timeout_s=args.timeout_s)
-        row = run.results[-1] if run.results else {
-            "impl": variant, "model": args.model, "seq": args.seq, "batch": args.batch,
-            "memory_gib": args.memory_gib, "error": short_error(run.failure, 600)}  # fmt: skip
-        print(f"  {json.dumps(row)}", flush=True)
-        rows.append(row)
-        payload = {
-            **harness.run_meta(device_name),
-            "command": f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:]),
-            "rows": rows,
-        }
-        RESULTS.write(args.out, slug, payload, getattr(args, "section", None))
-    RESULTS.save(args, slug, payload, render_markdown)
+    specs = [
+        {"variant": variant, "plan": variant.split(":", 1)[1] if variant.startswith("fusetune:") else None,
+         "model": args.model, "model_path": str(model_path), "training_file": str(training_file),
+         "batch": args.batch, "seq": args.seq, "warmup_steps": args.warmup_steps, "steps": args.steps,
+         "device": device, "tiny": args.tiny, "memory_gib": args.memory_gib}
+        for variant in harness.comma_list(args.variants)
+    ]  # fmt: skip
+    harness.run_rows_in_workers(
+        __spec__.name, specs, identity, args=args, benchmark=RESULTS, slug=slug, device_name=device_name,
+        render=render_markdown, timeout_s=args.timeout_s,
+    )  # fmt: skip
     return 0
+
+
+def identity(spec: dict[str, Any]) -> dict[str, Any]:
+    """What names a row, also the row of a plan that failed."""
+    return {"impl": spec["variant"], "model": spec["model"], "seq": spec["seq"], "batch": spec["batch"],
+            "memory_gib": spec.get("memory_gib")}  # fmt: skip
 
 
 if __name__ == "__main__":
