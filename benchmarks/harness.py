@@ -348,6 +348,42 @@ def run_as_worker(
     return 0
 
 
+def measure_shapes(
+    module: str,
+    args: argparse.Namespace,
+    benchmark: Benchmark,
+    shapes: Iterable[tuple],
+    impls: Iterable[str],
+    measure: Callable[..., dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+) -> int:
+    """A kernel benchmark's run (`python3 -m module`) on this process's GPU: `measure(*shape, impl)` for every shape (its name first)
+    and implementation, an implementation that refuses a shape recorded as that row's error; then the results
+    file and its markdown. Returns the exit status (2 without a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{benchmark.name} measures GPU kernels; no CUDA device here", file=sys.stderr)
+        return 2
+    rows = []
+    impls = list(impls)
+    for shape in shapes:
+        for impl in impls:
+            try:
+                rows.append(measure(*shape, impl))
+            except Exception as error:  # noqa: BLE001 - a back end that refuses a shape is a row's error
+                rows.append({"shape": shape[0], "impl": impl, "error": short_error(error, 200)})
+            print(rows[-1], flush=True)
+            torch.cuda.empty_cache()
+    device_name = torch.cuda.get_device_name(0)
+    command = (
+        f"python3 -m {sys.modules['__main__'].__spec__.name}" if sys.modules["__main__"].__spec__ else ""
+    )
+    payload = {**run_meta(device_name), "command": command, "rows": rows}
+    benchmark.save(args, results_slug(args, device_name), payload, render)
+    return 0
+
+
 def run_rows_in_workers(
     module: str,
     specs: Iterable[dict[str, Any]],

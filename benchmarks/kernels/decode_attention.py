@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table, short_error
+from benchmarks.harness import markdown_table
 
 RESULTS = harness.Benchmark("decode-attention", topic="kernels")
 # (name, rows, query heads, key/value heads, head dim, cache length, filled length)
@@ -110,23 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     harness.add_results_arguments(parser, RESULTS)
     args = parser.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print(f"{__spec__.name} measures GPU kernels; no CUDA device here", file=sys.stderr)
-        return 2
-    rows = []
-    for shape in SHAPES:
-        for impl in IMPLS:
-            try:
-                rows.append(measure(*shape, impl))
-            except Exception as error:  # noqa: BLE001 - a back end that refuses a shape is a row's error
-                rows.append({"shape": shape[0], "impl": impl, "error": short_error(error, 200)})
-            print(rows[-1], flush=True)
-    device_name = torch.cuda.get_device_name(0)
-    payload = {**harness.run_meta(device_name), "command": f"python3 -m {__spec__.name}", "rows": rows}
-    RESULTS.save(args, harness.results_slug(args, device_name), payload, render_markdown)
-    return 0
+    return harness.measure_shapes(__spec__.name, args, RESULTS, SHAPES, IMPLS, measure, render_markdown)
 
 
 if __name__ == "__main__":
