@@ -296,3 +296,39 @@ def test_the_kl_term_is_to_the_starting_model(model_dir, prompts_file, tmp_path,
         assert (trainer.method.reference_model is None) == (lora is not None), name
         kl = metric(reporter, "kl")
         assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-6, (name, kl)
+
+
+def test_over_a_static_cache_prompts_pad_to_a_width_class_that_samples_alike():
+    """The widths a static cache (and the compiled decoding step) sees are powers of two: 5 and 16 pad to 16,
+    17 and 30 to 32; the extra padding is on the left and masked, and greedy sampling of the padded prompts
+    gives the unpadded prompts' completions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    method = SimpleNamespace(pad_token_id=0, STATIC_PROMPT_WIDTH_MIN=16)
+    pad = GroupRelativePolicyOptimization.padded_to_width_class
+    for width, expected in ((5, 16), (16, 16), (17, 32), (30, 32), (64, 64)):
+        batch = {"input_ids": torch.arange(1, width + 1).repeat(2, 1), "attention_mask": torch.ones(2, width)}
+        batch["attention_mask"][1, :2] = 0
+        padded = pad(method, batch)
+        assert padded["input_ids"].shape == (2, expected)
+        assert torch.equal(padded["input_ids"][:, expected - width :], batch["input_ids"])
+        assert torch.equal(padded["attention_mask"][:, expected - width :], batch["attention_mask"])
+        assert not padded["attention_mask"][:, : expected - width].any()
+        assert (padded["input_ids"][:, : expected - width] == 0).all()
+
+    config = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompts = {
+        "input_ids": torch.randint(3, 61, (2, 9)),
+        "attention_mask": torch.ones(2, 9, dtype=torch.long),
+    }
+    prompts["attention_mask"][0, :4] = 0
+
+    def completions(batch):
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        return out[:, batch["input_ids"].shape[1] :]
+
+    assert torch.equal(completions(pad(method, prompts)), completions(prompts))
