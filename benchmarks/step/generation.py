@@ -30,6 +30,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import GIB, markdown_table
+from benchmarks.step.grpo import identity  # a sampling row is named as the GRPO step's rows are
 from benchmarks.workloads import MODEL_SHAPES, build_config
 
 RESULTS = harness.Benchmark("generation", topic="step")
@@ -205,12 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout_s,
     )  # fmt: skip
     return 0
-
-
-def identity(spec: dict[str, Any]) -> dict[str, Any]:
-    """What names a row, also the row of a setup that failed."""
-    return {"impl": spec["variant"], "model": spec["model"], "prompts": spec["prompts"], "n": spec["n"],
-            "completion_tokens": spec["completion_tokens"]}  # fmt: skip
 
 
 if __name__ == "__main__":
