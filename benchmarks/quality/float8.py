@@ -38,14 +38,12 @@ import argparse
 import dataclasses
 import gc
 import math
-import os
 import statistics
 import sys
 import time
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import GIB, markdown_table
 from benchmarks.quality import precision as protocol
 from benchmarks.workloads import MODEL_SHAPES
 
@@ -163,32 +161,11 @@ def build_run_model(impl: str, args, device, kernels, pretrained, scales) -> Any
 
 def finetune(impl, lr, seed, pretrained, scales, plain, pool, eval_sets, args, device, kernels):
     """Fine-tune in `impl`; the task-B eval loss of the weights in bf16 (`plain` holds them) and in `impl`."""
-    import torch
-
-    from fusetune.worker.train import optim
-
     policy = protocol.policy("bf16-sr", device)
     model = build_run_model(impl, args, device, kernels, pretrained, scales)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = optim.build_optimizer(
-        policy.mode.optimizer,
-        params,
-        learning_rate=lr,
-        weight_decay=args.weight_decay,
-        device=device,
-        seed=seed,
-    )
-    generator = torch.Generator(device=pool.device).manual_seed(1000 + seed)
-    picks = torch.randint(
-        0, len(pool), (args.finetune_steps, args.batch), device=pool.device, generator=generator
-    )
-    protocol.synchronize(device)
-    started = time.perf_counter()
-    losses = protocol.train_steps(
-        model, optimizer, policy.mode.optimizer, policy.autocast, pool[picks], protocol.MAX_GRAD_NORM
-    )
-    protocol.synchronize(device)
-    seconds = time.perf_counter() - started
+    optimizer = protocol.trainer_optimizer(policy, params, lr, seed, args, device)
+    losses, seconds = protocol.timed_finetune_steps(model, optimizer, policy, pool, seed, args, device)
     own = protocol.eval_loss(model, eval_sets["b"], policy.autocast, args.batch)
     plain.load_state_dict(model.state_dict())
     result = {
@@ -229,69 +206,36 @@ def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
             worse[f"{impl}_worse_than_bf16_sr_and_fp8"] = min(losses[impl]) > best_good + margin
     if worse:
         checks["a_worse_variant_fails"] = any(worse.values())
-    return {
-        "start_eval_loss": round(start, 5),
-        "margin": round(margin, 5),
-        "margin_rule": "max(0.01 * mean(bf16-sr), max - min of bf16-sr's seeds)",
-        **measures,
-        **worse,
-        **checks,
-        "passed": all(checks.values()),
-    }
+    rule = "max(0.01 * mean(bf16-sr), max - min of bf16-sr's seeds)"
+    return protocol.verdict_record(start, margin, rule, {**measures, **worse}, checks)
 
 
 def summary_rows(runs: list[dict[str, Any]], args) -> list[dict[str, Any]]:
-    rows = []
-    for lr in args.lrs:
-        for impl in args.impls:
-            mine = [run for run in runs if run["lr"] == lr and run["impl"] == impl]
-            if mine:
-                losses = [run["eval_loss"] for run in mine]
-                rows.append(
-                    {
-                        "model": args.model,
-                        "impl": impl,
-                        "lr": lr,
-                        "eval_losses": [round(value, 5) for value in losses],
-                        "eval_loss_mean": round(statistics.fmean(losses), 5),
-                        "eval_loss_spread": round(max(losses) - min(losses), 5),
-                        "own_forward_mean": round(
-                            statistics.fmean(r["eval_loss_own_forward"] for r in mine), 5
-                        ),
-                        "step_ms": round(statistics.median(run["step_ms"] for run in mine), 1),
-                        "errors": [run["error"] for run in mine if run.get("error")] or None,
-                    }
-                )
-    return rows
+    return [
+        {
+            "model": args.model,
+            "impl": impl,
+            "lr": lr,
+            **protocol.eval_loss_summary(mine),
+            "own_forward_mean": round(statistics.fmean(r["eval_loss_own_forward"] for r in mine), 5),
+            **protocol.step_summary(mine),
+        }
+        for lr, impl, mine in protocol.runs_by_lr_and_impl(runs, args)
+    ]
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
     setup, pre = payload["setup"], payload["pretrain"]
     lines = [
-        f"# fp8 quality: {payload['gpu']}, {payload['date']}",
-        "",
-        f"Versions: {payload['versions']}",
-        "",
+        *protocol.markdown_head("fp8 quality", payload),
         f"Model {setup['model']} ({setup['params']:,} parameters), protocol of benchmarks/quality/float8.py; "
         f"`{payload['command']}`. Pre-training: {pre['steps']} steps to task-A eval {pre['eval_loss']} "
         f"({100 * pre['gap_to_floor']:.2f}% above the floor; plateau "
         f"{'reached' if pre['plateau_reached'] else 'NOT reached'}). Fine-tuning: {setup['finetune_steps']} "
         f"steps; task-B eval loss of the trained weights in bf16 (own forward: the float8 model's).",
         "",
-        markdown_table(
-            ["lr", "impl", "task-B eval per seed", "mean", "spread", "own forward (mean)", "step ms"],
-            [
-                [
-                    r["lr"],
-                    r["impl"],
-                    ", ".join(f"{v:.4f}" for v in r["eval_losses"]),
-                    r["eval_loss_mean"],
-                    r["eval_loss_spread"],
-                    r["own_forward_mean"],
-                    r["step_ms"],
-                ]
-                for r in payload["rows"]
-            ],  # fmt: skip
+        protocol.rows_table(
+            payload["rows"], "task-B eval per seed", ("own forward (mean)", "own_forward_mean")
         ),
         "",
     ]
@@ -304,12 +248,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         )
         verdict_text = "pass" if check["passed"] else "FAIL: " + ", ".join(failed)
         lines.append(f"- lr {lr}: margin {check['margin']:.4f}; against bf16-sr: {relative}; {verdict_text}")
-    lines += [
-        "",
-        f"Verdict: **{'pass' if payload['passed'] else 'FAIL'}** ({payload['verdict_reason']}).",
-        "",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, *protocol.markdown_verdict(payload)])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -328,47 +267,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pretrain-max-steps", type=int, default=None)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     harness.add_results_arguments(parser, RESULTS)
-    args = parser.parse_args(argv)
-    which = 1 if args.tiny else 0
-    for name, values in protocol.DEFAULTS.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, values[which])
+    args = protocol.complete_args(parser, parser.parse_args(argv), IMPLS, REFERENCE)
     args.plateau_threshold, args.plateau_max_gap = 0.01, 0.1  # precision.py's defaults
-    args.lrs = [float(value) for value in args.lrs.split(",")]
-    args.seeds = [int(value) for value in args.seeds.split(",")]
-    impls = harness.choices(parser, "--impls", args.impls, IMPLS)
-    args.impls = [REFERENCE] + [impl for impl in impls if impl != REFERENCE]
-    if len(args.seeds) < 2:
-        parser.error("--seeds: at least 2, the criterion uses bf16-sr's spread")
     return args
+
+
+REPORT = protocol.Report(RESULTS, summary_rows, render_markdown, frozenset(WORSE))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # FusedAdamW on CPU tensors; before triton loads
+    device = protocol.choose_device(args)
     kernels = device.type == "cuda"
     command = f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
 
     model = protocol.build_model(args.model, args.tiny, device, kernels)
-    token_ids = torch.randperm(
-        model.get_input_embeddings().weight.shape[0], generator=torch.Generator().manual_seed(0)
-    )
-    token_ids = token_ids[: args.task_tokens].to(device)
-    task_a = protocol.make_task(token_ids, args.sharpness, seed=1)
-    task_b = protocol.make_task(token_ids, args.sharpness, seed=2)
-    eval_sets = {"a": task_a.sample(args.eval_sequences, args.seq, seed=100),
-                 "b": task_b.sample(args.eval_sequences, args.seq, seed=101)}  # fmt: skip
-    pool = task_b.sample(args.finetune_pool, args.seq, seed=11)
-    floor_a = task_a.floor(eval_sets["a"])
+    tasks = protocol.build_tasks(model, args, device)
+    eval_sets = tasks.eval_sets
     params = sum(p.numel() for p in model.parameters())
-    scales = initial_scales(args, device, kernels, task_a) if "fp8-stale-scale" in args.impls else {}
+    scales = initial_scales(args, device, kernels, tasks.a) if "fp8-stale-scale" in args.impls else {}
 
-    pre = protocol.pretrain(model, task_a, eval_sets["a"], floor_a, args, device)
+    pre = protocol.pretrain(model, tasks.a, eval_sets["a"], tasks.floor_a, args, device)
     print(
         f"pretrain: {pre['steps']} steps, eval {pre['eval_loss']}, plateau {pre['plateau_reached']}",
         flush=True,
@@ -379,16 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         plain, eval_sets["b"], protocol.policy("bf16-sr", device).autocast, args.batch
     )
 
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    slug = harness.results_slug(args, gpu, on_gpu=device.type == "cuda")
+    slug, meta = protocol.results_meta(args, device, command)
     payload: dict[str, Any] = {
-        **harness.run_meta(gpu),
-        "command": command,
+        **meta,
         "setup": {
-            "model": args.model,
-            "tiny": args.tiny,
-            "params": params,
-            "kernels": kernels,
+            **protocol.model_setup(args, params, kernels),
             "finetune_steps": args.finetune_steps,
             "lrs": args.lrs,
             "seeds": args.seeds,
@@ -397,50 +314,22 @@ def main(argv: list[str] | None = None) -> int:
         "pretrain": pre,
         "verdicts": {},
     }
-    runs = []
-    for lr in args.lrs:
-        for impl in args.impls:
-            for seed in args.seeds:
-                run = finetune(
-                    impl, lr, seed, pretrained, scales, plain, pool, eval_sets, args, device, kernels
-                )
-                runs.append(run)
-                print(
-                    f"  lr {lr:g} {impl:18s} seed {seed}: task-B eval {run['eval_loss']:.4f} (own forward "
-                    f"{run['eval_loss_own_forward']:.4f}), {run['step_ms']} ms/step",
-                    flush=True,
-                )
-        losses = {
-            impl: [r["eval_loss"] for r in runs if r["lr"] == lr and r["impl"] == impl] for impl in args.impls
-        }
-        payload["verdicts"][str(lr)] = verdict(losses, start_b)
-        print(f"lr {lr:g}: {payload['verdicts'][str(lr)]}", flush=True)
-        RESULTS.write(args.out, slug, {**payload, "rows": summary_rows(runs, args), "runs": runs, "partial": True},
-                      args.section)  # fmt: skip
 
-    failed_lrs = [lr for lr, check in payload["verdicts"].items() if not check["passed"]]
-    errors = [run for run in runs if run.get("error") and run["impl"] not in WORSE]
-    reasons = []
-    if not pre["plateau_reached"]:
-        reasons.append(f"pre-training reached no plateau in {pre['steps']} steps")
-    if failed_lrs:
-        reasons.append("the criterion failed at lr " + ", ".join(failed_lrs))
-    if errors:
-        reasons.append(f"{len(errors)} runs had non-finite losses")
-    payload.update(
-        rows=summary_rows(runs, args),
-        runs=runs,
-        passed=not reasons,
-        verdict_reason="; ".join(reasons) or "plateau reached; criterion met at every learning rate",
-        seconds=round(time.perf_counter() - started, 1),
+    def finetune_one(impl: str, lr: float, seed: int) -> dict[str, Any]:
+        return finetune(
+            impl, lr, seed, pretrained, scales, plain, tasks.pool, eval_sets, args, device, kernels
+        )
+
+    def progress(run: dict[str, Any]) -> str:
+        return (
+            f"  lr {run['lr']:g} {run['impl']:18s} seed {run['seed']}: task-B eval {run['eval_loss']:.4f} "
+            f"(own forward {run['eval_loss_own_forward']:.4f}), {run['step_ms']} ms/step"
+        )
+
+    runs = protocol.finetune_all(
+        REPORT, args, slug, payload, finetune_one, progress, lambda losses: verdict(losses, start_b)
     )
-    if device.type == "cuda":
-        payload["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
-    RESULTS.save(args, slug, payload, render_markdown)
-    if reasons:
-        print(f"FAIL: {payload['verdict_reason']}", file=sys.stderr)
-        return 1
-    return 0
+    return protocol.conclude(REPORT, args, slug, payload, runs, started, device)
 
 
 if __name__ == "__main__":

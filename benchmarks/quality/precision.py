@@ -58,6 +58,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,9 +349,6 @@ def pretrain(model, task, eval_set, floor, args, device) -> dict[str, Any]:
 
 def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -> dict[str, Any]:
     """Fine-tune the pretrained weights on task B in `impl`; the final task-B (and task-A) eval losses."""
-    import torch
-
-    from fusetune.worker.train import optim
 
     precision = policy(IMPLS[impl], device)
     model.to(precision.weight_dtype)
@@ -359,26 +357,10 @@ def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -
     if impl.startswith("adamw8bit"):
         optimizer = build_8bit_optimizer(impl.removesuffix(IN_BACKWARD), params, lr, args.weight_decay, seed)
     else:
-        optimizer = optim.build_optimizer(
-            precision.mode.optimizer,
-            params,
-            learning_rate=lr,
-            weight_decay=args.weight_decay,
-            device=device,
-            seed=seed,
-        )
-    generator = torch.Generator(device=pool.device).manual_seed(1000 + seed)
-    picks = torch.randint(
-        0, len(pool), (args.finetune_steps, args.batch), device=pool.device, generator=generator
+        optimizer = trainer_optimizer(precision, params, lr, seed, args, device)
+    losses, seconds = timed_finetune_steps(
+        model, optimizer, precision, pool, seed, args, device, in_backward=impl.endswith(IN_BACKWARD)
     )
-    synchronize(device)
-    started = time.perf_counter()
-    losses = train_steps(
-        model, optimizer, precision.mode.optimizer, precision.autocast, pool[picks], MAX_GRAD_NORM,
-        in_backward=impl.endswith(IN_BACKWARD),
-    )  # fmt: skip
-    synchronize(device)
-    seconds = time.perf_counter() - started
     del optimizer
     result = {
         "impl": impl,
@@ -392,9 +374,42 @@ def finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device) -
         "seconds": round(seconds, 2),
         "step_ms": round(seconds / args.finetune_steps * 1e3, 1),
     }
-    if not all(map(lambda value: value == value and abs(value) != float("inf"), losses.tolist())):
+    if not all(math.isfinite(value) for value in losses.tolist()):
         result["error"] = "non-finite training loss"
     return result
+
+
+def trainer_optimizer(precision: Any, params: list, lr: float, seed: int, args, device: Any) -> Any:
+    """The optimizer the trainer builds for `precision`, with --weight-decay (none on 1-D parameters)."""
+    from fusetune.worker.train import optim
+
+    return optim.build_optimizer(
+        precision.mode.optimizer,
+        params,
+        learning_rate=lr,
+        weight_decay=args.weight_decay,
+        device=device,
+        seed=seed,
+    )
+
+
+def timed_finetune_steps(model, optimizer, precision, pool, seed, args, device, in_backward=False) -> Any:
+    """`args.finetune_steps` steps on batches of `pool` picked by `seed` (the same batches in every impl);
+    (the training losses, the seconds they took)."""
+    import torch
+
+    generator = torch.Generator(device=pool.device).manual_seed(1000 + seed)
+    picks = torch.randint(
+        0, len(pool), (args.finetune_steps, args.batch), device=pool.device, generator=generator
+    )
+    synchronize(device)
+    started = time.perf_counter()
+    losses = train_steps(
+        model, optimizer, precision.mode.optimizer, precision.autocast, pool[picks], MAX_GRAD_NORM,
+        in_backward=in_backward,
+    )  # fmt: skip
+    synchronize(device)
+    return losses, time.perf_counter() - started
 
 
 def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
@@ -420,10 +435,18 @@ def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
             checks[f"{bad_name}_worse_than_fp32_master"] = min(worst) > max(fp32) + margin
             if good in losses:
                 checks[f"{bad_name}_worse_than_{good_name}"] = min(worst) > max(losses[good]) + margin
+    rule = "max(0.01 * mean(fp32-master), max - min of fp32-master's seeds)"
+    return verdict_record(start, margin, rule, measures, checks)
+
+
+def verdict_record(
+    start: float, margin: float, margin_rule: str, measures: dict[str, Any], checks: dict[str, bool]
+) -> dict[str, Any]:
+    """One learning rate's verdict as the results hold it: passed when every check did."""
     return {
         "start_eval_loss": round(start, 5),
         "margin": round(margin, 5),
-        "margin_rule": "max(0.01 * mean(fp32-master), max - min of fp32-master's seeds)",
+        "margin_rule": margin_rule,
         **measures,
         **checks,
         "passed": all(checks.values()),
@@ -431,38 +454,54 @@ def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
 
 
 def summary_rows(runs: list[dict[str, Any]], args) -> list[dict[str, Any]]:
-    rows = []
+    return [
+        {
+            "model": args.model,
+            "impl": impl,
+            "precision": IMPLS[impl],
+            "lr": lr,
+            "seeds": [run["seed"] for run in mine],
+            **eval_loss_summary(mine),
+            "eval_loss_a_mean": round(statistics.fmean(run["eval_loss_a"] for run in mine), 5),
+            **step_summary(mine),
+        }
+        for lr, impl, mine in runs_by_lr_and_impl(runs, args)
+    ]
+
+
+def runs_by_lr_and_impl(
+    runs: list[dict[str, Any]], args
+) -> Iterator[tuple[float, str, list[dict[str, Any]]]]:
+    """(lr, impl, its runs over the seeds) for each pair that ran, in the order of args.lrs and args.impls."""
     for lr in args.lrs:
         for impl in args.impls:
             mine = [run for run in runs if run["lr"] == lr and run["impl"] == impl]
-            if not mine:
-                continue
-            losses = [run["eval_loss"] for run in mine]
-            rows.append(
-                {
-                    "model": args.model,
-                    "impl": impl,
-                    "precision": IMPLS[impl],
-                    "lr": lr,
-                    "seeds": [run["seed"] for run in mine],
-                    "eval_losses": [round(value, 5) for value in losses],
-                    "eval_loss_mean": round(statistics.fmean(losses), 5),
-                    "eval_loss_spread": round(max(losses) - min(losses), 5),
-                    "eval_loss_a_mean": round(statistics.fmean(run["eval_loss_a"] for run in mine), 5),
-                    "step_ms": round(statistics.median(run["step_ms"] for run in mine), 1),
-                    "errors": [run["error"] for run in mine if run.get("error")] or None,
-                }
-            )
-    return rows
+            if mine:
+                yield lr, impl, mine
+
+
+def eval_loss_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's task-B eval losses over the seeds: each, their mean and their spread."""
+    losses = [run["eval_loss"] for run in runs]
+    return {
+        "eval_losses": [round(value, 5) for value in losses],
+        "eval_loss_mean": round(statistics.fmean(losses), 5),
+        "eval_loss_spread": round(max(losses) - min(losses), 5),
+    }
+
+
+def step_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row's median step time over the seeds and the errors of its runs (None if none)."""
+    return {
+        "step_ms": round(statistics.median(run["step_ms"] for run in runs), 1),
+        "errors": [run["error"] for run in runs if run.get("error")] or None,
+    }
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
     setup, pre = payload["setup"], payload["pretrain"]
     lines = [
-        f"# Precision quality: {payload['gpu']}, {payload['date']}",
-        "",
-        f"Versions: {payload['versions']}",
-        "",
+        *markdown_head("Precision quality", payload),
         f"Model {setup['model']} ({setup['params']:,} parameters, random init); tasks: bigram teachers over "
         f"{setup['task_tokens']} token ids, sequences of {setup['seq']}, batches of {setup['batch']}; "
         f"`{payload['command']}`. Protocol and criterion: benchmarks/quality/precision.py's docstring.",
@@ -481,23 +520,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"{setup['floor_b']}).",
         "",
     ]
-    table = [
-        [
-            row["lr"],
-            row["impl"],
-            ", ".join(f"{value:.4f}" for value in row["eval_losses"]),
-            row["eval_loss_mean"],
-            row["eval_loss_spread"],
-            row["eval_loss_a_mean"],
-            row["step_ms"],
-        ]
-        for row in payload["rows"]
-    ]
     lines.append(
-        markdown_table(
-            ["lr", "impl", "task-B eval loss per seed", "mean", "spread", "task-A eval (mean)", "step ms"],
-            table,
-        )
+        rows_table(payload["rows"], "task-B eval loss per seed", ("task-A eval (mean)", "eval_loss_a_mean"))
     )
     for good_name, good, bad_name, bad in COMPARISONS:
         good_key, bad_key = f"{good_name}_relative_to_fp32_master", f"{bad_name}_relative_to_fp32_master"
@@ -513,12 +537,37 @@ def render_markdown(payload: dict[str, Any]) -> str:
                 f"{_percent(check.get(good_key))} | {_percent(check.get(bad_key))} | "
                 f"{'pass' if check['passed'] else 'FAIL: ' + ', '.join(failed)} |"
             )
-    lines += [
-        "",
-        f"Verdict: **{'pass' if payload['passed'] else 'FAIL'}** ({payload['verdict_reason']}).",
-        "",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, *markdown_verdict(payload)])
+
+
+def markdown_head(title: str, payload: dict[str, Any]) -> list[str]:
+    """A section's first lines: its title with the device and date, and the versions."""
+    return [f"# {title}: {payload['gpu']}, {payload['date']}", "", f"Versions: {payload['versions']}", ""]
+
+
+def markdown_verdict(payload: dict[str, Any]) -> list[str]:
+    """A section's last lines: the verdict and its reason."""
+    verdict_text = "pass" if payload["passed"] else "FAIL"
+    return ["", f"Verdict: **{verdict_text}** ({payload['verdict_reason']}).", ""]
+
+
+def rows_table(rows: list[dict[str, Any]], per_seed: str, extra: tuple[str, str]) -> str:
+    """The markdown table of summary rows: per seed, mean, spread, `extra` (its header, its key), step time."""
+    return markdown_table(
+        ["lr", "impl", per_seed, "mean", "spread", extra[0], "step ms"],
+        [
+            [
+                row["lr"],
+                row["impl"],
+                ", ".join(f"{value:.4f}" for value in row["eval_losses"]),
+                row["eval_loss_mean"],
+                row["eval_loss_spread"],
+                row[extra[1]],
+                row["step_ms"],
+            ]
+            for row in rows
+        ],
+    )
 
 
 def _percent(value: float | None) -> str:
@@ -556,24 +605,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--weight-decay", type=float, default=0.01)
     harness.add_results_arguments(parser, RESULTS)
-    args = parser.parse_args(argv)
-    which = 1 if args.tiny else 0
-    for name, values in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, values[which])
-    args.lrs = [float(value) for value in args.lrs.split(",")]
-    args.seeds = [int(value) for value in args.seeds.split(",")]
-    impls = harness.choices(parser, "--impls", args.impls, IMPLS)
-    args.impls = ["fp32-master"] + [impl for impl in impls if impl != "fp32-master"]
-    if len(args.seeds) < 2:
-        parser.error("--seeds: at least 2, the criterion uses fp32-master's spread")
+    args = complete_args(parser, parser.parse_args(argv), IMPLS, "fp32-master")
     if args.eval_sequences % args.batch:
         parser.error(f"--eval-sequences ({args.eval_sequences}) must be a multiple of --batch ({args.batch})")
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+# The script's scaffolding, which benchmarks/quality/float8.py runs its own impls in.
+
+
+def complete_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, known_impls: Iterable[str], reference: str
+) -> argparse.Namespace:
+    """DEFAULTS for the options left out (GPU or --tiny), --lrs and --seeds as numbers, --impls checked against
+    `known_impls` with `reference` first (it always runs)."""
+    which = 1 if args.tiny else 0
+    for name, values in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, values[which])
+    args.lrs = [float(value) for value in args.lrs.split(",")]
+    args.seeds = [int(value) for value in args.seeds.split(",")]
+    impls = harness.choices(parser, "--impls", args.impls, known_impls)
+    args.impls = [reference] + [impl for impl in impls if impl != reference]
+    if len(args.seeds) < 2:
+        parser.error(f"--seeds: at least 2, the criterion uses {reference}'s spread")
+    return args
+
+
+def choose_device(args: argparse.Namespace) -> Any:
+    """--device, or cuda if there is one, else the CPU (with Triton's interpreter on)."""
     import torch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -581,11 +641,26 @@ def main(argv: list[str] | None = None) -> int:
         # FusedAdamW runs on CPU tensors only in Triton's interpreter, which must be on before triton compiles
         # anything: set it now, before fusetune.kernels is imported.
         os.environ["TRITON_INTERPRET"] = "1"
-    kernels = device.type == "cuda" if args.kernels is None else args.kernels
-    command = f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:] if argv is None else argv)
-    started = time.perf_counter()
+    return device
 
-    model = build_model(args.model, args.tiny, device, kernels)
+
+@dataclass(frozen=True)
+class Tasks:
+    """Task A (pre-training) and task B (fine-tuning) over the same token ids, their eval sets and floors, and
+    the pool of task-B training sequences."""
+
+    a: Task
+    b: Task
+    eval_sets: dict[str, Any]  # "a", "b": (--eval-sequences, --seq) token ids
+    pool: Any
+    floor_a: float
+    floor_b: float
+
+
+def build_tasks(model: Any, args: argparse.Namespace, device: Any) -> Tasks:
+    """The tasks over a fixed random subset of `model`'s vocabulary (the same in every script and run)."""
+    import torch
+
     vocab = model.get_input_embeddings().weight.shape[0]
     if args.task_tokens > vocab:
         raise SystemExit(f"--task-tokens {args.task_tokens} exceeds the model's vocabulary of {vocab}")
@@ -598,7 +673,116 @@ def main(argv: list[str] | None = None) -> int:
         "b": task_b.sample(args.eval_sequences, args.seq, seed=101),
     }
     pool = task_b.sample(args.finetune_pool, args.seq, seed=11)
-    floor_a, floor_b = task_a.floor(eval_sets["a"]), task_b.floor(eval_sets["b"])
+    return Tasks(task_a, task_b, eval_sets, pool, task_a.floor(eval_sets["a"]), task_b.floor(eval_sets["b"]))
+
+
+def results_meta(args: argparse.Namespace, device: Any, command: str) -> tuple[str, dict[str, Any]]:
+    """The results file's slug, and what the section starts with: the device, date, versions and command."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    slug = harness.results_slug(args, gpu, on_gpu=device.type == "cuda")
+    return slug, {**harness.run_meta(gpu), "command": command}
+
+
+def model_setup(args: argparse.Namespace, params: int, kernels: bool) -> dict[str, Any]:
+    """The model part of a section's setup."""
+    return {"model": args.model, "tiny": args.tiny, "params": params, "kernels": kernels}
+
+
+@dataclass(frozen=True)
+class Report:
+    """How a quality script reports: its results section, its rows, its markdown, and the worse variants (a worse
+    variant that blows up has shown what it is meant to show; its verdict counts it as infinite)."""
+
+    results: harness.Benchmark
+    summary_rows: Callable[[list[dict[str, Any]], argparse.Namespace], list[dict[str, Any]]]
+    render_markdown: Callable[[dict[str, Any]], str]
+    worse_impls: frozenset[str]
+
+
+def finetune_all(
+    report: Report,
+    args: argparse.Namespace,
+    slug: str,
+    payload: dict[str, Any],
+    finetune_one: Callable[[str, float, int], dict[str, Any]],
+    progress: Callable[[dict[str, Any]], str],
+    judge: Callable[[dict[str, list[float]]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Every run of args.lrs x args.impls x args.seeds; after each learning rate its verdict (`judge` of the
+    task-B eval losses per impl) into payload["verdicts"], and what is done so far written, in case the run is
+    cut short (the full file replaces it at the end)."""
+    runs = []
+    for lr in args.lrs:
+        for impl in args.impls:
+            for seed in args.seeds:
+                run = finetune_one(impl, lr, seed)
+                runs.append(run)
+                print(progress(run), flush=True)
+        losses = {
+            impl: [r["eval_loss"] for r in runs if r["lr"] == lr and r["impl"] == impl] for impl in args.impls
+        }
+        payload["verdicts"][str(lr)] = judge(losses)
+        print(f"lr {lr:g}: {payload['verdicts'][str(lr)]}", flush=True)
+        partial = {**payload, "rows": report.summary_rows(runs, args), "runs": runs, "partial": True}
+        report.results.write(args.out, slug, partial, args.section)
+    return runs
+
+
+def conclude(
+    report: Report,
+    args: argparse.Namespace,
+    slug: str,
+    payload: dict[str, Any],
+    runs: list[dict[str, Any]],
+    started: float,
+    device: Any,
+) -> int:
+    """The verdict over the plateau, every learning rate's criterion and the runs' errors; the results section
+    written and its markdown printed. The exit status: 1 when anything failed."""
+    import torch
+
+    pre = payload["pretrain"]
+    errors = [run for run in runs if run.get("error") and run["impl"] not in report.worse_impls]
+    failed_lrs = [lr for lr, check in payload["verdicts"].items() if not check["passed"]]
+    reasons = []
+    if not pre["plateau_reached"]:
+        reasons.append(f"pre-training reached no plateau in {pre['steps']} steps")
+    if failed_lrs:
+        reasons.append("the criterion failed at lr " + ", ".join(failed_lrs))
+    if errors:
+        reasons.append(f"{len(errors)} runs had non-finite losses")
+    payload.update(
+        rows=report.summary_rows(runs, args),
+        runs=runs,
+        passed=not reasons,
+        verdict_reason="; ".join(reasons) or "plateau reached; criterion met at every learning rate",
+        seconds=round(time.perf_counter() - started, 1),
+    )
+    if device.type == "cuda":
+        payload["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
+    report.results.save(args, slug, payload, report.render_markdown)
+    if reasons:
+        print(f"FAIL: {payload['verdict_reason']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+REPORT = Report(RESULTS, summary_rows, render_markdown, frozenset(bad for _, _, _, bad in COMPARISONS if bad))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    device = choose_device(args)
+    kernels = device.type == "cuda" if args.kernels is None else args.kernels
+    command = f"python3 -m {__spec__.name} " + " ".join(sys.argv[1:] if argv is None else argv)
+    started = time.perf_counter()
+
+    model = build_model(args.model, args.tiny, device, kernels)
+    tasks = build_tasks(model, args, device)
+    eval_sets, floor_a, floor_b = tasks.eval_sets, tasks.floor_a, tasks.floor_b
     params = sum(p.numel() for p in model.parameters())
     print(
         f"{args.model}{' (tiny)' if args.tiny else ''}: {params:,} parameters on {device}, kernels "
@@ -606,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    pre = pretrain(model, task_a, eval_sets["a"], floor_a, args, device)
+    pre = pretrain(model, tasks.a, eval_sets["a"], floor_a, args, device)
     print(
         f"pretrain: {pre['steps']} steps, {pre['step_ms']} ms/step, eval {pre['eval_loss']} "
         f"({100 * pre['gap_to_floor']:.2f}% above the floor), plateau "
@@ -616,16 +800,11 @@ def main(argv: list[str] | None = None) -> int:
     pretrained = {name: value.detach().clone() for name, value in model.state_dict().items()}
     start_b = eval_loss(model, eval_sets["b"], policy(PRETRAIN_PRECISION, device).autocast, args.batch)
 
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    slug = harness.results_slug(args, gpu, on_gpu=device.type == "cuda")
+    slug, meta = results_meta(args, device, command)
     payload: dict[str, Any] = {
-        **harness.run_meta(gpu),
-        "command": command,
+        **meta,
         "setup": {
-            "model": args.model,
-            "tiny": args.tiny,
-            "params": params,
-            "kernels": kernels,
+            **model_setup(args, params, kernels),
             "task_tokens": args.task_tokens,
             "sharpness": args.sharpness,
             "seq": args.seq,
@@ -648,52 +827,22 @@ def main(argv: list[str] | None = None) -> int:
             "pretrained_eval_loss_b": round(start_b, 5),
         },
         "pretrain": pre,
+        "verdicts": {},
     }
-    runs = []
-    for lr in args.lrs:
-        for impl in args.impls:
-            for seed in args.seeds:
-                run = finetune(model, pretrained, impl, lr, seed, pool, eval_sets, args, device)
-                runs.append(run)
-                print(
-                    f"  lr {lr:g} {impl:12s} seed {seed}: task-B eval {run['eval_loss']:.4f} "
-                    f"(task A {run['eval_loss_a']:.4f}), {run['step_ms']} ms/step",
-                    flush=True,
-                )
-        losses = {
-            impl: [r["eval_loss"] for r in runs if r["lr"] == lr and r["impl"] == impl] for impl in args.impls
-        }
-        payload.setdefault("verdicts", {})[str(lr)] = verdict(losses, start_b)
-        print(f"lr {lr:g}: {payload['verdicts'][str(lr)]}", flush=True)
-        # What is done so far, in case the run is cut short; replaced by the full file at the end.
-        partial = {**payload, "rows": summary_rows(runs, args), "runs": runs, "partial": True}
-        RESULTS.write(args.out, slug, partial, args.section)
 
-    # A worse variant that blows up has shown what it is meant to show; its verdict counts it as infinite.
-    worse_impls = {bad for _, _, _, bad in COMPARISONS}
-    errors = [run for run in runs if run.get("error") and run["impl"] not in worse_impls]
-    failed_lrs = [lr for lr, check in payload["verdicts"].items() if not check["passed"]]
-    reasons = []
-    if not pre["plateau_reached"]:
-        reasons.append(f"pre-training reached no plateau in {pre['steps']} steps")
-    if failed_lrs:
-        reasons.append("the criterion failed at lr " + ", ".join(failed_lrs))
-    if errors:
-        reasons.append(f"{len(errors)} runs had non-finite losses")
-    payload.update(
-        rows=summary_rows(runs, args),
-        runs=runs,
-        passed=not reasons,
-        verdict_reason="; ".join(reasons) or "plateau reached; criterion met at every learning rate",
-        seconds=round(time.perf_counter() - started, 1),
+    def finetune_one(impl: str, lr: float, seed: int) -> dict[str, Any]:
+        return finetune(model, pretrained, impl, lr, seed, tasks.pool, eval_sets, args, device)
+
+    def progress(run: dict[str, Any]) -> str:
+        return (
+            f"  lr {run['lr']:g} {run['impl']:12s} seed {run['seed']}: task-B eval {run['eval_loss']:.4f} "
+            f"(task A {run['eval_loss_a']:.4f}), {run['step_ms']} ms/step"
+        )
+
+    runs = finetune_all(
+        REPORT, args, slug, payload, finetune_one, progress, lambda losses: verdict(losses, start_b)
     )
-    if device.type == "cuda":
-        payload["peak_alloc_gb"] = round(torch.cuda.max_memory_allocated(device) / GIB, 2)
-    RESULTS.save(args, slug, payload, render_markdown)
-    if reasons:
-        print(f"FAIL: {payload['verdict_reason']}", file=sys.stderr)
-        return 1
-    return 0
+    return conclude(REPORT, args, slug, payload, runs, started, device)
 
 
 if __name__ == "__main__":
