@@ -37,6 +37,8 @@ block while their m is not, their step divides by eps, and training blows up (at
 1e-5 the loss ends above 8, from 6.3). (d) codes sqrt(v) in 16 binades below the block's largest.
 Measured (means of the three seeds): at 1e-4 fp32 4.7231, (d) 4.7151 (-0.17%), (e) infinite; at 1e-5 fp32
 6.0890, (d) 6.0834 (-0.09%), (e) 10.985; margins 0.0472 and 0.0609.
+
+The model, the tasks, pre-training and the fine-tuning loop are tests/quality_protocol.py's.
 """
 
 from __future__ import annotations
@@ -48,38 +50,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusetune.kernels.adamw import adamw_step_reference
 from fusetune.kernels.adamw8bit import adamw8bit_step_reference, adamw8bit_zero_state
+from tests.quality_protocol import (
+    SEEDS,
+    VOCAB,
+    WEIGHT_DECAY,
+    MlpLanguageModel,
+    ReferenceFusedAdamW,
+    assert_matches_and_worse,
+    eval_loss,
+    loaded,
+    make_tasks,
+    mean,
+    one_thread,  # noqa: F401 (an autouse fixture: one torch thread)
+    pretrain,
+    train_on_task_b,
+)
 
-VOCAB = 32
-CONTEXT = 2
-EMBEDDING = 16
-HIDDEN = 64
-TRAIN_EXAMPLES = 65536
-EVAL_EXAMPLES = 8192
-PRETRAIN_STEPS = 1500
-PRETRAIN_LR = 1e-2
-PRETRAIN_BATCH = 256
 FINETUNE_STEPS = 200
-FINETUNE_BATCH = 128
-WEIGHT_DECAY = 0.01
-SEEDS = (0, 1, 2)
 MODES = ("fp32", "bf16", "bf16-sr")
 MODES_8BIT = ("fp32", "adamw8bit", "linear-8bit-nearest")
 ZIPF_EXPONENT = 1.2
 QUANTIZATION_BLOCK = 256
 
 
-class MlpLanguageModel(nn.Module):
-    """Embeddings of the context tokens, concatenated, through two GELU layers to next-token logits; computed in
-    fp32 whatever dtype the parameters are stored in."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, EMBEDDING)
-        self.hidden1 = nn.Linear(CONTEXT * EMBEDDING, HIDDEN)
-        self.hidden2 = nn.Linear(HIDDEN, HIDDEN)
-        self.output = nn.Linear(HIDDEN, VOCAB)
+class Fp32ForwardMlp(MlpLanguageModel):
+    """The protocol's model computed in fp32 whatever dtype the parameters are stored in."""
 
     def forward(self, context: torch.Tensor) -> torch.Tensor:
         def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -89,55 +85,6 @@ class MlpLanguageModel(nn.Module):
         x = F.gelu(linear(self.hidden1, x))
         x = F.gelu(linear(self.hidden2, x))
         return linear(self.output, x)
-
-
-def _teacher(seed: int) -> torch.Tensor:
-    """Log-probabilities of the next token for each of the VOCAB^2 contexts: a task."""
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(VOCAB**CONTEXT, VOCAB, generator=generator) * 3.0).log_softmax(-1)
-
-
-def _examples(
-    teacher: torch.Tensor, count: int, seed: int, token_probs: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`count` (context, next token) pairs of the task; context tokens uniform, or drawn from `token_probs`."""
-    generator = torch.Generator().manual_seed(seed)
-    if token_probs is None:
-        context = torch.randint(0, VOCAB, (count, CONTEXT), generator=generator)
-    else:
-        context = torch.multinomial(token_probs, count * CONTEXT, replacement=True, generator=generator)
-        context = context.view(count, CONTEXT)
-    probabilities = teacher[context[:, 0] * VOCAB + context[:, 1]].exp()
-    return context, torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
-
-
-def _eval_loss(model: nn.Module, examples: tuple[torch.Tensor, torch.Tensor]) -> float:
-    with torch.no_grad():
-        return F.cross_entropy(model(examples[0]), examples[1]).item()
-
-
-class _ReferenceFusedAdamW:
-    """FusedAdamW's update through its pure-PyTorch reference: bf16 state for bf16 parameters."""
-
-    def __init__(self, params: list[nn.Parameter], lr: float, weight_decay: float, seed: int) -> None:
-        self.params, self.lr, self.weight_decay, self.seed = params, lr, weight_decay, seed
-        self.exp_avgs = [torch.zeros_like(p) for p in params]
-        self.exp_avg_sqs = [torch.zeros_like(p) for p in params]
-        self.steps = 0
-
-    def step(self) -> None:
-        self.steps += 1
-        with torch.no_grad():
-            adamw_step_reference(
-                self.params,
-                [p.grad for p in self.params],
-                self.exp_avgs,
-                self.exp_avg_sqs,
-                step=self.steps,
-                lr=self.lr,
-                weight_decay=self.weight_decay,
-                seed=self.seed,
-            )
 
 
 class _Reference8bitAdamW:
@@ -163,7 +110,7 @@ class _Reference8bitAdamW:
             )
 
 
-class _LinearNearest8bitAdamW(_ReferenceFusedAdamW):
+class _LinearNearest8bitAdamW(ReferenceFusedAdamW):
     """The worse variant: FusedAdamW's update with fp32 moments, which are then replaced by their plain
     blockwise int8 values (evenly spaced codes of the block's largest magnitude, rounded to nearest)."""
 
@@ -194,72 +141,28 @@ def _zipf_probs() -> torch.Tensor:
     return (weights / weights.sum()).float()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster, and spares the spinning of a second one on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _tasks(token_probs: torch.Tensor | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    task_a, task_b = _teacher(1), _teacher(2)
-    return {
-        "train_a": _examples(task_a, TRAIN_EXAMPLES, 10, token_probs),
-        "train_b": _examples(task_b, TRAIN_EXAMPLES, 11, token_probs),
-        "eval_a": _examples(task_a, EVAL_EXAMPLES, 100, token_probs),
-        "eval_b": _examples(task_b, EVAL_EXAMPLES, 101, token_probs),
-    }
-
-
 @pytest.fixture(scope="module")
 def tasks():
-    return _tasks()
+    return make_tasks()
 
 
 @pytest.fixture(scope="module")
 def zipf_tasks():
-    return _tasks(_zipf_probs())
+    return make_tasks(_zipf_probs())
 
 
 @pytest.fixture(scope="module")
 def pretrained(tasks) -> dict[str, torch.Tensor]:
-    return _pretrain(tasks)
+    return pretrain(tasks, Fp32ForwardMlp)
 
 
 @pytest.fixture(scope="module")
 def zipf_pretrained(zipf_tasks) -> dict[str, torch.Tensor]:
-    return _pretrain(zipf_tasks)
-
-
-def _pretrain(tasks) -> dict[str, torch.Tensor]:
-    """The fp32 model trained on task A with a cosine schedule to zero (checked to have levelled off)."""
-    torch.manual_seed(0)
-    model = MlpLanguageModel()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / PRETRAIN_STEPS))
-    )
-    generator = torch.Generator().manual_seed(0)
-    context, targets = tasks["train_a"]
-    eval_losses = []
-    for step in range(PRETRAIN_STEPS):
-        batch = torch.randint(0, TRAIN_EXAMPLES, (PRETRAIN_BATCH,), generator=generator)
-        loss = F.cross_entropy(model(context[batch]), targets[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % (PRETRAIN_STEPS // 5) == PRETRAIN_STEPS // 5 - 1:
-            eval_losses.append(_eval_loss(model, tasks["eval_a"]))
-    # A plateau: the last fifth of pretraining improved the task-A loss by under 1%.
-    assert eval_losses[-2] - eval_losses[-1] < 0.01 * eval_losses[-1], eval_losses
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+    return pretrain(zipf_tasks, Fp32ForwardMlp)
 
 
 OPTIMIZERS = {
-    "bf16-sr": _ReferenceFusedAdamW,
+    "bf16-sr": ReferenceFusedAdamW,
     "adamw8bit": _Reference8bitAdamW,
     "linear-8bit-nearest": _LinearNearest8bitAdamW,
 }
@@ -268,8 +171,7 @@ OPTIMIZERS = {
 def finetune(mode: str, seed: int, lr: float, pretrained: dict[str, torch.Tensor], tasks) -> float:
     """Task-B eval loss after fine-tuning the pretrained model in `mode` ("fp32", "bf16" (torch.optim.AdamW on
     bf16 weights) or a key of OPTIMIZERS); a non-finite loss counts as infinite."""
-    model = MlpLanguageModel()
-    model.load_state_dict(pretrained)
+    model = loaded(Fp32ForwardMlp, pretrained)
     if mode != "fp32":
         model.to(torch.bfloat16)
     params = list(model.parameters())
@@ -277,32 +179,15 @@ def finetune(mode: str, seed: int, lr: float, pretrained: dict[str, torch.Tensor
         optimizer = OPTIMIZERS[mode](params, lr, WEIGHT_DECAY, seed)
     else:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
-    generator = torch.Generator().manual_seed(1000 + seed)
-    context, targets = tasks["train_b"]
-    for _ in range(FINETUNE_STEPS):
-        batch = torch.randint(0, TRAIN_EXAMPLES, (FINETUNE_BATCH,), generator=generator)
-        loss = F.cross_entropy(model(context[batch]), targets[batch])
-        for param in params:
-            param.grad = None
-        loss.backward()
-        optimizer.step()
-    loss = _eval_loss(model, tasks["eval_b"])
+    train_on_task_b(model, optimizer, seed, FINETUNE_STEPS, tasks)
+    loss = eval_loss(model, tasks["eval_b"])
     return loss if math.isfinite(loss) else math.inf
 
 
 @pytest.mark.parametrize("lr", [1e-4, 2e-5])
 def test_stochastic_rounding_matches_fp32_master_weights_and_plain_bf16_does_not(lr, pretrained, tasks):
     losses = {mode: [finetune(mode, seed, lr, pretrained, tasks) for seed in SEEDS] for mode in MODES}
-    fp32, bf16, stochastic = losses["fp32"], losses["bf16"], losses["bf16-sr"]
-    fp32_mean = sum(fp32) / len(fp32)
-    margin = max(0.01 * fp32_mean, max(fp32) - min(fp32))
-    report = f"final task-B eval losses at lr {lr}: {losses}, margin {margin:.4f}"
-    start = _eval_loss(_loaded(pretrained), tasks["eval_b"])
-    assert max(fp32) < start - 2 * margin, f"fine-tuning barely moved from {start:.4f}: " + report
-    print(report)
-    assert abs(sum(stochastic) / len(stochastic) - fp32_mean) <= margin, report
-    assert min(bf16) > max(fp32) + margin, report
-    assert min(bf16) > max(stochastic) + margin, report
+    _assert_criterion(losses, "bf16-sr", "bf16", lr, pretrained, tasks)
 
 
 @pytest.mark.parametrize("lr", [1e-4, 1e-5])
@@ -310,19 +195,16 @@ def test_8bit_moments_match_fp32_master_weights_and_plain_int8_does_not(lr, zipf
     losses = {
         mode: [finetune(mode, seed, lr, zipf_pretrained, zipf_tasks) for seed in SEEDS] for mode in MODES_8BIT
     }
-    fp32, eight_bit, worse = losses["fp32"], losses["adamw8bit"], losses["linear-8bit-nearest"]
-    fp32_mean = sum(fp32) / len(fp32)
-    margin = max(0.01 * fp32_mean, max(fp32) - min(fp32))
+    _assert_criterion(losses, "adamw8bit", "linear-8bit-nearest", lr, zipf_pretrained, zipf_tasks)
+
+
+def _assert_criterion(losses, matching: str, worse: str, lr: float, pretrained, tasks) -> None:
+    """The criterion against fp32 (module docstring): margin = max(1% of fp32's mean, the spread of its seeds);
+    fine-tuning moved fp32 by more than twice the margin; `matching` within it, `worse` worse than both."""
+    fp32 = losses["fp32"]
+    margin = max(0.01 * mean(fp32), max(fp32) - min(fp32))
     report = f"final task-B eval losses at lr {lr}: {losses}, margin {margin:.4f}"
-    start = _eval_loss(_loaded(zipf_pretrained), zipf_tasks["eval_b"])
+    start = eval_loss(loaded(Fp32ForwardMlp, pretrained), tasks["eval_b"])
     assert max(fp32) < start - 2 * margin, f"fine-tuning barely moved from {start:.4f}: " + report
     print(report)
-    assert abs(sum(eight_bit) / len(eight_bit) - fp32_mean) <= margin, report
-    assert min(worse) > max(fp32) + margin, report
-    assert min(worse) > max(eight_bit) + margin, report
-
-
-def _loaded(state: dict[str, torch.Tensor]) -> nn.Module:
-    model = MlpLanguageModel()
-    model.load_state_dict(state)
-    return model
+    assert_matches_and_worse(losses, "fp32", matching, worse, margin, report)

@@ -1,8 +1,9 @@
 """The evidence on CPU that the fp8 mode fine-tunes as well as bf16-sr, and that a broken float8 scaling does not.
 
-The protocol of tests/kernels/test_adamw_quality.py: a small MLP language model (two context tokens -> next
-token) trained in fp32 to a plateau on task A (a random teacher table), then fine-tuned on task B at learning
-rates 1e-4 and 1e-5, three seeds each (the seed picks the batches and the rounding bits), in
+The protocol of tests/quality_protocol.py (tests/kernels/test_adamw_quality.py's too): a small MLP language
+model (two context tokens -> next token) trained in fp32 to a plateau on task A (a random teacher table), then
+fine-tuned on task B at learning rates 1e-4 and 1e-5, three seeds each (the seed picks the batches and the
+rounding bits), in
 
     (a) bf16-sr     bf16 weights, bf16 matmuls, FusedAdamW's stochastically rounded update (its reference)
     (b) fp8         (a) with the two hidden linear layers swapped by fusetune.worker.train.float8 for torchao's
@@ -43,46 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusetune.kernels.adamw import adamw_step_reference
 from fusetune.worker.train.float8 import RECIPE, convert_linears, float8_config
+from tests import quality_protocol as protocol
+from tests.quality_protocol import one_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
-VOCAB = 32
-CONTEXT = 2
-EMBEDDING = 16
-HIDDEN = 64
-TRAIN_EXAMPLES = 65536
-EVAL_EXAMPLES = 8192
-PRETRAIN_STEPS = 1500
-PRETRAIN_LR = 1e-2
-PRETRAIN_BATCH = 256
 FINETUNE_STEPS = 100
-FINETUNE_BATCH = 128
-WEIGHT_DECAY = 0.01
-SEEDS = (0, 1, 2)
 MODES = ("bf16-sr", "fp8", "stale-scale")
 FLOAT8_LAYERS = ("hidden1", "hidden2")
-
-
-class MlpLanguageModel(nn.Module):
-    """Embeddings of the context tokens, concatenated, through two GELU layers to next-token logits, in the
-    parameters' dtype; `get_output_embeddings` names the output layer as transformers' models do, so that the
-    float8 conversion leaves it in bf16 as it leaves an lm_head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, EMBEDDING)
-        self.hidden1 = nn.Linear(CONTEXT * EMBEDDING, HIDDEN)
-        self.hidden2 = nn.Linear(HIDDEN, HIDDEN)
-        self.output = nn.Linear(HIDDEN, VOCAB)
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.output
-
-    def forward(self, context: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(context).flatten(1)
-        x = F.gelu(self.hidden1(x))
-        x = F.gelu(self.hidden2(x))
-        return self.output(x).float()
 
 
 # ------------------------------------------------------------------------------------- the worse variant
@@ -125,7 +93,7 @@ class StaleScaleLinear(nn.Linear):
         return _StaleScaleMatmul.apply(x, self.weight, self.scales) + self.bias
 
 
-def stale_scale_layers(model: MlpLanguageModel, scales: dict[str, dict]) -> None:
+def stale_scale_layers(model: protocol.MlpLanguageModel, scales: dict[str, dict]) -> None:
     """Swap the hidden layers for StaleScaleLinear sharing their parameters, with `scales` per layer."""
     for name in FLOAT8_LAYERS:
         layer = getattr(model, name)
@@ -134,131 +102,60 @@ def stale_scale_layers(model: MlpLanguageModel, scales: dict[str, dict]) -> None
         setattr(model, name, stale)
 
 
-# ----------------------------------------------------------------------------------------------- tasks
+# ----------------------------------------------------------------------------------------------- runs
 
 
-def _teacher(seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(VOCAB**CONTEXT, VOCAB, generator=generator) * 3.0).log_softmax(-1)
-
-
-def _examples(teacher: torch.Tensor, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, VOCAB, (count, CONTEXT), generator=generator)
-    probabilities = teacher[context[:, 0] * VOCAB + context[:, 1]].exp()
-    return context, torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
-
-
-def _eval_loss_in_bf16(model: nn.Module, examples) -> float:
+def _eval_loss_in_bf16(model: nn.Module, examples: protocol.Examples) -> float:
     """The task loss of `model`'s weights in a plain bf16 model (the checkpoint as it is saved and served)."""
-    plain = MlpLanguageModel().to(torch.bfloat16)
+    plain = protocol.MlpLanguageModel().to(torch.bfloat16)
     plain.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        loss = F.cross_entropy(plain(examples[0]), examples[1]).item()
+    loss = protocol.eval_loss(plain, examples)
     return loss if math.isfinite(loss) else math.inf
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster, and spares the spinning of a second one on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def tasks():
-    task_a, task_b = _teacher(1), _teacher(2)
-    return {
-        "train_a": _examples(task_a, TRAIN_EXAMPLES, 10),
-        "train_b": _examples(task_b, TRAIN_EXAMPLES, 11),
-        "eval_a": _examples(task_a, EVAL_EXAMPLES, 100),
-        "eval_b": _examples(task_b, EVAL_EXAMPLES, 101),
-    }
+    return protocol.make_tasks()
 
 
 @pytest.fixture(scope="module")
 def pretrained(tasks):
     """(weights trained in fp32 on task A to a plateau, the stale variant's scales taken before that)."""
-    torch.manual_seed(0)
-    model = MlpLanguageModel()
-    initial = MlpLanguageModel().to(torch.bfloat16)
-    initial.load_state_dict(model.state_dict())
+    initial = protocol.initial_model(protocol.MlpLanguageModel).to(torch.bfloat16)
     initial_scales: dict[str, dict] = {name: {} for name in FLOAT8_LAYERS}
     stale_scale_layers(initial, initial_scales)
     F.cross_entropy(
-        initial(tasks["train_a"][0][:FINETUNE_BATCH]), tasks["train_a"][1][:FINETUNE_BATCH]
+        initial(tasks["train_a"][0][: protocol.FINETUNE_BATCH]),
+        tasks["train_a"][1][: protocol.FINETUNE_BATCH],
     ).backward()
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LR, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / PRETRAIN_STEPS))
-    )
-    generator = torch.Generator().manual_seed(0)
-    context, targets = tasks["train_a"]
-    eval_losses = []
-    for step in range(PRETRAIN_STEPS):
-        batch = torch.randint(0, TRAIN_EXAMPLES, (PRETRAIN_BATCH,), generator=generator)
-        loss = F.cross_entropy(model(context[batch]), targets[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % (PRETRAIN_STEPS // 5) == PRETRAIN_STEPS // 5 - 1:
-            with torch.no_grad():
-                eval_losses.append(F.cross_entropy(model(tasks["eval_a"][0]), tasks["eval_a"][1]).item())
-    assert eval_losses[-2] - eval_losses[-1] < 0.01 * eval_losses[-1], eval_losses  # a plateau
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}, initial_scales
+    return protocol.pretrain(tasks, protocol.MlpLanguageModel), initial_scales
 
 
 def finetune(mode: str, seed: int, lr: float, pretrained, tasks) -> float:
     """Task-B eval loss (bf16) after fine-tuning the pretrained weights in `mode` (one of MODES)."""
     weights, initial_scales = pretrained
-    model = MlpLanguageModel()
-    model.load_state_dict(weights)
+    model = protocol.loaded(protocol.MlpLanguageModel, weights)
     model.to(torch.bfloat16)
     if mode == "fp8":
         conversion = convert_linears(model, float8_config(RECIPE, emulate=True), RECIPE)
         assert conversion.converted == list(FLOAT8_LAYERS), conversion
     elif mode == "stale-scale":
         stale_scale_layers(model, {name: dict(scales) for name, scales in initial_scales.items()})
-    params = list(model.parameters())
-    exp_avgs = [torch.zeros_like(p) for p in params]
-    exp_avg_sqs = [torch.zeros_like(p) for p in params]
-    generator = torch.Generator().manual_seed(1000 + seed)
-    context, targets = tasks["train_b"]
-    for step in range(1, FINETUNE_STEPS + 1):
-        batch = torch.randint(0, TRAIN_EXAMPLES, (FINETUNE_BATCH,), generator=generator)
-        loss = F.cross_entropy(model(context[batch]), targets[batch])
-        for param in params:
-            param.grad = None
-        loss.backward()
-        with torch.no_grad():
-            adamw_step_reference(
-                params, [p.grad for p in params], exp_avgs, exp_avg_sqs,
-                step=step, lr=lr, weight_decay=WEIGHT_DECAY, seed=seed,
-            )  # fmt: skip
+    optimizer = protocol.ReferenceFusedAdamW(list(model.parameters()), lr, protocol.WEIGHT_DECAY, seed)
+    protocol.train_on_task_b(model, optimizer, seed, FINETUNE_STEPS, tasks)
     return _eval_loss_in_bf16(model, tasks["eval_b"])
 
 
 @pytest.mark.parametrize("lr", [1e-4, 1e-5])
 def test_fp8_fine_tunes_as_bf16_sr_and_a_stale_scale_does_not(lr, pretrained, tasks):
-    losses = {mode: [finetune(mode, seed, lr, pretrained, tasks) for seed in SEEDS] for mode in MODES}
-    reference, fp8, stale = losses["bf16-sr"], losses["fp8"], losses["stale-scale"]
-    start = _eval_loss_in_bf16(_loaded(pretrained[0]), tasks["eval_b"])
-    reference_mean = sum(reference) / len(reference)
+    losses = {
+        mode: [finetune(mode, seed, lr, pretrained, tasks) for seed in protocol.SEEDS] for mode in MODES
+    }
+    reference = losses["bf16-sr"]
+    start = _eval_loss_in_bf16(protocol.loaded(protocol.MlpLanguageModel, pretrained[0]), tasks["eval_b"])
     spread = max(reference) - min(reference)
-    margin = max(0.1 * (start - reference_mean), spread)
+    margin = max(0.1 * (start - protocol.mean(reference)), spread)
     report = f"task-B eval losses at lr {lr} from {start:.4f}: {losses}, margin {margin:.4f}"
     print(report)
-    assert start - reference_mean > 3 * spread, "fine-tuning barely moved: " + report
-    assert abs(sum(fp8) / len(fp8) - reference_mean) <= margin, report
-    assert min(stale) > max(reference) + margin, report
-    assert min(stale) > max(fp8) + margin, report
-
-
-def _loaded(weights: dict[str, torch.Tensor]) -> nn.Module:
-    model = MlpLanguageModel()
-    model.load_state_dict(weights)
-    return model
+    assert start - protocol.mean(reference) > 3 * spread, "fine-tuning barely moved: " + report
+    protocol.assert_matches_and_worse(losses, "bf16-sr", "fp8", "stale-scale", margin, report)
