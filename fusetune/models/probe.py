@@ -229,7 +229,8 @@ def _run(
             if not grad_outputs:
                 generator = torch.Generator().manual_seed(seed + 1)
                 grad_outputs += [
-                    torch.randn(o.shape, generator=generator, device="cpu").to(o.device, o.dtype) for o in result
+                    torch.randn(o.shape, generator=generator, device="cpu").to(o.device, o.dtype)
+                    for o in result
                 ]
             if [o.shape for o in result] != [g.shape for g in grad_outputs]:
                 shapes = [tuple(o.shape) for o in result]

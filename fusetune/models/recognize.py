@@ -742,7 +742,9 @@ class _Walk:
         vocab = int(getattr(self.config, "vocab_size", 0) or 0)
         parameter = next(self.model.parameters())
         generator = torch.Generator().manual_seed(61)
-        input_ids = torch.randint(3, max(vocab, 4), (PROBE_BATCH, PROBE_SEQ), generator=generator, device="cpu")
+        input_ids = torch.randint(
+            3, max(vocab, 4), (PROBE_BATCH, PROBE_SEQ), generator=generator, device="cpu"
+        )
         handle = layers[0].register_forward_pre_hook(record, with_kwargs=True)
         self.model.eval()
         try:
