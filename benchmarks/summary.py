@@ -267,26 +267,23 @@ def memory_plans_headlines(payload: Payload) -> list[Headline]:
     return headlines
 
 
-def attention_headlines(payload: Payload) -> list[Headline]:
-    rows = [r for r in payload["rows"] if r.get("fwd_bwd_ms")]
+def _per_shape_headlines(payload: Payload, measurement: str, key: str, ours: str) -> list[Headline]:
+    """One headline per shape of a kernel benchmark: implementation `ours`'s `key`, the others beside it."""
+    rows = [r for r in payload["rows"] if r.get(key)]
     headlines = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        cells = {r["impl"]: r["fwd_bwd_ms"] for r in rows if r["shape"] == shape}
-        others = [(impl, str(ms)) for impl, ms in cells.items() if impl != "varlen"]
-        headlines.append(
-            ("causal attention fwd+bwd ms", shape, str(cells.get("varlen", "–")), _others(others))
-        )
+        cells = {r["impl"]: r[key] for r in rows if r["shape"] == shape}
+        others = [(impl, str(value)) for impl, value in cells.items() if impl != ours]
+        headlines.append((measurement, shape, str(cells.get(ours, "–")), _others(others)))
     return headlines
+
+
+def attention_headlines(payload: Payload) -> list[Headline]:
+    return _per_shape_headlines(payload, "causal attention fwd+bwd ms", "fwd_bwd_ms", "varlen")
 
 
 def decode_attention_headlines(payload: Payload) -> list[Headline]:
-    rows = [r for r in payload["rows"] if r.get("us")]
-    headlines = []
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        cells = {r["impl"]: r["us"] for r in rows if r["shape"] == shape}
-        others = [(impl, str(us)) for impl, us in cells.items() if impl != "grouped"]
-        headlines.append(("GQA decoding step us", shape, str(cells.get("grouped", "–")), _others(others)))
-    return headlines
+    return _per_shape_headlines(payload, "GQA decoding step us", "us", "grouped")
 
 
 def generation_headlines(payload: Payload) -> list[Headline]:
