@@ -4,8 +4,10 @@ scaled_dot_product_attention runs it. The mask is a static cache's: row-wise lef
 written, [batch, 1, 1, length] boolean.
 
     widened            transformers' sdpa path: K and V repeated to every query head, then sdpa with the mask
-    grouped            the query heads of a KV head as its query rows (fusetune's decoding path), torch's
-                       choice of back end
+    kernel             fusetune.kernels.decode_attention (what fusetune.models.attention.grouped_query_decode
+                       runs): the query heads of a KV head as its query rows, blocks the mask drops unread
+    grouped            scaled_dot_product_attention over the same grouped rows (the path before the kernel),
+                       torch's choice of back end
     grouped-<backend>  the same with one back end forced (math, efficient, cudnn)
     grouped-compiled   the grouped math (two matmuls and a masked softmax) compiled by torch.compile
 
@@ -27,10 +29,19 @@ RESULTS = harness.Benchmark("decode-attention", topic="kernels")
 # (name, rows, query heads, key/value heads, head dim, cache length, filled length)
 SHAPES = (
     ("llama-3.2-1b 512 rows, cache 280", 512, 32, 8, 64, 280, 200),
+    ("llama-3.2-1b 512 rows, cache 528, half filled", 512, 32, 8, 64, 528, 272),
     ("llama-3.2-1b 512 rows, cache 536", 512, 32, 8, 64, 536, 400),
     ("llama-3.1-8b 64 rows, cache 2048", 64, 32, 8, 128, 2048, 1500),
 )
-IMPLS = ("widened", "grouped", "grouped-math", "grouped-efficient", "grouped-cudnn", "grouped-compiled")
+IMPLS = (
+    "widened",
+    "kernel",
+    "grouped",
+    "grouped-math",
+    "grouped-efficient",
+    "grouped-cudnn",
+    "grouped-compiled",
+)
 
 
 def decode_call(impl: str):
@@ -38,8 +49,10 @@ def decode_call(impl: str):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fusetune.models.attention import grouped_query_decode
+    from fusetune.kernels.decode_attention import grouped_decode_attention
 
+    if impl == "kernel":
+        return lambda q, k, v, mask: grouped_decode_attention(q, k, v, mask)
     if impl == "widened":
 
         def run(q, k, v, mask):
@@ -61,11 +74,16 @@ def decode_call(impl: str):
     backend = {"grouped-math": SDPBackend.MATH, "grouped-efficient": SDPBackend.EFFICIENT_ATTENTION,
                "grouped-cudnn": SDPBackend.CUDNN_ATTENTION}.get(impl)  # fmt: skip
 
+    def grouped(q, k, v, mask):
+        batch, heads, _, dim = q.shape
+        rows = q.reshape(batch, k.shape[1], heads // k.shape[1], dim)
+        return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask).reshape(batch, heads, 1, dim)
+
     def run(q, k, v, mask):
         if backend is None:
-            return grouped_query_decode(q, k, v, mask, None)[0]
+            return grouped(q, k, v, mask)
         with sdpa_kernel([backend]):
-            return grouped_query_decode(q, k, v, mask, None)[0]
+            return grouped(q, k, v, mask)
 
     return run
 

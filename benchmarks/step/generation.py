@@ -8,6 +8,8 @@ by what the sampling path is made of.
     fusetune:dynamic         fusetune's kernels (apply_fusetune), dynamic cache, eager
     fusetune:static          fusetune's kernels, static cache, eager
     fusetune:static-compiled fusetune's kernels, static cache, the decoding step compiled (the method's default)
+    fusetune-sdpa:static-compiled  the same with the decoding kernel off: scaled_dot_product_attention over the
+                             grouped query rows (fusetune.models.attention.DECODE_KERNEL = False)
     hf:static-compiled       unpatched, static cache, compiled
 
 Every setup: random weights (seed 0), --prompts prompts of --prompt-tokens random tokens, --completion-tokens new
@@ -42,9 +44,10 @@ PROFILE_TOKENS = 32
 
 
 def _patch(kernels: str, model: Any) -> dict[str, int] | None:
-    if kernels == "fusetune":
-        from fusetune.models import apply_fusetune
+    if kernels in ("fusetune", "fusetune-sdpa"):
+        from fusetune.models import apply_fusetune, attention
 
+        attention.DECODE_KERNEL = kernels == "fusetune"
         return dict(apply_fusetune(model).patched)
     if kernels == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance

@@ -3,10 +3,11 @@ prompts, group size and completion length, each setup in a fresh process of the 
 
     trl-liger           TRL's GRPOTrainer, use_liger_kernel=True, no vLLM: Hugging Face `generate` with TRL's
                         default (dynamic) KV cache, TRL's chunked log-prob head
-    fusetune            fusetune's Trainer with method reinforcement (the worker's loop: kernels, bf16-sr,
-                        static KV cache, the fused per-token log-probs)
-    fusetune:compiled   the same, with Hugging Face compiling the decoding step over the static cache
-    fusetune:dynamic    the same with Hugging Face's dynamic KV cache (not in the default --variants)
+    fusetune            fusetune's Trainer with method reinforcement, as the worker runs it (kernels, bf16-sr,
+                        the fused per-token log-probs, sampling over a static KV cache with Hugging Face
+                        compiling the decoding step)
+    fusetune:eager      the same with the decoding step left uncompiled
+    fusetune:dynamic    the same with Hugging Face's dynamic KV cache, eager (not in the default --variants)
 
 Both: --prompts arithmetic prompts a step, --n completions each, at most --completion-tokens tokens, temperature 1
 over the whole vocabulary, no KL term (beta 0: no reference model), one optimizer step per batch of completions,
@@ -70,7 +71,7 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
     from fusetune.worker.train.reporter import NullReporter
     from fusetune.worker.train.trainer import Trainer
 
-    GroupRelativePolicyOptimization.compile_generation = spec["variant"].endswith(":compiled")
+    GroupRelativePolicyOptimization.compile_generation = spec["variant"] == "fusetune"
     GroupRelativePolicyOptimization.static_cache = not spec["variant"].endswith(":dynamic")
     cuda = spec["device"] == "cuda"
 
@@ -312,14 +313,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     harness.add_results_arguments(parser, RESULTS, merge="the rows of an earlier run")
     parser.add_argument("--model", default="llama-3.2-1b-shape", help=f"one of {', '.join(MODEL_SHAPES)}")
-    parser.add_argument("--variants", default="trl-liger,fusetune,fusetune:compiled")
+    parser.add_argument("--variants", default="trl-liger,fusetune,fusetune:eager")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="completions per prompt")
     parser.add_argument("--completion-tokens", type=int, default=512)
     parser.add_argument("--micro-completions", type=int, default=16, help="completions per forward")
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
-    # Three rows within about 8 minutes: a row's model build, 3 steps and (fusetune:compiled) the compilation of
+    # Three rows within about 8 minutes: a row's model build, 3 steps and (fusetune) the compilation of
     # the decoding step.
     parser.add_argument("--timeout-s", type=float, default=160, help="per row")
     parser.add_argument(

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from fusetune.kernels._interpreter import interpreted
+from fusetune.kernels.decode_attention import grouped_decode_attention, grouped_decode_kernel_applies
+
 VARLEN_ATTENTION = "fusetune_varlen"
 
 _registered = False
@@ -127,6 +130,9 @@ def varlen_kernel_applies(query: torch.Tensor, key: torch.Tensor, dropout: float
 # Whether rows that are each one whole sequence run torch's scaled_dot_product_attention instead of the
 # variable-length kernel (see varlen_attention_forward).
 WHOLE_ROWS_TO_SDPA = True
+# Whether a decoding step runs fusetune's kernel where it applies (see grouped_query_decode); benchmarks turn it
+# off to measure scaled_dot_product_attention in its place.
+DECODE_KERNEL = True
 
 
 def _one_sequence_per_row(kwargs: dict, batch: int, seq: int) -> bool:
@@ -168,9 +174,20 @@ def grouped_query_decode(
     (benchmarks/step/generation.py --profile, 2026-11-27): that copy took 4.3 ms of a 15.4 ms step's GPU time
     and the attention over the widened cache 5.0.
 
+    On a GPU (or under the Triton interpreter), in float16/bfloat16 with a boolean mask or none, without a
+    gradient, fusetune.kernels.decode_attention runs it, reading only the slots the mask keeps (a static
+    cache's written slots); anything else runs scaled_dot_product_attention over the grouped rows.
+
     query [batch, heads, 1, dim], key and value [batch, kv_heads, length, dim], the mask [batch, 1, 1, >=length]
     (boolean or additive) or None; returns ([batch, 1, heads, dim], None) as transformers' attention functions.
     Query head h reads KV head h // (heads / kv_heads), as transformers' `repeat_kv` pairs them."""
+    if (
+        DECODE_KERNEL
+        and (query.is_cuda or interpreted())
+        and not (torch.is_grad_enabled() and query.requires_grad)
+        and grouped_decode_kernel_applies(query, key, value, attention_mask)
+    ):
+        return grouped_decode_attention(query, key, value, attention_mask, scaling), None
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)

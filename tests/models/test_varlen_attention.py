@@ -296,3 +296,40 @@ def test_whole_rows_run_sdpa_and_match_per_row_attention(heads, kv_heads, dim, m
         error = (got.double() - want).abs().max().item()
         scale = want.abs().max().item()
         assert error <= 2e-2 * scale, f"{name}: max error {error} vs max {scale}"
+
+
+def test_bfloat16_sampling_over_a_static_cache_runs_the_decoding_kernel(monkeypatch):
+    """A bfloat16 model sampling over a static cache (the method's setup on a GPU; here the kernel runs under
+    the interpreter): every decoding step of every layer goes through fusetune.kernels.decode_attention, and
+    the scores of the first decoding step equal those of the same patched model with the kernel switched off
+    (scaled_dot_product_attention over the grouped rows) within bfloat16 rounding."""
+    from transformers import GenerationConfig
+
+    model = tiny_llama().to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(3, 97, (2, 7), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :4] = 0
+    config = GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                              output_scores=True, return_dict_in_generate=True,
+                              cache_implementation="static", disable_compile=True)  # fmt: skip
+    calls = []
+    real = attention_module.grouped_decode_attention
+    monkeypatch.setattr(attention_module, "grouped_decode_attention", lambda *a: calls.append(1) or real(*a))
+    apply_fusetune(model, rope=False, rms_norm=False, swiglu=False, geglu=False,
+                   fused_linear_cross_entropy=False)  # fmt: skip
+    try:
+        with torch.no_grad():
+            kernel = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+            )
+            monkeypatch.setattr(attention_module, "DECODE_KERNEL", False)
+            n_calls = len(calls)
+            sdpa = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config
+            )
+    finally:
+        revert_fusetune(model)
+    assert n_calls == 3 * 2 and len(calls) == n_calls  # three decoding steps, two layers; none with it off
+    torch.testing.assert_close(kernel.scores[1].float(), sdpa.scores[1].float(), atol=3e-2, rtol=2e-2)
+    assert not torch.allclose(kernel.scores[1].float(), kernel.scores[0].float(), atol=3e-2)
