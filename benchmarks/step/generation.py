@@ -38,7 +38,7 @@ from benchmarks.workloads import MODEL_SHAPES, build_config
 RESULTS = harness.Benchmark("generation", topic="step")
 VARIANTS = (
     "hf:dynamic", "liger:dynamic", "fusetune:dynamic", "fusetune:static", "fusetune:static-compiled",
-    "hf:static-compiled",
+    "fusetune-sdpa:static-compiled", "hf:static-compiled",
 )  # fmt: skip
 PROFILE_TOKENS = 32
 
