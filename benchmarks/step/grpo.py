@@ -7,6 +7,9 @@ prompts, group size and completion length, each setup in a fresh process of the 
                         the fused per-token log-probs, sampling over a static KV cache with Hugging Face
                         compiling the decoding step)
     fusetune:eager      the same with the decoding step left uncompiled
+    fusetune:8bit       the same as fusetune with precision "bf16-sr-8bit": the AdamW moments in 8 bits
+                        (about 2 bytes of state per parameter instead of 4; its quality: h100-quality.md,
+                        section precision-8bit)
     fusetune:dynamic    the same with Hugging Face's dynamic KV cache, eager (not in the default --variants)
 
 Both: --prompts arithmetic prompts a step, --n completions each, at most --completion-tokens tokens, temperature 1
@@ -71,8 +74,9 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
     from fusetune.worker.train.reporter import NullReporter
     from fusetune.worker.train.trainer import Trainer
 
-    GroupRelativePolicyOptimization.compile_generation = spec["variant"] == "fusetune"
+    GroupRelativePolicyOptimization.compile_generation = spec["variant"] in ("fusetune", "fusetune:8bit")
     GroupRelativePolicyOptimization.static_cache = not spec["variant"].endswith(":dynamic")
+    precision = {"precision": "bf16-sr-8bit"} if spec["variant"] == "fusetune:8bit" else {}
     cuda = spec["device"] == "cuda"
 
     class Recording(NullReporter):
@@ -94,7 +98,7 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
         model_path=spec["model_path"], training_file=spec["training_file"],
         output_dir=tempfile.mkdtemp(prefix="fusetune-grpo-"), n_epochs=1, batch_size=spec["prompts"],
         max_steps=n_steps, micro_batch_size=spec["micro_completions"] // spec["n"], max_seq_length=256,
-        learning_rate=LEARNING_RATE, seed=0, checkpoint_every_steps=None, checkpoint_every_minutes=None,
+        learning_rate=LEARNING_RATE, seed=0, checkpoint_every_steps=None, checkpoint_every_minutes=None, **precision,
         method={"type": "reinforcement", "reinforcement": {
             "grader": GRADER, "n": spec["n"], "max_completion_tokens": spec["completion_tokens"],
             "temperature": 1.0, "kl_beta": 0.0}},

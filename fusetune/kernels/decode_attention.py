@@ -80,7 +80,8 @@ def _grouped_decode_kernel(
             )
             if SOFTWARE_BF16_ROUNDING:
                 k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale
+            # float32 whatever type the compiler gives the scale (Inductor passed it as a float64).
+            scores = (tl.dot(q, tl.trans(k)) * qk_scale).to(tl.float32)
             scores = tl.where(keep[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             alpha = tl.exp2(m_i - m_new)

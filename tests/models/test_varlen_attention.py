@@ -298,18 +298,19 @@ def test_whole_rows_run_sdpa_and_match_per_row_attention(heads, kv_heads, dim, m
         assert error <= 2e-2 * scale, f"{name}: max error {error} vs max {scale}"
 
 
-def test_bfloat16_sampling_over_a_static_cache_runs_the_decoding_kernel(monkeypatch):
+def test_bfloat16_sampling_over_a_static_cache_runs_the_decoding_kernel(monkeypatch, device):
     """A bfloat16 model sampling over a static cache (the method's setup on a GPU; here the kernel runs under
     the interpreter): every decoding step of every layer goes through fusetune.kernels.decode_attention, and
     the scores of the first decoding step equal those of the same patched model with the kernel switched off
     (scaled_dot_product_attention over the grouped rows) within bfloat16 rounding."""
     from transformers import GenerationConfig
 
-    model = tiny_llama().to(torch.bfloat16)
+    model = tiny_llama().to(device=device, dtype=torch.bfloat16)
     generator = torch.Generator().manual_seed(5)
     input_ids = torch.randint(3, 97, (2, 7), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :4] = 0
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     config = GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
                               output_scores=True, return_dict_in_generate=True,
                               cache_implementation="static", disable_compile=True)  # fmt: skip
