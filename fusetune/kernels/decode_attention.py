@@ -32,8 +32,9 @@ from fusetune.kernels._interpreter import interpreted, round_to_dtype
 __all__ = ["grouped_decode_attention", "grouped_decode_attention_reference", "grouped_decode_kernel_applies"]
 
 _LOG2E = 1.4426950408889634
-# A tensor-core dot takes at least 16 rows: the query heads of a KV head are padded up to this many.
-_MIN_QUERY_ROWS = 16
+# A tensor-core dot takes operands of at least 16 along each dimension: the query heads of a KV head are padded
+# up to this many rows, and a smaller head dim up to this many (zero) columns.
+_MIN_DOT_SIZE = 16
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def _launch(query, key, value, mask, scale: float, traced: bool = False) -> torc
         mask_arg, mask_col_stride = mask, mask.stride(3)
     else:
         mask_arg, mask_row_stride, mask_col_stride = query, 0, 0  # unused by the kernel
-    block_d = triton.next_power_of_2(dim)
+    block_d = max(_MIN_DOT_SIZE, triton.next_power_of_2(dim))  # head dims under 16 padded with zeros
     kernel = torch.library.wrap_triton(_grouped_decode_kernel) if traced else _grouped_decode_kernel
     kernel[(batch, kv_heads)](
         query, key, value, mask_arg, out,
@@ -151,7 +152,7 @@ def _launch(query, key, value, mask, scale: float, traced: bool = False) -> torc
         value.stride(0), value.stride(1), value.stride(2), value.stride(3),
         mask_row_stride, mask_col_stride,
         length, scale * _LOG2E,
-        GROUP=group, GROUP_PAD=max(_MIN_QUERY_ROWS, triton.next_power_of_2(group)), HEAD_DIM=dim,
+        GROUP=group, GROUP_PAD=max(_MIN_DOT_SIZE, triton.next_power_of_2(group)), HEAD_DIM=dim,
         BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32, HAS_MASK=mask is not None, SOFTWARE_BF16_ROUNDING=interpreted(),
         num_warps=4,
     )  # fmt: skip

@@ -49,6 +49,7 @@ def _assert_close(actual, expected, dtype):
         (8, 2, 64, 150, 131, [0, 70, 3]),  # a row's padding covers a whole 64-slot block; a part-filled tail
         (32, 8, 128, 40, 40, [5, 0, 1]),  # the Llama shape's heads; one block, part masked
         (6, 2, 80, 97, 90, [2, 0, 60]),  # head dim not a power of two, 3 query heads per KV head
+        (8, 2, 8, 30, 25, [0, 2, 9]),  # head dim under a tensor-core dot's 16 (a tiny test model's)
     ],
 )
 def test_kernel_equals_the_reference_over_a_static_cache(
