@@ -308,6 +308,7 @@ def grpo_headlines(payload: Payload) -> list[Headline]:
     best = min(ours, key=lambda r: r["step_s"])
     setting = f"{best['model']}, {best['prompts']} prompts x {best['n']} x {best.get('completion_tokens')}, {best['impl']}"
     others = [("TRL + Liger", _with_memory(anchor["step_s"], anchor.get("peak_alloc_gb")))] if anchor else []
+    others += [(r["impl"], _with_memory(r["step_s"], r.get("peak_alloc_gb"))) for r in ours if r is not best]
     return [
         (
             "GRPO step s (peak GB)",
