@@ -164,8 +164,6 @@ METHODS: dict[str, Method] = {
             "reinforcement", "GRPO: sampled completions scored by a grader, advantages normalised per prompt",
             REINFORCEMENT, ReinforcementSettings, rows_per_example=DEFAULT_COMPLETIONS_PER_PROMPT,
             supports_packing=False, request_fields=("grader",),
-            fsdp_refusal="sampling completions under FSDP gathers every layer's weights for each generated "
-            "token; use distributed ddp (with LoRA for a model that does not fit one GPU)",
         ),
     )
 }  # fmt: skip

@@ -13,7 +13,7 @@ import torch
 from fusetune.demo import assets
 from fusetune.models import apply_fusetune, revert_fusetune
 from fusetune.models.fused import has_fused_loss
-from fusetune.spec.hyperparameters import HyperparametersRequest, SpecError
+from fusetune.spec.hyperparameters import HyperparametersRequest
 from fusetune.spec.job import JobSpec
 from fusetune.spec.methods import MethodRequest
 from fusetune.worker.train.data import IGNORE_INDEX, collate
@@ -75,12 +75,11 @@ def test_the_method_is_found_by_its_type_and_the_request_takes_openais_shape():
     with pytest.raises(ValueError, match="greater than or equal to 2"):
         MethodRequest.model_validate({"type": "reinforcement", "reinforcement": {
             "grader": EXACT, "hyperparameters": {"n": 1}}})  # fmt: skip
-    with pytest.raises(SpecError, match="fsdp is not available with method reinforcement") as refused:
-        grader_only = MethodRequest.model_validate(
-            {"type": "reinforcement", "reinforcement": {"grader": EXACT}}
-        )
-        JobSpec.from_request(grader_only, HyperparametersRequest(distributed="fsdp", n_gpus=2), 16, 1e-4)
-    assert refused.value.field == "hyperparameters.distributed"
+    grader_only = MethodRequest.model_validate({"type": "reinforcement", "reinforcement": {"grader": EXACT}})
+    sharded = JobSpec.from_request(
+        grader_only, HyperparametersRequest(distributed="fsdp", n_gpus=2), 16, 1e-4
+    )
+    assert sharded.hyperparameters.distributed == "fsdp"
 
 
 # ---- the loss and the advantages ---------------------------------------------------------------------------------

@@ -277,3 +277,36 @@ def test_dpo_under_ddp_and_fsdp_matches_one_process(model_dir, tmp_path):
     assert len(runs["one"]) == 4
     assert_same_curves(runs["ddp"], runs["one"], rtol=1e-5, keys=keys)
     assert_same_curves(runs["fsdp"], runs["one"], rtol=1e-5, keys=keys)
+
+
+def test_reinforcement_under_ddp_and_fsdp_follows_one_curve(model_dir, tmp_path):
+    """Each rank samples completions for its own prompts, with its own seed: DDP and FSDP2 on two processes
+    sample the same completions (FSDP2 from its weights gathered whole for sampling), score them alike and
+    follow one curve (reward, loss, gradient norm) step for step. A fuzzy-match grader gives partial scores, so
+    the advantages, and so the loss and its gradient, are not all zero."""
+    import json
+
+    chats = [json.loads(line) for line in assets.TRAIN_FILE.read_text().splitlines()[:16]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"messages": chat["messages"][:-1], "answer": chat["messages"][-1]["content"]}) + "\n"
+        for chat in chats))  # fmt: skip
+    grader = {"type": "text_similarity", "name": "close", "evaluation_metric": "fuzzy_match",
+              "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}"}  # fmt: skip
+    base = demo_config(
+        model_dir, tmp_path / "ddp", training_file=str(prompts), validation_file=None, batch_size=4,
+        micro_batch_size=1, max_steps=3, learning_rate=1e-3, warmup_ratio=0.0,
+        method={"type": "reinforcement", "reinforcement": {"grader": grader, "n": 4, "max_completion_tokens": 6}},
+    )  # fmt: skip
+    runs = {}
+    for distributed in ("ddp", "fsdp"):
+        config = base.model_copy(
+            update={"output_dir": str(tmp_path / distributed), "distributed": distributed}
+        )
+        completed = torchrun(config, nproc=2)
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+        runs[distributed] = step_metrics(completed)
+    assert len(runs["ddp"]) == 3
+    assert max(abs(m["train_loss"]) for m in runs["ddp"]) > 0 and max(m["grad_norm"] for m in runs["ddp"]) > 0
+    keys = ("train_loss", "grad_norm", "reward_mean", "reward_std", "completion_length")
+    assert_same_curves(runs["fsdp"], runs["ddp"], rtol=1e-5, keys=keys)

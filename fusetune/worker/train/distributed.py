@@ -10,8 +10,9 @@ data on storage every node sees (rank 0 writes checkpoints; every rank reads the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,26 @@ def shard_fsdp(model: torch.nn.Module, device: torch.device, mp_policy: Any) -> 
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
+
+
+@contextlib.contextmanager
+def gathered_for_sampling(model: torch.nn.Module) -> Iterator[None]:
+    """Under FSDP2, every unit's parameters gathered once and kept whole while the block runs, then sharded
+    again: sampling runs one forward per generated token, and each would otherwise all-gather every layer
+    anew (and free it after). Costs one whole copy of the weights in the compute dtype for the duration. A
+    model that is not sharded is left as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)  # shard_fsdp's (fully_shard's default)
 
 
 def parallelize(

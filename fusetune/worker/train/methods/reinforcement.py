@@ -39,7 +39,8 @@ max_completion_tokens); `grading_errors`; `kl` and `clip_fraction` per completio
 and at the end) samples one greedy completion of each of the first `eval_samples` validation prompts and
 reports `valid_reward_mean` and `valid_pass_rate_<grader>`.
 
-FSDP is refused (fusetune/spec/methods.py says why); DDP works, each rank sampling for its own prompts.
+Under DDP and FSDP2 each rank samples for its own prompts; under FSDP2 the weights are gathered whole once for
+the whole of sampling (distributed.gathered_for_sampling) rather than layer by layer for every token.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from fusetune.config import Settings
 from fusetune.graders import grade_many
 from fusetune.kernels.sequence_log_probs import token_log_probs_from_logits
 from fusetune.models.fused import has_fused_loss
 from fusetune.spec.graders import sub_graders
-from fusetune.spec.methods import METHODS
 from fusetune.worker.train.data import (
     IGNORE_INDEX,
     LoadedData,
@@ -69,9 +70,8 @@ from fusetune.worker.train.data import (
     collate,
     model_inputs,
 )
-from fusetune.worker.train.distributed import synchronize
+from fusetune.worker.train.distributed import gathered_for_sampling, synchronize
 from fusetune.worker.train.methods.base import TrainingMethod
-from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 # Added to a group's reward spread before dividing by it, so that a group of equal rewards gets advantage 0
 # rather than 0 / 0 (TRL's value).
@@ -215,11 +215,6 @@ class GroupRelativePolicyOptimization(TrainingMethod):
     # --------------------------------------------------------------------------------------- before training
 
     def before_training(self, trainer: Any) -> None:
-        if trainer.fsdp:
-            raise TrainingFailure(
-                ErrorCode.TRAINER_ERROR,
-                f"the reinforcement method does not run under FSDP: {METHODS[self.type].fsdp_refusal}",
-            )
         self.rank, self.world_size = trainer.dist.rank, trainer.dist.world_size
         # A completion also ends at any end-of-sequence token the model's generation config names (an instruct
         # model's end of turn).
@@ -274,12 +269,17 @@ class GroupRelativePolicyOptimization(TrainingMethod):
             options.update(do_sample=True, temperature=self.settings.temperature, top_k=0, top_p=1.0)
         else:
             options.update(do_sample=False)
+        sharded = any(isinstance(module, FSDPModule) for module in model.modules())
         if device.type == "cuda" and self.static_cache:
-            options.update(cache_implementation="static", disable_compile=not self.compile_generation)
+            # Under FSDP the decoding step runs eagerly: its gathered weights need not keep one address between
+            # steps, which CUDA graphs of a compiled step would need.
+            options.update(
+                cache_implementation="static", disable_compile=sharded or not self.compile_generation
+            )
             batch = self.padded_to_width_class(batch)
         was_training = model.training
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), gathered_for_sampling(model):
             output = model.generate(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
