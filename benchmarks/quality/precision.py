@@ -30,7 +30,10 @@ transformer of one of benchmarks/workloads.py's shapes, random init:
                     after each step by plain blockwise int8 values (evenly spaced
                     codes of each 256-element block's largest magnitude, rounded
                     to nearest), as tests/kernels/test_adamw_quality.py's (e)
-   Both are built here, with the trainer's parameter groups, until the optimizer table has an 8-bit entry;
+       adamw8bit-one-scale
+                    the other worse variant: the same with one scale per tensor
+                    (no per-block scale), so a tensor's small moments round to 0
+   They are built here, with the trainer's parameter groups, until the optimizer table has an 8-bit entry;
    they take FusedAdamW's step(grad_scale=...), so bf16-sr's clip-and-step drives them.
 
 The criterion (issue 12), per learning rate, on the final task-B eval losses: margin = max(1% of fp32-master's
@@ -75,6 +78,7 @@ IMPLS = {
     "bf16-sr": "bf16-sr",
     "adamw8bit": "bf16-sr",
     "adamw8bit-linear-nearest": "bf16-sr",
+    "adamw8bit-one-scale": "bf16-sr",
     # The optimizer step inside the backward (fusetune/worker/train/optimizer_in_backward.py): each step clipped
     # by the previous step's gradient norm.
     "bf16-sr-in-backward": "bf16-sr",
@@ -85,6 +89,7 @@ DEFAULT_IMPLS = ("fp32-master", "bf16-plain", "bf16-sr")
 # (checks' name, impl that must match fp32-master, impl that must be worse than both)
 COMPARISONS = (("bf16_sr", "bf16-sr", "bf16_plain", "bf16-plain"),
                ("adamw8bit", "adamw8bit", "adamw8bit_linear_nearest", "adamw8bit-linear-nearest"),
+               ("adamw8bit", "adamw8bit", "adamw8bit_one_scale", "adamw8bit-one-scale"),
                ("bf16_sr_in_backward", "bf16-sr-in-backward", None, None),
                ("adamw8bit_in_backward", "adamw8bit-in-backward", None, None))  # fmt: skip
 QUANTIZATION_BLOCK = 256
@@ -187,7 +192,8 @@ def policy(precision: str, device: Any) -> Any:
 
 
 def build_8bit_optimizer(impl: str, params: list, lr: float, weight_decay: float, seed: int) -> Any:
-    """adamw8bit's or adamw8bit-linear-nearest's optimizer over the trainer's parameter groups."""
+    """adamw8bit's, adamw8bit-linear-nearest's or adamw8bit-one-scale's optimizer over the trainer's parameter
+    groups."""
     import torch
 
     from fusetune.kernels import FusedAdamW, FusedAdamW8bit
@@ -197,29 +203,30 @@ def build_8bit_optimizer(impl: str, params: list, lr: float, weight_decay: float
     if impl == "adamw8bit":
         return FusedAdamW8bit(groups, lr=lr, seed=seed, block_size=QUANTIZATION_BLOCK)
 
+    block = None if impl == "adamw8bit-one-scale" else QUANTIZATION_BLOCK
+
     class LinearNearest8bitMoments(FusedAdamW):
-        """FusedAdamW whose fp32 moments become plain blockwise int8 values after each step."""
+        """FusedAdamW whose fp32 moments become plain int8 values after each step, per block or per tensor."""
 
         @torch.no_grad()
         def step(self, closure=None, grad_scale=None):  # type: ignore[override]
             loss = super().step(closure, grad_scale)
             for state in self.state.values():
-                state["exp_avg"].copy_(linear_nearest(state["exp_avg"], levels=127))
-                state["exp_avg_sq"].copy_(linear_nearest(state["exp_avg_sq"], levels=255))
+                state["exp_avg"].copy_(linear_nearest(state["exp_avg"], levels=127, block=block))
+                state["exp_avg_sq"].copy_(linear_nearest(state["exp_avg_sq"], levels=255, block=block))
             return loss
 
     return LinearNearest8bitMoments(groups, lr=lr, seed=seed, state_dtype=torch.float32)
 
 
-def linear_nearest(values: Any, levels: int) -> Any:
-    """`values` rounded to the nearest of `levels` evenly spaced magnitudes per QUANTIZATION_BLOCK elements (as
-    tests/kernels/test_adamw_quality.py's _linear_nearest)."""
+def linear_nearest(values: Any, levels: int, block: int | None = QUANTIZATION_BLOCK) -> Any:
+    """`values` rounded to the nearest of `levels` evenly spaced magnitudes per `block` elements, or per tensor
+    when `block` is None (per block as tests/kernels/test_adamw_quality.py's _linear_nearest)."""
     import torch
 
     flat = values.flatten()
-    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % QUANTIZATION_BLOCK)).view(
-        -1, QUANTIZATION_BLOCK
-    )
+    block = block or max(flat.numel(), 1)
+    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % block)).view(-1, block)
     scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / levels
     return (torch.round(blocks / scale) * scale).flatten()[: flat.numel()].view(values.shape)
 
