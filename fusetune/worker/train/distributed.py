@@ -168,7 +168,10 @@ def gathered_for_sampling(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)  # shard_fsdp's (fully_shard's default)
+            # Back to what shard_fsdp's units do: the decoder layers reshard after forward (fully_shard's
+            # default); the root (the first unit) does not, as FSDP2 decides for a root by itself, whose
+            # parameters the backward would otherwise gather again at once.
+            unit.set_reshard_after_forward(unit is not units[0], recurse=False)
 
 
 def parallelize(
