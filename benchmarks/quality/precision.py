@@ -530,10 +530,22 @@ def render_markdown(payload: dict[str, Any]) -> str:
     lines.append(
         rows_table(payload["rows"], "task-B eval loss per seed", ("task-A eval (mean)", "eval_loss_a_mean"))
     )
+    verdicts = payload["verdicts"].values()
+    worse_ran = {bad for _, _, bad_name, bad in COMPARISONS
+                 if any(f"{bad_name}_relative_to_fp32_master" in check for check in verdicts)}  # fmt: skip
+    shown = set()
     for good_name, good, bad_name, bad in COMPARISONS:
         good_key, bad_key = f"{good_name}_relative_to_fp32_master", f"{bad_name}_relative_to_fp32_master"
-        if not any(good_key in check or bad_key in check for check in payload["verdicts"].values()):
+        if not any(good_key in check or bad_key in check for check in verdicts):
             continue
+        # One table per impl: a comparison whose worse variant did not run only when none of that impl's did.
+        if (
+            bad
+            and bad not in worse_ran
+            and (good in shown or any(b in worse_ran for _, g, _, b in COMPARISONS if g == good))
+        ):
+            continue
+        shown.add(good)
         lines += ["", f"| lr | start | margin | {good} vs fp32-master | {bad or '(no worse variant)'} vs fp32-master "
                   "| verdict |"]  # fmt: skip
         lines.append("|---|---|---|---|---|---|")
