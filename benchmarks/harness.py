@@ -384,6 +384,18 @@ def measure_shapes(
     return 0
 
 
+def shape_rows_markdown(payload: dict[str, Any], title: str, columns: Iterable[tuple[str, str]]) -> str:
+    """The markdown of a measure_shapes results file: the title with the GPU and the date, the command, and one
+    row per shape and implementation with `columns` (header, the row's key) between them and the row's error."""
+    columns = list(columns)
+    table = [[row["shape"], row["impl"], *(row.get(key) for _, key in columns), row.get("error") or ""]
+             for row in payload["rows"]]  # fmt: skip
+    return "\n".join([
+        f"# {title} — {payload['gpu']}, {payload['date']}", "", f"`{payload['command']}`", "",
+        markdown_table(["shape", "impl", *(header for header, _ in columns), "error"], table), "",
+    ])  # fmt: skip
+
+
 def run_rows_in_workers(
     module: str,
     specs: Iterable[dict[str, Any]],

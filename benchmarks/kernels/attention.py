@@ -17,7 +17,6 @@ import sys
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
 
 RESULTS = harness.Benchmark("attention", topic="kernels")
 # (name, batch, seq, query heads, key/value heads, head dim)
@@ -96,13 +95,15 @@ def measure(
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
-    table = [[r["shape"], r["impl"], r.get("fwd_bwd_ms"), r.get("tflops"), r.get("max_abs_diff_vs_varlen"),
-              r.get("error") or ""] for r in payload["rows"]]  # fmt: skip
-    return "\n".join([
-        f"# Causal attention, forward + backward — {payload['gpu']}, {payload['date']}", "",
-        f"`{payload['command']}`", "",
-        markdown_table(["shape", "impl", "fwd+bwd ms", "TFLOP/s", "max |diff| vs varlen", "error"], table), "",
-    ])  # fmt: skip
+    return harness.shape_rows_markdown(
+        payload,
+        "Causal attention, forward + backward",
+        (
+            ("fwd+bwd ms", "fwd_bwd_ms"),
+            ("TFLOP/s", "tflops"),
+            ("max |diff| vs varlen", "max_abs_diff_vs_varlen"),
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

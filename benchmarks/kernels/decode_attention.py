@@ -23,7 +23,6 @@ import sys
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import markdown_table
 
 RESULTS = harness.Benchmark("decode-attention", topic="kernels")
 # (name, rows, query heads, key/value heads, head dim, cache length, filled length)
@@ -113,13 +112,11 @@ def measure(name: str, rows: int, heads: int, kv_heads: int, dim: int, length: i
 
 
 def render_markdown(payload: dict[str, Any]) -> str:
-    table = [[r["shape"], r["impl"], r.get("us"), r.get("cache_gb_per_s"), r.get("max_abs_diff_vs_widened"),
-              r.get("error") or ""] for r in payload["rows"]]  # fmt: skip
-    return "\n".join([
-        f"# One decoding step of grouped-query attention — {payload['gpu']}, {payload['date']}", "",
-        f"`{payload['command']}`", "",
-        markdown_table(["shape", "impl", "us", "K+V GB/s", "max |diff| vs widened", "error"], table), "",
-    ])  # fmt: skip
+    return harness.shape_rows_markdown(
+        payload,
+        "One decoding step of grouped-query attention",
+        (("us", "us"), ("K+V GB/s", "cache_gb_per_s"), ("max |diff| vs widened", "max_abs_diff_vs_widened")),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
