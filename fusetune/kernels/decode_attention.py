@@ -153,8 +153,8 @@ def _launch(query, key, value, mask, scale: float, traced: bool = False) -> torc
         mask_row_stride, mask_col_stride,
         length, scale * _LOG2E,
         GROUP=group, GROUP_PAD=max(_MIN_DOT_SIZE, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32, HAS_MASK=mask is not None, SOFTWARE_BF16_ROUNDING=interpreted(),
-        num_warps=4,
+        BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32, HAS_MASK=mask is not None,
+        SOFTWARE_BF16_ROUNDING=interpreted(), num_warps=4,
     )  # fmt: skip
     return out
 

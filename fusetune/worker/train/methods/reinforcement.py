@@ -269,7 +269,7 @@ class GroupRelativePolicyOptimization(TrainingMethod):
             options.update(do_sample=True, temperature=self.settings.temperature, top_k=0, top_p=1.0)
         else:
             options.update(do_sample=False)
-        sharded = any(isinstance(module, FSDPModule) for module in model.modules())
+        sharded = isinstance(model, FSDPModule)  # shard_fsdp makes the model itself the root unit
         if device.type == "cuda" and self.static_cache:
             # Under FSDP the decoding step runs eagerly: its gathered weights need not keep one address between
             # steps, which CUDA graphs of a compiled step would need.
