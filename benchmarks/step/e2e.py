@@ -13,6 +13,7 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+fp8      fusetune with the fp8 precision mode's float8 linear layers (fusetune/worker/train/float8.py,
                       its recipe, rowwise), each decoder layer compiled in place, as the trainer runs them
     fusetune+fp8-tensorwise   the same with the tensorwise recipe
+    fusetune+fp8-gw-bf16      the same with rowwise scaling and the weight gradients in bf16 (rowwise_with_gw_hp)
 
 `--optimizer fusetune-adamw` steps every row with fusetune.kernels.FusedAdamW (bf16-sr's and fp8's optimizer)
 instead of torch's fused AdamW, for rows that compare with a bf16-sr job.
@@ -42,9 +43,22 @@ from benchmarks.harness import GIB, format_cell, markdown_table, short_error
 from benchmarks.workloads import MODEL_SHAPES, SINGLE_GPU_MODELS, build_config
 
 RESULTS = harness.Benchmark("e2e", topic="step")
-IMPLS = ("hf", "compile", "liger", "fusetune", "fusetune+compile", "fusetune+fp8", "fusetune+fp8-tensorwise")
+IMPLS = (
+    "hf",
+    "compile",
+    "liger",
+    "fusetune",
+    "fusetune+compile",
+    "fusetune+fp8",
+    "fusetune+fp8-tensorwise",
+    "fusetune+fp8-gw-bf16",
+)
 # impl -> the float8 recipe of its linear layers
-FLOAT8_IMPLS = {"fusetune+fp8": "rowwise", "fusetune+fp8-tensorwise": "tensorwise"}
+FLOAT8_IMPLS = {
+    "fusetune+fp8": "rowwise",
+    "fusetune+fp8-tensorwise": "tensorwise",
+    "fusetune+fp8-gw-bf16": "rowwise_with_gw_hp",
+}
 OPTIMIZERS = ("torch-adamw", "fusetune-adamw")
 
 LIGER_PATCHES = {

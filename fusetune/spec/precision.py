@@ -130,6 +130,12 @@ PRECISIONS: dict[str, PrecisionMode] = {
             "(H100, H200, L40S)",
             float8_linears=True, min_compute_capability=(8, 9),
         ),
+        PrecisionMode(
+            "fp8-8bit", "bfloat16", "bfloat16", "adamw-8bit", needs_gpu=True,
+            description="fp8's float8 linear layers with bf16-sr-8bit's optimizer (the AdamW moments in 8 "
+            "bits): the fastest matmuls and the smallest optimizer state together; not with FSDP",
+            float8_linears=True, min_compute_capability=(8, 9),
+        ),
     )
 }  # fmt: skip
 # What "auto" means on each kind of device. On GPUs: bf16-sr, which fine-tuned to the eval loss of fp32 master

@@ -57,9 +57,11 @@ if TYPE_CHECKING:
 # weights FSDP2 can all-gather in float8). Rowwise first: its scales follow outlier rows instead of letting one
 # row set the scale of a whole activation, which is where float8 training loses quality. The choice is to be
 # confirmed by the fp8 rows of benchmarks/step/e2e.py (both recipes in one run) and the quality script
-# (benchmarks/quality/precision.py --impls bf16-sr,fp8,fp8-tensorwise,fp8-e5m2-forward).
+# (benchmarks/quality/precision.py --impls bf16-sr,fp8,fp8-tensorwise,fp8-e5m2-forward). "rowwise_with_gw_hp":
+# rowwise, with the weight gradient computed in bf16 (no float8 cast of the activations along the token axis,
+# a third of the matmuls not sped up).
 RECIPE = "rowwise"
-RECIPES = ("rowwise", "tensorwise")
+RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
 # torch._scaled_mm needs both matmul dimensions of each operand to be multiples of 16.
 DIMENSION_MULTIPLE = 16
 LORA_ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
