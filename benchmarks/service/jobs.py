@@ -35,6 +35,7 @@ from typing import Any
 from benchmarks import harness
 from benchmarks.harness import GIB, REPO_ROOT, format_cell, markdown_table
 from benchmarks.step import e2e
+from benchmarks.step.memory_plans import write_documents
 from benchmarks.workloads import build_model, chat_examples
 
 RESULTS = harness.Benchmark("jobs", topic="service")
@@ -158,7 +159,8 @@ def run_job(service: Service, model: str, file_id: str, hyper: dict[str, Any], a
             "n_epochs": 1,
             "batch_size": args.batch,
             "max_seq_length": args.seq,
-            "packing": True,
+            # --documents: one document per row, cut to the row length (memory_plans.py's rows).
+            "packing": not args.documents,
             **hyper,
         },
     }
@@ -239,7 +241,9 @@ def e2e_row(args, out_dir: Path) -> dict[str, Any]:
         "--models",
         args.model,
         "--impls",
-        "fusetune",
+        args.e2e_impl,
+        "--optimizer",
+        args.e2e_optimizer,
         "--batch",
         str(args.batch),
         "--seq",
@@ -252,7 +256,7 @@ def e2e_row(args, out_dir: Path) -> dict[str, Any]:
     if completed.returncode != 0 or not files:
         return {"impl": "fusetune", "error": (completed.stdout + completed.stderr)[-600:]}
     rows = harness.read_section(files[0], e2e.RESULTS.name)["rows"]
-    return next(r for r in rows if r.get("impl") == "fusetune" and r.get("model") == args.model)
+    return next(r for r in rows if r.get("impl") == args.e2e_impl and r.get("model") == args.model)
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -264,9 +268,14 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "",
         f"`{payload['command']}`; versions: {payload['versions']}",
         "",
-        f"Data: {payload['data']['examples']} chat examples, {payload['data']['tokens']:,} tokens (mean "
-        f"{payload['data']['mean_tokens']:.0f}), packed into rows of {payload['seq']}; batch "
-        f"{payload['batch']}; model {payload['model']} (random weights, demo tokenizer).",
+        (
+            f"Data: {payload['data']['examples']} documents of random words, each cut to one row of "
+            f"{payload['seq']} tokens"
+            if payload["data"].get("documents")
+            else f"Data: {payload['data']['examples']} chat examples, {payload['data']['tokens']:,} tokens (mean "
+            f"{payload['data']['mean_tokens']:.0f}), packed into rows of {payload['seq']}"
+        )
+        + f"; batch {payload['batch']}; model {payload['model']} (random weights, demo tokenizer).",
         "",
     ]
     header = [
@@ -286,7 +295,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
             ])  # fmt: skip
         else:
             rows.append([
-                "e2e.py fusetune (bf16 weights, random tokens)", "", "bf16", True,
+                f"e2e.py {row.get('impl')} (bf16 weights, random tokens)", "",
+                "fp8" if row.get("impl") in e2e.FLOAT8_IMPLS else "bf16", True,
                 row.get("tokens_per_s"), "", 0.0, (row.get("step_ms") or 0) / 1e3, row.get("peak_alloc_gb"),
                 row.get("mfu"), "", "", row.get("error", ""),
             ])  # fmt: skip
@@ -310,7 +320,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mean-tokens", type=int, default=620)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--documents",
+        action="store_true",
+        help="instead of chat examples: --examples documents of random words, each longer than --seq and cut to "
+        "it, one per row (the rows of benchmarks/step/memory_plans.py's TRL + Liger-Kernel anchor)",
+    )
     parser.add_argument("--no-e2e", action="store_true", help="skip the e2e.py row")
+    parser.add_argument(
+        "--e2e-impl", default="fusetune", choices=e2e.IMPLS, help="the e2e.py row's impl (fusetune+fp8: fp8's)"
+    )
+    parser.add_argument(
+        "--e2e-optimizer", default="torch-adamw", choices=e2e.OPTIMIZERS, help="the e2e.py row's optimizer"
+    )
     harness.add_results_arguments(parser, RESULTS)
     args = parser.parse_args(argv)
     try:
@@ -333,9 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = Path(tempfile.mkdtemp(prefix="fusetune-service-bench-"))
     (data_dir / "models").mkdir(parents=True)
     build_model(data_dir / "models", args.model)
-    examples, lengths = chat_examples(args.examples, args.mean_tokens, seed=0, tokenizer=build_tokenizer())
     train_path = data_dir / "train.jsonl"
-    train_path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    if args.documents:
+        write_documents(train_path, build_tokenizer(), args.examples, args.seq)
+        examples, lengths = [None] * args.examples, [args.seq] * args.examples
+    else:
+        examples, lengths = chat_examples(args.examples, args.mean_tokens, seed=0, tokenizer=build_tokenizer())
+        train_path.write_text("".join(json.dumps(e) + "\n" for e in examples))
     print(
         f"{len(examples)} examples, {sum(lengths):,} tokens, mean {statistics.mean(lengths):.0f}", flush=True
     )
@@ -363,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         service.close()
     if not args.no_e2e:
-        print("e2e.py fusetune row ...", flush=True)
+        print(f"e2e.py {args.e2e_impl} row ...", flush=True)
         reference = e2e_row(args, Path(tempfile.mkdtemp(prefix="fusetune-service-e2e-")))
-        rows.append({**reference, "impl": "fusetune", "source": "benchmarks/step/e2e.py"})
+        rows.append({**reference, "impl": args.e2e_impl, "source": "benchmarks/step/e2e.py"})
 
     payload: dict[str, Any] = {
         **harness.run_meta(device_name),
@@ -373,7 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "batch": args.batch,
         "seq": args.seq,
-        "data": {"examples": len(examples), "tokens": sum(lengths), "mean_tokens": statistics.mean(lengths)},
+        "data": {
+            "examples": len(examples),
+            "tokens": sum(lengths),
+            "mean_tokens": statistics.mean(lengths),
+            **({"documents": True} if args.documents else {}),
+        },
         "rows": rows,
     }
     service_rows = [r for r in rows if r.get("impl") == "service" and r.get("tokens_per_s")]

@@ -11,8 +11,9 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune          AutoFusedModelForCausalLM.from_config (apply_fusetune on the built model)
     fusetune+compile  the same, then torch.compile(model)
     fusetune+fp8      fusetune with the fp8 precision mode's float8 linear layers (fusetune/worker/train/float8.py,
-                      its recipe, rowwise), each decoder layer compiled in place, as the trainer runs them
-    fusetune+fp8-tensorwise   the same with the tensorwise recipe
+                      its recipe, tensorwise), each decoder layer compiled in place, as the trainer runs them
+    fusetune+fp8-tensorwise   the same, the recipe named (rows from before tensorwise became the mode's recipe)
+    fusetune+fp8-rowwise      the same with the rowwise recipe (fusetune+fp8's rows before 2026-11-28)
     fusetune+fp8-gw-bf16      the same with rowwise scaling and the weight gradients in bf16 (rowwise_with_gw_hp)
 
 `--optimizer fusetune-adamw` steps every row with fusetune.kernels.FusedAdamW (bf16-sr's and fp8's optimizer)
@@ -51,11 +52,13 @@ IMPLS = (
     "fusetune+compile",
     "fusetune+fp8",
     "fusetune+fp8-tensorwise",
+    "fusetune+fp8-rowwise",
     "fusetune+fp8-gw-bf16",
 )
-# impl -> the float8 recipe of its linear layers
+# impl -> its float8 recipe; fusetune+fp8's is the mode's (float8.RECIPE, which tests/benchmarks check it against)
 FLOAT8_IMPLS = {
-    "fusetune+fp8": "rowwise",
+    "fusetune+fp8": "tensorwise",
+    "fusetune+fp8-rowwise": "rowwise",
     "fusetune+fp8-tensorwise": "tensorwise",
     "fusetune+fp8-gw-bf16": "rowwise_with_gw_hp",
 }

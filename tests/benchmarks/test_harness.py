@@ -66,3 +66,11 @@ def test_a_worker_finds_this_checkout_after_the_callers_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/tmp/site")
     assert harness.child_env()["PYTHONPATH"] == f"/tmp/site:{harness.REPO_ROOT}"
     assert harness.child_env(cpu=True)["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_e2e_fp8_row_runs_the_fp8_modes_recipe():
+    from benchmarks.step import e2e
+    from fusetune.worker.train import float8
+
+    assert e2e.FLOAT8_IMPLS["fusetune+fp8"] == float8.RECIPE
+    assert set(e2e.FLOAT8_IMPLS.values()) <= set(float8.RECIPES)

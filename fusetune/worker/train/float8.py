@@ -52,16 +52,16 @@ if TYPE_CHECKING:
     from fusetune.worker.train.precision import PrecisionPolicy
     from fusetune.worker.train.reporter import Reporter
 
-# The scaling recipe of the fp8 mode: "rowwise" (a scale per row of each operand, e4m3 in both directions) or
-# "tensorwise" (one scale per tensor, the output gradient in e5m2; the fastest casts, and the only recipe whose
-# weights FSDP2 can all-gather in float8). Rowwise first: its scales follow outlier rows instead of letting one
-# row set the scale of a whole activation, which is where float8 training loses quality. The choice is to be
-# confirmed by the fp8 rows of benchmarks/step/e2e.py (both recipes in one run) and the quality script
-# (benchmarks/quality/precision.py --impls bf16-sr,fp8,fp8-tensorwise,fp8-e5m2-forward). "rowwise_with_gw_hp":
-# rowwise, with the weight gradient computed in bf16 (no float8 cast of the activations along the token axis,
-# a third of the matmuls not sped up).
-RECIPE = "rowwise"
-RECIPES = ("rowwise", "tensorwise", "rowwise_with_gw_hp")
+# The scaling recipe of the fp8 mode: "tensorwise" (one scale per tensor, the output gradient in e5m2; the only
+# recipe whose weights FSDP2 can all-gather in float8), "rowwise" (a scale per row of each operand, e4m3 in both
+# directions) or "rowwise_with_gw_hp" (rowwise, with the weight gradient computed in bf16: no float8 cast of the
+# activations along the token axis, a third of the matmuls not sped up). Tensorwise because it is the one that
+# is faster than bf16: Llama-3.1-8B shape, 1 x 4096, one H200 in one call (benchmarks/results/h200-step.md,
+# section e2e-fp8-recipes): bf16-sr 10,563 tokens/s, tensorwise 13,028, rowwise 10,382, rowwise_with_gw_hp
+# 11,652. Rowwise's casts along both axes of every operand (amax over rows, then over columns, each its own
+# pass) cost more than its float8 matmuls save. Its quality: benchmarks/quality/float8.py.
+RECIPE = "tensorwise"
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # torch._scaled_mm needs both matmul dimensions of each operand to be multiples of 16.
 DIMENSION_MULTIPLE = 16
 LORA_ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
