@@ -469,7 +469,7 @@ def summary_rows(runs: list[dict[str, Any]], args) -> list[dict[str, Any]]:
             "lr": lr,
             "seeds": [run["seed"] for run in mine],
             **eval_loss_summary(mine),
-            "eval_loss_a_mean": round(statistics.fmean(run["eval_loss_a"] for run in mine), 5),
+            "eval_loss_a_mean": round(statistics.fmean(run.get("eval_loss_a", math.nan) for run in mine), 5),
             **step_summary(mine),
         }
         for lr, impl, mine in runs_by_lr_and_impl(runs, args)
@@ -490,6 +490,8 @@ def runs_by_lr_and_impl(
 def eval_loss_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A row's task-B eval losses over the seeds: each, their mean and their spread."""
     losses = [run["eval_loss"] for run in runs]
+    if None in losses:  # a run that raised (its error is in the row's errors)
+        return {"eval_losses": losses, "eval_loss_mean": None, "eval_loss_spread": None}
     return {
         "eval_losses": [round(value, 5) for value in losses],
         "eval_loss_mean": round(statistics.fmean(losses), 5),
@@ -500,7 +502,7 @@ def eval_loss_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def step_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A row's median step time over the seeds and the errors of its runs (None if none)."""
     return {
-        "step_ms": round(statistics.median(run["step_ms"] for run in runs), 1),
+        "step_ms": round(statistics.median(run.get("step_ms", math.nan) for run in runs), 1),
         "errors": [run["error"] for run in runs if run.get("error")] or None,
     }
 
@@ -578,7 +580,7 @@ def rows_table(rows: list[dict[str, Any]], per_seed: str, extra: tuple[str, str]
             [
                 row["lr"],
                 row["impl"],
-                ", ".join(f"{value:.4f}" for value in row["eval_losses"]),
+                ", ".join("error" if value is None else f"{value:.4f}" for value in row["eval_losses"]),
                 row["eval_loss_mean"],
                 row["eval_loss_spread"],
                 row[extra[1]],
@@ -730,19 +732,33 @@ def finetune_all(
     judge: Callable[[dict[str, list[float]]], dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Every run of args.lrs x args.impls x args.seeds; after each learning rate its verdict (`judge` of the
-    task-B eval losses per impl) into payload["verdicts"], and what is done so far written, in case the run is
-    cut short (the full file replaces it at the end)."""
-    runs = []
+    task-B eval losses per impl) into payload["verdicts"]. What is done so far is written after every run, in
+    case the run is cut short (the full file replaces it at the end); a run that raises is a run with its error
+    and a NaN loss (the judges count a non-finite loss as infinite), not the end of the others."""
+    runs: list[dict[str, Any]] = []
     for lr in args.lrs:
         for impl in args.impls:
             for seed in args.seeds:
-                run = finetune_one(impl, lr, seed)
+                try:
+                    run = finetune_one(impl, lr, seed)
+                    print(progress(run), flush=True)
+                except Exception as error:  # noqa: BLE001 - the error is the run's result
+                    message = f"{type(error).__name__}: {error}"[:400]
+                    run = {"impl": impl, "lr": lr, "seed": seed, "eval_loss": None, "error": message}
+                    print(f"  lr {lr:g} {impl} seed {seed}: {message}", flush=True)
                 runs.append(run)
-                print(progress(run), flush=True)
+                partial = {**payload, "rows": report.summary_rows(runs, args), "runs": runs, "partial": True}
+                report.results.write(args.out, slug, partial, args.section)
         losses = {
             impl: [r["eval_loss"] for r in runs if r["lr"] == lr and r["impl"] == impl] for impl in args.impls
         }
-        payload["verdicts"][str(lr)] = judge(losses)
+        # An impl whose run raised is judged as not run, and the verdict fails: its missing losses are neither
+        # a match nor a worse variant that the test caught.
+        crashed = [impl for impl, values in losses.items() if None in values]
+        verdict = judge({impl: values for impl, values in losses.items() if impl not in crashed})
+        if crashed:
+            verdict = {**verdict, **{f"{impl}_ran": False for impl in crashed}, "passed": False}
+        payload["verdicts"][str(lr)] = verdict
         print(f"lr {lr:g}: {payload['verdicts'][str(lr)]}", flush=True)
         partial = {**payload, "rows": report.summary_rows(runs, args), "runs": runs, "partial": True}
         report.results.write(args.out, slug, partial, args.section)
