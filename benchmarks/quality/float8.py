@@ -222,7 +222,9 @@ def summary_rows(runs: list[dict[str, Any]], args) -> list[dict[str, Any]]:
             "impl": impl,
             "lr": lr,
             **protocol.eval_loss_summary(mine),
-            "own_forward_mean": round(statistics.fmean(r.get("eval_loss_own_forward", math.nan) for r in mine), 5),
+            "own_forward_mean": round(
+                statistics.fmean(r.get("eval_loss_own_forward", math.nan) for r in mine), 5
+            ),
             **protocol.step_summary(mine),
         }
         for lr, impl, mine in protocol.runs_by_lr_and_impl(runs, args)

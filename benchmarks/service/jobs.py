@@ -328,7 +328,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-e2e", action="store_true", help="skip the e2e.py row")
     parser.add_argument(
-        "--e2e-impl", default="fusetune", choices=e2e.IMPLS, help="the e2e.py row's impl (fusetune+fp8: fp8's)"
+        "--e2e-impl",
+        default="fusetune",
+        choices=e2e.IMPLS,
+        help="the e2e.py row's impl (fusetune+fp8: fp8's)",
     )
     parser.add_argument(
         "--e2e-optimizer", default="torch-adamw", choices=e2e.OPTIMIZERS, help="the e2e.py row's optimizer"
@@ -360,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         write_documents(train_path, build_tokenizer(), args.examples, args.seq)
         examples, lengths = [None] * args.examples, [args.seq] * args.examples
     else:
-        examples, lengths = chat_examples(args.examples, args.mean_tokens, seed=0, tokenizer=build_tokenizer())
+        examples, lengths = chat_examples(
+            args.examples, args.mean_tokens, seed=0, tokenizer=build_tokenizer()
+        )
         train_path.write_text("".join(json.dumps(e) + "\n" for e in examples))
     print(
         f"{len(examples)} examples, {sum(lengths):,} tokens, mean {statistics.mean(lengths):.0f}", flush=True

@@ -373,3 +373,44 @@ def test_on_a_gpu_compiled_float8_layers_train_as_bf16_does(recipe):
             handle.revert()
     assert losses["fp8"][-1] < losses["fp8"][0], losses
     torch.testing.assert_close(torch.tensor(losses["fp8"]), torch.tensor(losses["bf16"]), rtol=0.03, atol=0)
+
+
+def test_an_fp8_run_pads_every_batch_to_a_token_count_float8_can_multiply(
+    model_dir, train_file, tmp_path, fp8_on_cpu
+):
+    """The weight gradient's float8 matmul takes the batch's token count as its inner dimension, which
+    torch._scaled_mm wants a multiple of 16: packed rows of any length are padded to one (a compiled layer on a
+    GPU failed on an odd length); other precisions pad to the longest row only."""
+    widths: dict[str, list[int]] = {}
+    for precision in ("fp8", "fp32"):
+        trainer = Trainer(
+            make_config(
+                model_dir, train_file, tmp_path / precision, precision=precision, n_epochs=1, max_steps=2
+            ),
+            ONE_CPU_RANK,
+            RecordingReporter(),
+        )
+        collate = trainer.method.collate
+
+        def recording(rows, packed, collate=collate, precision=precision):
+            batch = collate(rows, packed=packed)
+            widths.setdefault(precision, []).append(batch["input_ids"].shape[1])
+            return batch
+
+        trainer.method.collate = recording
+        trainer.train()
+    assert widths["fp8"] and all(width % float8.TOKEN_MULTIPLE == 0 for width in widths["fp8"])
+    assert any(width % float8.TOKEN_MULTIPLE for width in widths["fp32"])
+
+
+def test_collate_rounds_the_padded_length_up_to_the_multiple():
+    from fusetune.worker.train.data import TokenizedSequence, collate
+
+    rows = [
+        TokenizedSequence([1, 2, 3], [2, 3, -100], [0, 1, 2]),
+        TokenizedSequence([4] * 17, [4] * 17, list(range(17))),
+    ]
+    assert collate(rows, 0, packed=True)["input_ids"].shape == (2, 17)
+    batch = collate(rows, 0, packed=True, length_multiple=16)
+    assert batch["input_ids"].shape == (2, 32)
+    assert int(batch["n_input_tokens"]) == 20 and int(batch["n_trained_tokens"]) == 19

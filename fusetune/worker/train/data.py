@@ -279,8 +279,10 @@ def rank_micro_batches(
     return chunks[rank::world_size]
 
 
-def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) -> dict[str, Any]:
-    """Right-pad rows to the longest one. The token counts (`n_input_tokens` without padding, `n_trained_tokens`
+def collate(
+    rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool, length_multiple: int = 1
+) -> dict[str, Any]:
+    """Right-pad rows to the longest one, rounded up to a multiple of `length_multiple`. The token counts (`n_input_tokens` without padding, `n_trained_tokens`
     with a label, `n_row_tokens` with padding) are 0-d tensors; `attended_length` (a float) is the mean over input
     tokens of the length of the example each belongs to.
 
@@ -289,7 +291,7 @@ def collate(rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool) 
     so it forms a separate, untrained segment. Both also get the sequence boundaries that variable-length
     attention takes (`cu_seq_lens_q`... of `fusetune.models.attention.packed_sequence_kwargs`).
     """
-    length = max(len(row.input_ids) for row in rows)
+    length = -(-max(len(row.input_ids) for row in rows) // length_multiple) * length_multiple
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
     shifted_labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), length), dtype=torch.long)

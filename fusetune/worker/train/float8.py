@@ -64,6 +64,10 @@ RECIPE = "tensorwise"
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # torch._scaled_mm needs both matmul dimensions of each operand to be multiples of 16.
 DIMENSION_MULTIPLE = 16
+# The weight gradient's float8 matmul (grad_output.T @ input) takes a micro-batch's token count as its inner
+# dimension, so the trainer pads a batch's rows to a length that makes it a multiple of 16 (a packed job's rows
+# have any length; a compiled layer fails on an odd one).
+TOKEN_MULTIPLE = DIMENSION_MULTIPLE
 LORA_ADAPTER_NAMES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 ROUTER_NAMES = ("gate", "router")
 

@@ -135,6 +135,8 @@ class Trainer:
         self.model.train()
         self.activation_layout, self.activation_offload = self._arrange_activations()
         self.float8 = float8.apply(self.model, self.precision, self.reporter)  # fp8's linears; None otherwise
+        if self.float8 is not None:
+            self.method.length_multiple = float8.TOKEN_MULTIPLE
         self.train_model = self._parallelize()
 
         self.steps_per_epoch, self.total_steps, self.warmup_steps = schedule_lengths(

@@ -58,6 +58,9 @@ class TrainingMethod(ABC):
         self.config = config
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
+        # The training batches' padded length is a multiple of this: the trainer raises it when the model's
+        # matmuls need it (float8's weight gradient takes the batch's token count as its inner dimension).
+        self.length_multiple = 1
 
     @abstractmethod
     def load_data(self, path: str, packing: bool) -> LoadedData:

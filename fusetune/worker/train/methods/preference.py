@@ -123,7 +123,10 @@ class PreferenceMethod(TrainingMethod):
 
     def collate(self, rows: Sequence[PreferencePair], packed: bool) -> dict[str, torch.Tensor]:
         batch = collate(
-            [pair.chosen for pair in rows] + [pair.rejected for pair in rows], self.pad_token_id, packed=False
+            [pair.chosen for pair in rows] + [pair.rejected for pair in rows],
+            self.pad_token_id,
+            packed=False,
+            length_multiple=self.length_multiple,
         )
         batch["n_pairs"] = torch.tensor(len(rows))
         reference = self.reference.get(rows[0].split)

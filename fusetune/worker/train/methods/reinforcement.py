@@ -384,7 +384,9 @@ class GroupRelativePolicyOptimization(TrainingMethod):
                 self._training_row(prompt, completions[first * G + offset])
                 for offset, prompt in enumerate(p for p in batch["prompts"] for _ in range(G))
             ]
-            training = collate(sequences, self.pad_token_id, packed=False)
+            training = collate(
+                sequences, self.pad_token_id, packed=False, length_multiple=self.length_multiple
+            )
             training["advantages"] = advantages[rows]
             training["step_metrics"] = torch.tensor(shares, dtype=torch.float32)
             training = {

@@ -43,7 +43,7 @@ class SupervisedFineTuning(TrainingMethod):
         )
 
     def collate(self, rows: Sequence[TokenizedSequence], packed: bool) -> dict[str, torch.Tensor]:
-        return collate(rows, self.pad_token_id, packed=packed)
+        return collate(rows, self.pad_token_id, packed=packed, length_multiple=self.length_multiple)
 
     def loss_normaliser(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["n_trained_tokens"])
