@@ -382,6 +382,23 @@ def precision_headlines(payload: Payload) -> list[Headline]:
     return headlines
 
 
+def float8_quality_headlines(payload: Payload) -> list[Headline]:
+    """fp8's fine-tuned eval loss per learning rate against bf16-sr's, with the criterion's verdict (none for a
+    run cut short)."""
+    headlines: list[Headline] = []
+    for lr in dict.fromkeys(str(row["lr"]) for row in payload["rows"]):
+        means = {row["impl"]: row["eval_loss_mean"] for row in payload["rows"] if str(row["lr"]) == lr}
+        check = payload["verdicts"].get(lr)
+        verdict = "none: cut short" if check is None else "passes" if check["passed"] else "FAILS"
+        others = [(impl, format_cell(value)) for impl, value in means.items() if impl != "fp8"]
+        headlines.append(
+            (f"fine-tuned eval loss, mean of seeds (criterion {verdict})",
+             f"{payload['setup']['model']}, lr {float(lr):g}", f"fp8 {format_cell(means.get('fp8'))}",
+             _others(others))
+        )  # fmt: skip
+    return headlines
+
+
 HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
     ops.RESULTS.name: ops_headlines,
     sustained.RESULTS.name: sustained_headlines,
@@ -400,6 +417,7 @@ HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
     load.RESULTS.name: load_headlines,
     gpus.RESULTS.name: gpus_headlines,
     precision.RESULTS.name: precision_headlines,
+    float8_quality.RESULTS.name: float8_quality_headlines,
     families_share.RESULTS.name: families_share.headlines,
 }
 

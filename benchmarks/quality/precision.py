@@ -567,7 +567,9 @@ def markdown_head(title: str, payload: dict[str, Any]) -> list[str]:
 
 
 def markdown_verdict(payload: dict[str, Any]) -> list[str]:
-    """A section's last lines: the verdict and its reason."""
+    """A section's last lines: the verdict and its reason (none for a run cut short: what it wrote so far)."""
+    if payload.get("partial"):
+        return ["", f"Verdict: **none**: the run was cut short after {len(payload['runs'])} runs.", ""]
     verdict_text = "pass" if payload["passed"] else "FAIL"
     return ["", f"Verdict: **{verdict_text}** ({payload['verdict_reason']}).", ""]
 
