@@ -221,6 +221,12 @@ def run_job(service: Service, model: str, file_id: str, hyper: dict[str, Any], a
     row["precision_ran"] = started.get("precision")
     row["kernels_ran"] = started.get("kernels")
     row["micro_batch_size"] = started.get("micro_batch_size")
+    row["memory_plan"] = started.get("memory_plan_description")
+    estimate = started.get("memory_plan_estimate") or {}
+    if estimate.get("peak_memory_bytes_per_gpu"):
+        row["estimated_peak_gb"] = estimate["peak_memory_bytes_per_gpu"] / GIB
+    if args.no_download:
+        return row
     checkpoints = service.check(service.client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints"))["data"]
     url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoints[0]['id']}/content"
     download_started, n_bytes = time.monotonic(), 0
@@ -285,8 +291,14 @@ def render_markdown(payload: dict[str, Any]) -> str:
     rows = []
     for row in payload["rows"]:
         if row.get("impl") == "service":
+            # The memory plan that ran (its estimated peak beside it), where the started event gave one.
+            plan = (
+                f" (plan {row['memory_plan']}, estimated {format_cell(row.get('estimated_peak_gb'))} GB)"
+                if row.get("memory_plan")
+                else ""
+            )
             rows.append([
-                row["variant"], row.get("status"), row.get("precision_ran"), row.get("kernels_ran"),
+                row["variant"] + plan, row.get("status"), row.get("precision_ran"), row.get("kernels_ran"),
                 row.get("tokens_per_s"), row.get("trained_tokens_per_s"), row.get("padding_fraction"),
                 row.get("step_time_s"), row.get("peak_alloc_gb"), row.get("mfu"),
                 row.get("time_to_first_step_s"), row.get("checkpoint_save_s"),
@@ -327,6 +339,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it, one per row (the rows of benchmarks/step/memory_plans.py's TRL + Liger-Kernel anchor)",
     )
     parser.add_argument("--no-e2e", action="store_true", help="skip the e2e.py row")
+    parser.add_argument(
+        "--no-download", action="store_true", help="skip the final checkpoint's download (an 8B one is 16 GB)"
+    )
     parser.add_argument(
         "--e2e-impl",
         default="fusetune",
