@@ -16,6 +16,8 @@ its pre-training and helpers, fine-tuning in
     fp8-stale-scale    worse variant: the decoder's linears cast their input, weight and output gradient to e4m3
                        with one scale per tensor computed once, on the model before its pre-training, and never
                        updated (as tests/worker/test_float8_quality.py's (c); an emulation, bf16 matmuls)
+    fp8-unscaled       worse variant: the same casts with every scale 1 (no scaling: output gradients, mostly far
+                       below e4m3's smallest subnormal, 2^-9, flush to zero; an emulation, bf16 matmuls)
 
 Each run is scored by the task-B eval loss of its trained weights evaluated in bf16 (what the checkpoint holds
 and serves; the float8 forward's own eval loss is reported beside it): on task B the pre-trained model is
@@ -51,11 +53,11 @@ from benchmarks.quality import precision as protocol
 from benchmarks.workloads import MODEL_SHAPES
 
 RESULTS = harness.Benchmark("precision-fp8", topic="quality")
-IMPLS = ("bf16-sr", "fp8", "fp8-8bit", "fp8-rowwise", "fp8-e5m2-forward", "fp8-stale-scale")
+IMPLS = ("bf16-sr", "fp8", "fp8-8bit", "fp8-rowwise", "fp8-e5m2-forward", "fp8-stale-scale", "fp8-unscaled")
 MATCHING = ("fp8", "fp8-8bit", "fp8-rowwise")
 # impl -> the precision mode whose optimizer it trains with (bf16-sr's otherwise)
 OPTIMIZER_PRECISION = {"fp8-8bit": "fp8-8bit"}
-WORSE = ("fp8-e5m2-forward", "fp8-stale-scale")
+WORSE = ("fp8-e5m2-forward", "fp8-stale-scale", "fp8-unscaled")
 REFERENCE = "bf16-sr"
 
 
@@ -159,6 +161,11 @@ def build_run_model(impl: str, args, device, kernels, pretrained, scales) -> Any
         convert_linears(model, e5m2_forward_config(), "rowwise-e5m2-forward", compile_layers=on_gpu)
     elif impl == "fp8-stale-scale":
         stale_scale_linears(model, {name: dict(values) for name, values in scales.items()})
+    elif impl == "fp8-unscaled":
+        one = torch.ones((), device=device)
+        stale_scale_linears(
+            model, {name: dict.fromkeys(("input", "weight", "grad_output"), one) for name in scales}
+        )
     return model
 
 
@@ -296,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     tasks = protocol.build_tasks(model, args, device)
     eval_sets = tasks.eval_sets
     params = sum(p.numel() for p in model.parameters())
-    scales = initial_scales(args, device, kernels, tasks.a) if "fp8-stale-scale" in args.impls else {}
+    scales = (
+        initial_scales(args, device, kernels, tasks.a)
+        if {"fp8-stale-scale", "fp8-unscaled"} & set(args.impls)
+        else {}
+    )
 
     pre = protocol.pretrain(model, tasks.a, eval_sets["a"], tasks.floor_a, args, device)
     print(
