@@ -168,7 +168,8 @@ def run_job(service: Service, model: str, file_id: str, hyper: dict[str, Any], a
     job = service.check(service.client.post("/v1/fine_tuning/jobs", json=body))
     job_id = job["id"]
     first_step_s = last_step_seen = None
-    n_seen = 0
+    n_seen = n_printed = 0
+    status = timed_out = None
     while True:
         job = service.check(service.client.get(f"/v1/fine_tuning/jobs/{job_id}"))
         page = service.check(
@@ -184,13 +185,25 @@ def run_job(service: Service, model: str, file_id: str, hyper: dict[str, Any], a
                 first_step_s = now - created
         if job["status"] in TERMINAL:
             break
+        # Progress on the console, so that a job that runs out of the call's time says how far it got.
+        if job["status"] != status or n_seen >= n_printed + 10:
+            status, n_printed = job["status"], n_seen
+            print(f"  {now - created:.0f} s: {status}, step {n_seen}", flush=True)
+        if timed_out is None and now - created > args.job_timeout_s:
+            timed_out = n_seen
+            service.check(service.client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel"))
         time.sleep(0.2)
     finished = time.monotonic()
     row: dict[str, Any] = {"job_id": job_id, "status": job["status"], "time_to_first_step_s": first_step_s}
-    if job["status"] != "succeeded":
+    if timed_out is not None:
+        # Cancelled at --job-timeout-s: the steps it made are still measured, nothing after them.
+        row["error"] = f"cancelled after --job-timeout-s {args.job_timeout_s:g} s at step {timed_out}"
+    elif job["status"] != "succeeded":
         row["error"] = json.dumps(job.get("error"))[:400]
         return row
     points = all_metrics(service, job_id)
+    if not points:
+        return row
     values = [p["values"] for p in points]
 
     def median(key: str) -> float | None:
@@ -225,7 +238,7 @@ def run_job(service: Service, model: str, file_id: str, hyper: dict[str, Any], a
     estimate = started.get("memory_plan_estimate") or {}
     if estimate.get("peak_memory_bytes_per_gpu"):
         row["estimated_peak_gb"] = estimate["peak_memory_bytes_per_gpu"] / GIB
-    if args.no_download:
+    if args.no_download or timed_out is not None:
         return row
     checkpoints = service.check(service.client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints"))["data"]
     url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoints[0]['id']}/content"
@@ -339,6 +352,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "it, one per row (the rows of benchmarks/step/memory_plans.py's TRL + Liger-Kernel anchor)",
     )
     parser.add_argument("--no-e2e", action="store_true", help="skip the e2e.py row")
+    parser.add_argument(
+        "--job-timeout-s",
+        type=float,
+        default=1800.0,
+        help="cancel a job still running after this long; its steps so far are measured",
+    )
     parser.add_argument(
         "--no-download", action="store_true", help="skip the final checkpoint's download (an 8B one is 16 GB)"
     )
