@@ -60,6 +60,7 @@ from fusetune.spec.precision import (
     OPTIMIZERS,
     PRECISIONS,
     mode_for,
+    same_compute,
 )
 
 
@@ -441,8 +442,8 @@ def _alternatives(
     on_gpu: bool,
     costs: TimeCosts,
 ) -> tuple[Alternative, ...]:
-    """The first change of each kind that makes the job fit: fused kernels on, more GPUs under FSDP, LoRA, a
-    shorter max_seq_length; each with the plan it would run with."""
+    """The first change of each kind that makes the job fit: fused kernels on, more GPUs under FSDP, a pinned
+    precision's smaller optimizer state, LoRA, a shorter max_seq_length; each with the plan it would run with."""
     hyper = job.hyperparameters
     tried: list[tuple[str, dict[str, Any], JobSpec, DataCounts]] = []
     if not hyper.kernels:
@@ -454,7 +455,9 @@ def _alternatives(
             changes["batch_size"] = batch_size
         precision = hyper.precision
         if precision != AUTO and not OPTIMIZERS[PRECISIONS[precision].optimizer].supports_fsdp:
-            changes["precision"] = AUTO
+            # The same compute with an optimizer FSDP2 runs (fp8-8bit -> fp8), else the default.
+            sharded = [m.name for m in same_compute(precision) if OPTIMIZERS[m.optimizer].supports_fsdp]
+            changes["precision"] = sharded[0] if sharded else AUTO
         micro = hyper.micro_batch_size
         if micro is not None and (batch_size // n_gpus) % micro:
             changes["micro_batch_size"] = None
@@ -462,6 +465,15 @@ def _alternatives(
             changes["optimizer_in_backward"] = None
         name = " and ".join(f"{key} {'auto' if value is None else value}" for key, value in changes.items())
         tried.append((name, changes, _changed(job, **changes), data))
+    if hyper.precision != AUTO:
+        # A pinned precision's smaller optimizer state, the compute unchanged (fp8 -> fp8-8bit); "auto" plans
+        # over the state's precision itself.
+        state = PRECISIONS[hyper.precision].optimizer_state_bytes
+        for smaller in sorted(same_compute(hyper.precision), key=lambda m: m.optimizer_state_bytes):
+            if smaller.optimizer_state_bytes < state:
+                name = f"precision {smaller.name}"
+                tried.append((name, {"precision": smaller.name}, _changed(job, precision=smaller.name), data))
+                break
     if hyper.lora is None:
         lora = LoraSpec(r=16, target_modules="all-linear")
         tried.append(("LoRA (r=16)", {"lora": lora.model_dump()}, _changed(job, lora=lora), data))
@@ -481,7 +493,7 @@ def _alternatives(
         length //= 2
     found: dict[str, Alternative] = {}
     for name, changes, changed, changed_data in tried:
-        kind = next(iter(changes))  # kernels, n_gpus, lora or max_seq_length
+        kind = next(iter(changes))  # kernels, n_gpus, precision, lora or max_seq_length
         if kind in found:
             continue
         try:

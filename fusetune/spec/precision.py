@@ -150,3 +150,14 @@ def mode_for(name: str, on_gpu: bool = True) -> PrecisionMode:
     if name == AUTO:
         name = GPU_DEFAULT if on_gpu else CPU_DEFAULT
     return PRECISIONS[name]
+
+
+def same_compute(name: str) -> list[PrecisionMode]:
+    """The modes that compute as `name` does (weights, compute dtype, float8 linears) with another optimizer:
+    fp8 and fp8-8bit, bf16-sr and bf16-sr-8bit, which a plan may trade for one another."""
+    mode = PRECISIONS[name]
+
+    def compute(m: PrecisionMode) -> tuple:
+        return (m.weight_dtype, m.compute_dtype, m.float8_linears, m.min_compute_capability, m.needs_gpu)
+
+    return [other for other in PRECISIONS.values() if other.name != name and compute(other) == compute(mode)]

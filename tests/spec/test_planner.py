@@ -202,3 +202,24 @@ def test_the_checkpoints_must_fit_the_disk():
     # A resumed run's checkpoints are on the disk already; an unknown free space refuses nothing.
     assert checkpoint_disk(LLAMA_8B, job, plan, 2, 100 * 10**9, checkpoints_present=2).fits
     assert checkpoint_disk(LLAMA_8B, job, plan, 2, None).refusal() is None
+
+
+def test_a_pinned_precision_is_offered_its_smaller_optimizer_state_and_keeps_its_compute_under_fsdp():
+    """An 8B fp8 job at 8 x 8192 on a 64 GiB GPU: fp8's bf16 AdamW state leaves no plan that fits, fp8-8bit's
+    8-bit state does, and the refusal names it (not bf16-sr-8bit, which would drop the float8 matmuls). A
+    pinned fp8-8bit job's FSDP alternative keeps float8 with the optimizer FSDP runs (fp8), not "auto"."""
+    job, data, memory = _job(precision="fp8"), _data(), 64 * GIB
+    planned = plan_job(LLAMA_8B, job, data, memory)
+    assert planned.fits is False
+    changes = {alternative.change: alternative for alternative in planned.alternatives}
+    assert changes["precision fp8-8bit"].plan.precision == "fp8-8bit"
+    assert changes["precision fp8-8bit"].peak_memory_bytes_per_gpu <= memory
+    assert plan_job(LLAMA_8B, _job(precision="fp8-8bit"), data, memory).fits
+
+    pinned = plan_job(LLAMA_8B, _job(precision="fp8-8bit"), data, 40 * GIB)
+    fsdp = next(a for a in pinned.alternatives if a.change.startswith("n_gpus"))
+    assert fsdp.hyperparameters["precision"] == "fp8" and fsdp.plan.precision == "fp8"
+    # "auto" plans over the state's precision itself: no precision alternative.
+    assert not any(
+        a.change.startswith("precision") for a in plan_job(LLAMA_8B, _job(), data, 40 * GIB).alternatives
+    )
