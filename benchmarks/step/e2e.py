@@ -13,7 +13,8 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+fp8      fusetune with the fp8 precision mode's float8 linear layers (fusetune/worker/train/float8.py,
                       its recipe, tensorwise), each decoder layer compiled in place, as the trainer runs them
     fusetune+fp8-tensorwise   the same, the recipe named (rows from before tensorwise became the mode's recipe)
-    fusetune+fp8-rowwise      the same with the rowwise recipe (fusetune+fp8's rows before 2026-11-28)
+    fusetune+fp8-rowwise      the same with the rowwise recipe (what fusetune+fp8 ran before; each fp8 row
+                              records its recipe, and the markdown shows it beside the impl)
     fusetune+fp8-gw-bf16      the same with rowwise scaling and the weight gradients in bf16 (rowwise_with_gw_hp)
 
 `--optimizer fusetune-adamw` steps every row with fusetune.kernels.FusedAdamW (bf16-sr's and fp8's optimizer)
@@ -427,13 +428,20 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 15) -> dict[str, An
     }
 
 
+def impl_label(row: dict[str, Any]) -> str:
+    """A row's impl, with the float8 recipe that ran for an fp8 row (fusetune+fp8 ran rowwise before tensorwise
+    became the fp8 mode's recipe)."""
+    recipe = (row.get("float8") or {}).get("recipe")
+    return f"{row['impl']} ({recipe})" if recipe else row["impl"]
+
+
 def render_profiles(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown of the --profile results: one section per model, implementations side by side."""
     lines: list[str] = []
     profiled = [row for row in rows if isinstance(row.get("profile"), dict) and "memory" in row["profile"]]
     for model in dict.fromkeys(row["model"] for row in profiled):
         group = [row for row in profiled if row["model"] == model]
-        impls = [row["impl"] for row in group]
+        impls = [impl_label(row) for row in group]
         lines += [f"## Profile of one step: {model}", ""]
         summary_keys = ("gpu_span_ms", "gpu_busy_ms", "gpu_idle_ms", "idle_gaps_over_20us", "kernel_count")
         memory_keys = tuple(group[0]["profile"]["memory"])
@@ -446,7 +454,7 @@ def render_profiles(rows: list[dict[str, Any]]) -> list[str]:
         ]
         lines += [markdown_table(["", *impls], table), ""]
         for row in group:
-            lines += [f"Top kernels, {row['impl']}:", ""]
+            lines += [f"Top kernels, {impl_label(row)}:", ""]
             lines.append(
                 markdown_table(
                     ["kernel", "category", "calls", "GPU ms"],
@@ -564,7 +572,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
                 notes.append(f"- {impl}: {row['error']}")
             table_rows.append(
                 [
-                    impl,
+                    impl_label(row),
                     row.get("tokens_per_s"),
                     row.get("peak_alloc_gb"),
                     row.get("mfu"),
