@@ -736,7 +736,7 @@ def finetune_all(
     """Every run of args.lrs x args.impls x args.seeds; after each learning rate its verdict (`judge` of the
     task-B eval losses per impl) into payload["verdicts"]. What is done so far is written after every run, in
     case the run is cut short (the full file replaces it at the end); a run that raises is a run with its error
-    and a NaN loss (the judges count a non-finite loss as infinite), not the end of the others."""
+    and no loss, not the end of the others, and fails its learning rate's verdict."""
     runs: list[dict[str, Any]] = []
     for lr in args.lrs:
         for impl in args.impls:
