@@ -367,36 +367,34 @@ def gpus_headlines(payload: Payload) -> list[Headline]:
     ]  # fmt: skip
 
 
-def precision_headlines(payload: Payload) -> list[Headline]:
+def _eval_loss_headlines(payload: Payload, candidate_of: Callable[[dict[str, Any]], str]) -> list[Headline]:
+    """A quality run's headlines: per learning rate, the judged mode's mean fine-tuned eval loss (the impl
+    `candidate_of` picks from the means by impl) beside the others', with the criterion's verdict (none for a
+    learning rate a run cut short did not finish)."""
     headlines: list[Headline] = []
-    for lr, check in payload["verdicts"].items():
+    for lr in dict.fromkeys(str(row["lr"]) for row in payload["rows"]):
         means = {row["impl"]: row["eval_loss_mean"] for row in payload["rows"] if str(row["lr"]) == lr}
-        # The mode the run judges: bf16-sr, or the 8-bit optimizer in its own runs.
-        candidate = next((impl for impl in ("bf16-sr", "adamw8bit") if impl in means), "bf16-sr")
+        check = payload["verdicts"].get(lr)
+        verdict = "none: cut short" if check is None else "passes" if check["passed"] else "FAILS"
+        candidate = candidate_of(means)
         others = [(impl, format_cell(value)) for impl, value in means.items() if impl != candidate]
         headlines.append(
-            (f"fine-tuned eval loss, mean of seeds (criterion {'passes' if check['passed'] else 'FAILS'})",
+            (f"fine-tuned eval loss, mean of seeds (criterion {verdict})",
              f"{payload['setup']['model']}, lr {float(lr):g}", f"{candidate} {format_cell(means.get(candidate))}",
              _others(others))
         )  # fmt: skip
     return headlines
 
 
+def precision_headlines(payload: Payload) -> list[Headline]:
+    # The mode the run judges: bf16-sr, or the 8-bit optimizer in its own runs.
+    return _eval_loss_headlines(
+        payload, lambda means: next((impl for impl in ("bf16-sr", "adamw8bit") if impl in means), "bf16-sr")
+    )
+
+
 def float8_quality_headlines(payload: Payload) -> list[Headline]:
-    """fp8's fine-tuned eval loss per learning rate against bf16-sr's, with the criterion's verdict (none for a
-    run cut short)."""
-    headlines: list[Headline] = []
-    for lr in dict.fromkeys(str(row["lr"]) for row in payload["rows"]):
-        means = {row["impl"]: row["eval_loss_mean"] for row in payload["rows"] if str(row["lr"]) == lr}
-        check = payload["verdicts"].get(lr)
-        verdict = "none: cut short" if check is None else "passes" if check["passed"] else "FAILS"
-        others = [(impl, format_cell(value)) for impl, value in means.items() if impl != "fp8"]
-        headlines.append(
-            (f"fine-tuned eval loss, mean of seeds (criterion {verdict})",
-             f"{payload['setup']['model']}, lr {float(lr):g}", f"fp8 {format_cell(means.get('fp8'))}",
-             _others(others))
-        )  # fmt: skip
-    return headlines
+    return _eval_loss_headlines(payload, lambda means: "fp8")
 
 
 HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {

@@ -468,12 +468,10 @@ def _alternatives(
     if hyper.precision != AUTO:
         # A pinned precision's smaller optimizer state, the compute unchanged (fp8 -> fp8-8bit); "auto" plans
         # over the state's precision itself.
-        state = PRECISIONS[hyper.precision].optimizer_state_bytes
-        for smaller in sorted(same_compute(hyper.precision), key=lambda m: m.optimizer_state_bytes):
-            if smaller.optimizer_state_bytes < state:
-                name = f"precision {smaller.name}"
-                tried.append((name, {"precision": smaller.name}, _changed(job, precision=smaller.name), data))
-                break
+        smallest = min(same_compute(hyper.precision), key=lambda m: m.optimizer_state_bytes, default=None)
+        if smallest and smallest.optimizer_state_bytes < PRECISIONS[hyper.precision].optimizer_state_bytes:
+            changed = _changed(job, precision=smallest.name)
+            tried.append((f"precision {smallest.name}", {"precision": smallest.name}, changed, data))
     if hyper.lora is None:
         lora = LoraSpec(r=16, target_modules="all-linear")
         tried.append(("LoRA (r=16)", {"lora": lora.model_dump()}, _changed(job, lora=lora), data))

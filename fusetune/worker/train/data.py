@@ -282,9 +282,10 @@ def rank_micro_batches(
 def collate(
     rows: Sequence[TokenizedSequence], pad_token_id: int, packed: bool, length_multiple: int = 1
 ) -> dict[str, Any]:
-    """Right-pad rows to the longest one, rounded up to a multiple of `length_multiple`. The token counts (`n_input_tokens` without padding, `n_trained_tokens`
-    with a label, `n_row_tokens` with padding) are 0-d tensors; `attended_length` (a float) is the mean over input
-    tokens of the length of the example each belongs to.
+    """Right-pad rows to the longest one, rounded up to a multiple of `length_multiple`. The token counts
+    (`n_input_tokens` without padding, `n_trained_tokens` with a label, `n_row_tokens` with padding) are 0-d
+    tensors; `attended_length` (a float) is the mean over input tokens of the length of the example each belongs
+    to.
 
     Unpacked rows get an `attention_mask`; packed rows get `position_ids` instead (and no mask), from which the
     model builds attention that stays within each example. Padding of a packed row is given positions of its own
