@@ -346,7 +346,10 @@ class EstimateObject(BaseModel):
     )
     refusal: str | None = Field(default=None, description="why creating the job would be refused")
     checkpoint_bytes: int = Field(description="one checkpoint: weights and the plan's optimizer state")
-    checkpoints_on_disk: int = Field(description="keep_last_checkpoints + the next one being written")
+    checkpoints_on_disk: int = Field(
+        description="keep_last_checkpoints + the next one being written; 1 (the final one) when the job saves none "
+        "before its end"
+    )
     checkpoint_disk_bytes: int = Field(description="checkpoint_bytes x checkpoints_on_disk")
     disk_free_bytes: int | None = Field(description="free space of the server's data directory")
     disk_fits: bool | None

@@ -342,6 +342,17 @@ def checkpoint_bytes(shape: ModelShape, job: JobSpec, precision: str) -> int:
     return int(saved * mode.weight_bytes + trained * mode.optimizer_state_bytes)
 
 
+def saves_before_the_end(
+    job: JobSpec, every_steps: int | None, every_epoch: bool, every_minutes: float | None
+) -> bool:
+    """Whether a run of `job` may write a checkpoint before its final one under the service's schedule (by steps,
+    by minutes, at the end of each of several epochs) or for early stopping's best so far. A run that writes none
+    holds only the final checkpoint (and a paused run's, until the final one is whole)."""
+    hyper = job.hyperparameters
+    by_epoch = every_epoch and hyper.n_epochs > 1
+    return bool(every_steps) or bool(every_minutes) or by_epoch or hyper.early_stopping is not None
+
+
 def checkpoints_on_disk(keep_last_checkpoints: int) -> int:
     """Checkpoints a run holds at most: the kept ones and the next while it is written (the oldest goes only
     once the new one is whole)."""
@@ -352,9 +363,14 @@ def disk_refusal(need_bytes: int, free_bytes: int, per_checkpoint: int, count: i
     """Why a job's checkpoints cannot fit the free space, or None when they can."""
     if need_bytes <= free_bytes:
         return None
+    which = (
+        f"{count} checkpoints of {per_checkpoint / 1e9:.1f} GB: the kept ones and the next while it is written"
+        if count > 1
+        else f"its final checkpoint of {per_checkpoint / 1e9:.1f} GB"
+    )
     return (
-        f"The job's checkpoints need about {need_bytes / 1e9:.1f} GB of disk ({count} checkpoints of "
-        f"{per_checkpoint / 1e9:.1f} GB: the kept ones and the next while it is written), but the data directory "
+        f"The job's checkpoints need about {need_bytes / 1e9:.1f} GB of disk ({which}), but the data directory "
         f"has {free_bytes / 1e9:.1f} GB free. Free space, keep fewer checkpoints (FUSETUNE_KEEP_LAST_CHECKPOINTS), "
+        "checkpoint only at the end (FUSETUNE_CHECKPOINT_EVERY_MINUTES=0, FUSETUNE_CHECKPOINT_EVERY_STEPS=0), "
         "train LoRA adapters, or use precision bf16-sr-8bit (a smaller optimizer state)."
     )

@@ -533,10 +533,15 @@ def checkpoint_disk(
     keep_last_checkpoints: int,
     free_bytes: int | None,
     checkpoints_present: int = 0,
+    periodic: bool = True,
 ) -> CheckpointDisk:
     """The disk for `keep_last_checkpoints` checkpoints of the job under `plan` (its precision sets the
-    optimizer state's bytes), less the `checkpoints_present` already on that disk (a resumed run's)."""
+    optimizer state's bytes), less the `checkpoints_present` already on that disk (a resumed run's). A run that
+    saves nothing before its end (`periodic` False, estimate.saves_before_the_end) writes one more: its final
+    checkpoint, beside those present until it is whole."""
     size = checkpoint_bytes(shape, job, plan.precision)
+    if not periodic:
+        return CheckpointDisk(size, 1 + min(checkpoints_present, keep_last_checkpoints), size, free_bytes)
     count = checkpoints_on_disk(keep_last_checkpoints)
     return CheckpointDisk(size, count, size * max(0, count - checkpoints_present), free_bytes)
 

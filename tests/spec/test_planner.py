@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from fusetune.spec.estimate import DataCounts, ModelShape, checkpoint_bytes, estimate_job
+from fusetune.spec.estimate import DataCounts, ModelShape, checkpoint_bytes, estimate_job, saves_before_the_end
 from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
@@ -202,6 +202,26 @@ def test_the_checkpoints_must_fit_the_disk():
     # A resumed run's checkpoints are on the disk already; an unknown free space refuses nothing.
     assert checkpoint_disk(LLAMA_8B, job, plan, 2, 100 * 10**9, checkpoints_present=2).fits
     assert checkpoint_disk(LLAMA_8B, job, plan, 2, None).refusal() is None
+
+
+def test_a_run_that_saves_nothing_before_its_end_needs_the_disk_of_its_final_checkpoint():
+    """With no checkpoint by steps, minutes, epochs (of several) or early stopping, only the final one is written:
+    an 8B job with the 8-bit state (32 GB a checkpoint) fits 52 GB free, which 3 checkpoints do not."""
+    job, eight_bit = _job(n_epochs=1), MemoryPlan(1, 0, 0, "bf16-sr-8bit", False)
+    size = checkpoint_bytes(LLAMA_8B, job, "bf16-sr-8bit")
+    assert not saves_before_the_end(job, None, True, None)  # one epoch: its checkpoint is the final one
+    final_only = checkpoint_disk(LLAMA_8B, job, eight_bit, 2, 52 * 10**9, periodic=False)
+    assert (final_only.checkpoints_on_disk, final_only.needed_bytes, final_only.fits) == (1, size, True)
+    assert checkpoint_disk(LLAMA_8B, job, eight_bit, 2, 52 * 10**9).fits is False  # the kept two and the next
+    # A paused run's checkpoint stays until the final one is whole: one more checkpoint, never none.
+    resumed = checkpoint_disk(LLAMA_8B, job, eight_bit, 2, 52 * 10**9, checkpoints_present=1, periodic=False)
+    assert (resumed.checkpoints_on_disk, resumed.needed_bytes) == (2, size)
+    assert "its final checkpoint of" in checkpoint_disk(LLAMA_8B, job, eight_bit, 2, 10**9, periodic=False).refusal()
+    # Each schedule that saves before the end counts.
+    assert saves_before_the_end(job, 100, False, None) and saves_before_the_end(job, None, False, 30.0)
+    assert saves_before_the_end(_job(n_epochs=3), None, True, None)
+    assert not saves_before_the_end(_job(n_epochs=3), None, False, None)
+    assert saves_before_the_end(_job(n_epochs=1, early_stopping={"patience": 2}), None, False, None)
 
 
 def test_a_pinned_precision_is_offered_its_smaller_optimizer_state_and_keeps_its_compute_under_fsdp():

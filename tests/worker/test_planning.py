@@ -87,6 +87,9 @@ def test_a_run_that_fits_no_plan_or_no_disk_stops_before_the_model_loads(model_d
         plan_run(config, 1, [100] * 64, 1, 2**40, on_gpu=True, free_disk=one)
     assert no_disk.value.code == ErrorCode.STORAGE_ERROR
     assert "3 checkpoints" in no_disk.value.message and "free" in no_disk.value.message
+    # A run that checkpoints only at its end (one epoch, no schedule by steps or minutes) writes one.
+    final_only = _config(model_dir, tmp_path, n_epochs=1, checkpoint_every_minutes=None)
+    assert plan_run(final_only, 1, [100] * 64, 1, 2**40, on_gpu=True, free_disk=one).disk.needed_bytes == one
     # A pin the model cannot run.
     with pytest.raises(TrainingFailure) as bad_pin:
         plan_run(_config(model_dir, tmp_path, recompute_layers=3), 1, [100] * 64, 1, 2**40, True, 2**50)

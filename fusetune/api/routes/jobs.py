@@ -39,7 +39,7 @@ from fusetune.catalog import base_model_location, list_base_models
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import AttemptEnd, Checkpoint, File, Job, JobStatus, new_id, now_s
-from fusetune.spec.estimate import DataCounts, ModelShape
+from fusetune.spec.estimate import DataCounts, ModelShape, saves_before_the_end
 from fusetune.spec.hyperparameters import SpecError
 from fusetune.spec.job import JobSpec
 from fusetune.spec.methods import DEFAULT_METHOD, METHODS, reads_the_same_files
@@ -194,9 +194,16 @@ def _estimate(
         raise ApiError(400, str(exc), param=exc.field) from exc
     # The data directory holds the runs' checkpoints (the worker's, when they share a host; a worker checks its
     # own again before it trains).
-    disk = checkpoint_disk(
-        shape, spec, planned.plan, settings.keep_last_checkpoints, free_disk_bytes(settings.data_dir)
+    periodic = saves_before_the_end(
+        spec,
+        settings.checkpoint_every_steps,
+        settings.checkpoint_every_epoch,
+        settings.checkpoint_every_minutes,
     )
+    disk = checkpoint_disk(
+        shape, spec, planned.plan, settings.keep_last_checkpoints, free_disk_bytes(settings.data_dir),
+        periodic=periodic,
+    )  # fmt: skip
     estimate = planned.estimate.as_dict()
     return EstimateObject(
         model=model,

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from fusetune.spec.estimate import DataCounts, Estimate, ModelShape, default_micro_batch_size
+from fusetune.spec.estimate import (
+    DataCounts,
+    Estimate,
+    ModelShape,
+    default_micro_batch_size,
+    saves_before_the_end,
+)
 from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
@@ -155,7 +161,10 @@ def plan_run(
     present = len(list_checkpoints(config.output_dir))
     if free_disk is None:
         free_disk = free_disk_bytes(config.output_dir)
-    disk = checkpoint_disk(shape, job, plan, config.keep_last_checkpoints, free_disk, present)
+    periodic = saves_before_the_end(
+        job, config.checkpoint_every_steps, config.checkpoint_every_epoch, config.checkpoint_every_minutes
+    )
+    disk = checkpoint_disk(shape, job, plan, config.keep_last_checkpoints, free_disk, present, periodic)
     refusal = disk.refusal()
     if refusal is not None:
         raise TrainingFailure(ErrorCode.STORAGE_ERROR, refusal)
