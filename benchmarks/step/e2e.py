@@ -16,6 +16,13 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+fp8-rowwise      the same with the rowwise recipe (what fusetune+fp8 ran before; each fp8 row
                               records its recipe, and the markdown shows it beside the impl)
     fusetune+fp8-gw-bf16      the same with rowwise scaling and the weight gradients in bf16 (rowwise_with_gw_hp)
+    fusetune+fp8-cudagraphs   fusetune+fp8 with each compiled layer replayed as CUDA graphs (torch.compile's
+                              "reduce-overhead"): float8 doubles a step's kernels, and at 1 x 4,096 tokens of the
+                              8B shape the GPU waited 26 ms more a step between them than in bf16 (h200-step.md)
+    fusetune+fp8-memory-budget  fusetune+fp8 with the compiler's activation memory budget at 0.9 of what its
+                              partitioner would save (torch._functorch.config.activation_memory_budget): it
+                              recomputes the cheapest saved activations instead; fp8 held 0.5-1.0 GB more than
+                              bf16 at the 1-3B shapes (h200-step.md, e2e-fp8)
 
 `--optimizer fusetune-adamw` steps every row with fusetune.kernels.FusedAdamW (bf16-sr's and fp8's optimizer)
 instead of torch's fused AdamW, for rows that compare with a bf16-sr job.
@@ -55,6 +62,8 @@ IMPLS = (
     "fusetune+fp8-tensorwise",
     "fusetune+fp8-rowwise",
     "fusetune+fp8-gw-bf16",
+    "fusetune+fp8-cudagraphs",
+    "fusetune+fp8-memory-budget",
 )
 # impl -> its float8 recipe; fusetune+fp8's is the mode's (float8.RECIPE, which tests/benchmarks check it against)
 FLOAT8_IMPLS = {
@@ -62,7 +71,13 @@ FLOAT8_IMPLS = {
     "fusetune+fp8-rowwise": "rowwise",
     "fusetune+fp8-tensorwise": "tensorwise",
     "fusetune+fp8-gw-bf16": "rowwise_with_gw_hp",
+    "fusetune+fp8-cudagraphs": "tensorwise",
+    "fusetune+fp8-memory-budget": "tensorwise",
 }
+# impl -> the fraction of the partitioner's saved activations its compiled float8 layers may keep
+FLOAT8_MEMORY_BUDGETS = {"fusetune+fp8-memory-budget": 0.9}
+# impl -> torch.compile's mode for its float8 layers (the default otherwise)
+FLOAT8_COMPILE_MODES = {"fusetune+fp8-cudagraphs": "reduce-overhead"}
 OPTIMIZERS = ("torch-adamw", "fusetune-adamw")
 
 LIGER_PATCHES = {
@@ -216,6 +231,10 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         from fusetune.worker.train.float8 import convert_linears, float8_config
 
         recipe = FLOAT8_IMPLS[impl]
+        if impl in FLOAT8_MEMORY_BUDGETS:  # this row's subprocess only
+            import torch._functorch.config as partitioner_config
+
+            partitioner_config.activation_memory_budget = FLOAT8_MEMORY_BUDGETS[impl]
         # Each decoder layer compiled on its own (eager float8 runs its casts as separate kernels; a whole 8B
         # model under torch.compile with float8 did not compile within 140 s, shared/PLATFORM.md).
         conversion = convert_linears(
@@ -223,9 +242,12 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
             float8_config(recipe, emulate=device != "cuda"),
             recipe,
             compile_layers=device == "cuda" and spec.get("fp8_compile_layers", True),
+            compile_mode=FLOAT8_COMPILE_MODES.get(impl),
         )
         row["float8"] = {"recipe": recipe, "converted": len(conversion.converted), "left": conversion.left,
-                         "compiled_layers": conversion.compiled_layers}  # fmt: skip
+                         "compiled_layers": conversion.compiled_layers,
+                         "compile_mode": FLOAT8_COMPILE_MODES.get(impl),
+                         "activation_memory_budget": FLOAT8_MEMORY_BUDGETS.get(impl)}  # fmt: skip
     if spec.get("optimizer") == "fusetune-adamw":
         from fusetune.kernels import FusedAdamW
 
@@ -274,17 +296,22 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
     def labels_of(input_ids: Any) -> Any:
         return input_ids if untrained is None else input_ids.masked_fill(untrained, -100)
 
+    # CUDA graphs (torch.compile's reduce-overhead) replay into memory of their own: a step begins a new
+    # replay, after which the last step's outputs may be overwritten (its loss is kept as a copy).
+    cuda_graphs = device == "cuda" and FLOAT8_COMPILE_MODES.get(impl) == "reduce-overhead"
     step_seconds, losses = [], []
     for input_ids in batches:
         synchronize()
         started = time.perf_counter()
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         loss = step_model(input_ids=input_ids, labels=labels_of(input_ids), **extra).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize()
         step_seconds.append(time.perf_counter() - started)
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone())
         print(f"    step {len(step_seconds)}/{total_steps}: {step_seconds[-1] * 1e3:.1f} ms", flush=True)
     losses = [float(loss) for loss in losses]
     timed = step_seconds[spec["warmup_steps"] :]

@@ -74,3 +74,5 @@ def test_the_e2e_fp8_row_runs_the_fp8_modes_recipe():
 
     assert e2e.FLOAT8_IMPLS["fusetune+fp8"] == float8.RECIPE
     assert set(e2e.FLOAT8_IMPLS.values()) <= set(float8.RECIPES)
+    assert set(e2e.FLOAT8_COMPILE_MODES) <= set(e2e.FLOAT8_IMPLS) <= set(e2e.IMPLS)
+    assert set(e2e.FLOAT8_MEMORY_BUDGETS) <= set(e2e.FLOAT8_IMPLS)

@@ -154,6 +154,17 @@ def test_compiled_layers_keep_their_parameter_names():
     assert list(model.state_dict()) == names
 
 
+def test_the_layers_compile_in_the_mode_asked_for(monkeypatch):
+    """The e2e benchmark's fusetune+fp8-cudagraphs row compiles the float8 layers in "reduce-overhead"."""
+    modes = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: modes.append(kwargs.get("mode")))
+    float8.convert_linears(build_tiny_model("llama"), emulated(), compile_layers=True)
+    float8.convert_linears(
+        build_tiny_model("llama"), emulated(), compile_layers=True, compile_mode="reduce-overhead"
+    )
+    assert modes == [None, None, "reduce-overhead", "reduce-overhead"]  # two layers each
+
+
 def test_an_unknown_recipe_is_refused():
     with pytest.raises(ValueError, match="recipe 'blockwise' is not one of tensorwise, rowwise"):
         float8.float8_config("blockwise")

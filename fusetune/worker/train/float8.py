@@ -199,10 +199,17 @@ def _output_layer(model: nn.Module) -> nn.Module | None:
 
 
 def convert_linears(
-    model: nn.Module, config: Float8LinearConfig, recipe: str = RECIPE, *, compile_layers: bool = False
+    model: nn.Module,
+    config: Float8LinearConfig,
+    recipe: str = RECIPE,
+    *,
+    compile_layers: bool = False,
+    compile_mode: str | None = None,
 ) -> Float8Conversion:
     """Swap the decoder's linear layers of `model` (in place; PEFT-wrapped too) for torchao's Float8Linear
-    with `config` (`recipe` names it in the report); compile each decoder layer in place if `compile_layers`."""
+    with `config` (`recipe` names it in the report); compile each decoder layer in place if `compile_layers`,
+    in torch.compile's `compile_mode` (None: its default; "reduce-overhead" replays each layer as CUDA graphs,
+    for the benchmark that measures whether the launch gaps float8's extra kernels leave are worth it)."""
     from torchao.float8 import convert_to_float8_training
 
     converted: list[str] = []
@@ -230,7 +237,7 @@ def convert_linears(
         if not (layer._forward_pre_hooks or layer._forward_hooks)
     ]
     for layer in layers:
-        layer.compile()
+        layer.compile(mode=compile_mode)
     return Float8Conversion(
         recipe, converted, left, config.enable_fsdp_float8_all_gather, compiled_layers=len(layers)
     )
