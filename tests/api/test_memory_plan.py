@@ -37,8 +37,8 @@ def data_dir(tmp_path_factory):
     return settings.data_dir
 
 
-def _client(data_dir, gpu_memory_bytes: int | None) -> tuple[TestClient, str]:
-    settings = Settings(data_dir=data_dir, gpu_memory_bytes=gpu_memory_bytes)
+def _client(data_dir, gpu_memory_bytes: int | None, **settings_fields) -> tuple[TestClient, str]:
+    settings = Settings(data_dir=data_dir, gpu_memory_bytes=gpu_memory_bytes, **settings_fields)
     client = TestClient(create_app(settings), headers={"Authorization": f"Bearer {settings.dev_api_key}"})
     upload = {"file": ("train.jsonl", "\n".join([LINE] * 8).encode())}
     file_id = client.post("/v1/files", files=upload, data={"purpose": "fine-tune"}).json()["id"]
@@ -134,19 +134,13 @@ def test_a_job_whose_checkpoints_cannot_fit_the_disk_is_refused(data_dir, monkey
 
 
 def test_a_job_that_checkpoints_only_at_its_end_needs_the_disk_of_one_checkpoint(data_dir, monkeypatch):
-    settings = Settings(
-        data_dir=data_dir, gpu_memory_bytes=80 * GIB, checkpoint_every_minutes=0, checkpoint_every_epoch=False
-    )
-    client = TestClient(create_app(settings), headers={"Authorization": f"Bearer {settings.dev_api_key}"})
-    upload = {"file": ("train.jsonl", "\n".join([LINE] * 8).encode())}
-    file_id = client.post("/v1/files", files=upload, data={"purpose": "fine-tune"}).json()["id"]
     monkeypatch.setattr(jobs_route, "free_disk_bytes", lambda path: 52 * 10**9)
     # The 8-bit state's checkpoint (about 32 GB) fits 52 GB once, not three times (the default schedule's).
+    client, file_id = _client(data_dir, 80 * GIB, checkpoint_every_minutes=0, checkpoint_every_epoch=False)
     estimate = _dry_run(client, file_id, precision="bf16-sr-8bit").json()
     assert estimate["checkpoints_on_disk"] == 1 and estimate["disk_fits"] is True, estimate
     assert estimate["checkpoint_disk_bytes"] == estimate["checkpoint_bytes"]
-    periodic = Settings(data_dir=data_dir, gpu_memory_bytes=80 * GIB)  # the same data, the default schedule
-    client = TestClient(create_app(periodic), headers={"Authorization": f"Bearer {periodic.dev_api_key}"})
+    client, file_id = _client(data_dir, 80 * GIB)  # the same data, the default schedule
     refused = _dry_run(client, file_id, precision="bf16-sr-8bit").json()
     assert refused["checkpoints_on_disk"] == 3 and refused["disk_fits"] is False
 
