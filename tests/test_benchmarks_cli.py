@@ -190,6 +190,16 @@ def test_service_benchmark_variants_are_checked():
         jobs.parse_args(["--variants", "kernels=maybe"])
 
 
+def test_memory_plan_variants_name_every_part_of_the_plan():
+    from benchmarks.step.memory_plans import parse_plan
+
+    assert parse_plan("bf16-sr-8bit/r26/o6/ib1/m1/h1") == {
+        "precision": "bf16-sr-8bit", "recompute_layers": 26, "offload_layers": 6, "optimizer_in_backward": True,
+        "micro_batch_size": 1, "optimizer_state_on_host": True,
+    }  # fmt: skip
+    assert "optimizer_state_on_host" not in parse_plan("fp8-8bit/r0/o0/ib0/m1") and parse_plan("auto") == {}
+
+
 def test_service_benchmark_data_has_the_asked_length_spread():
     from fusetune.demo.assets import build_tokenizer
 

@@ -8,7 +8,8 @@ Each row runs in a fresh process:
                      (`trl-liger:nogc` without it)
     fusetune:PLAN    fusetune's Trainer, the worker's training loop (kernels, precision, plan) on the same rows,
                      with the memory plan PLAN = precision/recompute/offload/in-backward/micro-batch, for example
-                     `bf16-sr-8bit/r0/o0/ib0/m1`; `fusetune:auto` leaves every part to the planner; a suffix
+                     `bf16-sr-8bit/r0/o0/ib0/m1`, and optionally `/h1` for the optimizer state in host memory
+                     (`bf16-sr-8bit/r26/o6/ib1/m1/h1`); `fusetune:auto` leaves every part to the planner; a suffix
                      `@varlen` runs whole rows through the variable-length flash kernel instead of sdpa
 
 Rows: documents of random words, each longer than --seq tokens of the demo tokenizer and cut to --seq, so every
@@ -56,11 +57,12 @@ def parse_plan(text: str) -> dict[str, Any]:
         "o": "offload_layers",
         "ib": "optimizer_in_backward",
         "m": "micro_batch_size",
+        "h": "optimizer_state_on_host",
     }
     for part in parts:
         key = part.rstrip("0123456789")
         value = int(part[len(key) :])
-        fields[names[key]] = bool(value) if key == "ib" else value
+        fields[names[key]] = bool(value) if key in ("ib", "h") else value
     return fields
 
 
@@ -135,6 +137,7 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
             "offload_layers": len(trainer.activation_layout.offloaded) if trainer.activation_layout else 0,
             "optimizer_in_backward": trainer.in_backward is not None,
             "micro_batch_size": trainer.micro_batch_size,
+            "optimizer_state_on_host": getattr(trainer.optimizer, "host_state", None) is not None,
         },
         "max_grad_norm": config.max_grad_norm,
         "tokens_per_step": sum(int(mb["input_ids"].numel()) for mb in batches[0]),
@@ -287,7 +290,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         if not p:
             return "gradient checkpointing" if r.get("gradient_checkpointing") else "no checkpointing"
         return (f"{p['precision']} / r{p['recompute_layers']} / o{p['offload_layers']} / "
-                f"ib{int(p['optimizer_in_backward'])} / m{p['micro_batch_size']}")  # fmt: skip
+                f"ib{int(p['optimizer_in_backward'])} / m{p['micro_batch_size']}"
+                + (" / h1" if p.get("optimizer_state_on_host") else ""))  # fmt: skip
 
     table = []
     for r in rows:

@@ -304,6 +304,7 @@ class MemoryPlanObject(BaseModel):
     offload_layers: int
     precision: str
     optimizer_in_backward: bool
+    optimizer_state_on_host: bool = False
 
 
 class PlanAlternative(BaseModel):
@@ -332,6 +333,9 @@ class EstimateObject(BaseModel):
     peak_memory_bytes_per_gpu: int = Field(description="the plan's estimated peak on each GPU")
     memory_breakdown: dict[str, int]
     host_activation_bytes: int = Field(description="pinned host memory per GPU of offloaded activations")
+    host_optimizer_state_bytes: int = Field(
+        0, description="pinned host memory per GPU of the optimizer's state, with optimizer_state_on_host"
+    )
     gpu_memory_bytes: int | None = Field(
         description="memory of the GPU the job would land on (FUSETUNE_GPU_MEMORY_BYTES); null: not known"
     )

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted
+from fusetune.kernels.host_state import HostState
 
 __all__ = [
     "AdamWLaunchSettings",
@@ -499,7 +500,9 @@ class FusedAdamW(torch.optim.Optimizer):
     gradient by the one-element device tensor `t` (the clipping factor of `gradient_clipping_scale`) inside
     the kernel, with no host synchronisation. The state has torch.optim.AdamW's keys (`step` a float32 CPU
     scalar per parameter, `exp_avg`, `exp_avg_sq`), so checkpoints and the distributed state-dict helpers
-    treat it like AdamW's.
+    treat it like AdamW's. `state_on_host`: the moments live in host memory and each parameter's are staged on
+    the device for its update (fusetune/kernels/host_state.py; not for FSDP2's DTensors): the same results, the
+    state's GPU memory down to one parameter's, a copy in and out per step.
     """
 
     def __init__(
@@ -512,6 +515,7 @@ class FusedAdamW(torch.optim.Optimizer):
         *,
         seed: int = 0,
         state_dtype: torch.dtype = torch.bfloat16,
+        state_on_host: bool = False,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"FusedAdamW: lr must be >= 0, got {lr}")
@@ -528,10 +532,16 @@ class FusedAdamW(torch.optim.Optimizer):
         stochastic_rounding_key(seed, 0)  # validates the seed
         self.seed = seed
         self.state_dtype = state_dtype
+        self.host_state = HostState(("exp_avg", "exp_avg_sq")) if state_on_host else None
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
-            for param in group["params"]:
+            for index, param in enumerate(group["params"]):
                 _state_dtype(param.dtype, state_dtype)  # refuses fp16 and others now, not at the first step
+                if state_on_host and hasattr(param, "to_local"):
+                    raise TypeError(
+                        f"FusedAdamW: parameter {index} of its group is an FSDP2 DTensor; state_on_host keeps "
+                        "whole tensors in host memory, FSDP2 already shards the state over the GPUs"
+                    )
 
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         dtype = _state_dtype(param.dtype, self.state_dtype)
@@ -574,12 +584,14 @@ class FusedAdamW(torch.optim.Optimizer):
                 state = self.state[param]
                 if not state:
                     state.update(self._new_state(param))
+                    if self.host_state is not None:
+                        self.host_state.keep(state)
                 state["step"] += 1
                 step = int(state["step"].item())
                 exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 key = (local_param.dtype, grad.dtype, exp_avg.dtype, local_param.device, step)
                 launches.setdefault(key, []).append(
-                    (local_param, grad.contiguous(), exp_avg, exp_avg_sq, start)
+                    (local_param, grad.contiguous(), exp_avg, exp_avg_sq, start, state)
                 )
             for (_, _, _, device, step), members in launches.items():
                 if device.type == "cpu" and not interpreted():
@@ -590,19 +602,29 @@ class FusedAdamW(torch.optim.Optimizer):
                 members = [m for m in members if m[0].numel() > 0]
                 if not members:
                     continue
-                params, grads, exp_avgs, exp_avg_sqs, offsets = zip(*members, strict=True)
-                _launch(
-                    params,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    offsets,
-                    _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"]),
-                    stochastic_rounding_key(self.seed, step),
-                    grad_scale,
-                    adamw_launch_settings(),
-                )
+                constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
+                key = stochastic_rounding_key(self.seed, step)
+                if self.host_state is None:
+                    params, grads, exp_avgs, exp_avg_sqs, offsets, _ = zip(*members, strict=True)
+                    _launch(
+                        params, grads, exp_avgs, exp_avg_sqs, offsets, constants, key, grad_scale,
+                        adamw_launch_settings(),
+                    )  # fmt: skip
+                    continue
+                # One parameter at a time through the device buffers (the same offsets, so the same bits).
+                for param, grad, _, _, start, state in members:
+                    staged = self.host_state.stage(state, device)
+                    _launch(
+                        (param,), (grad,), (staged["exp_avg"],), (staged["exp_avg_sq"],), (start,), constants,
+                        key, grad_scale, adamw_launch_settings(),
+                    )  # fmt: skip
+                    self.host_state.unstage(state, staged)
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.host_state is not None:
+            self.host_state.synchronize()  # the last step's copies back to host memory
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (ours or torch.optim.AdamW's); exp_avg / exp_avg_sq take this optimizer's state dtype.
@@ -624,6 +646,8 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise KeyError(f"FusedAdamW: the saved state of parameter {param_id} has no {name!r}")
                 state[name] = saved[name].to(device=param.device, dtype=dtype, copy=True)
             state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
+            if self.host_state is not None:
+                self.host_state.keep(state)
 
 
 def _zeros_like_param(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

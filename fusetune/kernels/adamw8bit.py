@@ -80,6 +80,7 @@ from fusetune.kernels.adamw import (
     parameters_to_update,
     stochastic_rounding_key,
 )
+from fusetune.kernels.host_state import HostState
 
 __all__ = [
     "AdamW8bitLaunchSettings",
@@ -483,7 +484,9 @@ class FusedAdamW8bit(torch.optim.Optimizer):
     the one-element device tensor `t` (`gradient_clipping_scale`'s clipping factor) inside the kernel; a NaN `t`
     leaves weights and state as they are. The state per parameter is `step` (a float32 CPU scalar, as
     torch.optim.AdamW's) and the `exp_avg_codes` / `exp_avg_scales` / `exp_avg_sq_codes` / `exp_avg_sq_scales`
-    tensors (`dequantize_moments` turns them into fp32 moments).
+    tensors (`dequantize_moments` turns them into fp32 moments). `state_on_host`: those tensors live in host
+    memory and each parameter's are staged on the device for its update (fusetune/kernels/host_state.py): the
+    same results, the state's GPU memory down to one parameter's, a copy in and out per step.
     """
 
     def __init__(
@@ -496,6 +499,7 @@ class FusedAdamW8bit(torch.optim.Optimizer):
         *,
         seed: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        state_on_host: bool = False,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"FusedAdamW8bit: lr must be >= 0, got {lr}")
@@ -512,6 +516,7 @@ class FusedAdamW8bit(torch.optim.Optimizer):
         stochastic_rounding_key(seed, 0)  # validates the seed
         self.seed = seed
         self.block_size = block_size
+        self.host_state = HostState(_STATE_KEYS) if state_on_host else None
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
@@ -561,6 +566,8 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state.update(adamw8bit_zero_state(param, self.block_size))
+                    if self.host_state is not None:
+                        self.host_state.keep(state)
                 state["step"] += 1
                 step = int(state["step"].item())
                 key = (param.dtype, param.grad.dtype, param.device, step)
@@ -573,19 +580,28 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                 members = [m for m in members if m[0].numel() > 0]
                 if not members:
                     continue
-                params, grads, states, offsets = zip(*members, strict=True)
-                _launch(
-                    params,
-                    grads,
-                    states,
-                    offsets,
-                    _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"]),
-                    stochastic_rounding_key(self.seed, step),
-                    grad_scale,
-                    self.block_size,
-                    settings,
-                )
+                constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
+                key = stochastic_rounding_key(self.seed, step)
+                if self.host_state is None:
+                    params, grads, states, offsets = zip(*members, strict=True)
+                    _launch(
+                        params, grads, states, offsets, constants, key, grad_scale, self.block_size, settings
+                    )
+                    continue
+                # One parameter at a time through the device buffers (the same offsets, so the same bits).
+                for param, grad, state, start in members:
+                    staged = self.host_state.stage(state, device)
+                    _launch(
+                        (param,), (grad,), ({**state, **staged},), (start,), constants, key, grad_scale,
+                        self.block_size, settings,
+                    )  # fmt: skip
+                    self.host_state.unstage(state, staged)
         return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.host_state is not None:
+            self.host_state.synchronize()  # the last step's copies back to host memory
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of FusedAdamW8bit with the same block size, exactly.
@@ -621,3 +637,5 @@ class FusedAdamW8bit(torch.optim.Optimizer):
             for name in _STATE_KEYS:
                 state[name] = saved[name].to(device=param.device, copy=True).contiguous()
             state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
+            if self.host_state is not None:
+                self.host_state.keep(state)

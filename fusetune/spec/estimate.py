@@ -18,11 +18,14 @@ Every part of a memory plan (fusetune/spec/plan.py) moves its own term, and noth
 - `optimizer_in_backward`: each gradient is stepped and freed as soon as it is complete, so the gradients that
   exist at once are the ones in flight: the largest outside the layers (the embedding, which a tied output head
   keeps accumulating through the whole backward) and two layers' (one being completed, one being stepped).
+- `optimizer_state_on_host`: the optimizer's state waits in pinned host memory (`host_optimizer_state_bytes`);
+  the GPU holds the buffers one parameter's state is staged in, the largest parameter's size.
 - `precision`: the bytes of weights, gradients and optimizer state, as above.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -146,6 +149,8 @@ class Estimate:
     plan: MemoryPlan
     # Pinned host memory per GPU that the offloaded activations take.
     host_activation_bytes: int
+    # Pinned host memory per GPU that the optimizer's state takes (the plan's optimizer_state_on_host).
+    host_optimizer_state_bytes: int
     tokens_per_second: float | None
     duration_s: float | None
     throughput_source: str
@@ -221,6 +226,7 @@ def job_plan(
         offload_layers=hyper.offload_layers or 0,
         precision=mode_for(hyper.precision, on_gpu).name,
         optimizer_in_backward=bool(hyper.optimizer_in_backward),
+        optimizer_state_on_host=bool(hyper.optimizer_state_on_host),
     )
 
 
@@ -263,12 +269,47 @@ def _model_state_bytes(shape: ModelShape, job: JobSpec, plan: MemoryPlan, mode: 
         gradients = min(trained, in_flight) * mode.weight_bytes
     else:
         gradients = trained * mode.weight_bytes
-    states = int(weights + gradients + trained * mode.optimizer_state_bytes)
+    states = int(weights + gradients + optimizer_state_on_gpu(shape, job, plan))
     # FSDP shards all of it over the GPUs and gathers one layer's weights (in the compute dtype) at a time (two
     # in flight while the next is prefetched).
     if hyper.distributed == "fsdp" and hyper.n_gpus > 1:
         states = states // hyper.n_gpus + 2 * shape.layer_parameter_count() * DTYPE_BYTES[mode.compute_dtype]
     return states
+
+
+def largest_trained_tensor(shape: ModelShape, job: JobSpec) -> int:
+    """Elements of the largest parameter tensor a job trains: the embedding (or output) table, else a layer's
+    largest matrix, or with LoRA its largest adapter."""
+    hyper = job.hyperparameters
+    if hyper.lora is not None:
+        targets = hyper.lora.target_modules
+        return max(
+            hyper.lora.r * max(features)
+            for name, features in _linear_shapes(shape).items()
+            if targets == "all-linear" or name in targets
+        )
+    return max(shape.vocab_size * shape.hidden_size, max(a * b for a, b in _linear_shapes(shape).values()))
+
+
+def optimizer_state_on_gpu(shape: ModelShape, job: JobSpec, plan: MemoryPlan) -> int:
+    """Bytes of optimizer state on one GPU: all of it, or with the state in host memory the device buffers one
+    parameter's state is staged in (the largest parameter's size)."""
+    mode = mode_for(plan.precision)
+    if plan.optimizer_state_on_host:
+        return int(largest_trained_tensor(shape, job) * mode.optimizer_state_bytes)
+    hyper = job.hyperparameters
+    if hyper.lora is not None:
+        trained = lora_parameter_count(shape, hyper.lora.r, hyper.lora.target_modules)
+    else:
+        trained = shape.parameter_count()
+    return int(trained * mode.optimizer_state_bytes)
+
+
+def host_optimizer_state_bytes(shape: ModelShape, job: JobSpec, plan: MemoryPlan) -> int:
+    """Pinned host memory the optimizer's state takes under `plan` (0 when it stays on the GPU)."""
+    if not plan.optimizer_state_on_host:
+        return 0
+    return optimizer_state_on_gpu(shape, job, dataclasses.replace(plan, optimizer_state_on_host=False))
 
 
 def estimate_job(
@@ -319,6 +360,7 @@ def estimate_job(
         memory_breakdown=breakdown,
         plan=plan,
         host_activation_bytes=tokens * offloaded * per_layer,
+        host_optimizer_state_bytes=host_optimizer_state_bytes(shape, job, plan),
         tokens_per_second=measured,
         duration_s=timed_tokens / measured if measured else None,
         throughput_source="median tokens/s of this model's earlier jobs on this server"

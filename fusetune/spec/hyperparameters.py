@@ -156,6 +156,12 @@ class TrainingHyperparameters(Spec):
         description="Update each parameter as soon as its gradient is complete and free that gradient, so all "
         "gradients never exist at once; steps without gradient accumulation only (null: the planner decides)",
     )
+    optimizer_state_on_host: bool | None = Field(
+        None,
+        description="Keep the optimizer's state in host memory and copy each parameter's to the GPU for its "
+        "update: the state costs no GPU memory but crosses the host link twice a step; bf16-sr and "
+        "bf16-sr-8bit's optimizers, not with distributed fsdp (null: the planner decides)",
+    )
     lora: LoraSpec | None = Field(None, description="Train LoRA adapters instead of all weights")
     # With LoRA, checkpoints hold the adapter; this also saves the merged full weights, so that a checkpoint
     # loads with AutoModelForCausalLM.from_pretrained without the base model (the adapter moves to adapter/).

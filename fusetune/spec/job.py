@@ -64,4 +64,20 @@ class JobSpec(Spec):
                     f"precision {resolved.precision} does not run under FSDP: its optimizer ({optimizer.name}) "
                     "updates whole tensors, not shards; use distributed ddp or another precision.",
                 )
+        if resolved.optimizer_state_on_host:
+            if resolved.distributed == "fsdp" and resolved.n_gpus > 1:
+                raise SpecError(
+                    "hyperparameters.optimizer_state_on_host",
+                    "optimizer_state_on_host does not run with distributed fsdp, which shards the optimizer's "
+                    "state over the GPUs already; use distributed ddp, or more GPUs.",
+                )
+            optimizer = (
+                OPTIMIZERS[PRECISIONS[resolved.precision].optimizer] if resolved.precision != AUTO else None
+            )
+            if optimizer is not None and not optimizer.supports_host_state:
+                raise SpecError(
+                    "hyperparameters.optimizer_state_on_host",
+                    f"precision {resolved.precision}'s optimizer ({optimizer.name}) cannot keep its state in host "
+                    "memory; use precision bf16-sr, bf16-sr-8bit, fp8 or fp8-8bit.",
+                )
         return cls(method=spec, hyperparameters=resolved)

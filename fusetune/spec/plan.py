@@ -22,6 +22,8 @@ class MemoryPlan:
     precision: str
     # Each parameter updated as soon as its gradient is complete, its gradient freed at once.
     optimizer_in_backward: bool
+    # The optimizer's state in pinned host memory, each parameter's copied to the GPU for its update and back.
+    optimizer_state_on_host: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,4 +37,6 @@ class MemoryPlan:
             parts.append(f"{self.offload_layers} layers offloaded to host memory")
         if self.optimizer_in_backward:
             parts.append("optimizer step in the backward")
+        if self.optimizer_state_on_host:
+            parts.append("optimizer state in host memory")
         return ", ".join(parts)

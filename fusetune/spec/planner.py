@@ -1,8 +1,9 @@
 """The memory planner: for a job and the GPU it lands on, the fastest memory plan that fits.
 
 `plan_job` enumerates the plans the job allows (every part its hyperparameters pin stays as pinned: a
-non-null `micro_batch_size`, `recompute_layers`, `offload_layers` or `optimizer_in_backward`, a `precision` other
-than "auto", `gradient_checkpointing: true` as every layer recomputed), estimates each one's peak with the
+non-null `micro_batch_size`, `recompute_layers`, `offload_layers`, `optimizer_in_backward` or
+`optimizer_state_on_host`, a `precision` other than "auto", `gradient_checkpointing: true` as every layer
+recomputed), estimates each one's peak with the
 memory model (fusetune/spec/estimate.py), ranks those that fit by the step time of `TIME_COSTS`' model, and
 returns the fastest. When none fits, it says what would: more GPUs under FSDP, LoRA, a shorter max_seq_length,
 each with the plan and peak it would run with. With no memory size to fit (a CPU, or a server that does not know
@@ -10,7 +11,8 @@ its GPUs' memory) the plan is the plainest the pins allow, at the trainer's defa
 "auto" precision is fp32 and nothing is offloaded.
 
 Offloaded and recomputed layers are distinct: at most L - recompute_layers layers offload, and no more than
-`HOST_MEMORY_FOR_OFFLOAD_PER_GPU` of pinned host memory holds their activations.
+`HOST_MEMORY_FOR_OFFLOAD_PER_GPU` of pinned host memory holds their activations, and the optimizer's state when
+the plan keeps it there.
 
 The time model is deliberately small; its constants live in `TimeCosts` and are for an H100 until GPU
 measurements replace them. Only the ranking matters: every plan of a job trains the same tokens per step.
@@ -22,7 +24,9 @@ measurements replace them. Only the ranking matters: every plan of a job trains 
 - The optimizer step streams weights, gradients and state through GPU memory; the 8-bit state's
   dequantize/requantize costs `eight_bit_step_overhead` more.
 - The step inside the backward costs nothing more or less, but needs one micro-batch per step per GPU.
-Ties (equal time) go to the plainer plan: the step after the backward, no offload, no recompute.
+- The optimizer's state in host memory crosses the host link twice a step (in and out), in the open.
+Ties (equal time) go to the plainer plan: the state on the GPU, the step after the backward, no offload, no
+recompute.
 """
 
 from __future__ import annotations
@@ -104,8 +108,9 @@ AUTO_PRECISIONS_ON_GPU = (GPU_DEFAULT, "bf16-sr-8bit")
 # Whether the planner chooses the optimizer step inside the backward for a job of several GPUs (a pin is passed
 # through either way, and the trainer refuses what it cannot run).
 OPTIMIZER_IN_BACKWARD_ON_SEVERAL_GPUS = False
-# Pinned host memory that one GPU's offloaded activations may take: the 8-GPU hosts have 560 GiB for 8 GPUs, the
-# one-GPU hosts 128 GiB; pinned pages cannot be swapped, so leave the rest to the data, the loaders and the OS.
+# Pinned host memory that one GPU's offloaded activations (and optimizer state, when a plan keeps it there) may
+# take: the 8-GPU hosts have 560 GiB for 8 GPUs, the one-GPU hosts 128 GiB; pinned pages cannot be swapped, so
+# leave the rest to the data, the loaders and the OS.
 HOST_MEMORY_FOR_OFFLOAD_PER_GPU = 32 * 2**30
 # A refusal names the fastest plan within this much of the least memory any plan needs.
 SMALLEST_PLAN_SLACK_BYTES = 256 * 2**20
@@ -226,6 +231,10 @@ class _StepModel:
         optimizer_s = self.trained_parameters * step_bytes / costs.memory_bytes_per_s
         if optimizer.state_dtype is not None and DTYPE_BYTES[optimizer.state_dtype] < mode.weight_bytes:
             optimizer_s *= 1 + costs.eight_bit_step_overhead
+        if plan.optimizer_state_on_host:
+            # The whole state in and out over the host link, queued with the updates (nothing hides it).
+            state_bytes = self.trained_parameters * optimizer.state_bytes_per_parameter(mode.weight_dtype)
+            optimizer_s += 2 * state_bytes / costs.host_link_bytes_per_s
         return self.sequences_per_gpu // plan.micro_batch_size * micro_s + optimizer_s
 
 
@@ -237,8 +246,8 @@ def step_time_s(
 
 
 def _choices(shape: ModelShape, job: JobSpec, on_gpu: bool, memory_known: bool):
-    """(precisions, micro-batches, optimizer_in_backward values, recompute counts, offload count or None) the
-    job's pins allow. Raises PlanError for a pin the model cannot run."""
+    """(precisions, micro-batches, optimizer_in_backward values, optimizer_state_on_host values, recompute
+    counts, offload count or None) the job's pins allow. Raises PlanError for a pin the model cannot run."""
     hyper, layers = job.hyperparameters, shape.num_layers
     fsdp = hyper.distributed == "fsdp" and hyper.n_gpus > 1
     if hyper.precision != AUTO:
@@ -261,6 +270,11 @@ def _choices(shape: ModelShape, job: JobSpec, on_gpu: bool, memory_known: bool):
         in_backward = [hyper.optimizer_in_backward]
     else:
         in_backward = [False, True] if hyper.n_gpus == 1 or OPTIMIZER_IN_BACKWARD_ON_SEVERAL_GPUS else [False]
+    if hyper.optimizer_state_on_host is not None:
+        on_host = [hyper.optimizer_state_on_host]
+    else:
+        # Pinned host memory and the staging copies are a GPU's; FSDP shards the state instead.
+        on_host = [False, True] if on_gpu and memory_known and not fsdp else [False]
     if hyper.recompute_layers is not None:
         if hyper.recompute_layers > layers:
             raise PlanError(
@@ -286,7 +300,7 @@ def _choices(shape: ModelShape, job: JobSpec, on_gpu: bool, memory_known: bool):
             f"hyperparameters.offload_layers ({offload}) and the {min(recomputes)} recomputed layers are more "
             f"than the model's {layers} decoder layers (a layer is recomputed or offloaded, not both).",
         )
-    return precisions, micros, in_backward, recomputes, offload
+    return precisions, micros, in_backward, on_host, recomputes, offload
 
 
 def plan_job(
@@ -304,7 +318,7 @@ def plan_job(
     """The fastest plan for `job` (on `job.hyperparameters.n_gpus` GPUs of `memory_bytes` each; None: no
     limit known) that fits; when none does, the plan of least memory, not fitting, with the alternatives that
     would fit (unless `alternatives` is False). Raises PlanError for a pin the model cannot run."""
-    precisions, micros, in_backward, recomputes, pinned_offload = _choices(
+    precisions, micros, in_backward, on_host, recomputes, pinned_offload = _choices(
         shape, job, on_gpu, memory_bytes is not None
     )
     per_gpu, layers = sequences_per_gpu(job), shape.num_layers
@@ -327,11 +341,18 @@ def plan_job(
         room = layers - plan.recompute_layers
         if room == 0:
             return 0
-        per_layer = estimate(dataclasses.replace(plan, offload_layers=1)).host_activation_bytes
-        return min(room, host_memory_bytes // per_layer) if per_layer else room
+        one = estimate(dataclasses.replace(plan, offload_layers=1))
+        host_room = max(0, host_memory_bytes - one.host_optimizer_state_bytes)
+        per_layer = one.host_activation_bytes
+        return min(room, host_room // per_layer) if per_layer else room
 
     def rank(plan: MemoryPlan) -> tuple:
-        plainness = (plan.optimizer_in_backward, plan.offload_layers, plan.recompute_layers)
+        plainness = (
+            plan.optimizer_state_on_host,
+            plan.optimizer_in_backward,
+            plan.offload_layers,
+            plan.recompute_layers,
+        )
         return (model.step_time_s(plan, costs), *plainness)
 
     def least_memory(bound: MemoryPlan) -> list[MemoryPlan]:
@@ -342,12 +363,29 @@ def plan_job(
 
     # Memory grows with the micro-batch: a precision and step placement that does not fit at its smallest
     # micro-batch, with everything recomputed or offloaded that may be, fits at none.
+    # The state goes to host memory only for an optimizer that can stage it, and only if the host has the room.
+    def host_state_allowed(precision: str, host: bool) -> bool:
+        if not host:
+            return True
+        plan = MemoryPlan(min(micros), 0, 0, precision, False, optimizer_state_on_host=True)
+        supported = OPTIMIZERS[mode_for(precision).optimizer].supports_host_state
+        return supported and estimate(plan).host_optimizer_state_bytes <= host_memory_bytes
+
     groups = [
-        (precision, backward, [m for m in micros if not backward or m == per_gpu])
+        (precision, backward, host, [m for m in micros if not backward or m == per_gpu])
         for precision in precisions
         for backward in in_backward
+        for host in on_host
+        if host_state_allowed(precision, host)
     ]
-    groups = [(precision, backward, allowed) for precision, backward, allowed in groups if allowed]
+    if on_host == [True] and not groups:
+        raise PlanError(
+            "hyperparameters.optimizer_state_on_host",
+            "hyperparameters.optimizer_state_on_host: the optimizer's state does not fit the "
+            f"{host_memory_bytes / 2**30:.0f} GiB of pinned host memory a GPU may take, or its optimizer cannot "
+            "keep it there.",
+        )
+    groups = [group for group in groups if group[-1]]
     if not groups:
         raise PlanError(
             "hyperparameters.micro_batch_size",
@@ -356,20 +394,24 @@ def plan_job(
         )
     smallest_plans = [
         plan
-        for precision, backward, allowed in groups
-        for plan in least_memory(MemoryPlan(min(allowed), 0, 0, precision, backward))
+        for precision, backward, host, allowed in groups
+        for plan in least_memory(MemoryPlan(min(allowed), 0, 0, precision, backward, host))
     ]
-    fitting = {(plan.precision, plan.optimizer_in_backward) for plan in smallest_plans if fits(plan)}
+    fitting = {
+        (plan.precision, plan.optimizer_in_backward, plan.optimizer_state_on_host)
+        for plan in smallest_plans
+        if fits(plan)
+    }
     # Each (precision, micro-batch, step placement) with its fastest conceivable plan (nothing recomputed or
     # offloaded that is not pinned), fastest first: once that bound is slower than the best plan found, nothing
     # after it can win.
     combos = sorted(
         (
             (rank(bound), bound)
-            for precision, backward, allowed in groups
-            if (precision, backward) in fitting
+            for precision, backward, host, allowed in groups
+            if (precision, backward, host) in fitting
             for micro in allowed
-            for bound in [MemoryPlan(micro, min(recomputes), pinned_offload or 0, precision, backward)]
+            for bound in [MemoryPlan(micro, min(recomputes), pinned_offload or 0, precision, backward, host)]
         ),
         key=lambda item: item[0],
     )

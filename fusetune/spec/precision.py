@@ -28,6 +28,9 @@ class OptimizerSpec:
     scale_bytes_per_state: float = 0.0
     # Whether it updates FSDP2's sharded (DTensor) parameters.
     supports_fsdp: bool = True
+    # Whether it can keep its state in host memory, staging each parameter's on the GPU for its update (the
+    # memory plan's optimizer_state_on_host).
+    supports_host_state: bool = False
 
     def state_bytes_per_parameter(self, weight_dtype: str) -> float:
         dtype_bytes = DTYPE_BYTES[self.state_dtype or weight_dtype]
@@ -41,12 +44,13 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         OptimizerSpec(
             "adamw-stochastic-rounding", 2,
             "fusetune.kernels.FusedAdamW: one fused update, the bf16 results rounded stochastically",
+            supports_host_state=True,
         ),
         OptimizerSpec(
             "adamw-8bit", 2,
             "fusetune.kernels.FusedAdamW8bit: FusedAdamW's update with both moments in 8-bit codes and one fp32 "
             "scale per 256-element block, requantized in the same launch",
-            state_dtype="uint8", scale_bytes_per_state=4 / 256, supports_fsdp=False,
+            state_dtype="uint8", scale_bytes_per_state=4 / 256, supports_fsdp=False, supports_host_state=True,
         ),
     )
 }  # fmt: skip

@@ -56,7 +56,8 @@ def test_the_dry_run_returns_the_plan_for_the_gpu_the_job_would_land_on(data_dir
     roomy = _dry_run(client, file_id).json()
     # 8B in bf16-sr: weights, gradients and AdamW state take 60 GiB; everything else is small at this data.
     assert roomy["plan"] == {"micro_batch_size": 4, "recompute_layers": 0, "offload_layers": 0,
-                             "precision": "bf16-sr", "optimizer_in_backward": False}  # fmt: skip
+                             "precision": "bf16-sr", "optimizer_in_backward": False,
+                             "optimizer_state_on_host": False}  # fmt: skip
     assert roomy["plan_description"] == "micro-batch 4, precision bf16-sr, no recompute"
     assert roomy["fits"] is True and roomy["refusal"] is None and roomy["alternatives"] is None
     assert roomy["peak_memory_bytes_per_gpu"] == sum(roomy["memory_breakdown"].values()) <= 80 * GIB
@@ -73,6 +74,16 @@ def test_the_dry_run_returns_the_plan_for_the_gpu_the_job_would_land_on(data_dir
     assert tight["plan"]["micro_batch_size"] == 4
     assert tight["checkpoint_bytes"] < 0.7 * roomy["checkpoint_bytes"]  # the 8-bit state is saved as such
 
+    # 24 GiB: the weights leave no room for the state, which waits in host memory between updates.
+    client, file_id = _client(data_dir, 24 * GIB)
+    small = _dry_run(client, file_id).json()
+    assert small["fits"] is True and small["plan"]["optimizer_state_on_host"] is True
+    assert (
+        small["host_optimizer_state_bytes"] > 15 * GIB
+        and "optimizer state in host memory" in small["plan_description"]
+    )
+    assert tight["host_optimizer_state_bytes"] == 0
+
     # A server that does not know its GPUs' memory: the job's settings and the defaults, fits unknown.
     client, file_id = _client(data_dir, None)
     unknown = _dry_run(client, file_id).json()
@@ -86,8 +97,10 @@ def test_a_user_pins_any_part_and_a_plan_that_cannot_fit_is_refused_with_one_tha
     pinned = _dry_run(client, file_id, micro_batch_size=2, recompute_layers=8, offload_layers=4).json()
     assert pinned["plan"]["micro_batch_size"] == 2 and pinned["plan"]["recompute_layers"] == 8
     assert pinned["plan"]["offload_layers"] == 4
-    # bf16-sr with the step after the backward cannot fit 40 GiB: the refusal names plans that would.
-    refused = _dry_run(client, file_id, precision="bf16-sr", optimizer_in_backward=False).json()
+    # bf16-sr with the step after the backward and its state on the GPU cannot fit 40 GiB: the refusal names
+    # plans that would.
+    on_gpu = {"precision": "bf16-sr", "optimizer_in_backward": False, "optimizer_state_on_host": False}
+    refused = _dry_run(client, file_id, **on_gpu).json()
     assert refused["fits"] is False and refused["plan"]["precision"] == "bf16-sr"
     changes = {alternative["change"]: alternative for alternative in refused["alternatives"]}
     assert "n_gpus 2 and distributed fsdp" in changes and "LoRA (r=16)" in changes
@@ -96,7 +109,7 @@ def test_a_user_pins_any_part_and_a_plan_that_cannot_fit_is_refused_with_one_tha
     created = client.post(
         "/v1/fine_tuning/jobs",
         json={"model": "llama-8b", "training_file": file_id,
-              "hyperparameters": {"batch_size": 4, "precision": "bf16-sr", "optimizer_in_backward": False}},
+              "hyperparameters": {"batch_size": 4, **on_gpu}},
     )  # fmt: skip
     error = created.json()["error"]
     assert (

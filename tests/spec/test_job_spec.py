@@ -88,7 +88,7 @@ def test_every_hyperparameter_reaches_the_trainer_as_given(client, settings, tmp
         "n_epochs": 2, "batch_size": 4, "learning_rate": 0.02, "lr_scheduler": "linear", "warmup_ratio": 0.1,
         "max_seq_length": 64, "packing": True, "precision": "fp32", "kernels": False,
         "gradient_checkpointing": True, "recompute_layers": 3, "offload_layers": 1, "optimizer_in_backward": True,
-        "micro_batch_size": 2,
+        "micro_batch_size": 2, "optimizer_state_on_host": False,
         "lora": {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj"]},
         "merge_lora_on_save": True, "distributed": "fsdp", "eval_every_steps": 5,
     }  # fmt: skip

@@ -7,11 +7,24 @@ import math
 
 import pytest
 
-from fusetune.spec.estimate import DataCounts, ModelShape, checkpoint_bytes, estimate_job, saves_before_the_end
-from fusetune.spec.hyperparameters import JobHyperparameters
+from fusetune.spec.estimate import (
+    DataCounts,
+    ModelShape,
+    checkpoint_bytes,
+    estimate_job,
+    saves_before_the_end,
+)
+from fusetune.spec.hyperparameters import HyperparametersRequest, JobHyperparameters, SpecError
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
-from fusetune.spec.planner import PLANNABLE_FRACTION, PlanError, checkpoint_disk, plan_job, step_time_s
+from fusetune.spec.planner import (
+    PLANNABLE_FRACTION,
+    TIME_COSTS,
+    PlanError,
+    checkpoint_disk,
+    plan_job,
+    step_time_s,
+)
 
 GIB = 2**30
 LLAMA_8B = ModelShape(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -154,8 +167,9 @@ def test_without_a_memory_size_or_a_gpu_the_plan_is_the_plainest():
 def test_when_nothing_fits_the_refusal_names_plans_that_fit():
     """An 8B full fine-tune at 8,192 tokens, batch 8, in 40 GiB: no plan fits one GPU (the weights, gradients and
     state alone are about 45 GiB, and the step inside the backward would hold 8 sequences at once). The refusal
-    names what would fit, each with a plan that does fit when the job is changed so."""
-    job, data, memory = _job(), _data(), 40 * GIB
+    names what would fit, each with a plan that does fit when the job is changed so. (The optimizer state stays
+    on the GPU, as pinned: in host memory it would fit, test_a_state_too_large_for_the_gpu_goes_to_host_memory.)"""
+    job, data, memory = _job(optimizer_state_on_host=False), _data(), 40 * GIB
     planned = plan_job(LLAMA_8B, job, data, memory)
     assert planned.fits is False and planned.estimate.peak_memory_bytes_per_gpu > memory
     # The smallest plan is no larger than any other.
@@ -179,9 +193,11 @@ def test_when_nothing_fits_the_refusal_names_plans_that_fit():
         and "GiB per GPU" in message
     )
     # Nothing helps a 16 GiB GPU but many GPUs.
-    tight = plan_job(LLAMA_8B, _job(max_seq_length=2048), _data(2048), 16 * GIB)
+    tight = plan_job(
+        LLAMA_8B, _job(max_seq_length=2048, optimizer_state_on_host=False), _data(2048), 16 * GIB
+    )
     assert [a.change for a in tight.alternatives] == ["n_gpus 8 and distributed fsdp"]
-    assert not plan_job(LLAMA_8B, _job(), _data(), 4 * GIB).alternatives
+    assert not plan_job(LLAMA_8B, _job(optimizer_state_on_host=False), _data(), 4 * GIB).alternatives
 
 
 def test_the_checkpoints_must_fit_the_disk():
@@ -216,7 +232,10 @@ def test_a_run_that_saves_nothing_before_its_end_needs_the_disk_of_its_final_che
     # A paused run's checkpoint stays until the final one is whole: one more checkpoint, never none.
     resumed = checkpoint_disk(LLAMA_8B, job, eight_bit, 2, 52 * 10**9, checkpoints_present=1, periodic=False)
     assert (resumed.checkpoints_on_disk, resumed.needed_bytes) == (2, size)
-    assert "its final checkpoint of" in checkpoint_disk(LLAMA_8B, job, eight_bit, 2, 10**9, periodic=False).refusal()
+    assert (
+        "its final checkpoint of"
+        in checkpoint_disk(LLAMA_8B, job, eight_bit, 2, 10**9, periodic=False).refusal()
+    )
     # Each schedule that saves before the end counts.
     assert saves_before_the_end(job, 100, False, None) and saves_before_the_end(job, None, False, 30.0)
     assert saves_before_the_end(_job(n_epochs=3), None, True, None)
@@ -228,7 +247,7 @@ def test_a_pinned_precision_is_offered_its_smaller_optimizer_state_and_keeps_its
     """An 8B fp8 job at 8 x 8192 on a 64 GiB GPU: fp8's bf16 AdamW state leaves no plan that fits, fp8-8bit's
     8-bit state does, and the refusal names it (not bf16-sr-8bit, which would drop the float8 matmuls). A
     pinned fp8-8bit job's FSDP alternative keeps float8 with the optimizer FSDP runs (fp8), not "auto"."""
-    job, data, memory = _job(precision="fp8"), _data(), 64 * GIB
+    job, data, memory = _job(precision="fp8", optimizer_state_on_host=False), _data(), 64 * GIB
     planned = plan_job(LLAMA_8B, job, data, memory)
     assert planned.fits is False
     changes = {alternative.change: alternative for alternative in planned.alternatives}
@@ -236,10 +255,47 @@ def test_a_pinned_precision_is_offered_its_smaller_optimizer_state_and_keeps_its
     assert changes["precision fp8-8bit"].peak_memory_bytes_per_gpu <= memory
     assert plan_job(LLAMA_8B, _job(precision="fp8-8bit"), data, memory).fits
 
-    pinned = plan_job(LLAMA_8B, _job(precision="fp8-8bit"), data, 40 * GIB)
+    pinned = plan_job(LLAMA_8B, _job(precision="fp8-8bit", optimizer_state_on_host=False), data, 40 * GIB)
     fsdp = next(a for a in pinned.alternatives if a.change.startswith("n_gpus"))
     assert fsdp.hyperparameters["precision"] == "fp8" and fsdp.plan.precision == "fp8"
     # "auto" plans over the state's precision itself: no precision alternative.
+    on_gpu = _job(optimizer_state_on_host=False)
     assert not any(
-        a.change.startswith("precision") for a in plan_job(LLAMA_8B, _job(), data, 40 * GIB).alternatives
+        a.change.startswith("precision") for a in plan_job(LLAMA_8B, on_gpu, data, 40 * GIB).alternatives
     )
+
+
+def test_a_state_too_large_for_the_gpu_goes_to_host_memory():
+    """An 8B full fine-tune on a 24 GiB GPU: the bf16 weights (15 GiB) leave no room for even the 8-bit state
+    (15 GiB), so the plan keeps the state in host memory, with the GPU holding one parameter's state, and pays its
+    two crossings of the host link a step. Where the state fits the GPU, the plan keeps it there."""
+    job, data = _job(batch_size=1, max_seq_length=2048), _data(2048)
+    planned = plan_job(LLAMA_8B, job, data, 24 * GIB)
+    assert planned.fits and planned.plan.optimizer_state_on_host
+    assert planned.estimate.peak_memory_bytes_per_gpu <= 24 * GIB * PLANNABLE_FRACTION
+    state = planned.estimate.host_optimizer_state_bytes
+    precision = planned.plan.precision
+    per_parameter = {"bf16-sr": 4, "bf16-sr-8bit": 2 * (1 + 4 / 256)}[precision]
+    assert state == int(LLAMA_8B.parameter_count() * per_parameter)
+    # The GPU holds the largest tensor's state (the embedding table's), not all of it.
+    on_gpu = dataclasses.replace(planned.plan, optimizer_state_on_host=False)
+    assert _peak(LLAMA_8B, job, data, on_gpu) - planned.estimate.peak_memory_bytes_per_gpu == pytest.approx(
+        state - LLAMA_8B.vocab_size * LLAMA_8B.hidden_size * per_parameter, rel=1e-6
+    )
+    # Its cost in the time model: the state in and out over the host link.
+    link = TIME_COSTS.host_link_bytes_per_s
+    slower = step_time_s(LLAMA_8B, job, data, planned.plan) - step_time_s(LLAMA_8B, job, data, on_gpu)
+    assert slower == pytest.approx(2 * state / link, rel=1e-6)
+    # Pinned to the GPU it fits nowhere; a pin on the host is kept even where the GPU has room.
+    assert plan_job(LLAMA_8B, _job(batch_size=1, max_seq_length=2048, optimizer_state_on_host=False), data,
+                    24 * GIB).fits is False  # fmt: skip
+    roomy = plan_job(LLAMA_8B, job, data, 80 * GIB)
+    assert roomy.fits and not roomy.plan.optimizer_state_on_host
+    pinned = plan_job(LLAMA_8B, _job(batch_size=1, max_seq_length=2048, optimizer_state_on_host=True), data,
+                      80 * GIB)  # fmt: skip
+    assert pinned.plan.optimizer_state_on_host and "optimizer state in host memory" in pinned.plan.describe()
+    # An optimizer that cannot stage its state is refused the pin, naming the field.
+    request = HyperparametersRequest(precision="bf16-mixed", optimizer_state_on_host=True)
+    with pytest.raises(SpecError, match="cannot keep its state in host memory") as refused:
+        JobSpec.from_request(None, request, example_count=8, base_learning_rate=1e-4)
+    assert refused.value.field == "hyperparameters.optimizer_state_on_host"

@@ -20,7 +20,10 @@ from fusetune.worker.train.planning import plan_run
 from fusetune.worker.train.reporter import NullReporter
 from fusetune.worker.train.trainer import Trainer
 
-PLAN_FIELDS = ("micro_batch_size", "recompute_layers", "offload_layers", "precision", "optimizer_in_backward")
+PLAN_FIELDS = (
+    "micro_batch_size", "recompute_layers", "offload_layers", "precision", "optimizer_in_backward",
+    "optimizer_state_on_host",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

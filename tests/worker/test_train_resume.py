@@ -101,12 +101,15 @@ def test_a_paused_run_resumes_on_the_same_loss_curve(uninterrupted, model_dir, t
 # The optimizer step inside the backward clips each step by the previous step's norm (clipping well below the
 # tiny model's norms, so that the carried norm matters), which the checkpoint must carry.
 IN_BACKWARD = {"optimizer_in_backward": True, "micro_batch_size": 8, "max_grad_norm": 0.05}
+# The state in host memory, staged for each parameter's update inside the backward (the 24 GiB plan of an 8B
+# model); on a CPU the staging runs between two buffers of the same memory.
+HOST_STATE = {**IN_BACKWARD, "optimizer_state_on_host": True}
 
 
 @pytest.mark.parametrize(
     ("precision", "plan"),
-    [("bf16-sr", {}), ("bf16-sr-8bit", {}), ("bf16-sr", IN_BACKWARD)],
-    ids=["bf16-sr", "bf16-sr-8bit", "bf16-sr-optimizer-in-backward"],
+    [("bf16-sr", {}), ("bf16-sr-8bit", {}), ("bf16-sr", IN_BACKWARD), ("bf16-sr", HOST_STATE)],
+    ids=["bf16-sr", "bf16-sr-8bit", "bf16-sr-optimizer-in-backward", "bf16-sr-state-on-host"],
 )
 def test_a_bf16_sr_run_resumes_exactly(model_dir, train_file, tmp_path, bf16_sr_on_cpu, precision, plan):
     """bf16 weights with stochastically rounded AdamW (moments in bf16, or in 8-bit codes with their block
@@ -123,6 +126,7 @@ def test_a_bf16_sr_run_resumes_exactly(model_dir, train_file, tmp_path, bf16_sr_
         type(whole_trainer.optimizer).__name__
         == {"bf16-sr": "FusedAdamW", "bf16-sr-8bit": "FusedAdamW8bit"}[precision]
     )
+    assert (whole_trainer.optimizer.host_state is not None) == ("optimizer_state_on_host" in plan)
     before, after, resumed = train_paused_then_resumed(
         make_config(model_dir, train_file, tmp_path / "r", **run_config)
     )

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fusetune.spec.precision import OPTIMIZERS as SPEC_OPTIMIZERS
+
 if TYPE_CHECKING:
     import torch
 
@@ -19,8 +21,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class OptimizerEntry:
     name: str
-    # (parameter groups, learning rate, device, seed) -> the optimizer.
-    factory: Callable[[list[dict[str, Any]], float, torch.device, int], torch.optim.Optimizer]
+    # (parameter groups, learning rate, device, seed, state in host memory) -> the optimizer; only the specs
+    # that support_host_state are asked for the state in host memory.
+    factory: Callable[[list[dict[str, Any]], float, torch.device, int, bool], torch.optim.Optimizer]
     # Whether `optimizer.found_inf` (a one-element tensor: 1 = skip) makes `step()` leave parameters and state
     # as they are, decided on the device (torch's fused Adam family); see `skip_step_if`.
     skips_on_found_inf: Callable[[torch.optim.Optimizer], bool]
@@ -30,7 +33,7 @@ class OptimizerEntry:
 
 
 def _adamw(
-    groups: list[dict[str, Any]], learning_rate: float, device: torch.device, seed: int
+    groups: list[dict[str, Any]], learning_rate: float, device: torch.device, seed: int, state_on_host: bool
 ) -> torch.optim.Optimizer:
     import torch
 
@@ -39,21 +42,21 @@ def _adamw(
 
 
 def _adamw_stochastic_rounding(
-    groups: list[dict[str, Any]], learning_rate: float, device: torch.device, seed: int
+    groups: list[dict[str, Any]], learning_rate: float, device: torch.device, seed: int, state_on_host: bool
 ) -> torch.optim.Optimizer:
     from fusetune.kernels import FusedAdamW
 
     # bf16 weights and moments rounded stochastically from bits of (seed, step, element): a rerun with the
     # job's seed trains the same weights.
-    return FusedAdamW(groups, lr=learning_rate, seed=seed)
+    return FusedAdamW(groups, lr=learning_rate, seed=seed, state_on_host=state_on_host)
 
 
 def _adamw_8bit(
-    groups: list[dict[str, Any]], learning_rate: float, device: torch.device, seed: int
+    groups: list[dict[str, Any]], learning_rate: float, device: torch.device, seed: int, state_on_host: bool
 ) -> torch.optim.Optimizer:
     from fusetune.kernels import FusedAdamW8bit
 
-    return FusedAdamW8bit(groups, lr=learning_rate, seed=seed)
+    return FusedAdamW8bit(groups, lr=learning_rate, seed=seed, state_on_host=state_on_host)
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {
@@ -91,8 +94,14 @@ def build_optimizer(
     weight_decay: float,
     device: torch.device,
     seed: int = 0,
+    state_on_host: bool = False,
 ) -> torch.optim.Optimizer:
-    return OPTIMIZERS[name].factory(parameter_groups(trainable, weight_decay), learning_rate, device, seed)
+    """The optimizer `name` over `trainable`; `state_on_host`: its state in host memory (the memory plan's
+    optimizer_state_on_host, which the planner gives only to the optimizers whose spec supports_host_state)."""
+    if state_on_host and not SPEC_OPTIMIZERS[name].supports_host_state:
+        raise ValueError(f"optimizer {name} cannot keep its state in host memory")
+    groups = parameter_groups(trainable, weight_decay)
+    return OPTIMIZERS[name].factory(groups, learning_rate, device, seed, state_on_host)
 
 
 def clip_and_step(

@@ -78,6 +78,7 @@ class RunPlan:
                 "peak_memory_bytes_per_gpu": estimate.peak_memory_bytes_per_gpu,
                 "memory_breakdown": estimate.memory_breakdown,
                 "host_activation_bytes": estimate.host_activation_bytes,
+                "host_optimizer_state_bytes": estimate.host_optimizer_state_bytes,
                 "gpu_memory_bytes": self.memory_bytes,
             },
             "checkpoint_disk_bytes": None if self.disk is None else self.disk.needed_bytes,
@@ -141,6 +142,7 @@ def plan_run(
             offload_layers=config.offload_layers or 0,
             precision=mode_for(config.precision, on_gpu).name,
             optimizer_in_backward=bool(config.optimizer_in_backward),
+            optimizer_state_on_host=bool(config.optimizer_state_on_host),
         )
         resolved = config.model_copy(update=plan.as_dict())
         return RunPlan(

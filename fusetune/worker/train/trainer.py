@@ -241,6 +241,7 @@ class Trainer:
             weight_decay=self.config.weight_decay,
             device=self.device,
             seed=self.config.seed,
+            state_on_host=bool(self.config.optimizer_state_on_host),
         )
 
     def _arrange_activations(self) -> tuple[ActivationLayout | None, ActivationOffload | None]:
