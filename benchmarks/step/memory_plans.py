@@ -120,6 +120,14 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
         def _load_model(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
             return _build_model(spec, self.device, dtype)
 
+        def _plan_memory_bytes(self) -> int | None:
+            # The planner plans for the capped GPU, as it would for a card of that size (`fusetune:auto` at
+            # --memory-gib 24 plans for a 24 GiB card), not for the memory the larger card has free.
+            free = super()._plan_memory_bytes()
+            if free is None or not spec.get("memory_gib"):
+                return free
+            return min(free, int(spec["memory_gib"] * GIB) - torch.cuda.memory_reserved())
+
     plan_text, _, attention = spec["plan"].partition("@")
     if attention == "varlen":  # whole rows through the variable-length kernel, as before sdpa took them
         from fusetune.models import attention as attention_module
