@@ -223,3 +223,36 @@ def test_offloaded_and_recomputed_layers_train_as_kept_ones_on_the_gpu(
     )
     for a, b in zip(kept.model.parameters(), offloaded.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_the_optimizer_state_in_host_memory_trains_as_on_the_gpu(model_dir, train_file, tmp_path):
+    """The trainer with `optimizer_state_on_host`: the same losses and weights bit for bit as with the state on
+    the GPU (the same launches on the same values), the state's tensors in pinned host memory, and on the GPU only
+    the buffers one parameter's state is staged in."""
+    device = torch.device("cuda", 0)
+    dist = type(ONE_CPU_RANK)(rank=0, local_rank=0, world_size=1, device=device)
+    runs = []
+    for name, on_host in (("gpu", False), ("host", True)):
+        reporter = RecordingReporter()
+        config = make_config(
+            model_dir, train_file, tmp_path / name, precision="bf16-sr-8bit", max_steps=3,
+            optimizer_state_on_host=on_host,
+        )  # fmt: skip
+        trainer = Trainer(config, dist, reporter)
+        trainer.train()
+        runs.append((trainer, reporter))
+    (on_gpu, gpu_reporter), (on_host, host_reporter) = runs
+    losses = [[v["train_loss"] for _, v in reporter.metrics] for reporter in (gpu_reporter, host_reporter)]
+    assert losses[0] == losses[1]
+    for a, b in zip(on_gpu.model.parameters(), on_host.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    states = [state for state in on_host.optimizer.state.values() if state]
+    assert states and all(
+        tensor.device.type == "cpu" and tensor.is_pinned()
+        for state in states
+        for name, tensor in state.items()
+        if name != "step"
+    )
+    largest = max(p.numel() for p in on_host.model.parameters())
+    assert on_host.optimizer.host_state.device_bytes() < 2.1 * largest  # codes and scales of one parameter
