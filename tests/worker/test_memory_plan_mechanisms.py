@@ -237,7 +237,7 @@ def test_the_optimizer_state_in_host_memory_trains_as_on_the_gpu(model_dir, trai
         reporter = RecordingReporter()
         config = make_config(
             model_dir, train_file, tmp_path / name, precision="bf16-sr-8bit", max_steps=3,
-            optimizer_state_on_host=on_host,
+            optimizer_state_on_host=on_host, optimizer_in_backward=False, recompute_layers=0, offload_layers=0,
         )  # fmt: skip
         trainer = Trainer(config, dist, reporter)
         trainer.train()
