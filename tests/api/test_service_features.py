@@ -174,9 +174,10 @@ def test_dry_run_estimates_and_creates_nothing(tmp_path):
     tight = Settings(data_dir=tmp_path / "est", gpu_memory_bytes=5 * 2**30)
     client = _client(create_app(tight), tight.dev_api_key)
     too_large = client.post("/v1/fine_tuning/jobs", json={**body, "dry_run": True}).json()
-    # Even bf16 weights with 8-bit AdamW state and only the gradients in flight (5.3 GiB) exceed 5 GiB; four GPUs
-    # under FSDP or LoRA would fit.
+    # Even bf16 weights with the 8-bit AdamW state in host memory and only the gradients in flight (6.0 GiB) exceed
+    # 5 GiB; four GPUs under FSDP or LoRA would fit.
     assert too_large["fits"] is False and too_large["plan"]["precision"] == "bf16-sr-8bit"
+    assert too_large["plan"]["optimizer_state_on_host"] is True
     assert set(too_large["remedies"]) == {"n_gpus 4 and distributed fsdp", "LoRA (r=16)"}
     refused = client.post("/v1/fine_tuning/jobs", json=body)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "job_too_large"
