@@ -603,11 +603,11 @@ class FusedAdamW(torch.optim.Optimizer):
                 if not members:
                     continue
                 constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
-                key = stochastic_rounding_key(self.seed, step)
+                rounding_key = stochastic_rounding_key(self.seed, step)
                 if self.host_state is None:
                     params, grads, exp_avgs, exp_avg_sqs, offsets, _ = zip(*members, strict=True)
                     _launch(
-                        params, grads, exp_avgs, exp_avg_sqs, offsets, constants, key, grad_scale,
+                        params, grads, exp_avgs, exp_avg_sqs, offsets, constants, rounding_key, grad_scale,
                         adamw_launch_settings(),
                     )  # fmt: skip
                     continue
@@ -616,7 +616,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     staged = self.host_state.stage(state, device)
                     _launch(
                         (param,), (grad,), (staged["exp_avg"],), (staged["exp_avg_sq"],), (start,), constants,
-                        key, grad_scale, adamw_launch_settings(),
+                        rounding_key, grad_scale, adamw_launch_settings(),
                     )  # fmt: skip
                     self.host_state.unstage(state, staged)
         return loss

@@ -581,18 +581,19 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                 if not members:
                     continue
                 constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
-                key = stochastic_rounding_key(self.seed, step)
+                rounding_key = stochastic_rounding_key(self.seed, step)
                 if self.host_state is None:
                     params, grads, states, offsets = zip(*members, strict=True)
                     _launch(
-                        params, grads, states, offsets, constants, key, grad_scale, self.block_size, settings
-                    )
+                        params, grads, states, offsets, constants, rounding_key, grad_scale, self.block_size,
+                        settings,
+                    )  # fmt: skip
                     continue
                 # One parameter at a time through the device buffers (the same offsets, so the same bits).
                 for param, grad, state, start in members:
                     staged = self.host_state.stage(state, device)
                     _launch(
-                        (param,), (grad,), ({**state, **staged},), (start,), constants, key, grad_scale,
+                        (param,), (grad,), ({**state, **staged},), (start,), constants, rounding_key, grad_scale,
                         self.block_size, settings,
                     )  # fmt: skip
                     self.host_state.unstage(state, staged)
