@@ -413,7 +413,7 @@ def test_a_non_finite_step_leaves_the_weights_as_the_last_good_step_left_them(
     if fused:
         # Fused AdamW (what a GPU runs) skips the bad update on the device and the failure is raised when the
         # step is read; torch's fused AdamW runs on the CPU too.
-        def fused_adamw(groups, learning_rate, device, seed):
+        def fused_adamw(groups, learning_rate, device, seed, state_on_host):
             return torch.optim.AdamW(groups, lr=learning_rate, fused=True)
 
         entry = dataclasses.replace(optim.OPTIMIZERS["adamw"], factory=fused_adamw)
