@@ -25,7 +25,6 @@ Every part of a memory plan (fusetune/spec/plan.py) moves its own term, and noth
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -269,7 +268,7 @@ def _model_state_bytes(shape: ModelShape, job: JobSpec, plan: MemoryPlan, mode: 
         gradients = min(trained, in_flight) * mode.weight_bytes
     else:
         gradients = trained * mode.weight_bytes
-    states = int(weights + gradients + optimizer_state_on_gpu(shape, job, plan))
+    states = int(weights + gradients + optimizer_state_bytes(shape, job, plan)[0])
     # FSDP shards all of it over the GPUs and gathers one layer's weights (in the compute dtype) at a time (two
     # in flight while the next is prefetched).
     if hyper.distributed == "fsdp" and hyper.n_gpus > 1:
@@ -291,25 +290,19 @@ def largest_trained_tensor(shape: ModelShape, job: JobSpec) -> int:
     return max(shape.vocab_size * shape.hidden_size, max(a * b for a, b in _linear_shapes(shape).values()))
 
 
-def optimizer_state_on_gpu(shape: ModelShape, job: JobSpec, plan: MemoryPlan) -> int:
-    """Bytes of optimizer state on one GPU: all of it, or with the state in host memory the device buffers one
-    parameter's state is staged in (the largest parameter's size)."""
-    mode = mode_for(plan.precision)
-    if plan.optimizer_state_on_host:
-        return int(largest_trained_tensor(shape, job) * mode.optimizer_state_bytes)
-    hyper = job.hyperparameters
+def optimizer_state_bytes(shape: ModelShape, job: JobSpec, plan: MemoryPlan) -> tuple[int, int]:
+    """(on one GPU, in pinned host memory) bytes of the optimizer's state under `plan`: all of it on the GPU, or
+    with the state in host memory all of it there and on the GPU the buffers one parameter's state is staged in
+    (the largest parameter's size)."""
+    hyper, per_parameter = job.hyperparameters, mode_for(plan.precision).optimizer_state_bytes
     if hyper.lora is not None:
         trained = lora_parameter_count(shape, hyper.lora.r, hyper.lora.target_modules)
     else:
         trained = shape.parameter_count()
-    return int(trained * mode.optimizer_state_bytes)
-
-
-def host_optimizer_state_bytes(shape: ModelShape, job: JobSpec, plan: MemoryPlan) -> int:
-    """Pinned host memory the optimizer's state takes under `plan` (0 when it stays on the GPU)."""
+    whole = int(trained * per_parameter)
     if not plan.optimizer_state_on_host:
-        return 0
-    return optimizer_state_on_gpu(shape, job, dataclasses.replace(plan, optimizer_state_on_host=False))
+        return whole, 0
+    return int(largest_trained_tensor(shape, job) * per_parameter), whole
 
 
 def estimate_job(
@@ -360,7 +353,7 @@ def estimate_job(
         memory_breakdown=breakdown,
         plan=plan,
         host_activation_bytes=tokens * offloaded * per_layer,
-        host_optimizer_state_bytes=host_optimizer_state_bytes(shape, job, plan),
+        host_optimizer_state_bytes=optimizer_state_bytes(shape, job, plan)[1],
         tokens_per_second=measured,
         duration_s=timed_tokens / measured if measured else None,
         throughput_source="median tokens/s of this model's earlier jobs on this server"

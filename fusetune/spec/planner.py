@@ -48,6 +48,7 @@ from fusetune.spec.estimate import (
     disk_refusal,
     estimate_job,
     lora_parameter_count,
+    optimizer_state_bytes,
     row_tokens,
     saved_bytes_per_token_layer,
     sequences_per_gpu,
@@ -369,7 +370,7 @@ def plan_job(
             return True
         plan = MemoryPlan(min(micros), 0, 0, precision, False, optimizer_state_on_host=True)
         supported = OPTIMIZERS[mode_for(precision).optimizer].supports_host_state
-        return supported and estimate(plan).host_optimizer_state_bytes <= host_memory_bytes
+        return supported and optimizer_state_bytes(shape, job, plan)[1] <= host_memory_bytes
 
     groups = [
         (precision, backward, host, [m for m in micros if not backward or m == per_gpu])
