@@ -633,7 +633,9 @@ class FusedAdamW(torch.optim.Optimizer):
         state of bf16 parameters to bf16; the saved tensors are converted again from the originals here.
         """
         saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
-        super().load_state_dict(state_dict)
+        # With the state in host memory torch's load, which puts every state tensor on its parameter's device at
+        # once, gets none of it: the saved tensors go to host memory below, one parameter at a time.
+        super().load_state_dict(state_dict if self.host_state is None else {**state_dict, "state": {}})
         params = [param for group in self.param_groups for param in group["params"]]
         for param_id, param in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(param_id)
@@ -644,7 +646,8 @@ class FusedAdamW(torch.optim.Optimizer):
             for name in ("exp_avg", "exp_avg_sq"):
                 if name not in saved:
                     raise KeyError(f"FusedAdamW: the saved state of parameter {param_id} has no {name!r}")
-                state[name] = saved[name].to(device=param.device, dtype=dtype, copy=True)
+                device = param.device if self.host_state is None else torch.device("cpu")
+                state[name] = saved[name].to(device=device, dtype=dtype, copy=True)
             state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
             if self.host_state is not None:
                 self.host_state.keep(state)

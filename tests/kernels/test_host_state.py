@@ -133,3 +133,22 @@ def test_fsdp_dtensors_are_refused_with_the_reason():
     param = FakeDTensor(torch.zeros(4, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="FSDP2 already shards the state"):
         FusedAdamW([param], state_on_host=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_loading_a_checkpoint_puts_the_state_in_host_memory_without_the_gpu(kind):
+    """A resume on a GPU that holds the weights but not the state: the load never brings the state onto it."""
+    params, optimizer = _train(kind, "cuda", on_host=False, steps=1)
+    saved = optimizer.state_dict()  # as a checkpoint reads back: the tensors on the host
+    saved["state"] = {i: {k: v.cpu() for k, v in s.items()} for i, s in saved["state"].items()}
+    cls, options, names = OPTIMIZERS[kind]
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
+    fresh = cls(groups, **HYPERPARAMETERS, seed=3, state_on_host=True, **options)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fresh.load_state_dict(saved)
+    assert torch.cuda.max_memory_allocated() == before
+    assert all(fresh.state[p][name].is_pinned() for p in params for name in names)
