@@ -77,7 +77,9 @@ from fusetune.kernels.adamw import (
     _round_stochastic_reference,
     _sqrt_rn,
     _StepConstants,
+    make_every_state,
     parameters_to_update,
+    state_of,
     stochastic_rounding_key,
 )
 from fusetune.kernels.host_state import HostState
@@ -562,12 +564,7 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                     )
                 if not param.is_contiguous():
                     raise ValueError(f"FusedAdamW8bit: parameter {index} of its group is not contiguous")
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state.update(adamw8bit_zero_state(param, self.block_size))
-                    if self.host_state is not None:
-                        self.host_state.keep(state)
+                state = state_of(self, param)
                 state["step"] += 1
                 step = int(state["step"].item())
                 key = (param.dtype, param.grad.dtype, param.device, step)
@@ -603,6 +600,14 @@ class FusedAdamW8bit(torch.optim.Optimizer):
         if self.host_state is not None:
             self.host_state.synchronize()  # the last step's copies back to host memory
         return super().state_dict()
+
+    def initialize_state(self) -> None:
+        """Every parameter's state, without a step (`make_every_state`): what a checkpoint is loaded over."""
+        make_every_state(self)
+
+    def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        zeros = adamw8bit_zero_state(param, self.block_size)
+        return {"step": torch.tensor(0.0, dtype=torch.float32), **zeros}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of FusedAdamW8bit with the same block size, exactly.

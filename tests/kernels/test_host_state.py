@@ -152,3 +152,32 @@ def test_loading_a_checkpoint_puts_the_state_in_host_memory_without_the_gpu(kind
     fresh.load_state_dict(saved)
     assert torch.cuda.max_memory_allocated() == before
     assert all(fresh.state[p][name].is_pinned() for p in params for name in names)
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["state-on-device", "state-on-host"])
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_the_trainer_restores_a_fused_optimizer_without_stepping_it(kind, on_host, monkeypatch):
+    """The checkpointer makes the state with `initialize_state` before torch's loader, which would otherwise
+    step the optimizer on zero gradients of every parameter at once (as much memory again as the weights), and
+    the state it loads is the one saved."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from fusetune.worker.train.checkpoints import checkpointer
+
+    cls, options, names = OPTIMIZERS[kind]
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+    model.to(torch.bfloat16)
+    trained = cls(model.parameters(), **HYPERPARAMETERS, seed=3, **options)
+    _gradients(list(model.parameters()), 0)
+    trained.step()
+    saved = get_optimizer_state_dict(model, trained, options=checkpointer.FULL_STATE_ON_EVERY_RANK)
+    fresh = cls(model.parameters(), **HYPERPARAMETERS, seed=3, state_on_host=on_host, **options)
+    steps = []
+    monkeypatch.setattr(fresh, "step", lambda *args, **kwargs: steps.append(1))
+    monkeypatch.setattr(checkpointer.state, "read_optimizer_state", lambda path: saved)
+    checkpointer.Checkpointer.restore_optimizer(None, model, fresh, "unused")
+    assert steps == []
+    for param in model.parameters():
+        for name in names:
+            assert torch.equal(fresh.state[param][name].cpu(), trained.state[param][name].cpu()), name
+        assert float(fresh.state[param]["step"]) == 1.0

@@ -108,6 +108,12 @@ class Checkpointer:
     def restore_optimizer(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
     ) -> None:
+        # An optimizer that can make its state without a step (the fused ones) does, so that the loader below
+        # does not step it on zero gradients of every parameter at once: a plan that fits the GPU only with the
+        # gradients freed in the backward (or the state in host memory) has no room for them.
+        initialize_state = getattr(optimizer, "initialize_state", None)
+        if initialize_state is not None:
+            initialize_state()
         set_optimizer_state_dict(
             model, optimizer, state.read_optimizer_state(checkpoint), options=FULL_STATE_ON_EVERY_RANK
         )
