@@ -307,9 +307,13 @@ def test_cancel_stops_a_running_trainer_without_a_checkpoint(model_dir, tmp_path
     from fusetune.db import queries
 
     # 10,000 epochs of the bundled demo set (640,000 steps): the run cannot end before the cancel arrives,
-    # whatever the machine's speed. The test gates on the trainer's own metric rows, never on a clock.
+    # whatever the machine's speed. The test gates on the trainer's own metric rows, never on a clock. No
+    # checkpoint is scheduled (an idle machine finished the first 64-step epoch, and wrote its checkpoint, within
+    # the poll interval after the cancel), so any checkpoint would be the cancel's own.
     config, sessions, job_id = sql_job(model_dir, assets.TRAIN_FILE, tmp_path)
-    config = config.model_copy(update={"n_epochs": 10_000})
+    config = config.model_copy(
+        update={"n_epochs": 10_000, "checkpoint_every_epoch": False, "checkpoint_every_minutes": None}
+    )
     process = start_trainer(config, tmp_path)
     wait_for_steps(sessions, job_id, 2, process)
     set_status(sessions, job_id, "cancelled")
