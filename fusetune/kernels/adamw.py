@@ -421,24 +421,36 @@ def _div_rn(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return (numerator.to(torch.float64) / denominator.to(torch.float64)).to(torch.float32)
 
 
-def state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
-    """`param`'s state in the fused `optimizer`, made as its first step makes it (`optimizer._new_state`) when it
-    has none, in host memory when the optimizer keeps it there."""
-    state = optimizer.state[param]
-    if not state:
-        state.update(optimizer._new_state(param))
-        if optimizer.host_state is not None:
-            optimizer.host_state.keep(state)
-    return state
+class FusedOptimizerState(torch.optim.Optimizer):
+    """What the fused AdamW optimizers share about their state: each parameter's is made as its first step makes
+    it (the subclass's `_new_state`), in host memory when `host_state` keeps it there."""
 
+    host_state: HostState | None
 
-def make_every_state(optimizer: torch.optim.Optimizer) -> None:
-    """Every parameter's state of the fused `optimizer` without a step: what a checkpoint is loaded over.
-    (torch's distributed state-dict loader would otherwise step it on zero gradients of every parameter at
-    once, as much memory again as the weights.)"""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state_of(optimizer, param)
+    def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """`param`'s state, made when it has none."""
+        state = self.state[param]
+        if not state:
+            state.update(self._new_state(param))
+            if self.host_state is not None:
+                self.host_state.keep(state)
+        return state
+
+    def initialize_state(self) -> None:
+        """Every parameter's state without a step: what a checkpoint is loaded over. (torch's distributed
+        state-dict loader would otherwise step the optimizer on zero gradients of every parameter at once, as much
+        memory again as the weights.)"""
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._state_of(param)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.host_state is not None:
+            self.host_state.synchronize()  # the last step's copies back to host memory
+        return super().state_dict()
 
 
 def parameters_to_update(
@@ -511,7 +523,7 @@ def _state_dtype(param_dtype: torch.dtype, state_dtype: torch.dtype | None) -> t
 # ------------------------------------------------------------------------------------------------------------
 
 
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamW(FusedOptimizerState):
     """AdamW whose step is one Triton launch per parameter group, bf16 weights and state stochastically rounded.
 
     `state_dtype` is the dtype of exp_avg / exp_avg_sq for bf16 parameters: bf16 (default, rounded
@@ -601,7 +613,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise RuntimeError(f"FusedAdamW: parameter {index} of its group has a sparse gradient")
                 if not local_param.is_contiguous():
                     raise ValueError(f"FusedAdamW: parameter {index} of its group is not contiguous")
-                state = state_of(self, param)
+                state = self._state_of(param)
                 state["step"] += 1
                 step = int(state["step"].item())
                 exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
@@ -636,15 +648,6 @@ class FusedAdamW(torch.optim.Optimizer):
                     )  # fmt: skip
                     self.host_state.unstage(state, staged)
         return loss
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.host_state is not None:
-            self.host_state.synchronize()  # the last step's copies back to host memory
-        return super().state_dict()
-
-    def initialize_state(self) -> None:
-        """Every parameter's state, without a step (`make_every_state`): what a checkpoint is loaded over."""
-        make_every_state(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (ours or torch.optim.AdamW's); exp_avg / exp_avg_sq take this optimizer's state dtype.

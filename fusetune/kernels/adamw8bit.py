@@ -68,6 +68,7 @@ import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.adamw import (
+    FusedOptimizerState,
     _back_to_back_offsets,
     _block_map,
     _div_rn,
@@ -77,9 +78,7 @@ from fusetune.kernels.adamw import (
     _round_stochastic_reference,
     _sqrt_rn,
     _StepConstants,
-    make_every_state,
     parameters_to_update,
-    state_of,
     stochastic_rounding_key,
 )
 from fusetune.kernels.host_state import HostState
@@ -476,7 +475,7 @@ def adamw8bit_state_bytes_per_parameter(block_size: int = DEFAULT_BLOCK_SIZE) ->
 # ------------------------------------------------------------------------------------------------------------
 
 
-class FusedAdamW8bit(torch.optim.Optimizer):
+class FusedAdamW8bit(FusedOptimizerState):
     """AdamW with blockwise 8-bit moments; one Triton launch per parameter group; bf16 weights and the codes
     rounded stochastically.
 
@@ -564,7 +563,7 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                     )
                 if not param.is_contiguous():
                     raise ValueError(f"FusedAdamW8bit: parameter {index} of its group is not contiguous")
-                state = state_of(self, param)
+                state = self._state_of(param)
                 state["step"] += 1
                 step = int(state["step"].item())
                 key = (param.dtype, param.grad.dtype, param.device, step)
@@ -595,15 +594,6 @@ class FusedAdamW8bit(torch.optim.Optimizer):
                     )  # fmt: skip
                     self.host_state.unstage(state, staged)
         return loss
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.host_state is not None:
-            self.host_state.synchronize()  # the last step's copies back to host memory
-        return super().state_dict()
-
-    def initialize_state(self) -> None:
-        """Every parameter's state, without a step (`make_every_state`): what a checkpoint is loaded over."""
-        make_every_state(self)
 
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         zeros = adamw8bit_zero_state(param, self.block_size)
