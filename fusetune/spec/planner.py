@@ -14,13 +14,15 @@ Offloaded and recomputed layers are distinct: at most L - recompute_layers layer
 `HOST_MEMORY_FOR_OFFLOAD_PER_GPU` of pinned host memory holds their activations, and the optimizer's state when
 the plan keeps it there.
 
-The time model is deliberately small; its constants live in `TimeCosts` and are for an H100 until GPU
-measurements replace them. Only the ranking matters: every plan of a job trains the same tokens per step.
+The time model is deliberately small; its constants live in `TimeCosts`, each with the H100 measurement it was
+fitted to (a plan's step time comes out within about 10% of those measured). Only the ranking matters: every plan of a job trains the same tokens per step.
 - A micro-batch of t tokens runs its matmuls at `achieved_flops * t / (t + half_rate_tokens)` and costs a
   fixed `micro_batch_overhead_s` (launches, the loss's chunks): larger micro-batches are faster, less and less so.
+  A mode whose linear layers compute in float8 runs their FLOPs at `float8_linear_time_factor` of the time
+  (attention and the output layer stay bf16).
 - A recomputed layer runs its forward again: a third of its forward + backward.
-- An offloaded layer's activations cross the host link twice (out in the forward, back in the backward); the
-  copies hide behind `offload_overlap` of that pass's compute, the rest is exposed.
+- An offloaded layer's activations cross the host link twice (out in the forward, back in the backward) at
+  `host_link_bytes_per_s`; the copies hide behind `offload_overlap` of that pass's compute, the rest is exposed.
 - The optimizer step streams weights, gradients and state through GPU memory; the 8-bit state's
   dequantize/requantize costs `eight_bit_step_overhead` more.
 - The step inside the backward costs nothing more or less, but needs one micro-batch per step per GPU.
@@ -85,12 +87,24 @@ class TimeCosts:
     # A recomputed layer's extra forward, as a share of its forward + backward (measured: 8 recomputed layers
     # added 476 ms to a 6.54 s step of 32 layers, 0.29 of a layer's share).
     recompute_fraction: float = 1 / 3
-    # GPU <-> pinned host memory, bytes/s each way (PCIe Gen5 x16 is 64 GB/s on paper; about 25 in practice).
-    host_link_bytes_per_s: float = 25e9
-    # Share of a pass's compute the activation copies can hide behind (they run on a side stream): 12 layers
-    # offloaded at micro-batch 2 added about 2.0 s to the step, what 0.6 gives at 25 GB/s (0.9 gave 1.0 s and
-    # made the planner prefer that plan, 7,458 tokens/s, to no offload at 10,015).
-    offload_overlap: float = 0.6
+    # The float8 modes' linear layers, time per FLOP against bf16's: fp8-8bit ran 8 x 8192 (Llama-3.1-8B shape,
+    # no recompute) in 4,546 ms against bf16-sr-8bit's 5,790 (h100-step.json, memory-plans-8b-fp8 and
+    # memory-plans), which this model gives at 0.70.
+    float8_linear_time_factor: float = 0.70
+    # GPU <-> pinned host memory, bytes/s each way. Measured as the optimizer state crosses it: the 24 GiB plan
+    # (1 x 2048, state in host memory, 16.3 GB of 8-bit state in and out a step) took 883 ms, of which this
+    # model puts 250 ms (scaled by its 8% error on the plain 8B plan) in compute, leaving 50 GB/s
+    # (h100-step.json, memory-plans-24gib).
+    host_link_bytes_per_s: float = 50e9
+    # Share of a pass's compute that offloaded activations' copies hide behind. Measured, they hide none: 8
+    # layers offloaded at micro-batch 2 (8 x 4096, fp8-8bit) made the step 1.61x slower (3,430 against 2,131
+    # ms, memory-plans-time-model), which this model gives at 1.47x with 0 (the copies back start only one
+    # layer ahead of the backward); 12 layers at micro-batch 2 of 8 x 8192 rows, 1.35x the plain plan, it gives
+    # at 1.46x. An earlier value of 0.6, at half this link rate, rated micro-batch 4 with 4 layers offloaded
+    # the fastest plan for Qwen2.5-7B's shape, 8 x 8192 fp8-8bit, on an H200: that service job ran at 9,548
+    # tokens/s (a call whose results file did not come back, only its log), where the same job on an H100,
+    # micro-batch 1 without offload, ran at 15,220 (h100-service.json, jobs-qwen7b).
+    offload_overlap: float = 0.0
     # GPU memory bandwidth the optimizer step streams at (ANCHORS.md: 3012 GB/s copy bandwidth on an H100).
     memory_bytes_per_s: float = 3.0e12
     # The 8-bit optimizer's dequantize and requantize, as a share of the same step with unquantized state.
@@ -99,10 +113,12 @@ class TimeCosts:
 
 TIME_COSTS = TimeCosts()
 # The share of a GPU's free memory a plan's estimated peak may take: the allocator's fragmentation and late
-# allocations need a few percent beyond the estimate. At 8 x 16384 (Llama-3.1-8B shape, one H100) a plan
-# estimated at 76.5 GiB ran out of memory with 79.1 GiB allowed (1.4 GiB reserved but unused at the failure);
-# one estimated at 71.3 GiB ran, 71.8 GiB allocated at its peak.
-PLANNABLE_FRACTION = 0.96
+# allocations need several percent beyond the estimate. At 8 x 16384 (Llama-3.1-8B shape, fp8-8bit, one H100) a
+# plan estimated at 73.9 GiB ran out of memory with 79.1 GiB allowed (75.3 GiB allocated and 3.1 GiB reserved
+# but unused at the failure); one estimated at 71.3 GiB ran, 72.6 GiB allocated and 75.0 reserved at its peak
+# (h100-step.json, memory-plans-16k-fp8 and -r18). Reserved memory reached 1.10x the estimate with 8 layers
+# offloaded (memory-plans-time-model).
+PLANNABLE_FRACTION = 0.93
 # What the planner chooses among when a job's precision is "auto" on a GPU: the default, then the same with the
 # optimizer's state in 8 bits (slower by eight_bit_step_overhead, 2 bytes a parameter smaller).
 AUTO_PRECISIONS_ON_GPU = (GPU_DEFAULT, "bf16-sr-8bit")
@@ -178,6 +194,7 @@ class _StepModel:
     """The time model's view of one job: FLOPs and bytes that do not depend on the plan."""
 
     layer_flops_per_token: float  # forward + backward of one decoder layer
+    layer_linear_flops_per_token: float  # the part of it in the linear layers (what float8 speeds up)
     other_flops_per_token: float  # the output layer and loss
     saved_bytes_per_token_layer: dict[str, int]  # by precision
     trained_parameters: int
@@ -190,7 +207,8 @@ class _StepModel:
         hyper = job.hyperparameters
         seq = row_tokens(job, data)
         h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-        layer = 6.0 * shape.layer_parameter_count() + 12.0 * q * seq
+        linear = 6.0 * shape.layer_parameter_count()
+        layer = linear + 12.0 * q * seq
         if hyper.lora is not None:
             trained = lora_parameter_count(shape, hyper.lora.r, hyper.lora.target_modules)
         else:
@@ -203,6 +221,7 @@ class _StepModel:
         }
         return cls(
             layer_flops_per_token=layer,
+            layer_linear_flops_per_token=linear,
             other_flops_per_token=6.0 * shape.vocab_size * h,
             saved_bytes_per_token_layer=saved,
             trained_parameters=trained // (hyper.n_gpus if hyper.distributed == "fsdp" else 1),
@@ -214,7 +233,11 @@ class _StepModel:
     def step_time_s(self, plan: MemoryPlan, costs: TimeCosts) -> float:
         tokens = plan.micro_batch_size * self.micro_tokens_per_sequence
         rate = costs.achieved_flops * tokens / (tokens + costs.half_rate_tokens)
-        layer_s = tokens * self.layer_flops_per_token / rate
+        mode = mode_for(plan.precision)
+        layer_flops = self.layer_flops_per_token
+        if mode.float8_linears:
+            layer_flops -= (1 - costs.float8_linear_time_factor) * self.layer_linear_flops_per_token
+        layer_s = tokens * layer_flops / rate
         compute_s = self.layers * layer_s + tokens * self.other_flops_per_token / rate
         recompute_s = plan.recompute_layers * costs.recompute_fraction * layer_s
         # The forward is a third of the compute, the backward (with the recomputation) the rest.
@@ -225,7 +248,6 @@ class _StepModel:
             0.0, copy_s - costs.offload_overlap * backward_s
         )
         micro_s = forward_s + backward_s + exposed_s + costs.micro_batch_overhead_s
-        mode = mode_for(plan.precision)
         optimizer = OPTIMIZERS[mode.optimizer]
         # Weight read and written, gradient read, each state read and written (as if in the weights' dtype).
         step_bytes = 3 * mode.weight_bytes + 2 * optimizer.states_per_parameter * mode.weight_bytes
