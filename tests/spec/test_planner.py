@@ -9,10 +9,10 @@ import pytest
 
 from fusetune.spec.estimate import (
     DataCounts,
-    saved_bytes_per_token_layer,
     ModelShape,
     checkpoint_bytes,
     estimate_job,
+    saved_bytes_per_token_layer,
     saves_before_the_end,
 )
 from fusetune.spec.hyperparameters import HyperparametersRequest, JobHyperparameters, SpecError
