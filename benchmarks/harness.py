@@ -275,13 +275,27 @@ def child_env(cpu: bool = False) -> dict[str, str]:
     return env
 
 
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (what `timeout` sends) raise SystemExit in this process, so that `finally` blocks run and
+    stop what it started in sessions of their own (workers, servers), which would otherwise outlive it; on a
+    GPU machine an orphan keeps its memory from the runs after it. Python's default ends the process without
+    unwinding. Only the main thread can set a handler; elsewhere this does nothing."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
 def run_worker(
     module: str, arguments: list[str], timeout_s: float | None, nproc: int | None = None, cpu: bool = False
 ) -> WorkerRun:
     """`python -m module arguments` in a fresh process (under torchrun with `nproc` processes), from the
     repository root; its results are collected, its other output echoed as it comes. A worker past
-    `timeout_s` is stopped with its whole process group. Its stderr's end goes to ours when it failed or
-    reported an error."""
+    `timeout_s` is stopped with its whole process group, and so is one whose caller is stopped by SIGTERM
+    (`exit_on_sigterm`). Its stderr's end goes to ours when it failed or reported an error."""
+    exit_on_sigterm()
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     process = subprocess.Popen(
         [sys.executable, *launcher, "-m", module, *arguments],

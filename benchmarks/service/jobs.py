@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import GIB, REPO_ROOT, format_cell, markdown_table
+from benchmarks.harness import GIB, REPO_ROOT, exit_on_sigterm, format_cell, markdown_table
 from benchmarks.step import e2e
 from benchmarks.step.memory_plans import write_documents
 from benchmarks.workloads import build_model, chat_examples
@@ -83,6 +83,9 @@ FINAL_CHECKPOINT_ONLY = {"FUSETUNE_CHECKPOINT_EVERY_MINUTES": "0", "FUSETUNE_CHE
 class Service:
     def __init__(self, data_dir: Path, settings: dict[str, str] | None = None) -> None:
         import httpx
+
+        # The server runs in a session of its own: a SIGTERM to this script must reach `close`.
+        exit_on_sigterm()
 
         self.data_dir = data_dir
         self.port = _free_port()
