@@ -96,15 +96,16 @@ class TimeCosts:
     # model puts 250 ms (scaled by its 8% error on the plain 8B plan) in compute, leaving 50 GB/s
     # (h100-step.json, memory-plans-24gib).
     host_link_bytes_per_s: float = 50e9
-    # Share of a pass's compute that offloaded activations' copies hide behind. Measured, they hide none: 8
-    # layers offloaded at micro-batch 2 (8 x 4096, fp8-8bit) made the step 1.61x slower (3,430 against 2,131
-    # ms, memory-plans-time-model), which this model gives at 1.47x with 0 (the copies back start only one
-    # layer ahead of the backward); 12 layers at micro-batch 2 of 8 x 8192 rows, 1.35x the plain plan, it gives
-    # at 1.46x. An earlier value of 0.6, at half this link rate, rated micro-batch 4 with 4 layers offloaded
-    # the fastest plan for Qwen2.5-7B's shape, 8 x 8192 fp8-8bit, on an H200: that service job ran at 9,548
-    # tokens/s (a call whose results file did not come back, only its log), where the same job on an H100,
-    # micro-batch 1 without offload, ran at 15,220 (h100-service.json, jobs-qwen7b).
-    offload_overlap: float = 0.0
+    # Share of a pass's compute that offloaded activations' copies hide behind (the copies back start only one
+    # layer ahead of the backward). Fitted to 12 layers offloaded at micro-batch 2 of 8 x 8192 rows
+    # (bf16-sr-8bit, 2 recomputed: 1.35x the plain plan's step, h100-step.json, memory-plans), which 0.1 gives
+    # at 1.36x. The fp8 point, 8 layers offloaded at micro-batch 2 of 8 x 4096 (1.61x, memory-plans-time-model),
+    # ran those layers eager, their float8 casts unfused; they compile now. An earlier value of 0.6, at half
+    # this link rate, rated micro-batch 4 with 4 layers offloaded the fastest plan for Qwen2.5-7B's shape, 8 x
+    # 8192 fp8-8bit, on an H200: that service job ran at 9,548 tokens/s (a call whose results file did not come
+    # back, only its log), where the same job on an H100, micro-batch 1 without offload, ran at 15,220
+    # (h100-service.json, jobs-qwen7b).
+    offload_overlap: float = 0.1
     # GPU memory bandwidth the optimizer step streams at (ANCHORS.md: 3012 GB/s copy bandwidth on an H100).
     memory_bytes_per_s: float = 3.0e12
     # The 8-bit optimizer's dequantize and requantize, as a share of the same step with unquantized state.

@@ -143,15 +143,44 @@ def test_the_decoder_linears_convert_and_the_head_and_odd_sizes_stay_bf16():
 
 def test_compiled_layers_keep_their_parameter_names():
     """Each decoder layer compiled in place (`nn.Module.compile`), not wrapped: the names checkpoints use stay. A
-    layer with forward hooks (activation offload's) stays eager."""
+    layer with forward hooks (activation offload's) compiles its forward alone, the hooks staying eager."""
     model = build_tiny_model("llama", dtype=torch.bfloat16)
     names = list(model.state_dict())
     first, second = model.model.layers
     first.register_forward_pre_hook(lambda module, args: None)
     conversion = float8.convert_linears(model, emulated(), compile_layers=True)
-    assert conversion.compiled_layers == 1
-    assert first._compiled_call_impl is None and second._compiled_call_impl is not None
+    assert conversion.compiled_layers == 2
+    assert first._compiled_call_impl is None and hasattr(first.forward, "_torchdynamo_orig_callable")
+    assert second._compiled_call_impl is not None
     assert list(model.state_dict()) == names
+
+
+def test_saved_tensor_hooks_around_a_compiled_layer_pack_what_its_graph_saves():
+    """Activation offload enters saved-tensor hooks in a layer's forward pre-hook and leaves them in its forward
+    hook. With the layer's forward compiled, the hooks receive the compiled graph's saved tensors (offload would
+    copy them to host memory), and what they give back trains exactly as the same compiled layer without them."""
+    import copy
+
+    torch.manual_seed(0)
+    hooked = build_tiny_model("llama", dtype=torch.bfloat16)
+    plain = copy.deepcopy(hooked)
+    packed, entered = [], []
+
+    def enter(module, args):
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t.clone(), lambda t: t)
+        hooks.__enter__()
+        entered.append(hooks)
+
+    hooked.model.layers[0].register_forward_pre_hook(enter)
+    hooked.model.layers[0].register_forward_hook(
+        lambda module, args, output: entered.pop().__exit__(None, None, None)
+    )
+    for model in (hooked, plain):
+        assert float8.convert_linears(model, emulated(), compile_layers=True).compiled_layers == 2
+        model(**make_batches("cpu")[0]).loss.backward()
+    assert packed and not entered
+    for (name, a), b in zip(hooked.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
 
 
 def test_the_layers_compile_in_the_mode_asked_for(monkeypatch):
