@@ -86,7 +86,7 @@ def _build_model(spec: dict[str, Any], device, dtype):
 def _timed(step, batches, warmup: int, cuda: bool) -> dict[str, Any]:
     import torch
 
-    times, peaks = [], []
+    times, peaks, retries = [], [], []
     for batch in batches:
         if cuda:
             torch.cuda.synchronize()
@@ -97,12 +97,25 @@ def _timed(step, batches, warmup: int, cuda: bool) -> dict[str, Any]:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
         peaks.append(torch.cuda.max_memory_allocated() / GIB if cuda else None)
+        retries.append(alloc_retries() if cuda else None)
     timed = times[warmup:] or times
     return {
         "step_ms": round(statistics.median(timed) * 1e3, 1),
         "peak_alloc_gb": round(max(p for p in peaks if p is not None), 2) if cuda else None,
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / GIB, 2) if cuda else None,
+        "alloc_retries_timed": retries[-1] - retries[warmup - 1]
+        if cuda and 0 < warmup < len(retries)
+        else None,
     }
+
+
+def alloc_retries() -> int:
+    """The caching allocator's count of allocations that failed and were retried after it released its cached
+    blocks: each synchronizes the device, so a plan near the memory cap that keeps retrying runs slow however
+    well its copies overlap."""
+    import torch
+
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
@@ -177,6 +190,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         def __init__(self) -> None:
             self.times: list[float] = []
             self.peaks: list[float] = []
+            self.retries: list[int] = []
             self.started = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -189,6 +203,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
             synchronize()
             self.times.append(time.perf_counter() - self.started)
             self.peaks.append(torch.cuda.max_memory_allocated() / GIB if cuda else 0.0)
+            self.retries.append(alloc_retries() if cuda else 0)
 
     args = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="fusetune-trl-"),
@@ -220,7 +235,8 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         callbacks=[timer],
     )
     trainer.train()
-    timed = timer.times[spec["warmup_steps"] :] or timer.times
+    warmup = spec["warmup_steps"]
+    timed = timer.times[warmup:] or timer.times
     return {
         "impl": spec["variant"],
         "gradient_checkpointing": gradient_checkpointing,
@@ -229,6 +245,9 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         "liger": cuda,
         "peak_alloc_gb": round(max(timer.peaks), 2) if cuda else None,
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / GIB, 2) if cuda else None,
+        "alloc_retries_timed": timer.retries[-1] - timer.retries[warmup - 1]
+        if cuda and 0 < warmup < len(timer.retries)
+        else None,
     }
 
 
@@ -308,10 +327,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
                  if anchor and r.get("tokens_per_s") and anchor is not r else None)  # fmt: skip
         table.append([r["model"], f"{r['batch']} x {r['seq']}", r.get("memory_gib") or "", r["impl"], plan(r),
                       r.get("tokens_per_s"), r.get("step_ms"), r.get("peak_alloc_gb"), r.get("peak_reserved_gb"),
-                      ratio, r.get("error") or ""])  # fmt: skip
+                      r.get("alloc_retries_timed"), ratio, r.get("error") or ""])  # fmt: skip
     lines.append(markdown_table(
         ["model", "rows", "cap GiB", "setup", "plan", "tokens/s", "step ms", "peak alloc GB", "peak reserved GB",
-         "x TRL+Liger", "error"], table))  # fmt: skip
+         "alloc retries", "x TRL+Liger", "error"], table))  # fmt: skip
     if payload.get("estimates"):
         lines += ["", "The memory model's peak for each plan (fusetune/spec/estimate.py; `--estimates`) beside the "
                   "measured one:", ""]  # fmt: skip
