@@ -15,7 +15,8 @@ Offloaded and recomputed layers are distinct: at most L - recompute_layers layer
 the plan keeps it there.
 
 The time model is deliberately small; its constants live in `TimeCosts`, each with the H100 measurement it was
-fitted to (a plan's step time comes out within about 10% of those measured). Only the ranking matters: every plan of a job trains the same tokens per step.
+fitted to (a plan's step time comes out within about 10% of those measured). Only the ranking matters: every
+plan of a job trains the same tokens per step.
 - A micro-batch of t tokens runs its matmuls at `achieved_flops * t / (t + half_rate_tokens)` and costs a
   fixed `micro_batch_overhead_s` (launches, the loss's chunks): larger micro-batches are faster, less and less so.
   A mode whose linear layers compute in float8 runs their FLOPs at `float8_linear_time_factor` of the time
