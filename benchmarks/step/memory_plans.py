@@ -103,10 +103,14 @@ def _timed(step, batches, warmup: int, cuda: bool) -> dict[str, Any]:
         "step_ms": round(statistics.median(timed) * 1e3, 1),
         "peak_alloc_gb": round(max(p for p in peaks if p is not None), 2) if cuda else None,
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / GIB, 2) if cuda else None,
-        "alloc_retries_timed": retries[-1] - retries[warmup - 1]
-        if cuda and 0 < warmup < len(retries)
-        else None,
+        "alloc_retries_timed": retries_after_warmup(retries, warmup) if cuda else None,
     }
+
+
+def retries_after_warmup(retries: list[int], warmup: int) -> int | None:
+    """The allocator's retries in the timed steps, from its count after each step (None without warm-up steps
+    to count from, or without timed steps)."""
+    return retries[-1] - retries[warmup - 1] if 0 < warmup < len(retries) else None
 
 
 def alloc_retries() -> int:
@@ -245,9 +249,7 @@ def run_trl(spec: dict[str, Any]) -> dict[str, Any]:
         "liger": cuda,
         "peak_alloc_gb": round(max(timer.peaks), 2) if cuda else None,
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / GIB, 2) if cuda else None,
-        "alloc_retries_timed": timer.retries[-1] - timer.retries[warmup - 1]
-        if cuda and 0 < warmup < len(timer.retries)
-        else None,
+        "alloc_retries_timed": retries_after_warmup(timer.retries, warmup) if cuda else None,
     }
 
 

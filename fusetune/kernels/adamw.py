@@ -452,6 +452,16 @@ class FusedOptimizerState(torch.optim.Optimizer):
             self.host_state.synchronize()  # the last step's copies back to host memory
         return super().state_dict()
 
+    def _load_groups(self, state_dict: dict[str, Any]) -> None:
+        """torch's load of `state_dict`; with the state in host memory, of its groups alone: torch's load puts
+        every state tensor on its parameter's device at once, so the subclass's load brings the saved tensors to
+        `_state_device`, one parameter at a time."""
+        super().load_state_dict(state_dict if self.host_state is None else {**state_dict, "state": {}})
+
+    def _state_device(self, param: torch.Tensor) -> torch.device:
+        """Where `param`'s loaded state goes: its device, or host memory when `host_state` keeps it there."""
+        return param.device if self.host_state is None else torch.device("cpu")
+
 
 def parameters_to_update(
     optimizer: torch.optim.Optimizer, only: Sequence[torch.Tensor] | None
@@ -656,9 +666,7 @@ class FusedAdamW(FusedOptimizerState):
         state of bf16 parameters to bf16; the saved tensors are converted again from the originals here.
         """
         saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
-        # With the state in host memory torch's load, which puts every state tensor on its parameter's device at
-        # once, gets none of it: the saved tensors go to host memory below, one parameter at a time.
-        super().load_state_dict(state_dict if self.host_state is None else {**state_dict, "state": {}})
+        self._load_groups(state_dict)
         params = [param for group in self.param_groups for param in group["params"]]
         for param_id, param in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(param_id)
@@ -669,8 +677,7 @@ class FusedAdamW(FusedOptimizerState):
             for name in ("exp_avg", "exp_avg_sq"):
                 if name not in saved:
                     raise KeyError(f"FusedAdamW: the saved state of parameter {param_id} has no {name!r}")
-                device = param.device if self.host_state is None else torch.device("cpu")
-                state[name] = saved[name].to(device=device, dtype=dtype, copy=True)
+                state[name] = saved[name].to(device=self._state_device(param), dtype=dtype, copy=True)
             state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
             if self.host_state is not None:
                 self.host_state.keep(state)

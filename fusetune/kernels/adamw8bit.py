@@ -624,15 +624,13 @@ class FusedAdamW8bit(FusedOptimizerState):
                     f"{saved['exp_avg_scales'].numel()} scales, block_size {self.block_size} needs {blocks}: "
                     "load it with the block_size it was saved with"
                 )
-        # With the state in host memory torch's load, which puts every state tensor on its parameter's device at
-        # once, gets none of it: the saved tensors go to host memory below, one parameter at a time.
-        super().load_state_dict(state_dict if self.host_state is None else {**state_dict, "state": {}})
+        self._load_groups(state_dict)
         for param_id, param in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(param_id)
             if not saved:
                 continue
             state = self.state[param]
-            device = param.device if self.host_state is None else torch.device("cpu")
+            device = self._state_device(param)
             for name in _STATE_KEYS:
                 state[name] = saved[name].to(device=device, copy=True).contiguous()
             state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
