@@ -9,8 +9,6 @@ test_adamw_quality.py.
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ from fusetune.kernels.adamw import (
     gradient_clipping_scale,
     stochastic_rounding_key,
 )
+from tests.kernels.mutation import mutated_kernel
 
 # (atol, rtol) of FusedAdamW's parameters against torch.optim.AdamW run on an fp32 copy, per parameter dtype.
 # float32: the same update with the bias correction of the second moment multiplied by its inverse instead of
@@ -101,6 +100,40 @@ def test_kernel_matches_reference_exactly(param_dtypes, state_dtype, grad_scale,
         torch.testing.assert_close(param.detach(), ref_param, atol=0.0, rtol=0.0)
         torch.testing.assert_close(state["exp_avg"], ref_exp_avg, atol=0.0, rtol=0.0)
         torch.testing.assert_close(state["exp_avg_sq"], ref_exp_avg_sq, atol=0.0, rtol=0.0)
+
+
+def test_tensors_off_the_vector_alignment_take_the_masked_path_and_match_the_reference(monkeypatch, device):
+    """Whole blocks of tensors that all start at a multiple of 16 bytes go unmasked in 16-byte vectors; one
+    tensor that does not (a view one element into its buffer) sends the launch down the masked path, whose
+    loads need no alignment. Both give the reference's bits."""
+    launched = []
+    kernel = adamw_module._adamw_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["ALIGNED"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(adamw_module, "_adamw_kernel", Recorder())
+    for offset in (0, 1):
+        buffers = _tensors([(offset + 4095,), (offset + 1536,)], torch.bfloat16, device, seed=1)
+        params = [torch.nn.Parameter(buffer[offset:]) for buffer in buffers]
+        reference = [p.detach().clone() for p in params]
+        exp_avgs = [torch.zeros_like(p) for p in reference]
+        exp_avg_sqs = [torch.zeros_like(p) for p in reference]
+        optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=5)
+        grads = _tensors([(4095,), (1536,)], torch.bfloat16, device, seed=2)
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        optimizer.step()
+        adamw_step_reference(reference, grads, exp_avgs, exp_avg_sqs, step=1, **HYPERPARAMETERS, seed=5)
+        for param, ref, exp_avg in zip(params, reference, exp_avgs, strict=True):
+            torch.testing.assert_close(param.detach(), ref, atol=0.0, rtol=0.0)
+            torch.testing.assert_close(optimizer.state[param]["exp_avg"], exp_avg, atol=0.0, rtol=0.0)
+    assert launched == [True, False]
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -469,28 +502,14 @@ def test_bad_arguments_are_refused_with_the_field(device):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _mutant_kernel(tmp_path, name, kernel_edit=None, rounding_edit=None):
-    """Copies of the kernel and its rounding helper with one source edit, in a file of their own."""
-    helper_source = inspect.getsource(adamw_module._round_stochastic.fn)
-    kernel_source = inspect.getsource(adamw_module._adamw_kernel.fn)
-    for source_edit, source in ((kernel_edit, kernel_source), (rounding_edit, helper_source)):
-        if source_edit is not None:
-            assert source.count(source_edit[0]) == 1, f"mutation anchor not found once: {source_edit[0]!r}"
-    if kernel_edit:
-        kernel_source = kernel_source.replace(*kernel_edit)
-    if rounding_edit:
-        helper_source = helper_source.replace(*rounding_edit)
-    path = tmp_path / f"{name}.py"
-    path.write_text(helper_source + "\n\n" + kernel_source)
-    namespace = dict(adamw_module._adamw_kernel.fn.__globals__)
-    exec(compile(path.read_text(), str(path), "exec"), namespace)
-    return namespace["_adamw_kernel"]
-
-
 def test_round_to_nearest_mutant_fails_the_unbiasedness_test(tmp_path, monkeypatch, device):
     test_stochastic_rounding_is_unbiased(0.3, device)  # the real kernel passes
-    mutant = _mutant_kernel(
-        tmp_path, "nearest", rounding_edit=("bits + random16", "bits + 0x7FFF + ((bits >> 16) & 1)")
+    mutant = mutated_kernel(
+        adamw_module._adamw_kernel,
+        "bits + random16",
+        "bits + 0x7FFF + ((bits >> 16) & 1)",
+        tmp_path,
+        "nearest",
     )
     monkeypatch.setattr(adamw_module, "_adamw_kernel", mutant)
     with pytest.raises(AssertionError):
@@ -511,7 +530,7 @@ MUTATIONS = [
 
 @pytest.mark.parametrize(("edit", "what"), MUTATIONS, ids=[m.values[1] for m in MUTATIONS])
 def test_mutated_kernel_fails_the_exact_comparison(edit, what, tmp_path, monkeypatch, device):
-    mutant = _mutant_kernel(tmp_path, what.replace("-", "_"), kernel_edit=edit)
+    mutant = mutated_kernel(adamw_module._adamw_kernel, *edit, tmp_path, what.replace("-", "_"))
     monkeypatch.setattr(adamw_module, "_adamw_kernel", mutant)
     with pytest.raises(AssertionError):
         if what == "no-skip-guard":
