@@ -43,7 +43,8 @@ class Settings(BaseSettings):
     # A request body that sends no bytes for this long is answered 408 and its connection closed.
     body_read_timeout_s: float = Field(default=60.0, gt=0)
     # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.
-    # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front.
+    # Memory of one worker GPU; when set, jobs whose estimate exceeds it are refused up front, and each training
+    # process is capped at it and plans for it (on a card with more, the plan the dry run showed).
     gpu_memory_bytes: int | None = Field(default=None, ge=1)
     base_learning_rate: float = Field(default=DEFAULT_BASE_LEARNING_RATE, gt=0)
     # Resumable checkpoints while a job trains, so that a crash (a killed worker, a lost node) costs the steps since

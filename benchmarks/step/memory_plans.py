@@ -128,7 +128,6 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
     from fusetune.worker.train import planning
     from fusetune.worker.train.trainer import Trainer
 
-    _cap_memory(spec)
     # The benchmark times steps and writes no checkpoint: the planner's check of the checkpoints' disk would
     # refuse an 8B run on the GPU machine's 64 GB disk.
     planning.free_disk_bytes = lambda path: 1 << 50
@@ -137,21 +136,16 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
         def _load_model(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
             return _build_model(spec, self.device, dtype)
 
-        def _plan_memory_bytes(self) -> int | None:
-            # The planner plans for the capped GPU, as it would for a card of that size (`fusetune:auto` at
-            # --memory-gib 24 plans for a 24 GiB card), not for the memory the larger card has free.
-            free = super()._plan_memory_bytes()
-            if free is None or not spec.get("memory_gib"):
-                return free
-            return min(free, int(spec["memory_gib"] * GIB) - torch.cuda.memory_reserved())
-
     plan_text, _, attention = spec["plan"].partition("@")
     if attention == "varlen":  # whole rows through the variable-length kernel, as before sdpa took them
         from fusetune.models import attention as attention_module
 
         attention_module.WHOLE_ROWS_TO_SDPA = False
     plan = parse_plan(plan_text)
-    trainer = build_trainer(spec, trainer_class=BuiltOnTheDevice, packing=False, **plan)
+    # A cap is the run's gpu_memory_bytes, as the service's worker passes it: the trainer caps the process and
+    # plans for a card of that size (`fusetune:auto` at --memory-gib 24 plans for a 24 GiB card).
+    cap = int(spec["memory_gib"] * GIB) if spec.get("memory_gib") and torch.cuda.is_available() else None
+    trainer = build_trainer(spec, BuiltOnTheDevice, packing=False, gpu_memory_bytes=cap, **plan)
     config = trainer.config
     batches = job_batches(trainer, spec["warmup_steps"] + spec["steps"])
     row = {

@@ -237,6 +237,7 @@ class JobRunner:
             checkpoint_every_epoch=self.settings.checkpoint_every_epoch,
             checkpoint_every_minutes=self.settings.checkpoint_every_minutes or None,
             keep_last_checkpoints=self.settings.keep_last_checkpoints,
+            gpu_memory_bytes=self.settings.gpu_memory_bytes,
             checkpoint_paths_relative_to=str(self.settings.runs_dir),
         )
         return config.write(run_dir / CONFIG_FILE)

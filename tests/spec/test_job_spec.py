@@ -102,6 +102,11 @@ def test_every_hyperparameter_reaches_the_trainer_as_given(client, settings, tmp
     assert config.method.type == "supervised"
 
 
+def test_the_worker_passes_the_gpu_memory_the_service_plans_for(client, settings, tmp_path):
+    capped = settings.model_copy(update={"gpu_memory_bytes": 80 * 2**30})
+    assert _job_config(client, capped, tmp_path, {}).gpu_memory_bytes == 80 * 2**30
+
+
 def test_the_job_reports_its_method_and_precision(client):
     uploaded = client.post(
         "/v1/files", files={"file": ("t.jsonl", LINE.encode())}, data={"purpose": "fine-tune"}

@@ -16,7 +16,7 @@ from fusetune.spec.planner import PLANNABLE_FRACTION
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import DistInfo
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
-from fusetune.worker.train.planning import plan_run
+from fusetune.worker.train.planning import free_gpu_memory_bytes, plan_run
 from fusetune.worker.train.reporter import NullReporter
 from fusetune.worker.train.trainer import Trainer
 
@@ -154,3 +154,15 @@ def test_the_started_event_names_the_plan_that_runs(model_dir, tmp_path):
     assert started["memory_plan_estimate"]["peak_memory_bytes_per_gpu"] <= two
     assert started["memory_plan_estimate"]["gpu_memory_bytes"] == two
     assert started["micro_batch_size"] == 2 and "fits" in started["memory_plan_reason"]
+
+
+@pytest.mark.gpu
+def test_a_memory_cap_caps_the_process_and_what_the_plan_sees_as_free():
+    device = torch.device("cuda", 0)
+    cap = torch.cuda.memory_reserved(device) + 2**30
+    try:
+        assert free_gpu_memory_bytes(device, cap) <= 2**30
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)

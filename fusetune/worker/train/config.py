@@ -81,6 +81,10 @@ class TrainConfig(TrainingHyperparameters):
     # Continue from the newest checkpoint in output_dir that holds training state (a retry, a resumed pause).
     resume: bool = True
 
+    # The memory of one GPU the run may use (the service's gpu_memory_bytes, which the API's estimates use): each
+    # process is capped at it and the memory plan fits it, on a card that has more. None: the card's free memory.
+    gpu_memory_bytes: int | None = Field(_SERVICE["gpu_memory_bytes"].default, ge=1)
+
     # DDP's gradient buckets (a tuning knob for benchmarks/scaling/gpus.py).
     ddp_bucket_cap_mb: int | None = Field(
         None, ge=1, description="DDP gradient bucket size; default chosen in the trainer for overlap"

@@ -45,11 +45,17 @@ from fusetune.worker.train.distributed import all_reduce
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 
-def free_gpu_memory_bytes(device: torch.device) -> int | None:
-    """Memory free on the tightest of the job's GPUs (every rank must choose the same plan); None on a CPU."""
+def free_gpu_memory_bytes(device: torch.device, cap_bytes: int | None = None) -> int | None:
+    """Memory free on the tightest of the job's GPUs (every rank must choose the same plan); None on a CPU.
+
+    `cap_bytes`: the memory the run may use on each GPU. The process is capped there (its allocations beyond it
+    fail as on a card of that size) and what it may still allocate counts as free where that is less."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
+    if cap_bytes is not None:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+        free = min(free, cap_bytes - torch.cuda.memory_reserved(device))
     return int(all_reduce(torch.tensor([free], device=device), op=torch.distributed.ReduceOp.MIN).item())
 
 

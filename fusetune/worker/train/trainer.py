@@ -173,7 +173,7 @@ class Trainer:
     def _plan_memory_bytes(self) -> int | None:
         """The GPU memory the plan must fit: free on the tightest of the job's GPUs; None on a CPU (a test may
         give a size, so that the CPU runs a plan chosen against one)."""
-        return free_gpu_memory_bytes(self.device)
+        return free_gpu_memory_bytes(self.device, self.config.gpu_memory_bytes)
 
     def _plan_run(self) -> RunPlan:
         """The run's memory plan (planning.py); the precision and the micro-batches follow it."""
