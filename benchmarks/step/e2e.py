@@ -19,6 +19,12 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+fp8-cudagraphs   fusetune+fp8 with each compiled layer replayed as CUDA graphs (torch.compile's
                               "reduce-overhead"): float8 doubles a step's kernels, and at 1 x 4,096 tokens of the
                               8B shape the GPU waited 26 ms more a step between them than in bf16 (h200-step.md)
+    fusetune+fp8-cpp-wrapper  fusetune+fp8 with Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): each
+                              compiled layer launches its kernels from C++ instead of Python. At 1 x 4,096 tokens of
+                              the 8B shape a float8 step ran 4,155 kernels (bf16: 2,107) and left the GPU idle
+                              33 ms of 330 (bf16: 6), in 426 gaps over 20 us (h200-step.md, e2e-fp8-recipes)
+    fusetune+fp8-max-autotune fusetune+fp8 compiled in torch.compile's "max-autotune-no-cudagraphs" mode: Inductor
+                              times variants of its fused cast and reduction kernels (and of the matmuls)
     fusetune+fp8-memory-budget  fusetune+fp8 with the compiler's activation memory budget at 0.9 of what its
                               partitioner would save (torch._functorch.config.activation_memory_budget): it
                               recomputes the cheapest saved activations instead; fp8 held 0.5-1.0 GB more than
@@ -63,6 +69,8 @@ IMPLS = (
     "fusetune+fp8-rowwise",
     "fusetune+fp8-gw-bf16",
     "fusetune+fp8-cudagraphs",
+    "fusetune+fp8-cpp-wrapper",
+    "fusetune+fp8-max-autotune",
     "fusetune+fp8-memory-budget",
 )
 # impl -> its float8 recipe; fusetune+fp8's is the mode's (float8.RECIPE, which tests/benchmarks check it against)
@@ -72,12 +80,19 @@ FLOAT8_IMPLS = {
     "fusetune+fp8-tensorwise": "tensorwise",
     "fusetune+fp8-gw-bf16": "rowwise_with_gw_hp",
     "fusetune+fp8-cudagraphs": "tensorwise",
+    "fusetune+fp8-cpp-wrapper": "tensorwise",
+    "fusetune+fp8-max-autotune": "tensorwise",
     "fusetune+fp8-memory-budget": "tensorwise",
 }
 # impl -> the fraction of the partitioner's saved activations its compiled float8 layers may keep
 FLOAT8_MEMORY_BUDGETS = {"fusetune+fp8-memory-budget": 0.9}
 # impl -> torch.compile's mode for its float8 layers (the default otherwise)
-FLOAT8_COMPILE_MODES = {"fusetune+fp8-cudagraphs": "reduce-overhead"}
+FLOAT8_COMPILE_MODES = {
+    "fusetune+fp8-cudagraphs": "reduce-overhead",
+    "fusetune+fp8-max-autotune": "max-autotune-no-cudagraphs",
+}
+# impl -> Inductor settings of its subprocess
+FLOAT8_INDUCTOR_SETTINGS = {"fusetune+fp8-cpp-wrapper": {"cpp_wrapper": True}}
 OPTIMIZERS = ("torch-adamw", "fusetune-adamw")
 
 LIGER_PATCHES = {
@@ -235,6 +250,11 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
             import torch._functorch.config as partitioner_config
 
             partitioner_config.activation_memory_budget = FLOAT8_MEMORY_BUDGETS[impl]
+        if impl in FLOAT8_INDUCTOR_SETTINGS:
+            import torch._inductor.config as inductor_config
+
+            for name, value in FLOAT8_INDUCTOR_SETTINGS[impl].items():
+                setattr(inductor_config, name, value)
         # Each decoder layer compiled on its own (eager float8 runs its casts as separate kernels; a whole 8B
         # model under torch.compile with float8 did not compile within 140 s, shared/PLATFORM.md).
         conversion = convert_linears(
@@ -247,6 +267,7 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         row["float8"] = {"recipe": recipe, "converted": len(conversion.converted), "left": conversion.left,
                          "compiled_layers": conversion.compiled_layers,
                          "compile_mode": FLOAT8_COMPILE_MODES.get(impl),
+                         "inductor_settings": FLOAT8_INDUCTOR_SETTINGS.get(impl),
                          "activation_memory_budget": FLOAT8_MEMORY_BUDGETS.get(impl)}  # fmt: skip
     if spec.get("optimizer") == "fusetune-adamw":
         from fusetune.kernels import FusedAdamW
