@@ -67,7 +67,7 @@ IMPLS = (
 )
 EIGHT_BIT_IMPLS = ("fusetune-8bit", "torchao-8bit", "bnb-8bit")
 # (block_size, num_warps) tried by --sweep; (elements_per_program, num_warps) by --sweep-8bit
-SWEEP_SETTINGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))
+SWEEP_SETTINGS = ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 16))  # fmt: skip
 SWEEP_8BIT_SETTINGS = (
     (256, 1),
     (256, 2),

@@ -40,8 +40,9 @@ The criterion (issue 12), per learning rate, on the final task-B eval losses: ma
 mean, the spread (max - min) of fp32-master's seeds); bf16-sr's mean lies within the margin of fp32-master's;
 bf16-plain's best seed is worse than both other modes' worst seed by more than the margin (the comparison can
 fail); and fine-tuning moved fp32-master by more than twice the margin from the pretrained model's task-B loss
-(the fine-tuning did something). For the 8-bit impls, the same with adamw8bit in bf16-sr's place and
-adamw8bit-linear-nearest in bf16-plain's. Only the checks of the impls that ran are made. The script exits 1
+(the fine-tuning did something). For the 8-bit impls, the same with adamw8bit in bf16-sr's place, except
+that each worse variant (adamw8bit-linear-nearest, adamw8bit-one-scale) must end outside the margin of both
+fp32-master and adamw8bit on every seed, above or below (MUST_BE_HIGHER says why). Only the checks of the impls that ran are made. The script exits 1
 when any of these, or the plateau, fails, and says which.
 
 Results go to the section "precision" of `benchmarks/results/<gpu-slug>-quality.json` (rows per impl and
@@ -86,12 +87,19 @@ IMPLS = {
 }
 IN_BACKWARD = "-in-backward"
 DEFAULT_IMPLS = ("fp32-master", "bf16-plain", "bf16-sr")
-# (checks' name, impl that must match fp32-master, impl that must be worse than both)
+# (checks' name, impl that must match fp32-master, the worse impl that must fail that match)
 COMPARISONS = (("bf16_sr", "bf16-sr", "bf16_plain", "bf16-plain"),
                ("adamw8bit", "adamw8bit", "adamw8bit_linear_nearest", "adamw8bit-linear-nearest"),
                ("adamw8bit", "adamw8bit", "adamw8bit_one_scale", "adamw8bit-one-scale"),
                ("bf16_sr_in_backward", "bf16-sr-in-backward", None, None),
                ("adamw8bit_in_backward", "adamw8bit-in-backward", None, None))  # fmt: skip
+# The worse impls that must end above both (higher task-B loss); the others must end outside the margin of both
+# on every seed, in either direction. Rounding bf16 weights to nearest loses small updates, so it learns less:
+# higher. Badly quantized moments change the step itself: at 1e-5 both 8-bit variants ended *lower* on task B
+# than fp32-master on every seed (h200-quality.md, precision-8bit-lr1e-5-300: -5.4% rounded to nearest), with
+# their task-A loss, what fine-tuning forgot, 11% and 36% higher (adamw8bit: -0.7%); at 1e-4 they ended higher.
+# What the test claims of an 8-bit optimizer is that it ends where fp32-master does, and they do not.
+MUST_BE_HIGHER = {"bf16-plain"}
 QUANTIZATION_BLOCK = 256
 PRETRAIN_PRECISION = "bf16-mixed"
 MAX_GRAD_NORM = 1.0
@@ -439,9 +447,14 @@ def verdict(losses: dict[str, list[float]], start: float) -> dict[str, Any]:
             measures[f"{bad_name}_relative_to_fp32_master"] = round(
                 statistics.fmean(worst) / fp32_mean - 1, 5
             )
-            checks[f"{bad_name}_worse_than_fp32_master"] = min(worst) > max(fp32) + margin
-            if good in losses:
-                checks[f"{bad_name}_worse_than_{good_name}"] = min(worst) > max(losses[good]) + margin
+            others = {"fp32_master": fp32, **({good_name: losses[good]} if good in losses else {})}
+            for other_name, other in others.items():
+                if bad in MUST_BE_HIGHER:
+                    checks[f"{bad_name}_worse_than_{other_name}"] = min(worst) > max(other) + margin
+                else:
+                    checks[f"{bad_name}_misses_{other_name}"] = all(
+                        value > max(other) + margin or value < min(other) - margin for value in worst
+                    )
     rule = "max(0.01 * mean(fp32-master), max - min of fp32-master's seeds)"
     return verdict_record(start, margin, rule, measures, checks)
 

@@ -22,9 +22,12 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+fp8-cpp-wrapper  fusetune+fp8 with Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): each
                               compiled layer launches its kernels from C++ instead of Python. At 1 x 4,096 tokens of
                               the 8B shape a float8 step ran 4,155 kernels (bf16: 2,107) and left the GPU idle
-                              33 ms of 330 (bf16: 6), in 426 gaps over 20 us (h200-step.md, e2e-fp8-recipes)
+                              33 ms of 330 (bf16: 6), in 426 gaps over 20 us (h200-step.md, e2e-fp8-recipes).
+                              Measured: 13,479 tokens/s against fusetune+fp8's 13,392, with the GPU idle 9.9 and
+                              9.3 ms a step (e2e-fp8-8b-launch): the launches do not bound the step
     fusetune+fp8-max-autotune fusetune+fp8 compiled in torch.compile's "max-autotune-no-cudagraphs" mode: Inductor
-                              times variants of its fused cast and reduction kernels (and of the matmuls)
+                              times variants of its fused cast and reduction kernels (and of the matmuls). At the
+                              8B shape it had not finished compiling when the call's 470 s ran out
     fusetune+fp8-memory-budget  fusetune+fp8 with the compiler's activation memory budget at 0.9 of what its
                               partitioner would save (torch._functorch.config.activation_memory_budget): it
                               recomputes the cheapest saved activations instead; fp8 held 0.5-1.0 GB more than

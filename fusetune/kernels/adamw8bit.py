@@ -68,7 +68,6 @@ import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.adamw import (
-    VECTOR_BYTES,
     FusedOptimizerState,
     _back_to_back_offsets,
     _block_map,
@@ -126,6 +125,9 @@ def adamw8bit_launch_settings(block_size: int = DEFAULT_BLOCK_SIZE) -> AdamW8bit
     Llama-3.1-8B parameter set one block per program with 2 warps took 3.3x less time than 2048 elements with 8
     warps, and every larger program measured slower (benchmarks/results/h200-kernels.json, sections
     optimizer-8bit-sweep and optimizer-8b-sweep: `python3 -m benchmarks.kernels.optimizer --sweep-8bit`).
+    Loads and stores stay masked and element-wide: the unmasked 16-byte vectors that made adamw.py's kernel 11%
+    faster at 8B made this one slower there, 52.6 -> 58.2 ms (h200-kernels.md, optimizer-8b-before-vectors and
+    optimizer-8b-vectors): its time goes to arithmetic, not to memory instructions.
     Interpreter: 512 elements, so CPU tests at a few thousand elements walk several programs per tensor.
     """
     if interpreted():
@@ -163,20 +165,13 @@ def _decode(code, MANTISSA_BITS: tl.constexpr):
 # ------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _adamw8bit_programs(
-    param_ptr,
-    grad_ptr,
-    m_codes_ptr,
-    m_scales_ptr,
-    r_codes_ptr,
-    r_scales_ptr,
-    blocks,
-    offsets,
-    mask,
-    block_mask,
-    group_offset,
-    grad_scale,
+@triton.jit(do_not_specialize=["step_key"])
+def _adamw8bit_kernel(
+    table_ptr,
+    program_tensor_ptr,
+    param_proto_ptr,
+    grad_proto_ptr,
+    grad_scale_ptr,
     beta1,
     one_minus_beta1,
     beta2,
@@ -187,31 +182,45 @@ def _adamw8bit_programs(
     step_size,
     step_key,
     HAS_GRAD_SCALE: tl.constexpr,
+    TABLE_COLUMNS: tl.constexpr,
+    QUANT_BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
     M_MANTISSA_BITS: tl.constexpr,
     R_MANTISSA_BITS: tl.constexpr,
-    MASKED: tl.constexpr,
 ):
-    """The update of the module docstring over the quantization `blocks` (their elements at `offsets`) of one
-    tensor, in place; the masks are read only if MASKED (whole programs of aligned tensors go without them, so
-    that a thread's elements move as vectors)."""
-    param_dtype = param_ptr.dtype.element_ty
-    if MASKED:
-        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-        m_code = tl.load(m_codes_ptr + offsets, mask=mask, other=0).to(tl.uint32)
-        r_code = tl.load(r_codes_ptr + offsets, mask=mask, other=0).to(tl.uint32)
-        m_scale = tl.load(m_scales_ptr + blocks, mask=block_mask, other=0.0)
-        r_scale = tl.load(r_scales_ptr + blocks, mask=block_mask, other=0.0)
-        param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    else:
-        grad = tl.load(grad_ptr + offsets, eviction_policy="evict_first")
-        m_code = tl.load(m_codes_ptr + offsets).to(tl.uint32)
-        r_code = tl.load(r_codes_ptr + offsets).to(tl.uint32)
-        m_scale = tl.load(m_scales_ptr + blocks)
-        r_scale = tl.load(r_scales_ptr + blocks)
-        param = tl.load(param_ptr + offsets).to(tl.float32)
-    grad = grad.to(tl.float32)
+    """BLOCKS_PER_PROGRAM quantization blocks of one tensor of the group: the update of the module docstring,
+    in place. The *_proto pointers are the first tensor's, passed only for their element types."""
+    param_dtype = param_proto_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    tensor = tl.load(program_tensor_ptr + pid).to(tl.int64)
+    row = table_ptr + tensor * TABLE_COLUMNS
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_dtype))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
+    m_codes_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    m_scales_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    r_codes_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    r_scales_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    numel = tl.load(row + 6)
+    group_offset = tl.load(row + 7)
+    first_program = tl.load(row + 8)
+
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
+        numel = tl.where(grad_scale == grad_scale, numel, 0)
+    blocks = (pid - first_program) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    offsets = blocks[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK)[None, :]
+    mask = offsets < numel
+    block_mask = blocks * QUANT_BLOCK < numel
+
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if HAS_GRAD_SCALE:
         grad = grad * grad_scale
+    m_code = tl.load(m_codes_ptr + offsets, mask=mask, other=0).to(tl.uint32)
+    r_code = tl.load(r_codes_ptr + offsets, mask=mask, other=0).to(tl.uint32)
+    m_scale = tl.load(m_scales_ptr + blocks, mask=block_mask, other=0.0)
+    r_scale = tl.load(r_scales_ptr + blocks, mask=block_mask, other=0.0)
+    param = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
     m_magnitude = _decode(m_code & 0x7F, M_MANTISSA_BITS) * m_scale[:, None]
     exp_avg = tl.where(m_code >= 0x80, -m_magnitude, m_magnitude)
@@ -230,9 +239,9 @@ def _adamw8bit_programs(
     first = _mix32_kernel(index.to(tl.uint32) ^ high_key)
     second = _mix32_kernel(first ^ 0x9E3779B9)  # adamw._SALT
     if param_dtype == tl.bfloat16:
-        param_out = _round_stochastic(param, first & 0xFFFF)
+        tl.store(param_ptr + offsets, _round_stochastic(param, first & 0xFFFF), mask=mask)
     else:
-        param_out = param
+        tl.store(param_ptr + offsets, param, mask=mask)
 
     # Masked lanes hold m = v = 0, so they do not enter the maxima.
     new_m_scale = tl.max(tl.abs(exp_avg), axis=1)
@@ -240,97 +249,12 @@ def _adamw8bit_programs(
     m_ratio = tl.div_rn(tl.abs(exp_avg), tl.where(new_m_scale > 0, new_m_scale, 1.0)[:, None])
     r_ratio = tl.div_rn(root, tl.where(new_r_scale > 0, new_r_scale, 1.0)[:, None])
     m_code = _encode(m_ratio, first >> 16, M_MANTISSA_BITS)
-    m_code = tl.where(exp_avg < 0, m_code | 0x80, m_code).to(tl.uint8)
-    r_code = _encode(r_ratio, second & 0xFFFF, R_MANTISSA_BITS).to(tl.uint8)
-    if MASKED:
-        tl.store(param_ptr + offsets, param_out, mask=mask)
-        tl.store(m_codes_ptr + offsets, m_code, mask=mask)
-        tl.store(r_codes_ptr + offsets, r_code, mask=mask)
-        tl.store(m_scales_ptr + blocks, new_m_scale, mask=block_mask)
-        tl.store(r_scales_ptr + blocks, new_r_scale, mask=block_mask)
-    else:
-        tl.store(param_ptr + offsets, param_out)
-        tl.store(m_codes_ptr + offsets, m_code)
-        tl.store(r_codes_ptr + offsets, r_code)
-        tl.store(m_scales_ptr + blocks, new_m_scale)
-        tl.store(r_scales_ptr + blocks, new_r_scale)
-
-
-@triton.jit(do_not_specialize=["step_key"])
-def _adamw8bit_kernel(
-    table_ptr,
-    program_tensor_ptr,
-    param_proto_ptr,
-    grad_proto_ptr,
-    grad_scale_ptr,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    inv_sqrt_bias_correction2,
-    eps,
-    weight_decay_factor,
-    step_size,
-    step_key,
-    HAS_GRAD_SCALE: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    TABLE_COLUMNS: tl.constexpr,
-    QUANT_BLOCK: tl.constexpr,
-    BLOCKS_PER_PROGRAM: tl.constexpr,
-    M_MANTISSA_BITS: tl.constexpr,
-    R_MANTISSA_BITS: tl.constexpr,
-):
-    """BLOCKS_PER_PROGRAM quantization blocks of one tensor of the group: the update of the module docstring,
-    in place. The *_proto pointers are the first tensor's, passed only for their element types. ALIGNED: every
-    address of the table is a multiple of 16 bytes (as adamw's kernel: the compiler is told, and a program
-    whose elements all lie inside its tensor goes unmasked)."""
-    param_dtype = param_proto_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    tensor = tl.load(program_tensor_ptr + pid).to(tl.int64)
-    row = table_ptr + tensor * TABLE_COLUMNS
-    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_dtype))
-    grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
-    m_codes_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    m_scales_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    r_codes_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
-    r_scales_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    numel = tl.load(row + 6)
-    group_offset = tl.load(row + 7)
-    first_program = tl.load(row + 8)
-    if ALIGNED:
-        param_ptr = tl.multiple_of(param_ptr, 16)
-        grad_ptr = tl.multiple_of(grad_ptr, 16)
-        m_codes_ptr = tl.multiple_of(m_codes_ptr, 16)
-        r_codes_ptr = tl.multiple_of(r_codes_ptr, 16)
-        m_scales_ptr = tl.multiple_of(m_scales_ptr, 16)
-        r_scales_ptr = tl.multiple_of(r_scales_ptr, 16)
-
-    grad_scale = 1.0
-    if HAS_GRAD_SCALE:
-        grad_scale = tl.load(grad_scale_ptr)
-        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
-        numel = tl.where(grad_scale == grad_scale, numel, 0)
-    first_block = (pid - first_program) * BLOCKS_PER_PROGRAM
-    blocks = first_block + tl.arange(0, BLOCKS_PER_PROGRAM)
-    offsets = blocks[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK)[None, :]
-    mask = offsets < numel
-    block_mask = blocks * QUANT_BLOCK < numel
-    if ALIGNED and (first_block + BLOCKS_PER_PROGRAM) * QUANT_BLOCK <= numel:
-        _adamw8bit_programs(
-            param_ptr, grad_ptr, m_codes_ptr, m_scales_ptr, r_codes_ptr, r_scales_ptr, blocks, offsets, mask,
-            block_mask, group_offset, grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2,
-            inv_sqrt_bias_correction2, eps, weight_decay_factor, step_size, step_key,
-            HAS_GRAD_SCALE=HAS_GRAD_SCALE, M_MANTISSA_BITS=M_MANTISSA_BITS, R_MANTISSA_BITS=R_MANTISSA_BITS,
-            MASKED=False,
-        )  # fmt: skip
-    else:
-        _adamw8bit_programs(
-            param_ptr, grad_ptr, m_codes_ptr, m_scales_ptr, r_codes_ptr, r_scales_ptr, blocks, offsets, mask,
-            block_mask, group_offset, grad_scale, beta1, one_minus_beta1, beta2, one_minus_beta2,
-            inv_sqrt_bias_correction2, eps, weight_decay_factor, step_size, step_key,
-            HAS_GRAD_SCALE=HAS_GRAD_SCALE, M_MANTISSA_BITS=M_MANTISSA_BITS, R_MANTISSA_BITS=R_MANTISSA_BITS,
-            MASKED=True,
-        )  # fmt: skip
+    m_code = tl.where(exp_avg < 0, m_code | 0x80, m_code)
+    r_code = _encode(r_ratio, second & 0xFFFF, R_MANTISSA_BITS)
+    tl.store(m_codes_ptr + offsets, m_code.to(tl.uint8), mask=mask)
+    tl.store(r_codes_ptr + offsets, r_code.to(tl.uint8), mask=mask)
+    tl.store(m_scales_ptr + blocks, new_m_scale, mask=block_mask)
+    tl.store(r_scales_ptr + blocks, new_r_scale, mask=block_mask)
 
 
 def _launch(
@@ -366,7 +290,6 @@ def _launch(
             params, grads, states, numels, element_offsets, first_programs, strict=True
         )
     ]
-    aligned = all(address % VECTOR_BYTES == 0 for row in rows for address in row[:6])
     table = torch.tensor(rows, dtype=torch.int64)
     if device.type != "cpu":
         # Grad addresses change every step, so the table is sent each time, from pinned memory without a wait.
@@ -395,7 +318,6 @@ def _launch(
         constants.step_size,
         step_key_signed,
         HAS_GRAD_SCALE=grad_scale is not None,
-        ALIGNED=aligned,
         TABLE_COLUMNS=_TABLE_COLUMNS,
         QUANT_BLOCK=block_size,
         BLOCKS_PER_PROGRAM=elements // block_size,

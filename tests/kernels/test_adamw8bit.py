@@ -468,8 +468,7 @@ def test_fsdp2_parameters_are_refused_with_the_reason(one_process_group):
 MUTATIONS = [
     pytest.param(("exp_avg = tl.where(m_code >= 0x80, -m_magnitude, m_magnitude)",
                   "exp_avg = tl.where(m_code >= 0x80, m_magnitude, -m_magnitude)"), "m-sign-flip"),
-    # (the edits of the loads and stores that the masked and the unmasked path each make are made in both)
-    pytest.param(("m_scale = tl.load(m_scales_ptr + blocks", "m_scale = tl.load(r_scales_ptr + blocks"),
+    pytest.param(("m_scale = tl.load(m_scales_ptr + blocks,", "m_scale = tl.load(r_scales_ptr + blocks,"),
                  "m-read-with-r-scales"),
     pytest.param(("tl.store(r_scales_ptr + blocks, new_r_scale",
                   "tl.store(r_scales_ptr + blocks // 2, new_r_scale"),
@@ -491,10 +490,7 @@ MUTATIONS = [
 
 @pytest.mark.parametrize(("edit", "what"), MUTATIONS, ids=[m.values[1] for m in MUTATIONS])
 def test_mutated_kernel_fails_the_exact_comparison(edit, what, tmp_path, monkeypatch, device):
-    count = 2 if what in ("m-read-with-r-scales", "wrong-block-index") else 1
-    mutant = mutated_kernel(
-        adamw8bit_module._adamw8bit_kernel, *edit, tmp_path, what.replace("-", "_"), count=count
-    )
+    mutant = mutated_kernel(adamw8bit_module._adamw8bit_kernel, *edit, tmp_path, what.replace("-", "_"))
     monkeypatch.setattr(adamw8bit_module, "_adamw8bit_kernel", mutant)
     with pytest.raises(AssertionError):
         if what in ("no-subnormal-codes", "subnormal-decode"):
