@@ -584,7 +584,9 @@ def markdown_verdict(payload: dict[str, Any]) -> list[str]:
     if payload.get("partial"):
         return ["", f"Verdict: **none**: the run was cut short after {len(payload['runs'])} runs.", ""]
     verdict_text = "pass" if payload["passed"] else "FAIL"
-    return ["", f"Verdict: **{verdict_text}** ({payload['verdict_reason']}).", ""]
+    # A verdict judged again later from the run's own losses says so, and by which criterion.
+    note = [f"Note: {payload['verdict_note']}.", ""] if payload.get("verdict_note") else []
+    return ["", f"Verdict: **{verdict_text}** ({payload['verdict_reason']}).", "", *note]
 
 
 def rows_table(rows: list[dict[str, Any]], per_seed: str, extra: tuple[str, str]) -> str:
