@@ -85,19 +85,21 @@ class AdamWLaunchSettings:
 def adamw_launch_settings() -> AdamWLaunchSettings:
     """The kernel's launch settings.
 
-    GPU: one H100, the Llama-3.2-1B parameter set (1.236e9 bf16 params in 146 tensors), median of 10 steps,
-    `benchmarks/kernels/optimizer.py --sweep` (2026-11-25, torch 2.11, triton 3.6; the sweep's rows are not
-    committed, the default's step is in benchmarks/results/h100-kernels.json, section optimizer): 2048
-    elements with 8 warps 9.01 ms (9.86 when re-measured later in the same run), 1024 with 4 warps 9.08,
-    2048 with 4 12.1, 4096 with 8 12.5, 4096 with 16 10.7, 8192 with 16 21.7; the floor (14 bytes a parameter at the measured 3001 GB/s) is 5.77.
-    The same kernel over one flat tensor of that size took 7.83 ms: the address table (a dependent load of the
-    block's tensor, then of its row, before the data) costs about 1.2 ms of the 9.0. A flat buffer would need the
+    GPU: one H200, `benchmarks/kernels/optimizer.py --sweep` with whole blocks moved in 16-byte vectors
+    (h200-kernels.md, sections optimizer-sweep-vectors and optimizer-8b-sweep-vectors, 2026-11-28): 8192 elements
+    with 16 warps (16 elements a thread, two vectors of each tensor) was the fastest of nine settings at both
+    sizes. Llama-3.2-1B's 1.236e9 bf16 parameters in 146 tensors: 7.02 ms, against 7.44-7.81 for the 2048 with 8
+    warps used before and 6.99 for torch's fused AdamW without stochastic rounding; Llama-3.1-8B's 8.03e9 in 291
+    tensors: 41.2 ms against 44.4-44.6, and 42.6 for torch's (floor: 26.6 ms, 14 bytes a parameter at the
+    copy bandwidth). Before the vectors (2-byte loads), 2048 with 8 warps had been the best on an H100, and the
+    8B step took 50.7 ms (optimizer-8b-before-vectors). The address table (a dependent load of the block's
+    tensor, then of its row, before the data) cost about 1.2 of 9.0 ms at 1B then; a flat buffer would need the
     parameters and gradients to live in one allocation, which the model and FSDP own, so the table stays.
     Interpreter: a small block, so CPU tests at a few thousand elements walk several blocks per tensor.
     """
     if interpreted():
         return AdamWLaunchSettings(block_size=512, num_warps=4)
-    return AdamWLaunchSettings(block_size=2048, num_warps=8)
+    return AdamWLaunchSettings(block_size=8192, num_warps=16)
 
 
 # ------------------------------------------------------------------------------------------------------------
