@@ -361,12 +361,17 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         row["error"] = f"non-finite loss {losses}"
     if spec.get("profile") and device == "cuda":
         # After the row's peak is read: the profile resets the peak counter per phase.
-        row["profile"] = profile_step(step_model, optimizer, batches[-1], labels_of(batches[-1]), extra)
+        row["profile"] = profile_step(
+            step_model, optimizer, batches[-1], labels_of(batches[-1]), extra, spec.get("profile_kernels", MARKDOWN_KERNELS)
+        )
     return row
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Profile of one step (--profile): where the GPU time goes, where it idles, where the memory peak sits.
+
+# Kernels of a profile in the markdown (the results file keeps --profile-kernels of them).
+MARKDOWN_KERNELS = 15
 
 KERNEL_CATEGORIES = (
     # (category, substrings of the kernel name, lower case); the first match wins
@@ -509,7 +514,10 @@ def render_profiles(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 markdown_table(
                     ["kernel", "category", "calls", "GPU ms"],
-                    [[k["name"], k["category"], k["calls"], k["ms"]] for k in row["profile"]["top_kernels"]],
+                    [
+                        [k["name"], k["category"], k["calls"], k["ms"]]
+                        for k in row["profile"]["top_kernels"][:MARKDOWN_KERNELS]
+                    ],
                 )
             )
             gaps = ", ".join(f"{g['us']} us after {g['after']}" for g in row["profile"]["largest_gaps"])
@@ -687,6 +695,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after the timed steps, profile one more step: memory per phase, GPU time by kernel, idle gaps",
     )
     parser.add_argument(
+        "--profile-kernels",
+        type=int,
+        default=MARKDOWN_KERNELS,
+        help=f"kernels a profile keeps in the results file, by GPU time (the markdown shows {MARKDOWN_KERNELS})",
+    )
+    parser.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute each decoder layer in the backward"
     )
     parser.add_argument(
@@ -795,6 +809,7 @@ def main(argv: list[str] | None = None) -> int:
                 "untrained_fraction": args.untrained_fraction,
                 "peak_tflops": peak_tflops,
                 "profile": args.profile,
+                "profile_kernels": args.profile_kernels,
                 "loss_chunk": args.loss_chunk,
                 "optimizer": args.optimizer,
                 "fp8_compile_layers": args.fp8_compile_layers,
