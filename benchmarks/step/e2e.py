@@ -361,9 +361,8 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         row["error"] = f"non-finite loss {losses}"
     if spec.get("profile") and device == "cuda":
         # After the row's peak is read: the profile resets the peak counter per phase.
-        row["profile"] = profile_step(
-            step_model, optimizer, batches[-1], labels_of(batches[-1]), extra, spec.get("profile_kernels", MARKDOWN_KERNELS)
-        )
+        kept = spec.get("profile_kernels", MARKDOWN_KERNELS)
+        row["profile"] = profile_step(step_model, optimizer, batches[-1], labels_of(batches[-1]), extra, kept)
     return row
 
 
