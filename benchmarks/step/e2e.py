@@ -28,6 +28,9 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+fp8-max-autotune fusetune+fp8 compiled in torch.compile's "max-autotune-no-cudagraphs" mode: Inductor
                               times variants of its fused cast and reduction kernels (and of the matmuls). At the
                               8B shape it had not finished compiling when the call's 470 s ran out
+    fusetune+fp8-weight-passes  fusetune+fp8 with each weight's float8 scale from a pass over the weight at every
+                              cast (torchao's), not from the block maxima FusedAdamW keeps (--optimizer
+                              fusetune-adamw rows; the trainer's fp8 mode keeps them)
     fusetune+fp8-memory-budget  fusetune+fp8 with the compiler's activation memory budget at 0.9 of what its
                               partitioner would save (torch._functorch.config.activation_memory_budget): it
                               recomputes the cheapest saved activations instead; fp8 held 0.5-1.0 GB more than
@@ -74,6 +77,7 @@ IMPLS = (
     "fusetune+fp8-cudagraphs",
     "fusetune+fp8-cpp-wrapper",
     "fusetune+fp8-max-autotune",
+    "fusetune+fp8-weight-passes",
     "fusetune+fp8-memory-budget",
 )
 # impl -> its float8 recipe; fusetune+fp8's is the mode's (float8.RECIPE, which tests/benchmarks check it against)
@@ -85,6 +89,7 @@ FLOAT8_IMPLS = {
     "fusetune+fp8-cudagraphs": "tensorwise",
     "fusetune+fp8-cpp-wrapper": "tensorwise",
     "fusetune+fp8-max-autotune": "tensorwise",
+    "fusetune+fp8-weight-passes": "tensorwise",
     "fusetune+fp8-memory-budget": "tensorwise",
 }
 # impl -> the fraction of the partitioner's saved activations its compiled float8 layers may keep
@@ -276,6 +281,10 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         from fusetune.kernels import FusedAdamW
 
         optimizer = FusedAdamW(model.parameters(), lr=1e-5, seed=0)
+        if impl in FLOAT8_IMPLS and impl != "fusetune+fp8-weight-passes":
+            from fusetune.worker.train.float8 import keep_weight_maxima
+
+            row["float8"]["weight_maxima_layers"] = keep_weight_maxima(model, optimizer)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     step_model = torch.compile(model) if impl in ("compile", "fusetune+compile") else model

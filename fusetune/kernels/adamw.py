@@ -54,6 +54,7 @@ __all__ = [
     "adamw_launch_settings",
     "adamw_state_bytes_per_parameter",
     "adamw_step_reference",
+    "block_maxima_reference",
     "gradient_clipping_scale",
     "stochastic_rounding_key",
 ]
@@ -66,7 +67,8 @@ _MIX_MULTIPLIER_2 = 0x735A2D97
 # Second hash of an element, for exp_avg_sq's bits (the golden-ratio constant, any odd constant would do).
 _SALT = 0x9E3779B9
 # Columns of the per-launch address table (int64): param, grad, exp_avg, exp_avg_sq addresses, numel, element
-# offset of the tensor in the group, first block of the tensor in the launch, and padding to 8.
+# offset of the tensor in the group, first block of the tensor in the launch, and the address of the tensor's
+# block maxima (0: none kept).
 _TABLE_COLUMNS = 8
 # The widest load or store of one thread: a kernel whose tensors all start at a multiple of it moves its whole
 # blocks in vectors of this size.
@@ -197,7 +199,8 @@ def _adamw_block(
     MASKED: tl.constexpr,
 ):
     """The update of the module docstring over `offsets` of one tensor, in place; `mask` is read only if MASKED
-    (a whole block of aligned tensors goes without it, so that its loads and stores are 16-byte vectors)."""
+    (a whole block of aligned tensors goes without it, so that its loads and stores are 16-byte vectors).
+    Returns the largest magnitude of the stored parameters (0 where masked)."""
     param_dtype = param_ptr.dtype.element_ty
     state_dtype = exp_avg_ptr.dtype.element_ty
     if MASKED:
@@ -239,10 +242,13 @@ def _adamw_block(
         tl.store(param_ptr + offsets, param_out, mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg_out, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq_out, mask=mask)
+        magnitude = tl.where(mask, tl.abs(param_out.to(tl.float32)), 0.0)
     else:
         tl.store(param_ptr + offsets, param_out)
         tl.store(exp_avg_ptr + offsets, exp_avg_out)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq_out)
+        magnitude = tl.abs(param_out.to(tl.float32))
+    return tl.max(magnitude, axis=0)
 
 
 @triton.jit(do_not_specialize=["step_key"])
@@ -288,6 +294,7 @@ def _adamw_kernel(
     numel = tl.load(row + 4)
     group_offset = tl.load(row + 5)
     first_block = tl.load(row + 6)
+    block_maxima = tl.load(row + 7)
     if ALIGNED:
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
@@ -303,17 +310,21 @@ def _adamw_kernel(
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < numel
     if ALIGNED and start + BLOCK <= numel:
-        _adamw_block(
+        block_max = _adamw_block(
             param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale,
             beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias_correction2, eps,
             weight_decay_factor, step_size, step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=False,
         )  # fmt: skip
     else:
-        _adamw_block(
+        block_max = _adamw_block(
             param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale,
             beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias_correction2, eps,
             weight_decay_factor, step_size, step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=True,
         )  # fmt: skip
+    # The block's largest stored magnitude, where the tensor keeps them (float8's weight scales: what its casts
+    # would otherwise read the whole weight for). A skipped step (numel 0) wrote nothing and leaves them as well.
+    if block_maxima != 0 and start < numel:
+        tl.store(block_maxima.to(tl.pointer_type(tl.float32)) + (pid - first_block), block_max)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -380,15 +391,34 @@ def _launch(
     step_key: int,
     grad_scale: torch.Tensor | None,
     settings: AdamWLaunchSettings,
+    block_maxima: Sequence[torch.Tensor | None],
 ) -> None:
-    """One kernel launch over local, contiguous tensors that share their dtypes and step."""
+    """One kernel launch over local, contiguous tensors that share their dtypes and step; a tensor with
+    `block_maxima` gets them rewritten (FusedAdamW.keep_block_maxima)."""
     device = params[0].device
     numels = tuple(p.numel() for p in params)
     block_tensor, first_blocks = _block_map(numels, settings.block_size, device)
     rows = [
-        [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), n, offset, first, 0]
-        for p, g, m, v, n, offset, first in zip(
-            params, grads, exp_avgs, exp_avg_sqs, numels, element_offsets, first_blocks, strict=True
+        [
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            n,
+            offset,
+            first,
+            0 if b is None else b.data_ptr(),
+        ]
+        for p, g, m, v, n, offset, first, b in zip(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            numels,
+            element_offsets,
+            first_blocks,
+            block_maxima,
+            strict=True,
         )
     ]
     aligned = all(address % VECTOR_BYTES == 0 for row in rows for address in row[:4])
@@ -481,6 +511,14 @@ def adamw_step_reference(
         else:
             exp_avg.copy_(m)
             exp_avg_sq.copy_(v)
+
+
+def block_maxima_reference(tensor: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The largest magnitude in each `block_size` block of `tensor`'s elements (the last block may be shorter),
+    as fp32: what the kernel writes for a tensor whose block maxima FusedAdamW keeps."""
+    flat = tensor.detach().reshape(-1).abs().to(torch.float32)
+    padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % block_size))
+    return padded.view(-1, block_size).amax(dim=1)
 
 
 def _sqrt_rn(value: torch.Tensor) -> torch.Tensor:
@@ -648,6 +686,7 @@ class FusedAdamW(FusedOptimizerState):
         stochastic_rounding_key(seed, 0)  # validates the seed
         self.seed = seed
         self.state_dtype = state_dtype
+        self.block_maxima: dict[torch.Tensor, torch.Tensor] = {}
         self.host_state = HostState(("exp_avg", "exp_avg_sq")) if state_on_host else None
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
@@ -658,6 +697,29 @@ class FusedAdamW(FusedOptimizerState):
                         f"FusedAdamW: parameter {index} of its group is an FSDP2 DTensor; state_on_host keeps "
                         "whole tensors in host memory, FSDP2 already shards the state over the GPUs"
                     )
+
+    @torch.no_grad()
+    def keep_block_maxima(self, params: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
+        """For each of `params` (this optimizer's, not FSDP2-sharded), an fp32 buffer of the largest magnitude
+        in each block of its elements (the kernel's blocks), computed now and rewritten by every step from the
+        values it stores, so that the largest magnitude of the whole tensor is a max over a few thousand values
+        instead of a pass over its elements. Valid as long as this optimizer is what changes the parameters;
+        `refresh_block_maxima` recomputes them after anything else did (a checkpoint loaded into them)."""
+        owned = {param for group in self.param_groups for param in group["params"]}
+        for param in params:
+            if param not in owned or hasattr(param, "to_local"):
+                raise ValueError(
+                    "FusedAdamW: block maxima are kept for this optimizer's unsharded parameters"
+                )
+            self.block_maxima[param] = block_maxima_reference(param, adamw_launch_settings().block_size)
+        return self.block_maxima
+
+    @torch.no_grad()
+    def refresh_block_maxima(self) -> None:
+        """Recompute the kept block maxima from the parameters as they are."""
+        block_size = adamw_launch_settings().block_size
+        for param, maxima in self.block_maxima.items():
+            maxima.copy_(block_maxima_reference(param, block_size))
 
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         dtype = _state_dtype(param.dtype, self.state_dtype)
@@ -703,7 +765,15 @@ class FusedAdamW(FusedOptimizerState):
                 exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
                 key = (local_param.dtype, grad.dtype, exp_avg.dtype, local_param.device, step)
                 launches.setdefault(key, []).append(
-                    (local_param, grad.contiguous(), exp_avg, exp_avg_sq, start, state)
+                    (
+                        local_param,
+                        grad.contiguous(),
+                        exp_avg,
+                        exp_avg_sq,
+                        start,
+                        state,
+                        self.block_maxima.get(param),
+                    )
                 )
             for (_, _, _, device, step), members in launches.items():
                 if device.type == "cpu" and not interpreted():
@@ -717,18 +787,18 @@ class FusedAdamW(FusedOptimizerState):
                 constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
                 rounding_key = stochastic_rounding_key(self.seed, step)
                 if self.host_state is None:
-                    params, grads, exp_avgs, exp_avg_sqs, offsets, _ = zip(*members, strict=True)
+                    params, grads, exp_avgs, exp_avg_sqs, offsets, _, maxima = zip(*members, strict=True)
                     _launch(
                         params, grads, exp_avgs, exp_avg_sqs, offsets, constants, rounding_key, grad_scale,
-                        adamw_launch_settings(),
+                        adamw_launch_settings(), maxima,
                     )  # fmt: skip
                     continue
                 # One parameter at a time through the device buffers (the same offsets, so the same bits).
-                for param, grad, _, _, start, state in members:
+                for param, grad, _, _, start, state, maxima in members:
                     staged = self.host_state.stage(state, device)
                     _launch(
                         (param,), (grad,), (staged["exp_avg"],), (staged["exp_avg_sq"],), (start,), constants,
-                        rounding_key, grad_scale, adamw_launch_settings(),
+                        rounding_key, grad_scale, adamw_launch_settings(), (maxima,),
                     )  # fmt: skip
                     self.host_state.unstage(state, staged)
         return loss

@@ -9,6 +9,8 @@ test_adamw_quality.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from fusetune.kernels.adamw import (
     FusedAdamW,
     adamw_state_bytes_per_parameter,
     adamw_step_reference,
+    block_maxima_reference,
     gradient_clipping_scale,
     stochastic_rounding_key,
 )
@@ -566,3 +569,49 @@ def test_kernel_matches_reference_exactly_at_real_sizes(state_dtype, device):
         torch.testing.assert_close(param.detach(), ref, atol=0.0, rtol=0.0)
         torch.testing.assert_close(optimizer.state[param]["exp_avg"], exp_avg, atol=0.0, rtol=0.0)
         torch.testing.assert_close(optimizer.state[param]["exp_avg_sq"], exp_avg_sq, atol=0.0, rtol=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Block maxima (float8's weight scales without a pass over the weights)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("param_dtypes", [[torch.bfloat16] * 4, [torch.float32] * 4], ids=["bf16", "fp32"])
+def test_kept_block_maxima_are_those_of_the_stored_parameters(param_dtypes, device):
+    """Every step rewrites the kept block maxima from the values it stores, tails and tensors smaller than a
+    block included; a step skipped by a NaN scale leaves them, as it leaves the parameters."""
+    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    params = [torch.nn.Parameter(p.to(dtype)) for p, dtype in zip(start, param_dtypes, strict=True)]
+    optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=7)
+    kept = optimizer.keep_block_maxima(params[1:])
+    block = adamw_module.adamw_launch_settings().block_size
+    for step in range(STEPS):
+        for param, grad in zip(params, _tensors(SHAPES, torch.float32, device, seed=100 + step), strict=True):
+            param.grad = grad.to(param.dtype)
+        optimizer.step(grad_scale=torch.tensor(float("nan") if step == 1 else 0.5, device=device))
+        for param in params[1:]:
+            torch.testing.assert_close(kept[param], block_maxima_reference(param, block), atol=0.0, rtol=0.0)
+    assert params[0] not in kept
+    assert [kept[p].numel() for p in params[1:]] == [math.ceil(p.numel() / block) for p in params[1:]]
+
+
+def test_block_maxima_are_refused_for_parameters_of_another_optimizer(device):
+    mine, other = (
+        torch.nn.Parameter(torch.ones(3, device=device)),
+        torch.nn.Parameter(torch.ones(3, device=device)),
+    )
+    with pytest.raises(ValueError, match="this optimizer's unsharded parameters"):
+        FusedAdamW([mine]).keep_block_maxima([other])
+
+
+def test_a_kernel_that_keeps_no_maxima_fails_the_block_maxima_test(tmp_path, monkeypatch, device):
+    mutant = mutated_kernel(
+        adamw_module._adamw_kernel,
+        "if block_maxima != 0 and start < numel:",
+        "if False:",
+        tmp_path,
+        "no_maxima",
+    )
+    monkeypatch.setattr(adamw_module, "_adamw_kernel", mutant)
+    with pytest.raises(AssertionError):
+        test_kept_block_maxima_are_those_of_the_stored_parameters([torch.bfloat16] * 4, device)

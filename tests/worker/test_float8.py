@@ -295,6 +295,60 @@ def test_a_frozen_float8_layer_computes_the_input_gradient_alone(recipe):
     assert ours[0].weight.grad is not None
 
 
+def _weights_and_inputs_after_steps(keep_maxima: bool, steps: int = 2):
+    """Two float8 layers (tensorwise, emulated) trained by FusedAdamW at a learning rate that moves their weights'
+    largest magnitudes: each step's output, input gradient and weight gradients."""
+    from fusetune.kernels import FusedAdamW
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16), nn.Linear(48, 32, dtype=torch.bfloat16))
+    float8.convert_linears(model, emulated("tensorwise"), "tensorwise")
+    optimizer = FusedAdamW(model.parameters(), lr=0.05, seed=3)
+    kept = float8.keep_weight_maxima(model, optimizer) if keep_maxima else 0
+    generator = torch.Generator().manual_seed(1)
+    results = []
+    for _ in range(steps):
+        x = torch.randn(3, 8, 64, dtype=torch.bfloat16, generator=generator).requires_grad_(True)
+        y = model(x)
+        y.backward(torch.randn(y.shape, dtype=y.dtype, generator=generator))
+        results.append((y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return kept, results
+
+
+def test_weight_scales_from_the_kept_maxima_give_torchao_s_bits():
+    """The trained layers' weight scales from the block maxima FusedAdamW keeps: outputs and gradients bit for bit
+    those of torchao's scales computed from the weights, step after step."""
+    kept, ours = _weights_and_inputs_after_steps(keep_maxima=True)
+    none, torchaos = _weights_and_inputs_after_steps(keep_maxima=False)
+    assert (kept, none) == (2, 0)
+    for step, (mine, theirs) in enumerate(zip(ours, torchaos, strict=True)):
+        for value, expected in zip(mine, theirs, strict=True):
+            assert torch.equal(value, expected), f"step {step}"
+
+
+def test_maxima_the_step_does_not_rewrite_fail_the_comparison(tmp_path, monkeypatch):
+    """The comparison above can fail: with a kernel that keeps the first maxima, the second step's weight scales
+    are stale (the weights' largest magnitudes moved), and its output differs from torchao's."""
+    from fusetune.kernels import adamw
+    from tests.kernels.mutation import mutated_kernel
+
+    mutant = mutated_kernel(
+        adamw._adamw_kernel, "if block_maxima != 0 and start < numel:", "if False:", tmp_path, "stale"
+    )
+    monkeypatch.setattr(adamw, "_adamw_kernel", mutant)
+    with pytest.raises(AssertionError, match="step 1"):
+        test_weight_scales_from_the_kept_maxima_give_torchao_s_bits()
+
+
+def test_only_an_optimizer_that_keeps_maxima_gets_them():
+    model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16))
+    float8.convert_linears(model, emulated("tensorwise"), "tensorwise")
+    assert float8.keep_weight_maxima(model, torch.optim.AdamW(model.parameters())) == 0
+    assert getattr(model[0], "weight_maxima", None) is None
+
+
 def test_ddp_and_fsdp2_take_the_converted_model(tmp_path):
     """One rank of a gloo group. DDP wraps the converted model and reduces every gradient. FSDP2 shards it; with
     the tensorwise recipe its weights are torchao's float8-all-gather tensors, and a step runs; the state dict
