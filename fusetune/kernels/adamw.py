@@ -29,6 +29,9 @@ xorshift-multiply finaliser; the weight uses the low 16 bits of r1, exp_avg its 
 the bits do not depend on how the kernel is blocked, and every data-parallel rank draws the same ones. Rounding
 is then `(bits(x) + r16) >> 16` on the fp32 bit pattern (NaN kept quiet): exact values are left unchanged.
 
+For a parameter whose block maxima the optimizer keeps (`keep_block_maxima`), each block also writes the largest
+magnitude it stored: the fp8 mode's weight scales, read from a few thousand maxima instead of the whole weight.
+
 fp32 parameters (LoRA adapters, say) get plain fp32 AdamW with fp32 state, no rounding. FSDP2 parameters
 (DTensors) are updated through their local shards; their state is kept as DTensors of the same placement, so
 the distributed checkpoint helpers see the usual AdamW state (`step`, `exp_avg`, `exp_avg_sq`).
