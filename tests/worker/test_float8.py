@@ -435,6 +435,27 @@ def test_an_fp8_run_checkpoints_plain_weights_and_resumes_exactly(
         assert torch.equal(a, b)
 
 
+def test_an_fp8_trainer_takes_its_weight_scales_from_the_optimizer(
+    model_dir, train_file, tmp_path, monkeypatch
+):
+    """With the mode's own optimizer (FusedAdamW, interpreted here), every trained float8 layer reads its weight's
+    scale from block maxima the optimizer keeps, and after the steps they are those of the weights it stored."""
+    from fusetune.kernels.adamw import adamw_launch_settings, block_maxima_reference
+    from fusetune.spec import precision
+
+    monkeypatch.setitem(
+        precision.PRECISIONS, "fp8", dataclasses.replace(precision.PRECISIONS["fp8"], needs_gpu=False)
+    )
+    config = make_config(model_dir, train_file, tmp_path / "run", precision="fp8", max_steps=2)
+    trainer = Trainer(config, ONE_CPU_RANK, RecordingReporter())
+    trainer.train()
+    layers = [m for m in trainer.model.modules() if isinstance(m, Float8Linear)]
+    assert len(layers) == 2 * DECODER_LINEARS_PER_LAYER
+    block = adamw_launch_settings().block_size
+    for layer in layers:
+        assert torch.equal(layer.weight_maxima, block_maxima_reference(layer.weight, block))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", float8.RECIPES)
 def test_on_a_gpu_compiled_float8_layers_train_as_bf16_does(recipe):
