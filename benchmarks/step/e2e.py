@@ -11,7 +11,8 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune          AutoFusedModelForCausalLM.from_config (apply_fusetune on the built model)
     fusetune+compile  the same, then torch.compile(model)
     fusetune+fp8      fusetune with the fp8 precision mode's float8 linear layers (fusetune/worker/train/float8.py,
-                      its recipe, tensorwise), each decoder layer compiled in place, as the trainer runs them
+                      its recipe, tensorwise), each decoder layer compiled in place, as the trainer runs them;
+                      with --optimizer fusetune-adamw the weights' scales from the optimizer's block maxima, as well
     fusetune+fp8-tensorwise   the same, the recipe named (rows from before tensorwise became the mode's recipe)
     fusetune+fp8-rowwise      the same with the rowwise recipe (what fusetune+fp8 ran before; each fp8 row
                               records its recipe, and the markdown shows it beside the impl)
