@@ -134,6 +134,18 @@ def frozen_aware_float8_linear() -> type:
             round_scales_to_power_of_2=config.round_scales_to_power_of_2,
         )
 
+    def matmul(input8, weight8):
+        """input8 @ weight8 over every leading dimension of input8."""
+        output = torch.mm(input8.reshape(-1, input8.shape[-1]), weight8)
+        return output.reshape(*input8.shape[:-1], output.shape[-1])
+
+    def input_gradient(grad_output, weight8, config, mm_config):
+        """grad_output @ weight8.t(), the output gradient cast as torchao's grad_input matmul casts it."""
+        flat = grad_output.reshape(-1, grad_output.shape[-1])
+        grad8 = cast(flat, config.cast_config_grad_output, config, mm_config, GemmInputRole.GRAD_OUTPUT, -1)
+        grad_input = torch.mm(grad8, weight8.t())
+        return grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
+
     class FrozenWeightMatmul(torch.autograd.Function):
         @staticmethod
         def forward(ctx, input_hp, weight_hp_t, mm_config, config):
@@ -141,17 +153,12 @@ def frozen_aware_float8_linear() -> type:
             ctx.mm_config, ctx.config = mm_config, config
             input8 = cast(input_hp, config.cast_config_input, config, mm_config, GemmInputRole.INPUT, -1)
             weight8 = cast(weight_hp_t, config.cast_config_weight, config, mm_config, GemmInputRole.WEIGHT, 0)
-            output = torch.mm(input8.reshape(-1, input8.shape[-1]), weight8)
-            return output.reshape(*input8.shape[:-1], output.shape[-1])
+            return matmul(input8, weight8)
 
         @staticmethod
         def backward(ctx, grad_output):
             (weight_hp_t,) = ctx.saved_tensors
             config, mm_config = ctx.config, ctx.mm_config
-            flat = grad_output.reshape(-1, grad_output.shape[-1])
-            grad8 = cast(
-                flat, config.cast_config_grad_output, config, mm_config, GemmInputRole.GRAD_OUTPUT, -1
-            )
             weight8 = cast(
                 weight_hp_t,
                 config.cast_config_weight_for_grad_input,
@@ -160,8 +167,7 @@ def frozen_aware_float8_linear() -> type:
                 GemmInputRole.WEIGHT,
                 -1,
             )
-            grad_input = torch.mm(grad8, weight8.t())
-            return grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1]), None, None, None
+            return input_gradient(grad_output, weight8, config, mm_config), None, None, None
 
     @torch._dynamo.allow_in_graph  # as torchao's own matmul: compiled layers trace through it, not into it
     class KeptMaximaWeightMatmul(torch.autograd.Function):
@@ -179,17 +185,12 @@ def frozen_aware_float8_linear() -> type:
             weight8 = hp_tensor_and_scale_to_float8(
                 weight_hp_t, scale, config.cast_config_weight.target_dtype, mm_config, GemmInputRole.WEIGHT
             )
-            output = torch.mm(input8.reshape(-1, input8.shape[-1]), weight8)
-            return output.reshape(*input8.shape[:-1], output.shape[-1])
+            return matmul(input8, weight8)
 
         @staticmethod
         def backward(ctx, grad_output):
             input_hp, weight_hp_t, scale = ctx.saved_tensors
             config, mm_config = ctx.config, ctx.mm_config
-            flat = grad_output.reshape(-1, grad_output.shape[-1])
-            grad8 = cast(
-                flat, config.cast_config_grad_output, config, mm_config, GemmInputRole.GRAD_OUTPUT, -1
-            )
             weight8 = hp_tensor_and_scale_to_float8(
                 weight_hp_t,
                 scale,
@@ -197,7 +198,8 @@ def frozen_aware_float8_linear() -> type:
                 mm_config,
                 GemmInputRole.WEIGHT,
             )
-            grad_input = torch.mm(grad8, weight8.t())
+            grad_input = input_gradient(grad_output, weight8, config, mm_config)
+            flat = grad_output.reshape(-1, grad_output.shape[-1])
             input_flat = input_hp.reshape(-1, input_hp.shape[-1])
             grad8_for_weight = cast(
                 flat,
@@ -216,7 +218,6 @@ def frozen_aware_float8_linear() -> type:
                 0,
             )
             grad_weight = torch.mm(grad8_for_weight.t(), input8_for_weight)
-            grad_input = grad_input.reshape(*grad_output.shape[:-1], grad_input.shape[-1])
             return grad_input, grad_weight.t(), None, None, None
 
     class FrozenAwareFloat8Linear(Float8Linear):
