@@ -42,7 +42,8 @@ bf16-plain's best seed is worse than both other modes' worst seed by more than t
 fail); and fine-tuning moved fp32-master by more than twice the margin from the pretrained model's task-B loss
 (the fine-tuning did something). For the 8-bit impls, the same with adamw8bit in bf16-sr's place, except
 that each worse variant (adamw8bit-linear-nearest, adamw8bit-one-scale) must end outside the margin of both
-fp32-master and adamw8bit on every seed, above or below (MUST_BE_HIGHER says why). Only the checks of the impls that ran are made. The script exits 1
+fp32-master and adamw8bit on every seed, above or below (MUST_BE_HIGHER says why). Only the checks of the impls
+that ran are made. The script exits 1
 when any of these, or the plateau, fails, and says which.
 
 Results go to the section "precision" of `benchmarks/results/<gpu-slug>-quality.json` (rows per impl and

@@ -706,23 +706,17 @@ class FusedAdamW(FusedOptimizerState):
         """For each of `params` (this optimizer's, not FSDP2-sharded), an fp32 buffer of the largest magnitude
         in each block of its elements (the kernel's blocks), computed now and rewritten by every step from the
         values it stores, so that the largest magnitude of the whole tensor is a max over a few thousand values
-        instead of a pass over its elements. Valid as long as this optimizer is what changes the parameters;
-        `refresh_block_maxima` recomputes them after anything else did (a checkpoint loaded into them)."""
+        instead of a pass over its elements. Valid as long as this optimizer is what changes the parameters
+        (the trainer keeps them once its weights are loaded, a resumed checkpoint's included)."""
         owned = {param for group in self.param_groups for param in group["params"]}
+        block_size = adamw_launch_settings().block_size
         for param in params:
             if param not in owned or hasattr(param, "to_local"):
                 raise ValueError(
                     "FusedAdamW: block maxima are kept for this optimizer's unsharded parameters"
                 )
-            self.block_maxima[param] = block_maxima_reference(param, adamw_launch_settings().block_size)
+            self.block_maxima[param] = block_maxima_reference(param, block_size)
         return self.block_maxima
-
-    @torch.no_grad()
-    def refresh_block_maxima(self) -> None:
-        """Recompute the kept block maxima from the parameters as they are."""
-        block_size = adamw_launch_settings().block_size
-        for param, maxima in self.block_maxima.items():
-            maxima.copy_(block_maxima_reference(param, block_size))
 
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         dtype = _state_dtype(param.dtype, self.state_dtype)
