@@ -200,10 +200,11 @@ def _adamw_block(
     step_key,
     HAS_GRAD_SCALE: tl.constexpr,
     MASKED: tl.constexpr,
+    BLOCK_MAX: tl.constexpr,
 ):
     """The update of the module docstring over `offsets` of one tensor, in place; `mask` is read only if MASKED
     (a whole block of aligned tensors goes without it, so that its loads and stores are 16-byte vectors).
-    Returns the largest magnitude of the stored parameters (0 where masked)."""
+    Returns the largest magnitude of the stored parameters (0 where masked) if BLOCK_MAX, else 0."""
     param_dtype = param_ptr.dtype.element_ty
     state_dtype = exp_avg_ptr.dtype.element_ty
     if MASKED:
@@ -245,13 +246,17 @@ def _adamw_block(
         tl.store(param_ptr + offsets, param_out, mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg_out, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq_out, mask=mask)
-        magnitude = tl.where(mask, tl.abs(param_out.to(tl.float32)), 0.0)
     else:
         tl.store(param_ptr + offsets, param_out)
         tl.store(exp_avg_ptr + offsets, exp_avg_out)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq_out)
+    block_max = 0.0
+    if BLOCK_MAX:
         magnitude = tl.abs(param_out.to(tl.float32))
-    return tl.max(magnitude, axis=0)
+        if MASKED:
+            magnitude = tl.where(mask, magnitude, 0.0)
+        block_max = tl.max(magnitude, axis=0)
+    return block_max
 
 
 @triton.jit(do_not_specialize=["step_key"])
@@ -273,6 +278,7 @@ def _adamw_kernel(
     step_key,
     HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
+    KEEPS_MAXIMA: tl.constexpr,
     TABLE_COLUMNS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -283,7 +289,8 @@ def _adamw_kernel(
     of the table is a multiple of 16 bytes, which the compiler cannot know of an address it loads, so it is
     told; with it, and without a mask, a thread's elements move as 16-byte vectors instead of one load or store
     each (at 8B parameters the kernel took 52 ms of an H200 step, about half the copy bandwidth, with 2-byte
-    loads).
+    loads). KEEPS_MAXIMA: some tensor of the launch keeps its block maxima; without, no block reduces its
+    magnitudes (a bf16-sr job's launches).
     """
     param_dtype = param_proto_ptr.dtype.element_ty
     state_dtype = state_proto_ptr.dtype.element_ty
@@ -317,17 +324,20 @@ def _adamw_kernel(
             param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale,
             beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias_correction2, eps,
             weight_decay_factor, step_size, step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=False,
+            BLOCK_MAX=KEEPS_MAXIMA,
         )  # fmt: skip
     else:
         block_max = _adamw_block(
             param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale,
             beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias_correction2, eps,
             weight_decay_factor, step_size, step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=True,
+            BLOCK_MAX=KEEPS_MAXIMA,
         )  # fmt: skip
     # The block's largest stored magnitude, where the tensor keeps them (float8's weight scales: what its casts
     # would otherwise read the whole weight for). A skipped step (numel 0) wrote nothing and leaves them as well.
-    if block_maxima != 0 and start < numel:
-        tl.store(block_maxima.to(tl.pointer_type(tl.float32)) + (pid - first_block), block_max)
+    if KEEPS_MAXIMA:
+        if block_maxima != 0 and start < numel:
+            tl.store(block_maxima.to(tl.pointer_type(tl.float32)) + (pid - first_block), block_max)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -456,6 +466,7 @@ def _launch(
         step_key_signed,
         HAS_GRAD_SCALE=grad_scale is not None,
         ALIGNED=aligned,
+        KEEPS_MAXIMA=any(b is not None for b in block_maxima),
         TABLE_COLUMNS=_TABLE_COLUMNS,
         BLOCK=settings.block_size,
         num_warps=settings.num_warps,

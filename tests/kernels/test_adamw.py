@@ -595,6 +595,34 @@ def test_kept_block_maxima_are_those_of_the_stored_parameters(param_dtypes, devi
     assert [kept[p].numel() for p in params[1:]] == [math.ceil(p.numel() / block) for p in params[1:]]
 
 
+def test_only_launches_with_kept_maxima_reduce_their_blocks(monkeypatch, device):
+    """A launch none of whose tensors keeps block maxima (a bf16-sr job's) skips the block reduction; one with
+    such a tensor among others reduces, and writes the maxima of that tensor alone."""
+    launched = []
+    kernel = adamw_module._adamw_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["KEEPS_MAXIMA"])
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(adamw_module, "_adamw_kernel", Recorder())
+    block = adamw_module.adamw_launch_settings().block_size
+    for keep in (False, True):
+        params = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in _tensors(SHAPES, torch.float32, device, seed=1)]
+        optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=3)
+        kept = optimizer.keep_block_maxima(params[2:3]) if keep else {}
+        for param, grad in zip(params, _tensors(SHAPES, torch.bfloat16, device, seed=2), strict=True):
+            param.grad = grad
+        optimizer.step()
+        for param, maxima in kept.items():
+            torch.testing.assert_close(maxima, block_maxima_reference(param, block), atol=0.0, rtol=0.0)
+    assert launched == [False, True]
+
+
 def test_block_maxima_are_refused_for_parameters_of_another_optimizer(device):
     mine, other = (
         torch.nn.Parameter(torch.ones(3, device=device)),
