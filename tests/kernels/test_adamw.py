@@ -612,7 +612,9 @@ def test_only_launches_with_kept_maxima_reduce_their_blocks(monkeypatch, device)
     monkeypatch.setattr(adamw_module, "_adamw_kernel", Recorder())
     block = adamw_module.adamw_launch_settings().block_size
     for keep in (False, True):
-        params = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in _tensors(SHAPES, torch.float32, device, seed=1)]
+        params = [
+            torch.nn.Parameter(p.to(torch.bfloat16)) for p in _tensors(SHAPES, torch.float32, device, seed=1)
+        ]
         optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=3)
         kept = optimizer.keep_block_maxima(params[2:3]) if keep else {}
         for param, grad in zip(params, _tensors(SHAPES, torch.bfloat16, device, seed=2), strict=True):
