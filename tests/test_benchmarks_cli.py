@@ -224,6 +224,39 @@ def test_e2e_profile_summary_counts_busy_time_once_and_finds_the_idle_gaps():
     assert "## Profile of one step: m" in "\n".join(e2e.render_profiles(rows))
 
 
+def test_backward_peak_replay_finds_the_largest_rise_and_what_was_live_then(tmp_path):
+    """Frees of blocks from before the history count against the rise; the blocks live at the peak are grouped
+    by their innermost frame outside torch, with its source line."""
+    source = tmp_path / "compiled_layer.py"
+    source.write_text("def call():\n    buf3 = empty_strided_cuda((16384, 9216))\n    buf4 = mm(buf3)\n")
+    inside_torch = {"filename": "/site-packages/torch/autograd/graph.py", "line": 9, "name": "backward"}
+
+    def frames(line: int) -> list[dict]:
+        return [{"filename": str(source), "line": line, "name": "call"}, inside_torch]
+
+    mib = 2**20
+    events = [
+        {"action": "free_requested", "addr": 1, "size": 100 * mib},  # an activation from the forward
+        {"action": "alloc", "addr": 10, "size": 60 * mib, "frames": frames(2)},
+        {"action": "alloc", "addr": 11, "size": 60 * mib, "frames": frames(2)},
+        {"action": "alloc", "addr": 12, "size": 50 * mib, "frames": frames(3)},  # the peak: +70 MiB
+        {"action": "free_requested", "addr": 12, "size": 50 * mib},
+        {"action": "free_requested", "addr": 2, "size": 300 * mib},
+        {"action": "alloc", "addr": 13, "size": 200 * mib, "frames": [inside_torch]},  # lower: -110 MiB
+    ]
+    peak = e2e.live_blocks_at_peak(events)
+    assert peak["rise_gb"] == round(70 / 1024, 3) and peak["events_before_peak"] == 3
+    assert [(g["site"], g["blocks"]) for g in peak["groups"]] == [
+        ("compiled_layer.py:2 call: buf3 = empty_strided_cuda((16384, 9216))", 2),
+        ("compiled_layer.py:3 call: buf4 = mm(buf3)", 1),
+    ]
+    assert e2e.allocation_site([inside_torch]) == "torch internals"
+    summary = {"memory": {"forward_peak_gb": 1.0}, "backward_peak_blocks": peak, **e2e.summarize_trace(
+        [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10, "name": "k"}])}  # fmt: skip
+    rendered = "\n".join(e2e.render_profiles([{"model": "m", "impl": "fusetune", "profile": summary}]))
+    assert "0.068 GB over what the forward left" in rendered and "buf4 = mm(buf3)" in rendered
+
+
 def test_dpo_benchmark_arguments_are_checked():
     from benchmarks.step import dpo
 

@@ -408,9 +408,10 @@ def kernel_category(name: str) -> str:
 def profile_step(
     step_model: Any, optimizer: Any, input_ids: Any, labels: Any, extra: dict[str, Any], top: int = 15
 ) -> dict[str, Any]:
-    """One more training step, measured twice: first the memory of each phase (peak allocated during the
-    forward, held after it, peak during the backward and the optimizer step), then a torch.profiler trace of
-    the same step for the GPU time by kernel and the idle gaps of the GPU (host-bound stretches)."""
+    """One more training step, measured three times: first the memory of each phase (peak allocated during the
+    forward, held after it, peak during the backward and the optimizer step), then the blocks the backward
+    holds at its peak (from the allocator's history), then a torch.profiler trace of the same step for the GPU
+    time by kernel and the idle gaps of the GPU (host-bound stretches)."""
     import torch
 
     def phase_peaks() -> dict[str, float]:
@@ -433,6 +434,20 @@ def profile_step(
         return {key: round(value, 3) for key, value in peaks.items()}
 
     memory = phase_peaks()
+    # The same step once more, its backward under the allocator's history: what it allocated that is live at
+    # its peak (what a step holds beyond the forward's activations, and where it was allocated).
+    loss = step_model(input_ids=input_ids, labels=labels, **extra).loss
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        loss.backward()
+        torch.cuda.synchronize()
+        history = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    backward_peak = live_blocks_at_peak(history["device_traces"][torch.cuda.current_device()])
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         torch.cuda.synchronize()
@@ -445,7 +460,71 @@ def profile_step(
         trace_path = Path(folder) / "trace.json"
         profiler.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
-    return {"memory": memory, **summarize_trace(trace.get("traceEvents", []), top)}
+    return {
+        "memory": memory,
+        "backward_peak_blocks": backward_peak,
+        **summarize_trace(trace.get("traceEvents", []), top),
+    }
+
+
+# Groups of live blocks at the backward's memory peak that a profile keeps (largest first).
+MARKDOWN_PEAK_BLOCKS = 12
+
+
+def allocation_site(frames: list[dict[str, Any]]) -> str:
+    """Where a block was allocated: the innermost Python frame outside torch itself (fusetune's, torchao's, a
+    model's, or the wrapper Inductor generated for a compiled graph, whose line names the buffer), with the
+    source line when it can be read."""
+    import linecache
+
+    for frame in frames:
+        filename = str(frame.get("filename", ""))
+        if "/torch/" in filename or filename.startswith("<") or not filename:
+            continue
+        line = int(frame.get("line", 0))
+        source = linecache.getline(filename, line).strip()
+        site = f"{Path(filename).name}:{line} {frame.get('name', '?')}"
+        return f"{site}: {source[:100]}" if source else site
+    return "torch internals"
+
+
+def live_blocks_at_peak(events: list[dict[str, Any]], top: int = MARKDOWN_PEAK_BLOCKS) -> dict[str, Any]:
+    """Replay an allocator history (torch.cuda.memory._snapshot()["device_traces"][device]): the moment the
+    bytes allocated most exceeded those at its start (`rise_gb`; blocks from before, freed during it, count
+    against it), and the blocks allocated during it that are live then, grouped by allocation site."""
+
+    def replay(until: int) -> tuple[dict[int, dict[str, Any]], int, int]:
+        """(blocks of the history live after event `until`, the largest rise up to it, the event of that)."""
+        live: dict[int, dict[str, Any]] = {}
+        held = peak = peak_index = 0
+        for index, event in enumerate(events[: until + 1]):
+            if event.get("action") == "alloc":
+                live[event["addr"]] = event
+                held += event["size"]
+                if held > peak:
+                    peak, peak_index = held, index
+            elif event.get("action") == "free_requested":
+                live.pop(event["addr"], None)
+                held -= event["size"]
+        return live, peak, peak_index
+
+    _, peak, peak_index = replay(len(events) - 1)
+    peak_live, _, _ = replay(peak_index)
+    groups: dict[str, list[int]] = {}
+    for event in peak_live.values():
+        entry = groups.setdefault(allocation_site(event.get("frames") or []), [0, 0])
+        entry[0] += event["size"]
+        entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda item: -item[1][0])
+    return {
+        "rise_gb": round(peak / GIB, 3),
+        "events_before_peak": peak_index,
+        "events": len(events),
+        "groups": [
+            {"site": site, "gb": round(size / GIB, 3), "blocks": count}
+            for site, (size, count) in ranked[:top]
+        ],
+    }
 
 
 def summarize_trace(events: list[dict[str, Any]], top: int = 15) -> dict[str, Any]:
@@ -531,6 +610,18 @@ def render_profiles(rows: list[dict[str, Any]]) -> list[str]:
             )
             gaps = ", ".join(f"{g['us']} us after {g['after']}" for g in row["profile"]["largest_gaps"])
             lines += ["", f"Largest GPU idle gaps: {gaps}", ""]
+            peak = row["profile"].get("backward_peak_blocks")
+            if peak:
+                lines += [
+                    f"The backward's peak, {impl_label(row)}: {peak['rise_gb']} GB over what the forward left; "
+                    "the blocks the backward had allocated and held then, by where:",
+                    "",
+                    markdown_table(
+                        ["allocated at", "blocks", "GB"],
+                        [[g["site"].replace("|", "/"), g["blocks"], g["gb"]] for g in peak["groups"]],
+                    ),
+                    "",
+                ]
     return lines
 
 
@@ -701,7 +792,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="after the timed steps, profile one more step: memory per phase, GPU time by kernel, idle gaps",
+        help="after the timed steps, profile one more step: memory per phase, what the backward holds at its "
+        "peak, GPU time by kernel, idle gaps",
     )
     parser.add_argument(
         "--profile-kernels",
