@@ -32,7 +32,8 @@ Each model is built from its architecture's config (no download), in bf16, and t
     fusetune+fp8-weight-passes  fusetune+fp8 with each weight's float8 scale from a pass over the weight at every
                               cast (torchao's), not from the block maxima FusedAdamW keeps (--optimizer
                               fusetune-adamw rows; the trainer's fp8 mode keeps them)
-    fusetune+fp8-memory-budget  fusetune+fp8 with the compiler's activation memory budget at 0.9 of what its
+    fusetune+fp8-memory-budget  fusetune+fp8 with the compiler's activation memory budget at --fp8-memory-budget
+                              (0.9 unless given; the row records it) of what its
                               partitioner would save (torch._functorch.config.activation_memory_budget): it
                               recomputes the cheapest saved activations instead; fp8 held 0.5-1.0 GB more than
                               bf16 at the 1-3B shapes (h200-step.md, e2e-fp8)
@@ -93,8 +94,8 @@ FLOAT8_IMPLS = {
     "fusetune+fp8-weight-passes": "tensorwise",
     "fusetune+fp8-memory-budget": "tensorwise",
 }
-# impl -> the fraction of the partitioner's saved activations its compiled float8 layers may keep
-FLOAT8_MEMORY_BUDGETS = {"fusetune+fp8-memory-budget": 0.9}
+# impls whose compiled float8 layers may keep only --fp8-memory-budget of the partitioner's saved activations
+FLOAT8_MEMORY_BUDGETS = ("fusetune+fp8-memory-budget",)
 # impl -> torch.compile's mode for its float8 layers (the default otherwise)
 FLOAT8_COMPILE_MODES = {
     "fusetune+fp8-cudagraphs": "reduce-overhead",
@@ -258,7 +259,7 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
         if impl in FLOAT8_MEMORY_BUDGETS:  # this row's subprocess only
             import torch._functorch.config as partitioner_config
 
-            partitioner_config.activation_memory_budget = FLOAT8_MEMORY_BUDGETS[impl]
+            partitioner_config.activation_memory_budget = spec["fp8_memory_budget"]
         if impl in FLOAT8_INDUCTOR_SETTINGS:
             import torch._inductor.config as inductor_config
 
@@ -277,7 +278,8 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
                          "compiled_layers": conversion.compiled_layers,
                          "compile_mode": FLOAT8_COMPILE_MODES.get(impl),
                          "inductor_settings": FLOAT8_INDUCTOR_SETTINGS.get(impl),
-                         "activation_memory_budget": FLOAT8_MEMORY_BUDGETS.get(impl)}  # fmt: skip
+                         "activation_memory_budget":
+                             spec["fp8_memory_budget"] if impl in FLOAT8_MEMORY_BUDGETS else None}  # fmt: skip
     if spec.get("optimizer") == "fusetune-adamw":
         from fusetune.kernels import FusedAdamW
 
@@ -575,7 +577,10 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 15) -> dict[str, An
 def impl_label(row: dict[str, Any]) -> str:
     """A row's impl, with the float8 recipe that ran for an fp8 row (fusetune+fp8 ran rowwise before tensorwise
     became the fp8 mode's recipe)."""
-    recipe = (row.get("float8") or {}).get("recipe")
+    float8 = row.get("float8") or {}
+    recipe, budget = float8.get("recipe"), float8.get("activation_memory_budget")
+    if budget is not None:
+        recipe = f"{recipe}, activation memory budget {budget}"
     return f"{row['impl']} ({recipe})" if recipe else row["impl"]
 
 
@@ -835,6 +840,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="the fp8 rows compile each decoder layer (as the trainer does); --no-fp8-compile-layers: eager",
     )
+    parser.add_argument(
+        "--fp8-memory-budget",
+        type=float,
+        default=0.9,
+        help="fusetune+fp8-memory-budget's activation memory budget: the fraction (0 to 1] of the partitioner's "
+        "saved activations its compiled layers keep",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument(
@@ -866,6 +878,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.models = harness.choices(parser, "--models", args.models, MODEL_SHAPES)
     args.impls = harness.choices(parser, "--impls", args.impls, IMPLS)
+    if not 0 < args.fp8_memory_budget <= 1:
+        parser.error(f"--fp8-memory-budget must lie in (0, 1], got {args.fp8_memory_budget}")
     return args
 
 
@@ -914,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loss_chunk": args.loss_chunk,
                 "optimizer": args.optimizer,
                 "fp8_compile_layers": args.fp8_compile_layers,
+                "fp8_memory_budget": args.fp8_memory_budget,
             }
             timeout = args.impl_timeout_s
             if args.time_budget_s is not None:

@@ -120,3 +120,7 @@ def test_the_e2e_fp8_row_runs_the_fp8_modes_recipe():
     assert set(e2e.FLOAT8_IMPLS.values()) <= set(float8.RECIPES)
     assert set(e2e.FLOAT8_COMPILE_MODES) <= set(e2e.FLOAT8_IMPLS) <= set(e2e.IMPLS)
     assert set(e2e.FLOAT8_MEMORY_BUDGETS) <= set(e2e.FLOAT8_IMPLS)
+    assert e2e.parse_args(["--fp8-memory-budget", "0.97"]).fp8_memory_budget == 0.97
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            e2e.parse_args(["--fp8-memory-budget", bad])
