@@ -12,7 +12,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreted", "round_to_dtype"]
+__all__ = ["interpreted", "round_to_dtype", "round_to_float8"]
 
 
 def interpreted() -> bool:
@@ -35,6 +35,43 @@ def round_to_dtype(value, dtype: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.conste
         rounded = bits + 0x7FFF + ((bits >> 16) & 1)
         bits = tl.where(value != value, bits | 0x400000, rounded)
         converted = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        converted = value.to(dtype)
+    return converted
+
+
+@triton.jit
+def round_to_float8(value, dtype: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr):
+    """float32 `value`, already clamped to the float8 format's finite range, converted to `dtype` (float8e4nv:
+    e4m3fn, or float8e5: e5m2) rounding to nearest even, as the GPU's conversion and torch's do; the
+    interpreter's conversion does not.
+
+    SOFTWARE_ROUNDING builds the bits in integer arithmetic: a normal number keeps 3 (e4m3) or 2 (e5m2) of its
+    23 mantissa bits, rounded as in round_to_dtype, and its exponent is rebiased (127 to 7, or to 15) by one
+    subtraction, a carry from the rounding included; below the smallest normal (2^-6, or 2^-14) the format's
+    step is fixed (2^-9, or 2^-16), and adding then subtracting 2^23 rounds the count of steps to an even
+    integer. A NaN becomes the format's NaN."""
+    if SOFTWARE_ROUNDING:
+        if dtype == tl.float8e4nv:
+            dropped: tl.constexpr = 20
+            rebias: tl.constexpr = (127 - 7) << 3
+            smallest_normal: tl.constexpr = 0.015625
+            subnormal_steps: tl.constexpr = 512.0
+        else:
+            dropped: tl.constexpr = 21
+            rebias: tl.constexpr = (127 - 15) << 2
+            smallest_normal: tl.constexpr = 6.103515625e-05
+            subnormal_steps: tl.constexpr = 65536.0
+        bits = value.to(tl.uint32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        magnitude_bits = bits & 0x7FFFFFFF
+        magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+        normal = (magnitude_bits + ((1 << (dropped - 1)) - 1) + ((magnitude_bits >> dropped) & 1)) >> dropped
+        normal = normal - rebias
+        steps = (magnitude * subnormal_steps + 8388608.0) - 8388608.0
+        code = tl.where(magnitude < smallest_normal, steps.to(tl.uint32), normal)
+        code = tl.where(value != value, 0x7F, code) | sign
+        converted = code.to(tl.uint8).to(dtype, bitcast=True)
     else:
         converted = value.to(dtype)
     return converted

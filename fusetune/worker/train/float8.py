@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from fusetune.models.wrappers import unwrap_model
+from fusetune.worker.train import float8_mlp
 from fusetune.worker.train.activations import decoder_layers
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
@@ -88,6 +89,7 @@ class Float8Conversion:
     left: dict[str, str] = field(default_factory=dict)
     fsdp_float8_all_gather: bool = False
     compiled_layers: int = 0
+    fused_mlps: int = 0
 
     def event(self) -> tuple[str, dict]:
         """The `float8` event of a run: (message, data)."""
@@ -104,6 +106,7 @@ class Float8Conversion:
             "left": self.left,
             "fsdp_float8_all_gather": self.fsdp_float8_all_gather,
             "compiled_layers": self.compiled_layers,
+            "fused_mlps": self.fused_mlps,
         }
         return message, data
 
@@ -328,6 +331,7 @@ def convert_linears(
     frozen_aware = frozen_aware_float8_linear()
     for name in converted:
         model.get_submodule(name).__class__ = frozen_aware
+    fused_mlps = float8_mlp.install(model)
     layers = decoder_layers(model) if compile_layers else []
     for layer in layers:
         if layer._forward_pre_hooks or layer._forward_hooks:
@@ -340,7 +344,12 @@ def convert_linears(
         else:
             layer.compile(mode=compile_mode)
     return Float8Conversion(
-        recipe, converted, left, config.enable_fsdp_float8_all_gather, compiled_layers=len(layers)
+        recipe,
+        converted,
+        left,
+        config.enable_fsdp_float8_all_gather,
+        compiled_layers=len(layers),
+        fused_mlps=fused_mlps,
     )
 
 
