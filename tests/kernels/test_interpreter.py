@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._interpreter import interpreted, round_to_dtype, round_to_float8
 
 
 @triton.jit
@@ -119,3 +119,105 @@ def test_mutated_helper_fails(old, new, tmp_path, device):
     x = _edge_cases(device)
     with pytest.raises(AssertionError):
         _assert_same_values(_convert(x, torch.bfloat16, True, kernel), x.to(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# round_to_float8: the float8 casts of fusetune.kernels.float8_gated
+# ----------------------------------------------------------------------------------------------------------
+
+FLOAT8_FORMATS = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def _float8_kernel(
+    x_ptr, out_ptr, n_elements, DTYPE: tl.constexpr, LARGEST: tl.constexpr, BLOCK: tl.constexpr,
+    SOFTWARE_ROUNDING: tl.constexpr,
+):  # fmt: skip
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    x = tl.minimum(tl.maximum(tl.load(x_ptr + offsets, mask=mask, other=0.0), -LARGEST), LARGEST)
+    tl.store(out_ptr + offsets, round_to_float8(x, DTYPE, SOFTWARE_ROUNDING), mask=mask)
+
+
+def _to_float8(x: torch.Tensor, dtype: torch.dtype, software: bool, kernel=_float8_kernel) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    largest = torch.finfo(dtype).max
+    kernel[(triton.cdiv(x.numel(), 128),)](
+        x, out, x.numel(), DTYPE=FLOAT8_FORMATS[dtype], LARGEST=largest, BLOCK=128, SOFTWARE_ROUNDING=software
+    )
+    return out
+
+
+def _float8_cases(dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Ties and edges of the float8 format's grid (normal and subnormal), then random values of every
+    magnitude, as float32."""
+    mantissa_bits, smallest_normal_exponent = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
+    step = 2.0**-mantissa_bits
+    subnormal_step = 2.0 ** (smallest_normal_exponent - mantissa_bits)
+    special = [
+        1 + step / 2,  # a tie: down to the even 1.0
+        1 + 3 * step / 2,  # a tie with an odd lower neighbour: up
+        -(1 + 3 * step / 2),
+        1 + step / 2 + 2**-20,  # just above a tie: up
+        subnormal_step / 2,  # a subnormal tie: down to 0
+        3 * subnormal_step / 2,  # a subnormal tie, odd lower neighbour: up
+        2.0**smallest_normal_exponent * (1 - 2**-12),  # just under the smallest normal: rounds up to it
+        2.0**smallest_normal_exponent,
+        torch.finfo(dtype).max,
+        torch.finfo(dtype).max * (1 - 2**-10),
+        float("inf"),  # clamped to the largest finite value, as torchao clamps
+        -float("inf"),
+        0.0,
+        -0.0,
+        1e-30,
+    ]
+    generator = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-24, 18, (2000,), generator=generator).float()
+    random = torch.randn(2000, generator=generator) * torch.exp2(exponents)
+    return torch.cat([torch.tensor(special, dtype=torch.float32), random]).to(device)
+
+
+def _torch_float8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    largest = torch.finfo(dtype).max
+    return x.clamp(-largest, largest).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(FLOAT8_FORMATS), ids=str)
+@pytest.mark.parametrize("software", [True, False], ids=["software", "as-called"])
+def test_float8_rounding_is_torchs_bit_for_bit(dtype, software, device):
+    """Software rounding anywhere; as the kernels call it (hardware on a GPU), where it is not the interpreter."""
+    if not software and interpreted():
+        pytest.skip("the interpreter's own float8 conversion does not round to nearest even (the test below)")
+    x = _float8_cases(dtype, device)
+    expected = _torch_float8(x, dtype)
+    assert torch.equal(_to_float8(x, dtype, software).view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_the_interpreters_own_float8_conversion_fails_the_comparison(device):
+    if not interpreted():
+        pytest.skip("on the GPU the hardware conversion rounds to nearest even")
+    x = _float8_cases(torch.float8_e4m3fn, device)
+    actual = _to_float8(x, torch.float8_e4m3fn, False).view(torch.uint8)
+    assert not torch.equal(actual, _torch_float8(x, torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        pytest.param("((1 << (dropped - 1)) - 1) + ((magnitude_bits >> dropped) & 1)", "(1 << (dropped - 1))",
+                     id="ties-round-away-from-zero"),
+        pytest.param("((1 << (dropped - 1)) - 1) + ((magnitude_bits >> dropped) & 1)", "0", id="truncates"),
+        pytest.param("(magnitude * subnormal_steps + 8388608.0) - 8388608.0", "magnitude * subnormal_steps",
+                     id="subnormals-truncated"),
+        pytest.param("code = tl.where(magnitude < smallest_normal, steps.to(tl.uint32), normal)", "code = normal",
+                     id="no-subnormal-path"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", list(FLOAT8_FORMATS), ids=str)
+def test_a_mutated_float8_rounding_fails(old, new, dtype, tmp_path, device):
+    from tests.kernels.mutation import mutated_kernel
+
+    kernel = mutated_kernel(_float8_kernel, old, new, tmp_path)
+    x = _float8_cases(dtype, device)
+    actual = _to_float8(x, dtype, True, kernel).view(torch.uint8)
+    assert not torch.equal(actual, _torch_float8(x, dtype).view(torch.uint8))

@@ -202,10 +202,20 @@ def test_an_unknown_recipe_is_refused():
 # ---------------------------------------------------------------------------------------- composition
 
 
-def test_the_fused_mlp_block_runs_its_matmuls_in_float8(float8_forwards, kernel_calls):
-    """With Float8Linear projections the fused decoder layer calls the projection modules (every decoder matmul
-    in float8) with the fused gated activation between them, and trains as the bf16 model does within float8's
-    rounding."""
+def test_the_fused_mlp_block_runs_its_matmuls_in_float8(float8_forwards, kernel_calls, monkeypatch):
+    """With Float8Linear projections the fused decoder layer calls the attention's projection modules and runs
+    the MLP as one float8 node (float8_mlp.py; every decoder matmul in float8), and trains as the bf16 model does
+    within float8's rounding."""
+    from fusetune.worker.train import float8_mlp
+
+    nodes = Counter()
+    real_backward = float8_mlp.gated_float8_backward
+
+    def counted_backward(*args, **kwargs):
+        nodes["backward"] += 1
+        return real_backward(*args, **kwargs)
+
+    monkeypatch.setattr(float8_mlp, "gated_float8_backward", counted_backward)
     from fusetune.models import apply_fusetune
 
     batch = make_batches()[0]
@@ -225,10 +235,12 @@ def test_the_fused_mlp_block_runs_its_matmuls_in_float8(float8_forwards, kernel_
     finally:
         for handle in handles:
             handle.revert()
-    assert len(float8_forwards) == 2 * DECODER_LINEARS_PER_LAYER and set(float8_forwards.values()) == {1}
-    assert (
-        calls.get("swiglu") == 2 and calls.get("add_rms_norm") == 2 and "add_rms_norm_gated_mlp" not in calls
-    )
+    # q, k, v and o as modules; gate, up and down inside the MLP's node, whose backward ran once per layer.
+    assert len(float8_forwards) == 2 * (DECODER_LINEARS_PER_LAYER - 3) and set(float8_forwards.values()) == {
+        1
+    }
+    assert nodes["backward"] == 2
+    assert calls.get("add_rms_norm") == 2 and "add_rms_norm_gated_mlp" not in calls
     assert calls.get("fused_linear_cross_entropy") == 1
     # e4m3 rounds each operand by up to 2^-4 of its value, so the loss moves by about a percent and each
     # gradient by a few; a wrong matmul (dropped, transposed, of another layer) points elsewhere entirely.
@@ -238,6 +250,86 @@ def test_the_fused_mlp_block_runs_its_matmuls_in_float8(float8_forwards, kernel_
             ours.grad.float().flatten(), theirs.grad.float().flatten(), 0
         )
         assert cosine > 0.95, (name, float(cosine))
+
+
+def _fused_float8_model(model_type: str, *, node: bool, maxima: bool = False):
+    """A tiny fusetune-patched model with emulated float8 decoder linears; without `node`, its MLPs run their
+    projection modules. `maxima`: the weights' scales from block maxima (as FusedAdamW keeps them)."""
+    from fusetune.kernels.adamw import adamw_launch_settings, block_maxima_reference
+    from fusetune.models import AutoFusedModelForCausalLM
+    from tests.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoFusedModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.bfloat16)
+    model = model.to(torch.bfloat16)
+    conversion = float8.convert_linears(model, emulated())
+    for module in model.modules():
+        if not node:
+            module.__dict__.pop("gated_mlp_override", None)
+        if maxima and isinstance(module, Float8Linear):
+            block = adamw_launch_settings().block_size
+            module.register_buffer(
+                "weight_maxima", block_maxima_reference(module.weight, block), persistent=False
+            )
+    return model, conversion
+
+
+def _loss_and_gradients(model) -> list[torch.Tensor]:
+    batch = make_batches()[0]
+    loss = model(**batch).loss
+    loss.backward()
+    return [loss.detach(), *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("maxima", [False, True], ids=["weight-passes", "kept-maxima"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_the_float8_mlp_node_trains_as_its_modules_bit_for_bit(model_type, maxima):
+    """The MLP as one node computes what its three float8 modules and the gated activation between them compute:
+    the same casts, matmuls and bf16-rounded activation gradients, so the same loss and gradients, bit for bit
+    (eager; SwiGLU and GeGLU)."""
+    node, conversion = _fused_float8_model(model_type, node=True, maxima=maxima)
+    modules, _ = _fused_float8_model(model_type, node=False, maxima=maxima)
+    assert conversion.fused_mlps == 2 and conversion.event()[1]["fused_mlps"] == 2
+    for ours, theirs in zip(_loss_and_gradients(node), _loss_and_gradients(modules), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_node_whose_kernel_skips_the_bf16_rounding_fails_that_comparison(tmp_path, monkeypatch):
+    from fusetune.kernels import float8_gated
+    from tests.kernels.mutation import mutated_kernel
+
+    mutant = mutated_kernel(
+        float8_gated._float8_backward_kernel,
+        "round_to_dtype(grad * up * slope, dtype, SOFTWARE_ROUNDING)",
+        "(grad * up * slope)",
+        tmp_path,
+    )
+    monkeypatch.setattr(float8_gated, "_float8_backward_kernel", mutant)
+    with pytest.raises(AssertionError):
+        test_the_float8_mlp_node_trains_as_its_modules_bit_for_bit("gemma2", False)
+
+
+def test_the_node_stands_in_only_for_trained_tensorwise_mlps():
+    """Rowwise scales: no node. A frozen weight (a LoRA base) or an FSDP2 shard at call time: the modules run."""
+    from fusetune.worker.train import float8_mlp
+
+    rowwise = build_tiny_model("llama", dtype=torch.bfloat16)
+    assert float8.convert_linears(rowwise, emulated("rowwise"), "rowwise").fused_mlps == 0
+    model, conversion = _fused_float8_model("llama", node=True)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 4, mlp.gate_proj.in_features, dtype=torch.bfloat16)
+    assert mlp.gated_mlp_override(x, "silu") is not None
+    mlp.up_proj.weight.requires_grad_(False)
+    assert mlp.gated_mlp_override(x, "silu") is None
+    mlp.up_proj.weight.requires_grad_(True)
+    assert mlp.gated_mlp_override(x.float(), "silu") is None
+    assert float8_mlp._plain_trained(mlp.up_proj.weight)
+
+    class Shard(torch.Tensor):
+        def to_local(self):
+            return self
+
+    assert not float8_mlp._plain_trained(nn.Parameter(torch.zeros(2).as_subclass(Shard)))
 
 
 def test_lora_keeps_its_adapters_in_bf16_over_a_float8_base():
