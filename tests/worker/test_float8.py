@@ -252,17 +252,20 @@ def test_the_fused_mlp_block_runs_its_matmuls_in_float8(float8_forwards, kernel_
         assert cosine > 0.95, (name, float(cosine))
 
 
-def _fused_float8_model(model_type: str, *, node: bool, maxima: bool = False):
-    """A tiny fusetune-patched model with emulated float8 decoder linears; without `node`, its MLPs run their
-    projection modules. `maxima`: the weights' scales from block maxima (as FusedAdamW keeps them)."""
+def _fused_float8_model(model_type: str, *, node: bool, maxima: bool = False, device: str = "cpu"):
+    """A tiny fusetune-patched model with float8 decoder linears (emulated on a CPU; on a GPU real, each layer
+    compiled as the trainer does); without `node`, its MLPs run their projection modules. `maxima`: the
+    weights' scales from block maxima (as FusedAdamW keeps them)."""
     from fusetune.kernels.adamw import adamw_launch_settings, block_maxima_reference
     from fusetune.models import AutoFusedModelForCausalLM
     from tests.models.tiny import tiny_config
 
     torch.manual_seed(0)
     model = AutoFusedModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.bfloat16)
-    model = model.to(torch.bfloat16)
-    conversion = float8.convert_linears(model, emulated())
+    model = model.to(device=device, dtype=torch.bfloat16)
+    on_gpu = device != "cpu"
+    config = float8.float8_config() if on_gpu else emulated()
+    conversion = float8.convert_linears(model, config, compile_layers=on_gpu)
     for module in model.modules():
         if not node:
             module.__dict__.pop("gated_mlp_override", None)
@@ -274,8 +277,8 @@ def _fused_float8_model(model_type: str, *, node: bool, maxima: bool = False):
     return model, conversion
 
 
-def _loss_and_gradients(model) -> list[torch.Tensor]:
-    batch = make_batches()[0]
+def _loss_and_gradients(model, device: str = "cpu") -> list[torch.Tensor]:
+    batch = make_batches(device)[0]
     loss = model(**batch).loss
     loss.backward()
     return [loss.detach(), *(p.grad for p in model.parameters())]
@@ -292,6 +295,22 @@ def test_the_float8_mlp_node_trains_as_its_modules_bit_for_bit(model_type, maxim
     assert conversion.fused_mlps == 2 and conversion.event()[1]["fused_mlps"] == 2
     for ours, theirs in zip(_loss_and_gradients(node), _loss_and_gradients(modules), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_on_a_gpu_the_compiled_float8_mlp_node_trains_as_its_modules(model_type):
+    """Real float8 matmuls in compiled layers: Inductor fuses the forward's casts and rounds the activation its
+    own way, so the node and the modules agree to float8's noise, not bit for bit."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9")
+    node, conversion = _fused_float8_model(model_type, node=True, device="cuda")
+    modules, _ = _fused_float8_model(model_type, node=False, device="cuda")
+    assert conversion.fused_mlps == 2 and conversion.compiled_layers == 2
+    ours, theirs = _loss_and_gradients(node, "cuda"), _loss_and_gradients(modules, "cuda")
+    torch.testing.assert_close(ours[0], theirs[0], rtol=2e-3, atol=0)
+    for mine, expected in zip(ours[1:], theirs[1:], strict=True):
+        assert nn.functional.cosine_similarity(mine.float().flatten(), expected.float().flatten(), 0) > 0.99
 
 
 def test_a_node_whose_kernel_skips_the_bf16_rounding_fails_that_comparison(tmp_path, monkeypatch):
