@@ -158,7 +158,12 @@ def _launch_backward(
 
 
 # torch.library ops, which torch.compile traces through (the fp8 mode compiles each decoder layer); eager calls
-# launch directly.
+# launch directly. The compiler runs the fp8 mode's MLP node whole on traced tensors (fake or functional ones,
+# of another type than torch.Tensor), which take the ops as well: a launch needs real memory.
+
+
+def _traced(tensor: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or type(tensor) is not torch.Tensor
 
 
 @torch.library.triton_op("fusetune::gated_float8_gradient_maxima", mutates_args=())
@@ -188,7 +193,7 @@ def gated_float8_gradient_maxima(
     gradient `grad`, all [tokens, intermediate]; activation: "silu", "gelu_tanh" or "gelu"."""
     _check(grad, gate, up, activation)
     grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
-    if torch.compiler.is_compiling():
+    if _traced(gate):
         return torch.ops.fusetune.gated_float8_gradient_maxima(grad, gate, up, activation)
     return _launch_maxima(grad, gate, up, activation, traced=False)
 
@@ -211,7 +216,7 @@ def gated_float8_backward(
         if dtype not in _FLOAT8_TYPES:
             raise ValueError(f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
-    if torch.compiler.is_compiling():
+    if _traced(gate):
         return torch.ops.fusetune.gated_float8_backward(
             grad, gate, up, activation, scales, hidden_dtype, grad_dtype
         )

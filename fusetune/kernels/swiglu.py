@@ -334,10 +334,14 @@ def _gated_activation(a: torch.Tensor, b: torch.Tensor, activation: str) -> torc
 
 
 def gated_activation(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(a) * b for `activation` "silu", "gelu_tanh" or "gelu": these kernels eagerly, Inductor's ops under
-    torch.compile."""
+    """act(a) * b for `activation` "silu", "gelu_tanh" or "gelu": these kernels eagerly, torch's ops (which
+    Inductor fuses) under torch.compile and on traced tensors (the fake or functional tensors with which the
+    compiler runs an autograd function it keeps whole, as the fp8 mode's MLP node)."""
     if activation not in _ACTIVATION_CODES:
         raise ValueError(f"activation must be one of {', '.join(_ACTIVATION_CODES)}, got {activation!r}")
+    if type(a) is not torch.Tensor:
+        _check_pair(a, b)
+        return _TORCH_ACTIVATIONS[activation](a) * b
     return _gated_activation(a, b, activation)
 
 
