@@ -7,6 +7,7 @@ from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 from torchao.float8.float8_utils import amax_to_scale
 
 from fusetune.kernels import float8_gated
+from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.float8_gated import gated_float8_backward, gated_float8_gradient_maxima
 from fusetune.kernels.swiglu import _launch_gated_backward
 from tests.kernels.mutation import mutated_kernel
@@ -85,6 +86,10 @@ def test_matches_torchaos_casts_of_the_bf16_backward_bit_for_bit(activation, sha
 )  # fmt: skip
 def test_a_mutated_kernel_fails_the_comparison(kernel, old, new, tmp_path, monkeypatch, device):
     """Each edit breaks a different part: a layout, a scale, the bf16 rounding, the clamp, the maxima."""
+    if "minimum" in old and not interpreted():
+        pytest.skip(
+            "the GPU's float8 conversion saturates by itself: the clamp matters to the software rounding"
+        )
     monkeypatch.setattr(
         float8_gated, kernel, mutated_kernel(getattr(float8_gated, kernel), old, new, tmp_path)
     )
