@@ -72,15 +72,15 @@ def test_matches_torchaos_casts_of_the_bf16_backward_bit_for_bit(activation, sha
 @pytest.mark.parametrize(
     ("kernel", "old", "new"),
     [
-        pytest.param("_float8_backward_kernel", "tl.store(d_gate_t_ptr + transposed, d_gate8, mask=mask)",
+        pytest.param("_gated_float8_backward_kernel", "tl.store(d_gate_t_ptr + transposed, d_gate8, mask=mask)",
                      "tl.store(d_gate_t_ptr + offsets, d_gate8, mask=mask)", id="transposed-written-row-major"),
-        pytest.param("_float8_backward_kernel", "tl.load(scales_ptr + 2)", "tl.load(scales_ptr + 1)",
+        pytest.param("_gated_float8_backward_kernel", "tl.load(scales_ptr + 2)", "tl.load(scales_ptr + 1)",
                      id="d-up-with-d-gates-scale"),
-        pytest.param("_float8_backward_kernel", "round_to_dtype(grad * up * slope, dtype, SOFTWARE_ROUNDING)",
+        pytest.param("_gated_float8_backward_kernel", "round_to_dtype(grad * up * slope, dtype, SOFTWARE_ROUNDING)",
                      "(grad * up * slope)", id="d-gate-not-rounded-to-bf16"),
-        pytest.param("_float8_backward_kernel", "tl.minimum(tl.maximum(value * scale, -largest), largest)",
+        pytest.param("_gated_float8_backward_kernel", "tl.minimum(tl.maximum(value * scale, -largest), largest)",
                      "value * scale", id="not-clamped"),
-        pytest.param("_gradient_maxima_kernel", "tl.max(tl.max(tl.abs(d_up), axis=1), axis=0)",
+        pytest.param("_gated_gradient_maxima_kernel", "tl.max(tl.max(tl.abs(d_up), axis=1), axis=0)",
                      "tl.max(tl.max(d_up, axis=1), axis=0)", id="maximum-without-magnitude"),
     ],
 )  # fmt: skip

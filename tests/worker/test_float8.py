@@ -329,12 +329,12 @@ def test_a_node_whose_kernel_skips_the_bf16_rounding_fails_that_comparison(tmp_p
     from tests.kernels.mutation import mutated_kernel
 
     mutant = mutated_kernel(
-        float8_gated._float8_backward_kernel,
+        float8_gated._gated_float8_backward_kernel,
         "round_to_dtype(grad * up * slope, dtype, SOFTWARE_ROUNDING)",
         "(grad * up * slope)",
         tmp_path,
     )
-    monkeypatch.setattr(float8_gated, "_float8_backward_kernel", mutant)
+    monkeypatch.setattr(float8_gated, "_gated_float8_backward_kernel", mutant)
     with pytest.raises(AssertionError):
         test_the_float8_mlp_node_trains_as_its_modules_bit_for_bit("gemma2", False)
 

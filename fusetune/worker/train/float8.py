@@ -16,16 +16,20 @@ Which layers: every linear layer of the decoder except
   refuses.
 
 The fused MLP block (fusetune/models/fused.py) runs the whole MLP as one autograd node only over plain
-`nn.Linear` projections, so with `Float8Linear`s in place it calls the projection modules themselves, with
-the fused gated activation between them: its three matmuls run in float8 and the activation stays fused.
+`nn.Linear` projections. With `Float8Linear`s in place, an MLP whose three projections are trained and
+tensorwise runs as the float8 node of float8_mlp.py instead (`convert_linears` installs it): its three matmuls
+in float8, the gated activation's backward writing its gradients straight into float8. At the Gemma-2-2B shape,
+8 x 2,048 tokens, on an H200 (h200-step.md, e2e-fp8-gemma-mlp-node): 32,345 tokens/s at 45.5 GB against
+Liger-Kernel's 26,095 at 54.0 (1.240x, 0.843x); through the projection modules it had run at 31,241 and 46.0 GB
+(e2e-fp8-gemma-backward-peak). Any other MLP (a LoRA base, FSDP2's shards, rowwise scales) calls its projection
+modules, with the fused gated activation between them.
 
 Where torchao falls short, for a later fused kernel once the GPU profile says it matters: the cast of each
 matmul's input to float8 (and, rowwise, its scales) is a pass of its own over the activation, after the RMSNorm
 that made it (q, k, v, gate and up) and after the gated activation (down); a kernel that wrote float8 and its
-scales from the norm's or the activation's epilogue would save that pass. The MLP block also keeps the gated
-product for down's backward, which the one-node fused MLP recomputed. And torchao's float8 matmul computes the
-weight gradient whatever the weight: for a frozen weight (a LoRA base layer) `frozen_aware_float8_linear` runs
-the input gradient alone, with torchao's casts, and keeps no input for the backward.
+scales from the norm's or the activation's epilogue would save that pass. And torchao's float8 matmul computes
+the weight gradient whatever the weight: for a frozen weight (a LoRA base layer) `frozen_aware_float8_linear`
+runs the input gradient alone, with torchao's casts, and keeps no input for the backward.
 
 A trained layer's weight scale (tensorwise: 448 over the weight's largest magnitude) comes from block maxima
 that FusedAdamW's step writes from the values it stores (`keep_weight_maxima`), instead of torchao's pass over the
