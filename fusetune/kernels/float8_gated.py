@@ -41,16 +41,21 @@ _FLOAT8_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float
 
 
 @triton.jit
-def _gated_tile(
-    grad_ptr, gate_ptr, up_ptr, n_rows, n_cols, ACTIVATION: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
-):  # fmt: skip
-    """(d gate, d up, hidden, rows, cols, mask) of this program's tile of contiguous [n_rows, n_cols] inputs,
-    each value rounded to the inputs' dtype (as the bf16 backward stores it) and held in fp32."""
+def _tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """(rows, cols, mask) of this program's tile of a [n_rows, n_cols] array."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    offsets = rows[:, None] * n_cols + cols[None, :]
+    return rows, cols, (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+
+
+@triton.jit
+def _gated_gradients(
+    grad_ptr, gate_ptr, up_ptr, offsets, mask, ACTIVATION: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr
+):  # fmt: skip
+    """(d gate, d up, hidden) at `offsets` of the contiguous inputs, each rounded to the inputs' dtype (as the
+    bf16 backward stores it) and held in fp32. The kernels compute the addresses they store to themselves:
+    Inductor, which reads a kernel's stores to learn which arguments it writes, takes an address that comes
+    back from a call given the input pointers for one of them, and would copy those inputs before each launch."""
     dtype = gate_ptr.dtype.element_ty
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -59,7 +64,7 @@ def _gated_tile(
     d_gate = round_to_dtype(grad * up * slope, dtype, SOFTWARE_ROUNDING).to(tl.float32)
     d_up = round_to_dtype(grad * act, dtype, SOFTWARE_ROUNDING).to(tl.float32)
     hidden = round_to_dtype(act * up, dtype, SOFTWARE_ROUNDING).to(tl.float32)
-    return d_gate, d_up, hidden, rows, cols, mask
+    return d_gate, d_up, hidden
 
 
 @triton.jit
@@ -69,8 +74,10 @@ def _gated_gradient_maxima_kernel(
 ):  # fmt: skip
     """The largest |d gate| and |d up| of this program's tile, at maxima[program, 0 and 1] (padding reads 0,
     whose gradients are 0)."""
-    d_gate, d_up, _, _, _, _ = _gated_tile(
-        grad_ptr, gate_ptr, up_ptr, n_rows, n_cols, ACTIVATION, BLOCK_ROWS, BLOCK_COLS, SOFTWARE_ROUNDING
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    offsets = rows[:, None] * n_cols + cols[None, :]
+    d_gate, d_up, _ = _gated_gradients(
+        grad_ptr, gate_ptr, up_ptr, offsets, mask, ACTIVATION, SOFTWARE_ROUNDING
     )
     program = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(maxima_ptr + 2 * program, tl.max(tl.max(tl.abs(d_gate), axis=1), axis=0))
@@ -95,13 +102,14 @@ def _gated_float8_backward_kernel(
     BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, SOFTWARE_ROUNDING: tl.constexpr,
 ):  # fmt: skip
     """This tile of hidden^T, d gate, d gate^T, d up and d up^T in float8; scales = [hidden, d gate, d up]."""
-    d_gate, d_up, hidden, rows, cols, mask = _gated_tile(
-        grad_ptr, gate_ptr, up_ptr, n_rows, n_cols, ACTIVATION, BLOCK_ROWS, BLOCK_COLS, SOFTWARE_ROUNDING
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    offsets = rows[:, None] * n_cols + cols[None, :]
+    d_gate, d_up, hidden = _gated_gradients(
+        grad_ptr, gate_ptr, up_ptr, offsets, mask, ACTIVATION, SOFTWARE_ROUNDING
     )
     hidden8 = _scaled_float8(hidden, tl.load(scales_ptr), HIDDEN_DTYPE, SOFTWARE_ROUNDING)
     d_gate8 = _scaled_float8(d_gate, tl.load(scales_ptr + 1), GRAD_DTYPE, SOFTWARE_ROUNDING)
     d_up8 = _scaled_float8(d_up, tl.load(scales_ptr + 2), GRAD_DTYPE, SOFTWARE_ROUNDING)
-    offsets = rows[:, None] * n_cols + cols[None, :]
     transposed = cols[None, :] * n_rows + rows[:, None]
     tl.store(d_gate_ptr + offsets, d_gate8, mask=mask)
     tl.store(d_up_ptr + offsets, d_up8, mask=mask)
