@@ -105,22 +105,28 @@ def test_kernel_matches_reference_exactly(param_dtypes, state_dtype, grad_scale,
         torch.testing.assert_close(state["exp_avg_sq"], ref_exp_avg_sq, atol=0.0, rtol=0.0)
 
 
-def test_tensors_off_the_vector_alignment_take_the_masked_path_and_match_the_reference(monkeypatch, device):
-    """Whole blocks of tensors that all start at a multiple of 16 bytes go unmasked in 16-byte vectors; one
-    tensor that does not (a view one element into its buffer) sends the launch down the masked path, whose
-    loads need no alignment. Both give the reference's bits."""
+def _record_launches(monkeypatch, argument: str) -> list:
+    """The value of the AdamW kernel's keyword `argument` at each launch from now on (the launch still runs)."""
     launched = []
     kernel = adamw_module._adamw_kernel
 
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launched.append(kwargs["ALIGNED"])
+                launched.append(kwargs[argument])
                 return kernel[grid](*args, **kwargs)
 
             return launch
 
     monkeypatch.setattr(adamw_module, "_adamw_kernel", Recorder())
+    return launched
+
+
+def test_tensors_off_the_vector_alignment_take_the_masked_path_and_match_the_reference(monkeypatch, device):
+    """Whole blocks of tensors that all start at a multiple of 16 bytes go unmasked in 16-byte vectors; one
+    tensor that does not (a view one element into its buffer) sends the launch down the masked path, whose
+    loads need no alignment. Both give the reference's bits."""
+    launched = _record_launches(monkeypatch, "ALIGNED")
     for offset in (0, 1):
         buffers = _tensors([(offset + 4095,), (offset + 1536,)], torch.bfloat16, device, seed=1)
         params = [torch.nn.Parameter(buffer[offset:]) for buffer in buffers]
@@ -598,18 +604,7 @@ def test_kept_block_maxima_are_those_of_the_stored_parameters(param_dtypes, devi
 def test_only_launches_with_kept_maxima_reduce_their_blocks(monkeypatch, device):
     """A launch none of whose tensors keeps block maxima (a bf16-sr job's) skips the block reduction; one with
     such a tensor among others reduces, and writes the maxima of that tensor alone."""
-    launched = []
-    kernel = adamw_module._adamw_kernel
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append(kwargs["KEEPS_MAXIMA"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(adamw_module, "_adamw_kernel", Recorder())
+    launched = _record_launches(monkeypatch, "KEEPS_MAXIMA")
     block = adamw_module.adamw_launch_settings().block_size
     for keep in (False, True):
         params = [
