@@ -138,9 +138,9 @@ def gated_mlp_function() -> type:
 
 
 def _float8_projections(mlp: nn.Module) -> tuple[nn.Module, ...] | None:
-    """The MLP's (gate, up, down) when they are bias-free, hook-free float8 layers that cast each tensor with
-    one scale (tensorwise), the same for both matmuls that read it; None otherwise. What can change between
-    calls (whether the weights are trained, FSDP2's sharding) `gated_mlp_override` checks at each."""
+    """The MLP's (gate, up, down) when they are bias-free, hook-free float8 layers of one config that casts each
+    tensor with one scale (tensorwise), the same for both matmuls that read it; None otherwise. What can change
+    between calls (whether the weights are trained, FSDP2's sharding) `gated_mlp_override` checks at each."""
     from torchao.float8.config import ScalingGranularity
 
     from fusetune.worker.train.float8 import frozen_aware_float8_linear
@@ -153,6 +153,8 @@ def _float8_projections(mlp: nn.Module) -> tuple[nn.Module, ...] | None:
         if projection._forward_hooks or projection._forward_pre_hooks:
             return None
         config = projection.config
+        if config != projections[0].config or projection.linear_mm_config != projections[0].linear_mm_config:
+            return None
         pairs = (  # each cast and the one of the same tensor for the other matmul: the node casts each once
             (config.cast_config_input, config.cast_config_input_for_grad_weight),
             (config.cast_config_weight, config.cast_config_weight_for_grad_input),
