@@ -36,7 +36,9 @@ Each model is built from its architecture's config (no download), in bf16, and t
                               (0.9 unless given; the row records it) of what its
                               partitioner would save (torch._functorch.config.activation_memory_budget): it
                               recomputes the cheapest saved activations instead; fp8 held 0.5-1.0 GB more than
-                              bf16 at the 1-3B shapes (h200-step.md, e2e-fp8)
+                              bf16 at the 1-3B shapes (h200-step.md, e2e-fp8). At the Gemma-2-2B shape 0.97 and
+                              0.9 kept the same (40.7 GB, 4% slower than without a budget, e2e-fp8-gemma-budget-97);
+                              the fp8 mode's MLP node (float8_mlp.py) took the excess away without that cost
 
 `--optimizer fusetune-adamw` steps every row with fusetune.kernels.FusedAdamW (bf16-sr's and fp8's optimizer)
 instead of torch's fused AdamW, for rows that compare with a bf16-sr job.
