@@ -142,13 +142,11 @@ def _float8_projections(mlp: nn.Module) -> tuple[nn.Module, ...] | None:
     tensor with one scale (tensorwise), the same for both matmuls that read it; None otherwise. What can change
     between calls (whether the weights are trained, FSDP2's sharding) `gated_mlp_override` checks at each."""
     from torchao.float8.config import ScalingGranularity
-
-    from fusetune.worker.train.float8 import frozen_aware_float8_linear
+    from torchao.float8.float8_linear import Float8Linear
 
     projections = tuple(getattr(mlp, name, None) for name in PROJECTIONS)
-    float8_linear = frozen_aware_float8_linear()
     for projection in projections:
-        if not isinstance(projection, float8_linear) or projection.bias is not None:
+        if not isinstance(projection, Float8Linear) or projection.bias is not None:
             return None
         if projection._forward_hooks or projection._forward_pre_hooks:
             return None
