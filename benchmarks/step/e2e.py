@@ -412,13 +412,15 @@ def kernel_category(name: str) -> str:
 def profile_step(
     step_model: Any, optimizer: Any, input_ids: Any, labels: Any, extra: dict[str, Any], top: int = 15
 ) -> dict[str, Any]:
-    """One more training step, measured three times: first the memory of each phase (peak allocated during the
-    forward, held after it, peak during the backward and the optimizer step), then the blocks the backward
-    holds at its peak (from the allocator's history), then a torch.profiler trace of the same step for the GPU
-    time by kernel and the idle gaps of the GPU (host-bound stretches)."""
+    """One more training step, measured twice: first the memory of each phase (peak allocated during the
+    forward, held after it, peak during the backward and the optimizer step) and the blocks the backward holds
+    at its peak (from the allocator's history), then a torch.profiler trace of the same step for the GPU time by
+    kernel and the idle gaps of the GPU (host-bound stretches)."""
     import torch
 
-    def phase_peaks() -> dict[str, float]:
+    def phase_peaks() -> tuple[dict[str, float], dict[str, Any]]:
+        """The peaks of each phase, and the blocks the backward held at its peak: the backward runs under the
+        allocator's history (which records on the host and allocates nothing on the GPU)."""
         peaks: dict[str, float] = {}
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -427,31 +429,23 @@ def profile_step(
         peaks["forward_peak_gb"] = torch.cuda.max_memory_allocated() / GIB
         peaks["held_after_forward_gb"] = torch.cuda.memory_allocated() / GIB
         torch.cuda.reset_peak_memory_stats()
-        loss.backward()
-        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        try:
+            loss.backward()
+            torch.cuda.synchronize()
+            history = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
         peaks["backward_peak_gb"] = torch.cuda.max_memory_allocated() / GIB
         torch.cuda.reset_peak_memory_stats()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         peaks["optimizer_peak_gb"] = torch.cuda.max_memory_allocated() / GIB
-        return {key: round(value, 3) for key, value in peaks.items()}
+        backward = live_blocks_at_peak(history["device_traces"][torch.cuda.current_device()])
+        return {key: round(value, 3) for key, value in peaks.items()}, backward
 
-    memory = phase_peaks()
-    # The same step once more, its backward under the allocator's history: what it allocated that is live at
-    # its peak (what a step holds beyond the forward's activations, and where it was allocated).
-    loss = step_model(input_ids=input_ids, labels=labels, **extra).loss
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
-    try:
-        loss.backward()
-        torch.cuda.synchronize()
-        history = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    backward_peak = live_blocks_at_peak(history["device_traces"][torch.cuda.current_device()])
+    memory, backward_peak = phase_peaks()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         torch.cuda.synchronize()

@@ -138,16 +138,18 @@ def _check(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation:
 
 def _launch_maxima(grad, gate, up, activation: str, traced: bool) -> torch.Tensor:
     rows, cols = gate.shape
+    if not gate.numel():  # no elements: every magnitude of nothing is 0 (amax over no tiles would raise)
+        return torch.zeros(2, dtype=torch.float32, device=gate.device)
     grid = _tiles(rows, cols)
-    partial = torch.zeros(grid[0] * grid[1], 2, dtype=torch.float32, device=gate.device)
+    # Each program writes its own row, so nothing is filled first.
+    partial = torch.empty(grid[0] * grid[1], 2, dtype=torch.float32, device=gate.device)
     kernel = (
         torch.library.wrap_triton(_gated_gradient_maxima_kernel) if traced else _gated_gradient_maxima_kernel
     )
-    if gate.numel():
-        kernel[grid](
-            grad, gate, up, partial, rows, cols, ACTIVATION=_ACTIVATION_CODES[activation],
-            BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, SOFTWARE_ROUNDING=interpreted(), num_warps=_NUM_WARPS,
-        )  # fmt: skip
+    kernel[grid](
+        grad, gate, up, partial, rows, cols, ACTIVATION=_ACTIVATION_CODES[activation],
+        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, SOFTWARE_ROUNDING=interpreted(), num_warps=_NUM_WARPS,
+    )  # fmt: skip
     return partial.amax(dim=0)
 
 

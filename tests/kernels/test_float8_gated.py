@@ -174,3 +174,10 @@ def test_inductor_reads_each_kernel_as_writing_only_its_outputs():
         "maxima": ["maxima_ptr"],
         "backward": ["d_gate_ptr", "d_gate_t_ptr", "d_up_ptr", "d_up_t_ptr", "hidden_t_ptr"],
     }
+
+
+def test_no_tokens_give_zero_maxima_and_empty_float8_tensors(device):
+    grad, gate, up = _inputs(0, 48, device)
+    assert torch.equal(gated_float8_gradient_maxima(grad, gate, up, "silu"), torch.zeros(2, device=device))
+    outputs = gated_float8_backward(grad, gate, up, "silu", torch.ones(3, device=device))
+    assert [tuple(t.shape) for t in outputs] == [(48, 0), (0, 48), (48, 0), (0, 48), (48, 0)]

@@ -126,10 +126,10 @@ def gated_mlp_function() -> type:
             grads = []
             for d, d_t, weight, scale, index in ((d_gate, d_gate_t, gate_w, weight_scales[0], 1),
                                                  (d_up, d_up_t, up_w, weight_scales[1], 2)):  # fmt: skip
-                d8 = wrap(d, scales[index : index + 1].reshape(()), mm_config, GemmInputRole.GRAD_OUTPUT)
+                d8 = wrap(d, scales[index], mm_config, GemmInputRole.GRAD_OUTPUT)
                 part = torch.mm(d8, weight8(weight, scale, weight_dtype, mm_config).t())
                 grad_x = part if grad_x is None else grad_x + part
-                d8_t = wrap(d_t, scales[index : index + 1].reshape(()), mm_config, GemmInputRole.GRAD_OUTPUT)
+                d8_t = wrap(d_t, scales[index], mm_config, GemmInputRole.GRAD_OUTPUT)
                 grads.append(torch.mm(d8_t, x8))
             grad_x = grad_x.reshape(*grad_out.shape[:-1], grad_x.shape[-1])
             return grad_x, grads[0], grads[1], grad_down_w, None, None, None, None, None, None
