@@ -24,6 +24,7 @@ SCRIPT_OPTIONS = {
     "benchmarks.kernels.loss_skip": ("--budget-s", "--out"),
     "benchmarks.kernels.loss_launch_settings": ("--parts", "--tag"),
     "benchmarks.kernels.norm_launch_settings": ("--ops", "--shapes"),
+    "benchmarks.kernels.float8_gated_launch_settings": ("--shapes", "--json"),
     "benchmarks.kernels.cross_entropy_ab": ("others",),
     "benchmarks.kernels.cross_entropy_bounds": ("--out",),
     "benchmarks.kernels.host_profile": ("--cases",),

@@ -26,6 +26,8 @@ The values are bit for bit torchao's tensorwise cast of the bf16 gated backward'
 by its scale in fp32, clamped to the format's range and rounded to nearest even.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -35,8 +37,18 @@ from fusetune.kernels.swiglu import _ACTIVATION_CODES, _activation_and_slope
 
 __all__ = ["gated_float8_backward", "gated_float8_gradient_maxima"]
 
-# Tokens x intermediate columns of one program's tile.
-_BLOCK_ROWS, _BLOCK_COLS, _NUM_WARPS = 64, 64, 4
+
+class Tile(NamedTuple):
+    """One program's tile, tokens x intermediate columns, and its warps."""
+
+    rows: int
+    cols: int
+    warps: int
+
+
+# benchmarks/kernels/float8_gated_launch_settings.py times the candidates.
+MAXIMA_TILE = Tile(64, 64, 4)
+BACKWARD_TILE = Tile(64, 64, 4)
 _FLOAT8_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
@@ -118,8 +130,8 @@ def _gated_float8_backward_kernel(
     tl.store(d_up_t_ptr + transposed, d_up8, mask=mask)
 
 
-def _tiles(rows: int, cols: int) -> tuple[int, int]:
-    return triton.cdiv(rows, _BLOCK_ROWS), triton.cdiv(cols, _BLOCK_COLS)
+def _grid(rows: int, cols: int, tile: Tile) -> tuple[int, int]:
+    return triton.cdiv(rows, tile.rows), triton.cdiv(cols, tile.cols)
 
 
 def _check(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
@@ -136,11 +148,11 @@ def _check(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation:
         raise ValueError(f"activation must be one of {', '.join(_ACTIVATION_CODES)}, got {activation!r}")
 
 
-def _launch_maxima(grad, gate, up, activation: str, traced: bool) -> torch.Tensor:
+def _launch_maxima(grad, gate, up, activation: str, traced: bool, tile: Tile = MAXIMA_TILE) -> torch.Tensor:
     rows, cols = gate.shape
     if not gate.numel():  # no elements: every magnitude of nothing is 0 (amax over no tiles would raise)
         return torch.zeros(2, dtype=torch.float32, device=gate.device)
-    grid = _tiles(rows, cols)
+    grid = _grid(rows, cols, tile)
     # Each program writes its own row, so nothing is filled first.
     partial = torch.empty(grid[0] * grid[1], 2, dtype=torch.float32, device=gate.device)
     kernel = (
@@ -148,14 +160,15 @@ def _launch_maxima(grad, gate, up, activation: str, traced: bool) -> torch.Tenso
     )
     kernel[grid](
         grad, gate, up, partial, rows, cols, ACTIVATION=_ACTIVATION_CODES[activation],
-        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS, SOFTWARE_ROUNDING=interpreted(), num_warps=_NUM_WARPS,
+        BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, SOFTWARE_ROUNDING=interpreted(), num_warps=tile.warps,
     )  # fmt: skip
     return partial.amax(dim=0)
 
 
 def _launch_backward(
-    grad, gate, up, activation: str, scales: torch.Tensor, hidden_dtype, grad_dtype, traced: bool
-) -> tuple[torch.Tensor, ...]:
+    grad, gate, up, activation: str, scales: torch.Tensor, hidden_dtype, grad_dtype, traced: bool,
+    tile: Tile = BACKWARD_TILE,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
     rows, cols = gate.shape
     hidden_t = torch.empty(cols, rows, dtype=hidden_dtype, device=gate.device)
     d_gate, d_up = (torch.empty(rows, cols, dtype=grad_dtype, device=gate.device) for _ in range(2))
@@ -164,11 +177,11 @@ def _launch_backward(
         torch.library.wrap_triton(_gated_float8_backward_kernel) if traced else _gated_float8_backward_kernel
     )
     if gate.numel():
-        kernel[_tiles(rows, cols)](
+        kernel[_grid(rows, cols, tile)](
             grad, gate, up, scales, hidden_t, d_gate, d_gate_t, d_up, d_up_t, rows, cols,
             ACTIVATION=_ACTIVATION_CODES[activation], HIDDEN_DTYPE=_FLOAT8_TYPES[hidden_dtype],
-            GRAD_DTYPE=_FLOAT8_TYPES[grad_dtype], BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=_BLOCK_COLS,
-            SOFTWARE_ROUNDING=interpreted(), num_warps=_NUM_WARPS,
+            GRAD_DTYPE=_FLOAT8_TYPES[grad_dtype], BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols,
+            SOFTWARE_ROUNDING=interpreted(), num_warps=tile.warps,
         )  # fmt: skip
     return hidden_t, d_gate, d_gate_t, d_up, d_up_t
 
