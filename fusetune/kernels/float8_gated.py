@@ -19,7 +19,8 @@ fp32 and once more as |d gate| in bf16 to reduce its maximum separately, 0.84 GB
 8 x 2,048 tokens, live at the step's memory peak (h200-step.md, e2e-fp8-gemma-backward-peak): the float8 mode
 then held more than the bf16 one. Here the step holds g, the saved gate and up, and the five float8 outputs: the
 backward's rise over what the forward left fell from 1.44 to 0.95 GB (e2e-fp8-gemma-mlp-node), and per layer
-these two kernels took 0.28 and 0.62 ms on an H200 (3.3 and 2.7 TB/s) where Inductor's four took 1.57.
+these two kernels took 0.28 and 0.62 ms on an H200 (3.3 and 2.7 TB/s, at 64 x 64 tiles; the tiles below are
+faster) where Inductor's four took 1.57.
 
 The values are bit for bit torchao's tensorwise cast of the bf16 gated backward's gradients
 (`fusetune.kernels.swiglu`, computed in fp32 and rounded once): each is rounded to the input dtype, multiplied
@@ -46,9 +47,12 @@ class Tile(NamedTuple):
     warps: int
 
 
-# benchmarks/kernels/float8_gated_launch_settings.py times the candidates.
-MAXIMA_TILE = Tile(64, 64, 4)
-BACKWARD_TILE = Tile(64, 64, 4)
+# From benchmarks/kernels/float8_gated_launch_settings.py on an H200 (2026-11-28), at the MLPs of Llama-3.2-1B,
+# Qwen2.5-1.5B, Gemma-2-2B (16,384 tokens) and Llama-3.1-8B (4,096): the tile whose slowest shape lost least to
+# that shape's best. The backward at 32 x 64 reached 3.3-3.6 TB/s (64 x 64: 2.7-3.1), within 0.8% of the best
+# tile at the first three shapes and the best at 8B; the maxima at 64 x 128, 8 warps, 3.3-3.7 TB/s, within 3.6%.
+MAXIMA_TILE = Tile(64, 128, 8)
+BACKWARD_TILE = Tile(32, 64, 4)
 _FLOAT8_TYPES = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
