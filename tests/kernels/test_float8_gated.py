@@ -10,6 +10,7 @@ from fusetune.kernels import float8_gated
 from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.float8_gated import gated_float8_backward, gated_float8_gradient_maxima
 from fusetune.kernels.swiglu import _launch_gated_backward
+from tests.hopper_target import run_on_hopper_target
 from tests.kernels.mutation import mutated_kernel
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -113,20 +114,10 @@ def test_bad_inputs_are_refused_with_the_argument(device):
 
 
 # What Inductor reads from the kernels' stores: the arguments a launch writes, which a compiled graph copies
-# first. Run in a fresh process without the interpreter, where the kernels are compiled Triton functions, against
-# Hopper's target without a GPU (Inductor only lowers them to Triton's IR for this).
+# first (Inductor only lowers the kernels to Triton's IR for this).
 _WRITES_SCRIPT = """
-import json, torch, triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
+import json, torch, triton.language as tl
 from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
-
-
-class Hopper:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-triton.runtime.driver.set_active(Hopper())
 from fusetune.kernels import float8_gated as fg
 
 rows, cols = 256, 512
@@ -151,26 +142,10 @@ def test_inductor_reads_each_kernel_as_writing_only_its_outputs():
     backward kernel took its store addresses from a helper given the input pointers, Inductor counted grad, gate
     and up as written and copied gate and up before each launch: 0.28 ms a layer at the Gemma-2-2B shape, 8 x
     2,048 tokens (h200-step.md, e2e-fp8-gemma-mlp-node, triton_poi_fused_10)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     triton_kernel_wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
     if not hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
         pytest.skip("this torch names Inductor's analysis of a kernel's stores otherwise")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, "-c", _WRITES_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    writes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert writes == {
+    assert run_on_hopper_target(_WRITES_SCRIPT) == {
         "maxima": ["maxima_ptr"],
         "backward": ["d_gate_ptr", "d_gate_t_ptr", "d_up_ptr", "d_up_t_ptr", "hidden_t_ptr"],
     }

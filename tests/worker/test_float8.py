@@ -27,6 +27,7 @@ from fusetune.worker.train.outcome import JobStopped, TrainingFailure
 from fusetune.worker.train.precision import resolve_precision
 from fusetune.worker.train.reporter import StopRequest
 from fusetune.worker.train.trainer import Trainer
+from tests.hopper_target import run_on_hopper_target
 from tests.models.tiny import build_tiny_model, make_batches
 from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config
 
@@ -322,6 +323,62 @@ def test_on_a_gpu_the_compiled_float8_mlp_node_trains_as_its_modules(model_type)
         > 0.99
     )
     assert min(cosine(mine, expected) for mine, expected in zip(ours[1:], theirs[1:], strict=True)) > 0.9
+
+
+# A compiled decoder layer of the fp8 mode, traced whole (fullgraph: a graph break raises) against Hopper's target;
+# the backend stops at the captured graph and reports the source files its operations were traced from.
+_ONE_GRAPH_SCRIPT = """
+import json, sys, torch
+from fusetune.models import AutoFusedModelForCausalLM
+from fusetune.worker.train import float8
+from tests.models.tiny import make_batches, tiny_config
+
+model = AutoFusedModelForCausalLM.from_config(tiny_config(sys.argv[1]), dtype=torch.bfloat16)
+float8.convert_linears(model, float8.float8_config(emulate=True))
+layer = float8.decoder_layers(model)[0]
+call = {}
+
+
+class Captured(Exception):
+    pass
+
+
+def capture_call(module, args, kwargs):
+    call.update(args=args, kwargs=kwargs)
+    raise Captured
+
+
+def capture_graph(graph_module, example_inputs):
+    traces = (node.meta.get("stack_trace") or "" for node in graph_module.graph.nodes)
+    call["files"] = sorted({line.split('"')[1].rsplit("/", 1)[-1] for trace in traces
+                            for line in trace.splitlines() if line.strip().startswith("File ")})
+    raise Captured
+
+
+layer.register_forward_pre_hook(capture_call, with_kwargs=True)
+try:
+    model(**make_batches("cpu")[0])
+except Captured:
+    pass
+layer._forward_pre_hooks.clear()
+try:
+    torch.compile(layer.forward, backend=capture_graph, fullgraph=True)(*call["args"], **call["kwargs"])
+except Exception as error:  # the backend's Captured, wrapped by the compiler
+    if "files" not in call:
+        raise
+print(json.dumps(call["files"]))
+"""
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_a_compiled_float8_decoder_layer_is_one_graph(model_type):
+    """The trainer compiles each decoder layer; a graph break inside one splits it into graphs with eager code
+    between them, each returning to Python and checking its guards. When the MLP node's autograd function was
+    built on first call inside the layer, the compiler traced into the class statement and broke every layer
+    in three: at the Llama-3.2-1B shape, 8 x 2,048 tokens, the GPU then sat idle 26 ms of a 213 ms step
+    (h200-step.md, e2e-fp8-mlp-node-no-clone). The whole layer now traces as one graph, the node in it."""
+    files = run_on_hopper_target(_ONE_GRAPH_SCRIPT.replace("sys.argv[1]", repr(model_type)))
+    assert "float8_mlp.py" in files, files
 
 
 def test_a_node_whose_kernel_skips_the_bf16_rounding_fails_that_comparison(tmp_path, monkeypatch):

@@ -38,7 +38,9 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 @functools.cache
 def gated_mlp_function() -> type:
-    """The autograd function, built at first use (importing torchao takes seconds)."""
+    """The autograd function, built at first use (importing torchao takes seconds). `install` builds it and binds
+    it to each MLP's override: a compiled layer that called this itself would trace into it (the compiler looks
+    through the cache), meet the class statement, and break its graph there, splitting every layer in three."""
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import (
         Float8TrainingTensor,
@@ -170,17 +172,20 @@ def _plain_trained(weight: torch.Tensor) -> bool:
 
 
 def gated_mlp_override(
-    projections: tuple[nn.Module, nn.Module, nn.Module], hidden_states: torch.Tensor, activation: str
+    node: type,
+    projections: tuple[nn.Module, nn.Module, nn.Module],
+    hidden_states: torch.Tensor,
+    activation: str,
 ) -> torch.Tensor | None:
-    """The MLP's output through `Float8GatedMLP`, or None when the MLP must run its modules (the module
-    docstring); `install` sets it, bound to the MLP's projections, as `mlp.gated_mlp_override`, which
-    fusetune's gated-MLP forward calls."""
+    """The MLP's output through `node` (`gated_mlp_function()`), or None when the MLP must run its modules (the
+    module docstring); `install` sets it, bound to the node and the MLP's projections, as
+    `mlp.gated_mlp_override`, which fusetune's gated-MLP forward calls."""
     gate, up, down = projections
     if not all(_plain_trained(p.weight) for p in projections):
         return None
     if torch.is_autocast_enabled() or hidden_states.dtype != torch.bfloat16:
         return None
-    return gated_mlp_function().apply(
+    return node.apply(
         hidden_states,
         gate.weight,
         up.weight,
@@ -201,6 +206,6 @@ def install(model: nn.Module) -> int:
     for module in model.modules():
         projections = _float8_projections(module)
         if projections is not None:
-            module.gated_mlp_override = functools.partial(gated_mlp_override, projections)
+            module.gated_mlp_override = functools.partial(gated_mlp_override, gated_mlp_function(), projections)
             count += 1
     return count
