@@ -40,7 +40,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 def gated_mlp_function() -> type:
     """The autograd function, built at first use (importing torchao takes seconds). `install` builds it and binds
     it to each MLP's override: a compiled layer that called this itself would trace into it (the compiler looks
-    through the cache), meet the class statement, and break its graph there, splitting every layer in three."""
+    through the cache) and break its graph at the class statement, a place no measurement chose (the break the
+    node takes is the one in `gated_mlp_override`)."""
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import (
         Float8TrainingTensor,
@@ -185,6 +186,15 @@ def gated_mlp_override(
         return None
     if torch.is_autocast_enabled() or hidden_states.dtype != torch.bfloat16:
         return None
+    # A compiled layer compiles the node as a graph of its own. Traced with the attention block as one graph,
+    # Inductor fused the float8 casts of the attention's input worse (two passes for its largest magnitude, and
+    # its transposed copy for the weight gradient in a kernel of its own: 5-6 ms more kernel time in a 200 ms
+    # step), and at the Llama-3.2-1B shape, 8 x 2,048 tokens, one H200 call measured 80,776 and 81,236 tokens/s
+    # against 82,113 with this break (h200-step.md, e2e-fp8-llama-one, -split, -one2); other calls put the one
+    # graph 0.4-2% behind at Qwen2.5-1.5B, Gemma-2-2B and Llama-3.1-8B (e2e-fp8-one-graph, e2e-fp8-8b-one-graph
+    # against e2e-fp8-mlp-node-no-clone, e2e-fp8-8b-mlp-node). The break's own cost, a return to Python and a
+    # guard check per layer, stays hidden while the host runs ahead of the GPU.
+    torch._dynamo.graph_break()
     return node.apply(
         hidden_states,
         gate.weight,
@@ -206,6 +216,8 @@ def install(model: nn.Module) -> int:
     for module in model.modules():
         projections = _float8_projections(module)
         if projections is not None:
-            module.gated_mlp_override = functools.partial(gated_mlp_override, gated_mlp_function(), projections)
+            module.gated_mlp_override = functools.partial(
+                gated_mlp_override, gated_mlp_function(), projections
+            )
             count += 1
     return count
