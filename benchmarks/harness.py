@@ -158,6 +158,13 @@ def profile_kernels(
     return [(name, round(ms, 4), calls) for name, (ms, calls) in ranked]
 
 
+def flushed_device_ms(fn: Callable[[], Any], flush: Any, calls: int = 10) -> float:
+    """Mean ms of GPU work in one call of fn, from the profiler's kernel durations, with `flush` (a device
+    buffer larger than L2) rewritten before each call and its own kernel not counted."""
+    kernels = profile_kernels(fn, top=None, reps=calls, before_each=flush.bitwise_not_, exclude="bitwise_not")
+    return sum(ms for _name, ms, _launches in kernels) / calls
+
+
 def measure_ceilings(copy_bytes: int = 2 * GIB, matmul_size: int = 8192) -> dict[str, float]:
     """Measured device ceilings: device-to-device copy bandwidth and bf16 matmul rate.
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import profile_kernels, write_json
+from benchmarks.harness import flushed_device_ms, write_json
 from fusetune.kernels import float8_gated
 from fusetune.kernels.float8_gated import BACKWARD_TILE, MAXIMA_TILE, Tile
 
@@ -35,11 +35,6 @@ def candidates() -> Iterator[Tile]:
             for warps in (4, 8, 16):
                 if elements >= 2048 and elements // (32 * warps) in (16, 32):
                     yield Tile(rows, cols, warps)
-
-
-def device_ms(fn, flush: torch.Tensor, calls: int = 10) -> float:
-    kernels = profile_kernels(fn, top=None, reps=calls, before_each=flush.bitwise_not_, exclude="bitwise_not")
-    return sum(ms for _name, ms, _launches in kernels) / calls
 
 
 def sweep_shape(tokens: int, intermediate: int, activation: str, flush: torch.Tensor) -> list[dict]:
@@ -76,7 +71,7 @@ def sweep_shape(tokens: int, intermediate: int, activation: str, flush: torch.Te
         timed = []
         for tile in [default, *[t for t in candidates() if t != default]]:
             try:
-                ms = device_ms(lambda tile=tile, launch=launch: launch(tile), flush)
+                ms = flushed_device_ms(lambda tile=tile, launch=launch: launch(tile), flush)
             except Exception as error:  # noqa: BLE001 - a tile the compiler rejects is reported, not fatal
                 print(f"  {kernel} {tokens}x{intermediate} {_text(tile)}: {type(error).__name__}")
                 continue

@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import triton
 
-from benchmarks.harness import profile_kernels, write_json
+from benchmarks.harness import flushed_device_ms, write_json
 from fusetune.kernels import layer_norm, rms_norm
 from fusetune.kernels._norm_utils import NormLaunchSettings, norm_launch_settings
 
@@ -28,11 +28,6 @@ LOOPED_BACKWARD = ((2048, 2, 8, 2), (1024, 4, 8, 4), (2048, 4, 8, 2), (1024, 8, 
                    (512, 8, 8, 4), (4096, 1, 8, 4), (4096, 4, 16, 2))  # fmt: skip
 LARGEST_REGISTER_ROW = 16384
 FLUSH_BYTES = 256 * 2**20
-
-
-def device_ms(fn: Callable[[], object], flush: torch.Tensor, calls: int = 10) -> float:
-    kernels = profile_kernels(fn, top=None, reps=calls, before_each=flush.bitwise_not_, exclude="bitwise_not")
-    return sum(ms for _name, ms, _launches in kernels) / calls
 
 
 def backward_candidates(cols: int) -> Iterator[NormLaunchSettings]:
@@ -109,7 +104,7 @@ def sweep_shape(
         timed = []
         for settings in [default, *[c for c in candidates if c != default]]:
             try:
-                ms = device_ms(lambda settings=settings, run=run: run(settings), flush)
+                ms = flushed_device_ms(lambda settings=settings, run=run: run(settings), flush)
             except Exception as error:  # noqa: BLE001 - a setting the compiler rejects is reported, not fatal
                 print(f"  {op} {direction} T={rows} H={cols} {settings}: {type(error).__name__}")
                 continue

@@ -701,10 +701,7 @@ class CudaTimer:
         import torch
 
         flush = torch.empty(self.flush_bytes, dtype=torch.int8, device="cuda")
-        kernels = harness.profile_kernels(
-            fn, top=None, reps=calls, before_each=flush.bitwise_not_, exclude="bitwise_not"
-        )
-        return sum(ms for _name, ms, _launches in kernels) / calls
+        return harness.flushed_device_ms(fn, flush, calls)
 
     def peak_extra_bytes(self, fwd_bwd: Callable[[], Any], grad_inputs: list) -> int:
         import torch
