@@ -140,10 +140,15 @@ class TrainingRun:
 
 
 def train(
-    model: PreTrainedModel, batches: list[dict[str, torch.Tensor]], *, steps: int = TRAIN_STEPS
+    model: PreTrainedModel,
+    batches: list[dict[str, torch.Tensor]],
+    *,
+    steps: int = TRAIN_STEPS,
+    eps: float = 1e-8,
 ) -> TrainingRun:
-    """`steps` AdamW steps over the batches in turn; then the logits of the first batch in eval mode."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.01)
+    """`steps` AdamW steps over the batches in turn; then the logits of the first batch in eval mode. `eps`:
+    AdamW's (torch's default, which the golden curves ran with)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.01, eps=eps)
     model.train()
     losses = []
     for step in range(steps):
