@@ -36,6 +36,8 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 TOPICS = ("kernels", "step", "service", "scaling", "quality", "families")
 MIB = 2**20
 GIB = 2**30
+# A buffer rewritten before a timed call to empty L2: larger than an H100's or H200's 50 MB, as do_bench's.
+L2_FLUSH_BYTES = 256 * MIB
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import flushed_device_ms, write_json
+from benchmarks.harness import L2_FLUSH_BYTES, flushed_device_ms, write_json
 from fusetune.kernels import float8_gated
 from fusetune.kernels.float8_gated import BACKWARD_TILE, MAXIMA_TILE, Tile
 
 # tokens x intermediate and the activation: Llama-3.2-1B, Qwen2.5-1.5B and Gemma-2-2B at 8 x 2,048 tokens,
 # Llama-3.1-8B at 1 x 4,096.
 SHAPES = ("16384x8192:silu", "16384x8960:silu", "16384x9216:gelu_tanh", "4096x14336:silu")
-FLUSH_BYTES = 256 * 2**20
 
 
 def candidates() -> Iterator[Tile]:
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="TOKENSxINTERMEDIATE:ACTIVATION,...")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     rows = []
     for shape in args.shapes.split(","):
         size, activation = shape.split(":")

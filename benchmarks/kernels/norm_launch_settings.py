@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.harness import flushed_device_ms, write_json
+from benchmarks.harness import L2_FLUSH_BYTES, flushed_device_ms, write_json
 from fusetune.kernels import layer_norm, rms_norm
 from fusetune.kernels._norm_utils import NormLaunchSettings, norm_launch_settings
 
@@ -27,7 +27,6 @@ SHAPES = ((16384, 4096), (65536, 1024), (16384, 1024), (16384, 16384), (65536, 1
 LOOPED_BACKWARD = ((2048, 2, 8, 2), (1024, 4, 8, 4), (2048, 4, 8, 2), (1024, 8, 8, 2), (4096, 2, 8, 2), (2048, 4, 8, 4),
                    (512, 8, 8, 4), (4096, 1, 8, 4), (4096, 4, 16, 2))  # fmt: skip
 LARGEST_REGISTER_ROW = 16384
-FLUSH_BYTES = 256 * 2**20
 
 
 def backward_candidates(cols: int) -> Iterator[NormLaunchSettings]:
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     rows = []
     for shape in args.shapes.split(","):
         tokens, hidden = (int(v) for v in shape.split("x"))

@@ -634,7 +634,7 @@ SWEEP_REPS = Repetitions(warmup_ms=5, rep_ms=20)
 
 
 class CudaTimer:
-    flush_bytes = 256 * MIB  # larger than the L2 of an H100/H200, as do_bench uses
+    flush_bytes = harness.L2_FLUSH_BYTES
 
     def time(self, fn: Callable[[], Any], reps: Repetitions) -> float:
         import torch
