@@ -19,6 +19,8 @@ import orjson
 
 from fusetune.spec.methods import DEFAULT_METHOD, METHODS, method_of_record
 
+# The purpose of an uploaded training file; a job's results CSV has another ("fine-tune-results") and is not one.
+TRAINING_PURPOSE = "fine-tune"
 MAX_REPORTED_ERRORS = 20
 # A rough count for estimates before tokenisation: about four characters per token in English text.
 CHARS_PER_TOKEN = 4

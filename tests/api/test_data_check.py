@@ -12,7 +12,11 @@ from fastapi.testclient import TestClient
 from fusetune.api.app import create_app
 from fusetune.config import Settings
 from fusetune.db.migrate import upgrade
+from fusetune.db.models import Job
+from fusetune.db.session import make_engine, make_session_factory
 from fusetune.demo import assets
+from fusetune.storage import open_storage
+from fusetune.worker.results import record_results_file
 from tests.tokenization.test_data_check import (
     CHAT,
     LLAMA,
@@ -147,3 +151,23 @@ def test_without_the_models_tokenizer_the_data_is_not_checked_here(client):
     check = _job(client, "no-tokenizer", training, dry_run=True).json()["data_check"]
     assert check["status"] == "not_checked" and "the trainer checks the data" in check["reason"]
     assert _job(client, "no-tokenizer", training).status_code == 200
+
+
+def test_a_jobs_results_file_is_refused_as_training_or_validation_file(client, settings):
+    training = _upload(client, [{"messages": CHAT}])
+    job = _job(client, "demo", training).json()
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        results = record_results_file(session, open_storage(settings), session.get(Job, job["id"])).id
+        session.commit()
+    for param, files, extras in (
+        ("training_file", {"training_file": results}, ({}, {"dry_run": True}, {"method": {"type": "dpo"}})),
+        ("validation_file", {"training_file": training, "validation_file": results}, ({}, {"dry_run": True})),
+    ):
+        for extra in extras:
+            response = client.post("/v1/fine_tuning/jobs", json={"model": "demo", **files, **extra})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and error["code"] == "invalid_file_purpose"
+            assert "purpose 'fine-tune-results'" in error["message"]
+            assert f"a {param} must be a training file of purpose 'fine-tune'" in error["message"]
+    assert [j["id"] for j in client.get("/v1/fine_tuning/jobs").json()["data"]] == [job["id"]]

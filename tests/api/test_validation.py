@@ -190,3 +190,12 @@ def test_prompt_completion_text_and_tool_lines_are_accepted(client):
     assert response.json()["example_count"] == 3
     error = _assert_error_shape(_upload(client, json.dumps({"prompt": "x", "completion": 5})), 400, "file")
     assert "line 1: 'prompt' and 'completion' must both be strings" in error["message"]
+
+
+def test_an_unknown_after_cursor_is_a_404_naming_it(client, training_file):
+    job = client.post("/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": training_file}).json()
+    assert client.get("/v1/fine_tuning/jobs", params={"after": job["id"]}).json()["data"] == []
+    error = _assert_error_shape(
+        client.get("/v1/fine_tuning/jobs", params={"after": "ftjob-nope"}), 404, "after"
+    )
+    assert "ftjob-nope" in error["message"]

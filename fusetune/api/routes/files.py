@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from fusetune.api import idempotency
 from fusetune.api.deps import SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
-from fusetune.api.file_validation import validate_chat_jsonl
+from fusetune.api.file_validation import TRAINING_PURPOSE, validate_chat_jsonl
 from fusetune.api.schemas import FileDeleted, FileList, FileObject
 from fusetune.db import queries
 from fusetune.db.models import File, new_id
@@ -23,7 +23,7 @@ from fusetune.storage import FileWriter, StorageError
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-PURPOSES = ("fine-tune",)
+PURPOSES = (TRAINING_PURPOSE,)
 _COPY_CHUNK_BYTES = 1024 * 1024
 
 

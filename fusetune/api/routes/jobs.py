@@ -21,6 +21,7 @@ from fusetune.api.checkpoint_archive import archive_response, iter_archive_bytes
 from fusetune.api.data_check import check_job_data, refuse_if_the_data_fails
 from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
+from fusetune.api.file_validation import TRAINING_PURPOSE
 from fusetune.api.routes.files import presigned_redirect
 from fusetune.api.schemas import (
     CheckpointList,
@@ -246,6 +247,17 @@ def _check_inputs(session: Session, settings: Settings, tenant: str, body: JobCr
     _check_model(session, settings, tenant, body.model)
     method_type = body.method.type if body.method is not None else DEFAULT_METHOD
     for param, file in (("training_file", training), ("validation_file", validation)):
+        # Before the method's check: a job's results CSV has no line format, only the default method's name.
+        if file is not None and file.purpose != TRAINING_PURPOSE:
+            line_format = METHODS[method_type].example_format.name
+            raise ApiError(
+                400,
+                f"File '{file.id}' ({file.filename}) has purpose '{file.purpose}': a {param} must be a training "
+                f"file of purpose '{TRAINING_PURPOSE}', uploaded with {line_format} examples for the job's "
+                f"method '{method_type}'.",
+                param=param,
+                code="invalid_file_purpose",
+            )
         if file is not None and not reads_the_same_files(file.method, method_type):
             raise ApiError(
                 400,
@@ -418,6 +430,9 @@ def list_jobs(
         for name, value in request.query_params.multi_items()
         if name.startswith("metadata[") and name.endswith("]")
     }
+    # An unknown cursor would otherwise read as no cursor and answer the first page again, as if it were the next.
+    if after is not None and queries.get_job(session, after, tenant) is None:
+        raise not_found("fine-tuning job", after, param="after")
     rows, has_more = queries.list_jobs(
         session, tenant, after=after, limit=limit, metadata=metadata, status=status, model=model
     )
