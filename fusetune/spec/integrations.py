@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, TypeAdapter, field_validator
 
 from fusetune.spec.hyperparameters import Spec
 
@@ -69,6 +69,26 @@ def _one_of_each_type(integrations: list) -> list:
     return integrations
 
 
-Integration = Annotated[WandbIntegration | MlflowIntegration, Field(discriminator="type")]
+INTEGRATION_TYPES = ("wandb", "mlflow")
+
+
+def _integration_tag(value: object) -> str:
+    # Quoted, the tag in a validation error's location is no field's name (fusetune/api/errors.py leaves it out):
+    # `integrations.0.mlflow.tracking_uri`, where the plain tag "mlflow" read `integrations.0.mlflow.mlflow...`.
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return f"type='{kind}'"
+
+
+def _known_type(value: object) -> object:
+    if isinstance(value, dict) and value.get("type") not in INTEGRATION_TYPES:
+        raise ValueError(f"type must be one of {', '.join(INTEGRATION_TYPES)} (got {value.get('type')!r})")
+    return value
+
+
+Integration = Annotated[
+    Annotated[WandbIntegration, Tag("type='wandb'")] | Annotated[MlflowIntegration, Tag("type='mlflow'")],
+    Discriminator(_integration_tag),
+    BeforeValidator(_known_type),
+]
 Integrations = Annotated[list[Integration], Field(max_length=2), AfterValidator(_one_of_each_type)]
 INTEGRATIONS: TypeAdapter[list[WandbIntegration | MlflowIntegration]] = TypeAdapter(Integrations)

@@ -79,3 +79,17 @@ def test_what_cannot_work_is_refused_naming_the_field(client, files, body, param
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"].startswith(param) and says in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("integration", "param"),
+    [
+        ({"type": "mlflow", "mlflow": {"tracking_uri": "file:///etc"}}, "integrations.0.mlflow.tracking_uri"),
+        ({"type": "wandb", "wandb": {"project": "p", "entity": ""}}, "integrations.0.wandb.entity"),
+        ({"type": "comet", "comet": {}}, "integrations.0"),
+    ],
+)
+def test_an_integrations_error_names_its_field_as_the_request_spells_it(client, files, integration, param):
+    request = {"model": "tiny", "training_file": files[0], "integrations": [integration]}
+    error = client.post("/v1/fine_tuning/jobs", json=request).json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error
