@@ -37,3 +37,17 @@ def base_model_location(settings: Settings, name: str) -> str | None:
 def fine_tuned_model_name(base_model: str, tenant: str, suffix: str | None, job_id: str) -> str:
     # The OpenAI API's shape: ft:<base>:<org>:<suffix>:<id>.
     return f"ft:{base_model}:{tenant}:{suffix or ''}:{job_id}"
+
+
+_CHECKPOINT_NAME = re.compile(r"^(?P<model>.+):ckpt-step-(?P<step>[0-9]{1,9})$")
+
+
+def checkpoint_model_name(fine_tuned_model: str, step: int) -> str:
+    # The OpenAI API's shape: the fine-tuned model's name, then :ckpt-step-<step>.
+    return f"{fine_tuned_model}:ckpt-step-{step}"
+
+
+def split_checkpoint_model_name(name: str) -> tuple[str, int] | None:
+    """(the fine-tuned model, the step) a checkpoint's model name names; None for any other name."""
+    found = _CHECKPOINT_NAME.match(name)
+    return (found["model"], int(found["step"])) if found else None

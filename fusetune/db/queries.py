@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, Text, bindparam, cast, delete, func, select, update
 from sqlalchemy.orm import Session, aliased
 
+from fusetune.catalog import split_checkpoint_model_name
 from fusetune.db.models import (
     ApiKey,
     AttemptEnd,
@@ -73,6 +74,25 @@ def has_fine_tuned_model(session: Session, model: str, tenant: str) -> bool:
 def job_of_fine_tuned_model(session: Session, model: str, tenant: str) -> Job | None:
     """The tenant's job named as the model's source, whatever its status."""
     return session.scalar(select(Job).where(Job.fine_tuned_model == model, Job.tenant == tenant))
+
+
+def checkpoint_of_model(session: Session, model: str, tenant: str) -> Checkpoint | None:
+    """The checkpoint holding the weights of one of the tenant's models: for a checkpoint's model name
+    (`<fine-tuned model>:ckpt-step-<n>`, as the checkpoints list names it) that checkpoint of a succeeded job; for
+    a fine-tuned model, its newest checkpoint; else None."""
+    named = split_checkpoint_model_name(model)
+    if named is not None:
+        fine_tuned, step = named
+        query = (
+            select(Checkpoint)
+            .join(Job)
+            .where(Job.fine_tuned_model == fine_tuned, Job.tenant == tenant, Checkpoint.step == step)
+            .where(Job.status == JobStatus.SUCCEEDED)
+        )
+        return session.scalar(query.limit(1))
+    source = job_of_fine_tuned_model(session, model, tenant)
+    checkpoints = list_checkpoints(session, source.id) if source is not None else []
+    return checkpoints[0] if checkpoints else None
 
 
 def fine_tuned_models(session: Session, tenant: str) -> list[tuple[str, int | None]]:

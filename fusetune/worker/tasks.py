@@ -195,15 +195,12 @@ class JobRunner:
         if location is not None:
             return location
         with self.session_factory() as session:
-            source = (
-                session.query(Job).filter(Job.fine_tuned_model == job.model, Job.tenant == job.tenant).first()
-            )
-            if source is not None:
-                checkpoints = queries.list_checkpoints(session, source.id)
-                if checkpoints:
-                    return str(checkpoint_store.restore_model(
-                        self.storage, job.tenant, checkpoints[0].storage_path, self.settings.runs_dir
-                    ).resolve())  # fmt: skip
+            # A fine-tuned model's newest checkpoint, or the one a checkpoint's model name names.
+            checkpoint = queries.checkpoint_of_model(session, job.model, job.tenant)
+            if checkpoint is not None:
+                return str(checkpoint_store.restore_model(
+                    self.storage, job.tenant, checkpoint.storage_path, self.settings.runs_dir
+                ).resolve())  # fmt: skip
         return None
 
     def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:

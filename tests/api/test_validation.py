@@ -13,10 +13,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from fusetune.api.app import create_app
+from fusetune.catalog import fine_tuned_model_name
 from fusetune.config import Settings
+from fusetune.db import queries
 from fusetune.db.migrate import upgrade
-from fusetune.db.models import File, Job
-from fusetune.db.session import make_engine
+from fusetune.db.models import DEFAULT_TENANT, File, Job, JobStatus
+from fusetune.db.session import make_engine, make_session_factory
 from tests.api.conftest import AUTH
 
 GOOD_LINE = json.dumps(
@@ -199,3 +201,36 @@ def test_an_unknown_after_cursor_is_a_404_naming_it(client, training_file):
         client.get("/v1/fine_tuning/jobs", params={"after": "ftjob-nope"}), 404, "after"
     )
     assert "ftjob-nope" in error["message"]
+
+
+def test_a_checkpoint_of_a_fine_tuned_model_is_a_model_and_unknown_models_list_fine_tuned_ones(
+    client, settings, training_file
+):
+    source = client.post(
+        "/v1/fine_tuning/jobs", json={"model": "tiny", "training_file": training_file}
+    ).json()
+    fine_tuned = fine_tuned_model_name("tiny", DEFAULT_TENANT, None, source["id"])
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        job = session.get(Job, source["id"])
+        job.status, job.fine_tuned_model = JobStatus.SUCCEEDED, fine_tuned
+        for step in (8, 16):
+            queries.add_checkpoint(session, job.id, step, f"{job.id}/checkpoint-{step}", {})
+        session.commit()
+    checkpoints = client.get(f"/v1/fine_tuning/jobs/{source['id']}/checkpoints").json()["data"]
+    named = {c["fine_tuned_model_checkpoint"]: c["step_number"] for c in checkpoints}
+    assert named == {f"{fine_tuned}:ckpt-step-16": 16, f"{fine_tuned}:ckpt-step-8": 8}
+    response = client.post(
+        "/v1/fine_tuning/jobs", json={"model": f"{fine_tuned}:ckpt-step-8", "training_file": training_file}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == f"{fine_tuned}:ckpt-step-8"
+    # The worker trains from that checkpoint's weights, a fine-tuned model from its newest.
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        for model, step in ((f"{fine_tuned}:ckpt-step-8", 8), (fine_tuned, 16)):
+            assert queries.checkpoint_of_model(session, model, DEFAULT_TENANT).step == step
+        assert queries.checkpoint_of_model(session, f"{fine_tuned}:ckpt-step-8", "another") is None
+    for model in (f"{fine_tuned}:ckpt-step-9", "missing-model"):
+        body = {"model": model, "training_file": training_file}
+        error = _assert_error_shape(client.post("/v1/fine_tuning/jobs", json=body), 400, "model")
+        assert error["code"] == "model_not_found"
+        assert "Base models on this server: tiny." in error["message"] and fine_tuned in error["message"]

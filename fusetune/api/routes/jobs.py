@@ -36,7 +36,12 @@ from fusetune.api.schemas import (
     JobObject,
     MetricList,
 )
-from fusetune.catalog import base_model_location, list_base_models
+from fusetune.catalog import (
+    base_model_location,
+    checkpoint_model_name,
+    list_base_models,
+    split_checkpoint_model_name,
+)
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import AttemptEnd, Checkpoint, File, Job, JobStatus, new_id, now_s
@@ -127,13 +132,21 @@ def _check_model(session: Session, settings: Settings, tenant: str, model: str) 
         return
     if queries.has_fine_tuned_model(session, model, tenant):
         return
+    if split_checkpoint_model_name(model) and queries.checkpoint_of_model(session, model, tenant) is not None:
+        return
     available = (
         ", ".join(list_base_models(settings))
         or "none (put Hugging Face model folders in the models directory)"
     )
+    fine_tuned = [name for name, _ in queries.fine_tuned_models(session, tenant)]
+    yours = (
+        f" Your fine-tuned models (and their checkpoints, as <model>:ckpt-step-<n>): {', '.join(fine_tuned)}."
+        if fine_tuned
+        else ""
+    )
     raise ApiError(
         400,
-        f"Model '{model}' is not available. Base models on this server: {available}.",
+        f"Model '{model}' is not available. Base models on this server: {available}.{yours}",
         param="model",
         code="model_not_found",
     )
@@ -149,12 +162,11 @@ def _model_config(
         path = Path(location) / "config.json"
         raw = path.read_bytes() if path.is_file() else None
     else:
-        source = queries.job_of_fine_tuned_model(session, model, tenant)
-        checkpoints = queries.list_checkpoints(session, source.id) if source is not None else []
+        checkpoint = queries.checkpoint_of_model(session, model, tenant)
         try:
             raw = (
-                storage.read_checkpoint_bytes(tenant, checkpoints[0].storage_path, "config.json")
-                if checkpoints
+                storage.read_checkpoint_bytes(tenant, checkpoint.storage_path, "config.json")
+                if checkpoint is not None
                 else None
             )
         except StorageError as error:
@@ -586,7 +598,7 @@ def _checkpoint_schema(job: Job, checkpoint: Checkpoint) -> CheckpointObject:
     return CheckpointObject(
         id=checkpoint.id,
         created_at=checkpoint.created_at,
-        fine_tuned_model_checkpoint=f"{job.fine_tuned_model or job.model}:ckpt-step-{checkpoint.step}",
+        fine_tuned_model_checkpoint=checkpoint_model_name(job.fine_tuned_model or job.model, checkpoint.step),
         fine_tuning_job_id=job.id,
         metrics=checkpoint.metrics,
         step_number=checkpoint.step,
