@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     # A key that needs no database row and belongs to the default tenant, so the embedded service works out of
     # the box; set FUSETUNE_DEV_API_KEY="" in production and create real keys with `fusetune keys create`.
     dev_api_key: str = "sk-fusetune-dev"
+    # A key for Prometheus alone, apart from tenants' keys. Set: /metrics asks for `Authorization: Bearer <key>`
+    # and adds the series that name tenants' jobs; empty: /metrics is open and shows only totals.
+    metrics_key: str = Field(default="", repr=False)
     host: str = "127.0.0.1"
     port: int = 8000
     # Embedded mode starts a worker process next to the API so that `fusetune serve` alone is a full service.

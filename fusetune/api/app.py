@@ -49,10 +49,13 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     for module in (files, jobs, options, graders, models, metrics):
         app.include_router(module.router)
     install_dashboard(app)
-    metrics.install_state_collector(app.state.metrics_registry, app.state.session_factory)
-    app.add_middleware(RequestMetrics, registry=request_registry)
+    app.state.job_metrics_registry = metrics.install_state_collector(
+        app.state.metrics_registry, app.state.session_factory
+    )
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_upload_bytes + MULTIPART_OVERHEAD_BYTES)
     app.add_middleware(BodyReadTimeout, timeout_s=settings.body_read_timeout_s)
+    # Outermost (added last), so that it counts what the limits answer (413, 408) as the client gets it.
+    app.add_middleware(RequestMetrics, registry=request_registry)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

@@ -18,8 +18,9 @@ MULTIPART_OVERHEAD_BYTES = 64 * 1024
 class BodySizeLimit:
     """Refuses a request body over the limit with a 413 as soon as the limit is crossed, before it is buffered.
 
-    A Content-Length over the limit is refused before any byte is read; a chunked body is counted as it
-    arrives and cut off at the limit.
+    A Content-Length over the limit is refused at the app's first read of the body, before any byte is read; a
+    chunked body is counted as it arrives and cut off at the limit. Either way the request has been routed, so
+    the request metrics count the 413 under its route.
     """
 
     def __init__(self, app, max_body_bytes: int):
@@ -31,14 +32,15 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await self._reject(send)
         received = 0
         too_large = False
         rejected = False
 
         async def counting_receive():
             nonlocal received, too_large
+            if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+                too_large = True
+                return {"type": "http.request", "body": b"", "more_body": False}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

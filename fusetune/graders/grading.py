@@ -5,20 +5,21 @@ python graders in the sandbox, in parallel, and every other grader in this proce
 A grader that fails on a sample (a missing `{{ item.* }}` variable, a python grader that raised, ran out of time
 or memory, a formula with no value) gives that sample a score of 0 and says why in `error`: it never raises,
 so a bad sample costs its score, not the job. What cannot grade anything (python graders off, a model grader)
-is refused before grading by `check_grader`.
+is refused before grading by `check_grader`, and a job whose first lines lack a `{{ item.* }}` variable its
+grader reads by `preflight_grader`: both run when a job is created.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fusetune.config import Settings
 from fusetune.graders.sandbox import run_python_grader, unavailable
 from fusetune.graders.similarity import similarity
-from fusetune.graders.templates import TemplateError, render
+from fusetune.graders.templates import TemplateError, lookup, render
 from fusetune.spec.graders import (
     AnyGrader,
     FormulaError,
@@ -29,6 +30,7 @@ from fusetune.spec.graders import (
     StringCheckGrader,
     TextSimilarityGrader,
     sub_graders,
+    template_references,
 )
 from fusetune.spec.hyperparameters import SpecError
 
@@ -83,10 +85,15 @@ class _Outcome:
     error_type: str | None = None
 
 
+def _fields(grader: AnyGrader, field: str) -> Iterator[tuple[str, AnyGrader]]:
+    """Each grader that scores (a multi grader's, or the grader itself) with the request field it is at."""
+    for name, each in sub_graders(grader).items():
+        yield (f"{field}.graders.{name}" if isinstance(grader, MultiGrader) else field), each
+
+
 def check_grader(grader: AnyGrader, settings: Settings, field: str = "grader") -> None:
     """Raises SpecError, naming the field, for a grader this server cannot run; silent otherwise."""
-    for name, each in sub_graders(grader).items():
-        where = f"{field}.graders.{name}" if isinstance(grader, MultiGrader) else field
+    for where, each in _fields(grader, field):
         if isinstance(each, PythonGrader):
             if not settings.python_graders:
                 raise SpecError(
@@ -109,6 +116,34 @@ def check_grader(grader: AnyGrader, settings: Settings, field: str = "grader") -
                 f"{each.type} graders (a model grading the sample) are not available on this server; use "
                 "string_check, text_similarity, python or multi",
             )
+
+
+def preflight_grader(
+    grader: AnyGrader, items: Iterable[tuple[int, Mapping[str, Any]]], source: str, field: str = "grader"
+) -> None:
+    """Raises SpecError naming the template's field and the line when one of `items` ((line number, item) pairs:
+    the first lines of a job's file, named by `source`) lacks a variable the grader reads as `{{ item.* }}`:
+    every sample of that line would score 0. What `{{ sample.* }}` holds is known only once sampled."""
+    templates = [
+        (f"{where}.{name}", reference)
+        for where, each in _fields(grader, field)
+        if isinstance(each, StringCheckGrader | TextSimilarityGrader)
+        for name in ("input", "reference")
+        for reference in template_references(getattr(each, name))
+        if reference.namespace == "item"
+    ]
+    if not templates:
+        return
+    for line, item in items:
+        for where, reference in templates:
+            try:
+                lookup(reference, {"item": item})
+            except TemplateError as exc:
+                raise SpecError(
+                    where,
+                    f"{exc}: line {line} of {source} cannot be graded (every line needs what the "
+                    "grader reads as {{ item.* }})",
+                ) from exc
 
 
 def _namespaces(sample: Sample, item: Mapping[str, Any]) -> dict[str, Any]:

@@ -103,8 +103,20 @@ def parse_reference(text: str) -> TemplateReference:
 
 
 def template_references(text: str) -> list[TemplateReference]:
-    """Every `{{ ... }}` in a string, parsed; raises ValueError naming the first bad one."""
-    return [parse_reference(match.group(0)) for match in TEMPLATE.finditer(text)]
+    """Every `{{ ... }}` in a string, parsed; raises ValueError naming the first bad one, or a `{{` that no
+    `}}` closes (such a template would otherwise stay in the text as it is, and never match)."""
+    references = []
+    end = 0
+    for match in TEMPLATE.finditer(text):
+        references.append(parse_reference(match.group(0)))
+        end = match.end()
+    unclosed = text.find("{{", end)
+    if unclosed >= 0:
+        raise ValueError(
+            f"the template at column {unclosed} ({text[unclosed : unclosed + 40]!r}) has no closing }}}}: "
+            "write it as {{ item.answer }} or {{ sample.output_text }}"
+        )
+    return references
 
 
 def _checked_template(value: str) -> str:

@@ -144,6 +144,57 @@ def test_prometheus_metrics(app, settings):
     assert client.get("/docs").status_code == 200 and client.get("/openapi.json").status_code == 200
 
 
+def _running_job_with_throughput(client: TestClient, settings: Settings) -> str:
+    file_id = client.post("/v1/files", files={"file": TRAINING}, data={"purpose": "fine-tune"}).json()["id"]
+    job_id = _job(client, file_id).json()["id"]
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        assert queries.change_job_status(session, job_id, ("queued",), "running")
+        queries.add_metric(session, job_id, 1, {"tokens_per_second": 1234.0})
+        session.commit()
+    return job_id
+
+
+def test_open_metrics_name_no_job(app, settings):
+    job_id = _running_job_with_throughput(_client(app, settings.dev_api_key), settings)
+    text = _client(app, None).get("/metrics").text
+    assert job_id not in text and "fusetune_job_tokens_per_second" not in text
+    assert "fusetune_tokens_per_second 1234.0" in text and 'fusetune_jobs{status="running"} 1.0' in text
+
+
+def test_metrics_key_guards_metrics_and_shows_each_job(settings):
+    settings.metrics_key = "metrics-secret"
+    app = create_app(settings)
+    job_id = _running_job_with_throughput(_client(app, settings.dev_api_key), settings)
+    for key in (None, settings.dev_api_key, "metrics-wrong", "métrics"):
+        headers = {"Authorization": f"Bearer {key}".encode()} if key else {}
+        response = _client(app, None).get("/metrics", headers=headers)
+        assert response.status_code == 401 and job_id not in response.text, key
+    text = _client(app, "metrics-secret").get("/metrics").text
+    assert f'fusetune_job_tokens_per_second{{job_id="{job_id}"}} 1234.0' in text
+    assert "fusetune_tokens_per_second 1234.0" in text
+    # A tenant's key is no metrics key, and the metrics key is no tenant's key.
+    assert _client(app, "metrics-secret").get("/v1/fine_tuning/jobs").status_code == 401
+
+
+def test_bodies_over_the_limit_are_counted_as_413(app, settings):
+    client = _client(app, settings.dev_api_key)
+    oversized = ("big.jsonl", b"x" * (settings.max_upload_bytes + 128 * 1024))
+    response = client.post("/v1/files", files={"file": oversized}, data={"purpose": "fine-tune"})
+    assert response.status_code == 413
+
+    def chunked():
+        for _ in range(200):
+            yield b"y" * 1024
+
+    response = client.post(
+        "/v1/files", content=chunked(), headers={"Content-Type": "multipart/form-data; boundary=x"}
+    )
+    assert response.status_code == 413
+    text = client.get("/metrics").text
+    assert 'fusetune_http_requests_total{method="POST",route="/v1/files",status="413"} 2.0' in text
+    assert 'status="400"' not in text
+
+
 LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True}  # fmt: skip
 

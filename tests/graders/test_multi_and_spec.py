@@ -1,4 +1,5 @@
-"""multi graders and their formula, and the grader objects' strictness: an error names the field."""
+"""multi graders and their formula, the grader objects' strictness (an error names the field), and the preflight
+of a grader's `{{ item.* }}` templates on a job's first lines."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from fusetune.config import Settings
-from fusetune.graders import grade
+from fusetune.graders import grade, preflight_grader
 from fusetune.spec.graders import Formula, FormulaError, parse_grader
+from fusetune.spec.hyperparameters import SpecError
 
 # As OpenAI's guide combines them: an exact check of one field of a JSON answer and a fuzzy one of another,
 # weighted in calculate_output (the values here are this test's own).
@@ -126,3 +128,44 @@ def test_errors_name_the_field():
     location, message = _error_location({"type": "label_model", "name": "l", "model": "m", "labels": ["yes", "no"],
                                          "passing_labels": ["maybe"], "input": [{"role": "user", "content": "x"}]})  # fmt: skip
     assert "passing_labels ['maybe'] are not among labels" in message
+
+
+@pytest.mark.parametrize(
+    ("template", "column"),
+    [("{{ sample.output_text ", 0), ("{{ item.answer }} and {{ item.extra", 22), ("{{", 0)],
+)
+def test_an_unclosed_template_is_refused_naming_the_field(template, column):
+    # It would stay in the text as it is, so that every sample compared against it scored 0.
+    check = {"type": "string_check", "name": "c", "input": "{{ sample.output_text }}", "operation": "eq"}
+    location, message = _error_location({**check, "reference": template})
+    assert (
+        location == "reference" and f"template at column {column}" in message and "no closing }}" in message
+    )
+    location, _ = _error_location({**PET, "graders": {"name": {**PET["graders"]["name"], "input": template}}})
+    assert location == "graders.name.input"
+    # Closing braces with nothing opened are text (a JSON reference holds them).
+    assert parse_grader({**check, "reference": '{"a": {"b": 1}}'}).reference == '{"a": {"b": 1}}'
+
+
+def test_the_preflight_names_the_template_and_the_first_line_without_its_variable():
+    lines = [
+        (1, {"name": "Rex", "breed": "collie"}),
+        (2, {"name": "Tom", "breed": "tabby"}),
+        (4, {"name": "Bo"}),
+    ]
+    preflight_grader(parse_grader(PET), lines[:2], "training_file 'file-1'", "method.reinforcement.grader")
+    with pytest.raises(SpecError) as refused:
+        preflight_grader(
+            parse_grader(PET), iter(lines), "training_file 'file-1'", "method.reinforcement.grader"
+        )
+    assert refused.value.field == "method.reinforcement.grader.graders.breed.reference"
+    assert "{{ item.breed }}: item has no 'breed'" in str(refused.value)
+    assert "line 4 of training_file 'file-1'" in str(refused.value)
+    # What a sample holds is unknown before sampling; a python grader has no templates.
+    nested = {"type": "string_check", "name": "c", "operation": "eq",
+              "input": "{{ sample.output_json.x }}", "reference": "{{ item.answer[1] }}"}  # fmt: skip
+    with pytest.raises(SpecError, match="item.answer has no 1"):
+        preflight_grader(parse_grader(nested), [(1, {"answer": ["only one"]})], "f")
+    preflight_grader(parse_grader(nested), [(1, {"answer": ["a", "b"]})], "f")
+    python = {"type": "python", "name": "p", "source": "def grade(sample, item):\n    return 1.0\n"}
+    preflight_grader(parse_grader(python), [(1, {})], "f")

@@ -15,12 +15,10 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
 from fusetune.api.deps import SettingsDep, get_tenant
-from fusetune.api.errors import ApiError
-from fusetune.config import Settings
-from fusetune.graders import Sample, check_grader, grade
+from fusetune.api.grader_check import refuse_unsupported_grader
+from fusetune.graders import Sample, grade
 from fusetune.graders.grading import FORMULA, INVALID_VARIABLE, OTHER, PYTHON_RUNTIME, PYTHON_SERVER
-from fusetune.spec.graders import AnyGrader, Grader
-from fusetune.spec.hyperparameters import SpecError
+from fusetune.spec.graders import Grader
 
 router = APIRouter(
     prefix="/v1/fine_tuning/alpha/graders", tags=["fine-tuning"], dependencies=[Depends(get_tenant)]
@@ -82,13 +80,6 @@ class GraderRunResponse(BaseModel):
     sub_rewards: dict[str, float]
 
 
-def _check(grader: AnyGrader, settings: Settings) -> None:
-    try:
-        check_grader(grader, settings)
-    except SpecError as exc:
-        raise ApiError(400, f"{exc.field}: {exc}", param=exc.field, code="unsupported_grader") from exc
-
-
 def _errors(error: str | None, error_type: str | None) -> GraderRunErrors:
     if error is None:
         return GraderRunErrors()
@@ -105,7 +96,7 @@ def _errors(error: str | None, error_type: str | None) -> GraderRunErrors:
 
 @router.post("/run", response_model=GraderRunResponse)
 def run_grader(body: GraderRunRequest, settings: SettingsDep) -> GraderRunResponse:
-    _check(body.grader, settings)
+    refuse_unsupported_grader(body.grader, settings)
     started = time.perf_counter()
     result = grade(body.grader, sample=Sample.from_text(body.model_sample), item=body.item, settings=settings)
     return GraderRunResponse(
@@ -123,5 +114,5 @@ def run_grader(body: GraderRunRequest, settings: SettingsDep) -> GraderRunRespon
 
 @router.post("/validate", response_model=GraderValidateResponse, response_model_exclude_none=True)
 def validate_grader(body: GraderValidateRequest, settings: SettingsDep) -> GraderValidateResponse:
-    _check(body.grader, settings)
+    refuse_unsupported_grader(body.grader, settings)
     return GraderValidateResponse(grader=body.grader)

@@ -22,6 +22,7 @@ from fusetune.api.data_check import check_job_data, refuse_if_the_data_fails
 from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
 from fusetune.api.file_validation import TRAINING_PURPOSE
+from fusetune.api.grader_check import check_job_grader
 from fusetune.api.routes.files import presigned_redirect
 from fusetune.api.schemas import (
     CheckpointList,
@@ -405,6 +406,8 @@ def create_job(
         return _job_schema(session, _get_job(session, earlier, tenant))
     training = _check_inputs(session, settings, tenant, body)
     spec = _resolve_spec(body, training, settings)
+    validation = queries.get_file(session, body.validation_file, tenant) if body.validation_file else None
+    check_job_grader(settings, storage, tenant, spec, training, validation)
     estimate = _estimate(session, settings, storage, tenant, body.model, training, spec)
     if body.dry_run:
         if estimate is None:
