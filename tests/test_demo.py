@@ -57,3 +57,36 @@ def test_demo_job_teaches_the_task(tmp_path):
     assert result.job["status"] == "succeeded", result.job
     assert result.base.accuracy <= 0.1, result.base
     assert result.fine_tuned is not None and result.fine_tuned.accuracy >= 0.9, result.fine_tuned
+
+
+def test_the_downloaded_checkpoint_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
+    """Each demo run left its 2.7 MB download, a `fusetune-demo-*` folder, in the temp directory."""
+    import io
+    import tarfile
+    import tempfile
+
+    import httpx
+
+    from fusetune.demo import run
+
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        config = b'{"model_type": "llama"}'
+        info = tarfile.TarInfo("checkpoint-step-8/config.json")
+        info.size = len(config)
+        tar.addfile(info, io.BytesIO(config))
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=archive.getvalue()))
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    loaded = []
+
+    def answer(folder, chats):
+        loaded.append((folder / "config.json").read_bytes())
+        return task.Answers(answers=["1"], expected=["1"])
+
+    monkeypatch.setattr(task, "answer_held_out", answer)
+    with httpx.Client(base_url="http://server", transport=transport) as client:
+        answers = run._answer_with_checkpoint(client, "ftjob-1", {"id": "ckpt-1", "step_number": 8}, [])
+    assert answers.correct == 1 and loaded == [config]
+    assert list(temp.iterdir()) == []

@@ -25,7 +25,7 @@ from rich.table import Table
 from fusetune.config import Settings
 from fusetune.demo import task
 
-DEMO_MODEL = "tiny-llama"
+DEMO_MODEL = task.BUNDLED_MODEL
 # Rows of the side-by-side table; the accuracies count every held-out prompt.
 SHOWN_ANSWERS = 8
 console = Console()
@@ -143,8 +143,8 @@ def _metrics_table(metrics: list[dict]) -> Table:
     return table
 
 
-def _download(client: httpx.Client, job_id: str, checkpoint: dict) -> Path:
-    target = Path(tempfile.mkdtemp(prefix="fusetune-demo-"))
+def _download(client: httpx.Client, job_id: str, checkpoint: dict, target: Path) -> Path:
+    """The checkpoint's archive, unpacked in `target`; returns the model folder."""
     url = f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint['id']}/content"
     archive = target / "checkpoint.tar"
     with client.stream("GET", url) as response, open(archive, "wb") as out:
@@ -156,6 +156,16 @@ def _download(client: httpx.Client, job_id: str, checkpoint: dict) -> Path:
         tar.extractall(target, filter="data")
     (folder,) = [p for p in target.iterdir() if p.is_dir()]
     return folder
+
+
+def _answer_with_checkpoint(
+    client: httpx.Client, job_id: str, checkpoint: dict, chats: list[dict]
+) -> task.Answers:
+    """Download the checkpoint, load it with `from_pretrained` and answer `chats`; the download is removed after."""
+    with tempfile.TemporaryDirectory(prefix="fusetune-demo-") as target:
+        folder = _download(client, job_id, checkpoint, Path(target))
+        console.print(f"downloaded checkpoint step {checkpoint['step_number']} and loaded it")
+        return task.answer_held_out(folder, chats)
 
 
 def _score(answers: task.Answers) -> str:
@@ -219,9 +229,7 @@ def fine_tune_and_compare(
         f"{job['trained_tokens']:,}; model {job['fine_tuned_model']}"
     )
     checkpoints = _check(client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints"))["data"]
-    folder = _download(client, job["id"], checkpoints[0])
-    console.print(f"downloaded checkpoint step {checkpoints[0]['step_number']} to {folder}")
-    fine_tuned = task.answer_held_out(folder, held_out)
+    fine_tuned = _answer_with_checkpoint(client, job["id"], checkpoints[0], held_out)
     console.print(_comparison_table(held_out, base, fine_tuned))
     return DemoResult(job=job, base=base, fine_tuned=fine_tuned)
 

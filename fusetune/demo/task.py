@@ -29,6 +29,8 @@ from typing import Any
 from fusetune.demo.assets import DATA_DIR, write_jsonl
 
 TASK_NAME = "digits-from-words"
+# The name of the base model the demo fine-tunes, which `fusetune serve` also builds and offers when it has none.
+BUNDLED_MODEL = "tiny-llama"
 # The base model is rebuilt when its folder was made for another task (an older demo's tokenizer knows other text).
 TASK_MARKER_FILE = "fusetune_demo_task.txt"
 TRAIN_FILE = DATA_DIR / "digits.jsonl"
@@ -201,5 +203,12 @@ def answer_held_out(model_dir: str | Path, chats: list[dict[str, Any]]) -> Answe
 
 
 if __name__ == "__main__":
-    for written in write_bundled_files():
-        print(f"wrote {written}")
+    import sys
+
+    if sys.argv[1:2] == [
+        "--build-base-model"
+    ]:  # `fusetune serve` builds the bundled model in a child process
+        print(f"built {ensure_base_model(sys.argv[2])[0]}")
+    else:
+        for written in write_bundled_files():
+            print(f"wrote {written}")
