@@ -7,7 +7,10 @@ those is ever loaded, so a job cannot make the server read an arbitrary path.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+from pathlib import Path
 
 from fusetune.config import Settings
 
@@ -17,7 +20,12 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$"
 def list_base_models(settings: Settings) -> list[str]:
     names: list[str] = []
     if settings.models_dir.is_dir():
-        names += sorted(p.name for p in settings.models_dir.iterdir() if (p / "config.json").is_file())
+        # A dot folder is a copy still being made (add_model_folder).
+        names += sorted(
+            p.name
+            for p in settings.models_dir.iterdir()
+            if (p / "config.json").is_file() and not p.name.startswith(".")
+        )
     names += [name for name in settings.hub_models if name not in names]
     return names
 
@@ -32,6 +40,36 @@ def base_model_location(settings: Settings, name: str) -> str | None:
     if name in settings.hub_models:
         return name
     return None
+
+
+class ModelFolderError(ValueError):
+    """A model folder that cannot be added, with the reason."""
+
+
+def add_model_folder(settings: Settings, source: Path, name: str) -> Path:
+    """Copy the model folder `source` (links followed, as in the Hugging Face cache) to the models directory as
+    `name`, which jobs then use as their `model`. The copy appears whole or not at all: it is made beside its
+    place and renamed into it."""
+    if "/" in name or not _NAME.match(name):
+        raise ModelFolderError(
+            f"the name {name!r} is not a folder name: letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit"
+        )
+    if not (source / "config.json").is_file():
+        raise ModelFolderError(f"{source} holds no config.json: it is not a Hugging Face model folder")
+    target = settings.models_dir / name
+    if target.exists():
+        raise ModelFolderError(
+            f"the models directory {settings.models_dir} already has a model named {name!r}"
+        )
+    settings.models_dir.mkdir(parents=True, exist_ok=True)
+    partial = settings.models_dir / f".{name}.partial-{os.getpid()}"
+    try:
+        shutil.copytree(source, partial, symlinks=False)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
 
 
 def fine_tuned_model_name(base_model: str, tenant: str, suffix: str | None, job_id: str) -> str:

@@ -1,7 +1,11 @@
-"""Command line: ``fusetune serve | worker | migrate | keys | tenants | families | demo``."""
+"""Command line: ``fusetune serve | worker | migrate | keys | tenants | families | models | files | jobs | demo``.
+
+`files` and `jobs` speak to a server's HTTP API with a key (through fusetune.client), as the `openai` SDK does;
+the other commands act on this host's data directory."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -9,12 +13,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
+import httpx
 import typer
 
+from fusetune import client
 from fusetune.config import Settings
 
 app = typer.Typer(help="fusetune: a self-hosted fine-tuning service.", no_args_is_help=True)
@@ -124,6 +131,7 @@ def serve(
     _check_storage(settings)
     if migrate_db:
         upgrade(settings.database_url)
+    _offer_bundled_model(settings)
     _stop_on_signals()
     worker = None
     received = None
@@ -147,6 +155,23 @@ def serve(
     if received is not None:
         signal.signal(received, signal.SIG_DFL)
         os.kill(os.getpid(), received)
+
+
+def _offer_bundled_model(settings: Settings) -> None:
+    """A server that offers no base model gets the bundled tiny one (the demo's), so that a fresh install has a
+    model to fine-tune. It is built in a child process, which keeps torch out of the API's memory."""
+    from fusetune.catalog import list_base_models
+    from fusetune.demo.task import BUNDLED_MODEL
+
+    if not settings.bundled_model or list_base_models(settings):
+        return
+    target = settings.models_dir / BUNDLED_MODEL
+    command = [sys.executable, "-m", "fusetune.demo.task", "--build-base-model", str(target)]
+    if subprocess.run(command).returncode != 0:
+        log.error("could not build the bundled model in %s; the server offers no base model", target)
+        return
+    typer.echo(f"fusetune: the server offers the bundled model '{BUNDLED_MODEL}' (built in {target}; "
+               "FUSETUNE_BUNDLED_MODEL=false builds none)", err=True)  # fmt: skip
 
 
 class EmbeddedWorker:
@@ -390,6 +415,221 @@ def tenants_delete(
         f"deleted tenant '{tenant}': {deleted.files} files, {deleted.jobs} jobs, {deleted.checkpoints} "
         f"checkpoints, {deleted.api_keys} API keys"
     )
+
+
+models_app = typer.Typer(help="The base models this host's server offers (folders in its models directory).")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("add")
+def models_add(
+    source: Annotated[
+        str, typer.Argument(help="A local model folder, or a Hugging Face id already in the local cache")
+    ],
+    name: Annotated[
+        str | None,
+        typer.Option(help="The name jobs use as `model` (default: the folder's or the id's last part)"),
+    ] = None,
+    data_dir: DataDirOption = None,
+) -> None:
+    """Copy a Hugging Face model folder into the models directory ($FUSETUNE_MODELS_DIR, default
+    <data dir>/models), where the server offers it as a base model; nothing is downloaded."""
+    from fusetune.catalog import ModelFolderError, add_model_folder
+
+    settings = _settings(data_dir)
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        folder = _cached_hub_folder(source)
+    try:
+        target = add_model_folder(settings, folder, name or source.rstrip("/").rsplit("/", 1)[-1])
+    except ModelFolderError as error:
+        typer.echo(f"fusetune: {error}", err=True)
+        raise typer.Exit(2) from error
+    typer.echo(f"added {target.name} in {target}; jobs may fine-tune model '{target.name}'")
+
+
+def _cached_hub_folder(model_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError) as error:
+        typer.echo(f"fusetune: {model_id!r} is neither a folder nor a Hugging Face id in the local cache "
+                   "(`hf download` fetches one)", err=True)  # fmt: skip
+        raise typer.Exit(2) from error
+
+
+@models_app.command("list")
+def models_list(data_dir: DataDirOption = None) -> None:
+    """The base models the server offers: the models directory's folders, then FUSETUNE_HUB_MODELS."""
+    from fusetune.catalog import list_base_models
+
+    for name in list_base_models(_settings(data_dir)):
+        typer.echo(name)
+
+
+BaseUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        help="The API's URL, ending in /v1 (default: $FUSETUNE_BASE_URL, $OPENAI_BASE_URL or "
+        "http://127.0.0.1:8000/v1)"
+    ),  # fmt: skip
+]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(help="API key (default: $FUSETUNE_API_KEY or $OPENAI_API_KEY)", show_default=False),
+]
+
+
+@contextmanager
+def _api(base_url: str | None, api_key: str | None) -> Iterator[client.Client]:
+    """A client of the API; a refused request or an unreachable server ends the command with its reason."""
+    base_url = base_url or client.default_base_url()
+    api_key = api_key or client.default_api_key()
+    if not api_key:
+        typer.echo("fusetune: no API key: pass --api-key or set FUSETUNE_API_KEY", err=True)
+        raise typer.Exit(2)
+    try:
+        with client.Client(base_url, api_key) as api:
+            yield api
+    except client.ApiError as error:
+        typer.echo(f"fusetune: the server answered {error.status_code}: {error.message}", err=True)
+        raise typer.Exit(1) from error
+    except httpx.TransportError as error:
+        typer.echo(f"fusetune: cannot reach {base_url}: {error}", err=True)
+        raise typer.Exit(1) from error
+
+
+files_app = typer.Typer(help="Upload files to a server's API (as `POST /v1/files`).")
+app.add_typer(files_app, name="files")
+
+
+@files_app.command("upload")
+def files_upload(
+    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A JSON Lines file")],
+    purpose: Annotated[str, typer.Option(help="fine-tune, or another purpose the API takes")] = "fine-tune",
+    base_url: BaseUrlOption = None,
+    api_key: ApiKeyOption = None,
+) -> None:
+    """Upload a file; prints its id (and, on stderr, what the server counted in it)."""
+    with _api(base_url, api_key) as api:
+        uploaded = api.upload_file(path, purpose)
+    typer.echo(f"{uploaded['filename']}: {uploaded.get('example_count')} examples", err=True)
+    typer.echo(uploaded["id"])
+
+
+jobs_app = typer.Typer(help="Create, list, follow and cancel fine-tuning jobs through a server's API.")
+app.add_typer(jobs_app, name="jobs")
+
+
+@jobs_app.command("create")
+def jobs_create(
+    model: Annotated[str, typer.Option(help="A base model of the server, or one of your fine-tuned models")],
+    training_file: Annotated[str, typer.Option(help="The id of an uploaded training file")],
+    validation_file: Annotated[str | None, typer.Option(help="The id of an uploaded validation file")] = None,
+    n_epochs: Annotated[int | None, typer.Option(help="Epochs")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Sequences per optimizer step")] = None,
+    learning_rate: Annotated[float | None, typer.Option(help="Peak learning rate")] = None,
+    hyperparameters: Annotated[
+        str | None, typer.Option(help="More hyperparameters as JSON, e.g. '{\"warmup_ratio\": 0.05}'")
+    ] = None,
+    suffix: Annotated[str | None, typer.Option(help="Part of the fine-tuned model's name")] = None,
+    seed: Annotated[int | None, typer.Option(help="Random seed")] = None,
+    base_url: BaseUrlOption = None,
+    api_key: ApiKeyOption = None,
+) -> None:
+    """Create a job; prints its id. The API's defaults fill what is not given (README, "Hyperparameters")."""
+    try:
+        chosen = json.loads(hyperparameters) if hyperparameters else {}
+    except json.JSONDecodeError as error:
+        typer.echo(f"fusetune: --hyperparameters is not JSON: {error}", err=True)
+        raise typer.Exit(2) from error
+    flags = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate": learning_rate}
+    chosen.update({key: value for key, value in flags.items() if value is not None})
+    body = {"model": model, "training_file": training_file, "validation_file": validation_file,
+            "suffix": suffix, "seed": seed, "hyperparameters": chosen}  # fmt: skip
+    with _api(base_url, api_key) as api:
+        job = api.create_job({key: value for key, value in body.items() if value is not None})
+    typer.echo(f"{job['id']}: {job['status']}", err=True)
+    typer.echo(job["id"])
+
+
+@jobs_app.command("list")
+def jobs_list(
+    limit: Annotated[int, typer.Option(min=1, max=100, help="Newest jobs shown")] = 20,
+    base_url: BaseUrlOption = None,
+    api_key: ApiKeyOption = None,
+) -> None:
+    """The newest jobs: id, status, model, fine-tuned model, created (UTC)."""
+    with _api(base_url, api_key) as api:
+        jobs = api.list_jobs(limit)
+    for job in jobs:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job["created_at"]))
+        typer.echo(
+            f"{job['id']}\t{job['status']}\t{job['model']}\t{job.get('fine_tuned_model') or '-'}\t{created}"
+        )
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str, base_url: BaseUrlOption = None, api_key: ApiKeyOption = None) -> None:
+    """Cancel a queued, running or paused job."""
+    with _api(base_url, api_key) as api:
+        job = api.cancel_job(job_id)
+    typer.echo(f"{job['id']}\t{job['status']}")
+
+
+@jobs_app.command("follow")
+def jobs_follow(
+    job_id: str,
+    poll_s: Annotated[float, typer.Option(min=0.1, help="Seconds between polls")] = 1.0,
+    base_url: BaseUrlOption = None,
+    api_key: ApiKeyOption = None,
+) -> None:
+    """Show a job's progress (steps, loss, tokens/s, time left) and its messages until it ends, then its status
+    and fine-tuned model. Exits 0 when the job succeeded, 1 otherwise."""
+    with _api(base_url, api_key) as api:
+        job = _follow(api, job_id, poll_s)
+    if job["status"] == "succeeded":
+        typer.echo(f"{job['id']} succeeded: {job['fine_tuned_model']}")
+        return
+    error = job.get("error") or {}
+    typer.echo(f"{job['id']} {job['status']}" + (f": {error.get('message')}" if error else ""))
+    raise typer.Exit(1)
+
+
+def _follow(api: client.Client, job_id: str, poll_s: float) -> dict:
+    """The job's progress bar and messages on stderr, until it ends; returns the ended job."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = Console(stderr=True)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[figures]}"),
+    )
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("queued", total=None, figures="")
+        for progress, events in api.follow(job_id, poll_s):
+            for event in events:
+                bar.console.print(event["message"], highlight=False, markup=False)
+            bar.update(task, description=progress.job["status"], total=progress.total_steps,
+                       completed=progress.step or 0, figures=_figures(progress))  # fmt: skip
+    return progress.job
+
+
+def _figures(progress: client.Progress) -> str:
+    figures = []
+    if progress.train_loss is not None:
+        figures.append(f"loss {progress.train_loss:.4f}")
+    if progress.tokens_per_second is not None:
+        figures.append(f"{progress.tokens_per_second:,.0f} tokens/s")
+    if progress.eta_s is not None and not progress.finished:
+        minutes, seconds = divmod(round(progress.eta_s), 60)
+        figures.append(f"ETA {minutes}:{seconds:02d}")
+    return "  ".join(figures)
 
 
 @app.command()

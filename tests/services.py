@@ -226,11 +226,13 @@ def service_env(settings: Settings, extra_env: dict[str, str] | None = None) -> 
 def running_service(
     data_dir: Path, extra_env: dict[str, str] | None = None, **settings_overrides: str
 ) -> Iterator[Service]:
-    """``fusetune serve`` on a free port; ``extra_env`` reaches the server and its embedded worker."""
+    """``fusetune serve`` on a free port; ``extra_env`` reaches the server and its embedded worker. Tests put
+    their own models in place, so the bundled one is built only when ``bundled_model="true"`` asks for it."""
     port = free_port()
-    settings = Settings(data_dir=data_dir, port=port, **settings_overrides)
+    settings = Settings(data_dir=data_dir, port=port, **{"bundled_model": "false", **settings_overrides})
     settings.ensure_dirs()
-    env = {**service_env(settings, extra_env), "FUSETUNE_PORT": str(port), "FUSETUNE_HOST": "127.0.0.1"}
+    env = {**service_env(settings, extra_env), "FUSETUNE_PORT": str(port), "FUSETUNE_HOST": "127.0.0.1",
+           "FUSETUNE_BUNDLED_MODEL": str(settings.bundled_model).lower()}  # fmt: skip
     log = open(data_dir / "server.log", "ab")
     process = subprocess.Popen([sys.executable, "-m", "fusetune.cli", "serve"], env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip

@@ -122,6 +122,8 @@ FORBIDDEN = {
         "fusetune.kernels",
     ),
     "fusetune.kernels": ("fusetune.",),
+    # The command line's HTTP client reaches a server through its API alone.
+    "fusetune.client": ("fusetune.",),
     "fusetune.api": ("fusetune.worker", "fusetune.models", "fusetune.kernels"),
     "fusetune.db": ("fusetune.api", "fusetune.worker", "fusetune.models", "fusetune.kernels"),
     "fusetune.models": ("fusetune.api", "fusetune.worker", "fusetune.db"),
