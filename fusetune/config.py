@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     )
     # Hugging Face ids, already in the local cache, that jobs may fine-tune besides the models_dir entries.
     hub_models: list[str] = Field(default_factory=list)
+    # `serve` builds the bundled tiny model (fusetune.demo.task, about a second) into models_dir at its start when
+    # the server offers no base model, so that a fresh install has one to fine-tune; false: never.
+    bundled_model: bool = True
     # A key that needs no database row and belongs to the default tenant, so the embedded service works out of
     # the box; set FUSETUNE_DEV_API_KEY="" in production and create real keys with `fusetune keys create`.
     dev_api_key: str = "sk-fusetune-dev"
