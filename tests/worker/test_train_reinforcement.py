@@ -1,6 +1,7 @@
 """The reinforcement method (GRPO): its loss against the formula in float64, advantages normalised within each
 group (a mutant that normalises over the whole batch fails), the fused per-token log-probabilities against the
-logits', exact resume, the references for the KL term, and evaluation reaching the checkpoint's metrics."""
+logits', exact resume, the references for the KL term, evaluation reaching the checkpoint's metrics, and a step
+whose grading fails on most completions failing the job."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from fusetune.worker.train.data import IGNORE_INDEX, collate
 from fusetune.worker.train.methods import TRAINING_METHODS
 from fusetune.worker.train.methods import reinforcement as grpo
 from fusetune.worker.train.methods.reinforcement import GroupRelativePolicyOptimization
-from fusetune.worker.train.outcome import JobStopped
+from fusetune.worker.train.outcome import ErrorCode, JobStopped, TrainingFailure
 from fusetune.worker.train.reporter import StopRequest
 from fusetune.worker.train.trainer import Trainer, load_model, load_tokenizer
 from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config
@@ -295,6 +296,60 @@ def test_the_kl_term_is_to_the_starting_model(model_dir, prompts_file, tmp_path,
         assert (trainer.method.reference_model is None) == (lora is not None), name
         kl = metric(reporter, "kl")
         assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-6, (name, kl)
+
+
+def test_a_step_whose_grading_fails_on_most_completions_fails_the_job(model_dir, prompts_file, tmp_path):
+    """A grader that fails on every completion (here a variable no line has, which job creation refuses; a python
+    grader that raises fails the same way) fails the job with grader_error and the grader's error, before any
+    step trains on its scores of 0, where it used to succeed."""
+    grader = {**EXACT, "reference": "{{ item.nonexistent }}"}
+    config = make_config(model_dir, prompts_file, tmp_path, method=reinforcement(grader=grader), batch_size=2,
+                         max_steps=2)  # fmt: skip
+    reporter = RecordingReporter()
+    with pytest.raises(TrainingFailure) as failed:
+        Trainer(config, ONE_CPU_RANK, reporter).train()
+    assert failed.value.code == ErrorCode.GRADER_ERROR == "grader_error"
+    assert failed.value.message.startswith("the grader failed on 8 of 8 completions of step 1")
+    assert (
+        "(invalid_variable_error): {{ item.nonexistent }}: item has no 'nonexistent'" in failed.value.message
+    )
+    assert reporter.metrics == []
+
+
+def _grade_with_errors(monkeypatch, failures: int) -> None:
+    def some_fail(method, prompts, completions, group_size):
+        return [
+            SimpleNamespace(
+                score=0.0,
+                per_grader={"exact": 0.0},
+                error="ZeroDivisionError: division by zero",
+                error_type="python_grader_runtime_error",
+            )  # fmt: skip
+            if index < failures
+            else SimpleNamespace(score=1.0, per_grader={"exact": 1.0}, error=None)
+            for index in range(len(completions))
+        ]
+
+    monkeypatch.setattr(GroupRelativePolicyOptimization, "_grade", some_fail)
+
+
+@pytest.mark.parametrize(("failures", "fails"), [(4, False), (5, True)])
+def test_the_job_goes_on_while_grading_fails_on_at_most_half_a_steps_completions(
+    model_dir, prompts_file, tmp_path, monkeypatch, failures, fails
+):
+    _grade_with_errors(monkeypatch, failures)
+    config = make_config(model_dir, prompts_file, tmp_path, method=reinforcement(), batch_size=2, max_steps=1)
+    trainer = Trainer(config, ONE_CPU_RANK, RecordingReporter())
+    trainer.method.before_training(trainer)
+    _, micro_batches = next(trainer.epoch_batches(0))
+    if not fails:
+        trainer.method.prepare_step(trainer, micro_batches)
+        warning = trainer.reporter.events[-1][1]
+        assert warning["event"] == "grading_errors" and warning["failed"] == failures
+        return
+    with pytest.raises(TrainingFailure, match="failed on 5 of 8 completions") as failed:
+        trainer.method.prepare_step(trainer, micro_batches)
+    assert failed.value.code == ErrorCode.GRADER_ERROR and "ZeroDivisionError" in failed.value.message
 
 
 def test_over_a_static_cache_prompts_pad_to_a_width_class_that_samples_alike():

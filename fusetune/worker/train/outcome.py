@@ -33,6 +33,8 @@ class ErrorCode(StrEnum):
     OUT_OF_MEMORY = "out_of_memory"
     NON_FINITE_LOSS = "non_finite_loss"
     TRAINER_ERROR = "trainer_error"
+    # The grader failed on most completions of a step (a python grader that raises, a variable lines lack).
+    GRADER_ERROR = "grader_error"
     # The object store failed after the client's retries (an upload, or staging the job's inputs).
     STORAGE_ERROR = "storage_error"
 

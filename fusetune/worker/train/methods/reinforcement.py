@@ -11,7 +11,9 @@ A line of a training file is a prompt (`messages`) with the reference fields its
    state, so a resumed run samples what the uninterrupted run sampled.
 2. Grading: `fusetune.graders.grade_many` scores each completion as `{{sample.output_text}}`, the special
    tokens left out and the ends stripped, against its line as `{{item}}`. A grader that fails on a completion
-   (a python grader that crashes or runs out of time) gives it 0 and the job an event; the job goes on.
+   (a python grader that crashes or runs out of time) gives it 0 and the job an event; the job goes on, unless
+   it failed on more than MAX_GRADING_ERROR_SHARE of the step's completions (all ranks): then the job fails
+   with `grader_error` and the grader's error, as rewards that are mostly failures teach nothing.
 3. Advantages, within each group: A_i = (r_i - mean(r_group)) / (std(r_group) + 1e-4), std with Bessel's
    correction (as TRL computes it); a group whose completions all score alike teaches nothing (A = 0).
 4. The loss, per completion token t of completion i, with the probability ratio rho = pi(t) / pi_old(t):
@@ -70,12 +72,16 @@ from fusetune.worker.train.data import (
     collate,
     model_inputs,
 )
-from fusetune.worker.train.distributed import gathered_for_sampling, synchronize
+from fusetune.worker.train.distributed import all_reduce, gathered_for_sampling, synchronize
 from fusetune.worker.train.methods.base import TrainingMethod
+from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 
 # Added to a group's reward spread before dividing by it, so that a group of equal rewards gets advantage 0
 # rather than 0 / 0 (TRL's value).
 ADVANTAGE_EPSILON = 1e-4
+# A step whose grader failed on more than this share of its completions fails the job: its scores of 0 are the
+# grader's failures, not the completions', and a job trained on them would end "succeeded" having learned nothing.
+MAX_GRADING_ERROR_SHARE = 0.5
 
 
 def group_advantages(rewards: Tensor, group_size: int) -> Tensor:
@@ -343,6 +349,7 @@ class GroupRelativePolicyOptimization(TrainingMethod):
         results = self._grade(prompts, completions, G)
         grading_s = time.perf_counter() - started
         self._report_grading_errors(trainer, results)
+        self._fail_if_grading_failed(trainer, results)
 
         rewards = torch.tensor([result.score for result in results], dtype=torch.float32)
         advantages = group_advantages(rewards, G)
@@ -418,6 +425,24 @@ class GroupRelativePolicyOptimization(TrainingMethod):
                 data={"event": "grading_errors", "step": trainer.step + 1, "failed": len(failed),
                       "completions": len(results), "first_error": failed[0].error},
             )  # fmt: skip
+
+    def _fail_if_grading_failed(self, trainer: Any, results: Sequence[Any]) -> None:
+        """Raises TrainingFailure (grader_error) when the grader failed on more than MAX_GRADING_ERROR_SHARE of
+        the step's completions on all ranks."""
+        failed = [result for result in results if result.error is not None]
+        # Summed over the ranks, so that every rank stops at the same step (one that went on would wait for the
+        # others in the step's collectives). The counts are read back once a step, after grading on the host.
+        counts = torch.tensor([len(failed), len(results)], dtype=torch.int64, device=trainer.device)
+        n_failed, n_graded = all_reduce(counts).tolist()
+        if n_failed <= MAX_GRADING_ERROR_SHARE * n_graded:
+            return
+        first = failed[0] if failed else None
+        kind = f" ({first.error_type})" if first is not None and getattr(first, "error_type", None) else ""
+        raise TrainingFailure(
+            ErrorCode.GRADER_ERROR,
+            f"the grader failed on {n_failed} of {n_graded} completions of step {trainer.step + 1}{kind}: "
+            f"{first.error if first is not None else 'on the other processes'}",
+        )
 
     def _reference_log_probs(self, trainer: Any, batch: dict[str, Any]) -> Tensor:
         if self.reference_model is not None:
