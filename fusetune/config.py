@@ -46,6 +46,10 @@ class Settings(BaseSettings):
     # over the cores (Prometheus then sums request metrics across them through files in data_dir).
     api_processes: int = Field(default=1, ge=1)
     max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1)
+    # One example (a line of a training file). The longest sequence a job may train, 131072 tokens, is about
+    # 0.5 MB of English at four characters a token; 4 MiB leaves room for scripts of more bytes a token and for
+    # tool schemas, and keeps the data check of one line within seconds.
+    max_example_bytes: int = Field(default=4 * 1024 * 1024, ge=1)
     # A request body that sends no bytes for this long is answered 408 and its connection closed.
     body_read_timeout_s: float = Field(default=60.0, gt=0)
     # OpenAI's convention: the job asks for a multiplier of a base learning rate the server chooses.

@@ -86,14 +86,23 @@ def parse_line(raw: bytes) -> object:
     return value
 
 
-def validate_chat_jsonl(stream: BinaryIO) -> FileReport:
+def validate_chat_jsonl(stream: BinaryIO, max_example_bytes: int | None = None) -> FileReport:
     """Reads the whole stream once, line by line, and reports every problem up to a limit. The file's method
-    is the one whose line format its first JSON line is in; every line must be in that format."""
+    is the one whose line format its first JSON line is in; every line must be in that format. A line longer
+    than `max_example_bytes` is refused unread."""
     example_format = None
     report = FileReport()
     for line_number, raw in enumerate(stream, start=1):
         if line_number == 1:
             raw = raw.removeprefix(UTF8_BOM)  # the trainer reads the file as utf-8-sig
+        example_bytes = len(raw.rstrip(b"\r\n"))
+        if max_example_bytes is not None and example_bytes > max_example_bytes:
+            report.add_error(
+                line_number,
+                f"the example is {example_bytes:,} bytes, over the limit of {max_example_bytes:,} bytes for one "
+                "example (the server's FUSETUNE_MAX_EXAMPLE_BYTES)",
+            )
+            continue
         if not raw.strip():
             continue
         try:

@@ -36,6 +36,8 @@ DEFAULT_LEARNING_RATE_MULTIPLIER = 1.0
 DEFAULT_BASE_LEARNING_RATE = 1e-4
 
 PrecisionName = Literal[PRECISION_NAMES]  # type: ignore[valid-type]
+# The longest sequence a job may train on, in tokens.
+MAX_SEQ_LENGTH = 131072
 
 
 class SpecError(ValueError):
@@ -113,7 +115,7 @@ class TrainingHyperparameters(Spec):
     learning_rate: float = Field(DEFAULT_BASE_LEARNING_RATE * DEFAULT_LEARNING_RATE_MULTIPLIER, gt=0, le=1)
     lr_scheduler: Literal["cosine", "linear"] = "cosine"
     warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    max_seq_length: int = Field(512, ge=16, le=131072)
+    max_seq_length: int = Field(512, ge=16, le=MAX_SEQ_LENGTH)
     packing: bool = Field(
         False,
         description="Pack examples into rows of max_seq_length tokens (best-fit decreasing); attention stays "

@@ -11,8 +11,14 @@ Each example's sequences (`masks.MaskedTokens`) are held against what serving pr
 - `served_form`: each trained turn is exactly what the model generates when served, the prompt rendered with
   `add_generation_prompt=True` followed by the completion and its stop token: the prompt's rendering is what
   precedes the turn, and every token of the completion is trained;
+- `trained_tokens`: a file has at least one trained token (an example whose assistant messages all have weight 0
+  trains nothing), and is refused when no example has one;
 - `trained_tokens_after_truncation`: examples cut by `max_seq_length` to no trained token are counted, and a file
   where every example is so cut is refused.
+
+The work is bounded by `max_seq_length`: each text of an example (a message's content, a prompt, a completion) is
+cut, before it is tokenized, to what the first `max_seq_length` tokens can reach (`text_chars_used`), so a line of
+megabytes costs what its first tokens cost.
 
 Which sequences an example makes is its line format's (`FormatMasking`, one per format in `MASKINGS`): a
 supervised example is one sequence, a preference pair two (the input with each output; the input's own
@@ -29,7 +35,15 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fusetune.spec.examples import PREFERENCE, SUPERVISED, PreferenceExample
+from fusetune.spec.examples import (
+    PREFERENCE,
+    SUPERVISED,
+    ChatExample,
+    PreferenceExample,
+    PromptCompletionExample,
+    TextExample,
+)
+from fusetune.spec.hyperparameters import MAX_SEQ_LENGTH
 from fusetune.spec.methods import METHODS
 from fusetune.tokenization.masks import MaskedTokens, TemplateError, mask_conversation, mask_example
 
@@ -39,6 +53,7 @@ CHECKS = {
     "prompt_not_trained": "no prompt token is trained (unless train_on_inputs)",
     "served_form": "each trained turn is what the model generates when served: the prompt rendered with the "
     "generation prompt, then the completion and its stop token",
+    "trained_tokens": "some example has a trained token: an assistant message whose weight is not 0",
     "trained_tokens_after_truncation": "examples cut by max_seq_length to no trained token are counted; a file of "
     "only such examples is refused",
 }
@@ -47,6 +62,7 @@ CheckName = Literal[
     "end_of_turn_trained",
     "prompt_not_trained",
     "served_form",
+    "trained_tokens",
     "trained_tokens_after_truncation",
 ]
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
@@ -79,9 +95,11 @@ class DataCheckFailure(ValueError):
 @dataclass(frozen=True)
 class FormatMasking:
     """How the examples of one line format become the sequences trained on, each with its loss mask:
-    (tokenizer, example, train_on_inputs, stop token ids) -> sequences."""
+    (tokenizer, example, train_on_inputs, stop token ids) -> sequences; and the example with each of its texts
+    cut to at most so many characters: (example, characters) -> example."""
 
     sequences: Callable[[Any, Any, bool, Collection[int]], list[LabeledSequence]]
+    cut_texts: Callable[[Any, int], Any]
 
 
 def _supervised_sequences(
@@ -108,10 +126,48 @@ def _preference_sequences(
     ]
 
 
+def _cut_message(message: dict[str, Any], chars: int) -> dict[str, Any]:
+    content = message.get("content")
+    return (
+        {**message, "content": content[:chars]}
+        if isinstance(content, str) and len(content) > chars
+        else message
+    )
+
+
+def _cut_supervised(example: Any, chars: int) -> Any:
+    if isinstance(example, ChatExample):
+        return ChatExample([_cut_message(message, chars) for message in example.messages])
+    if isinstance(example, PromptCompletionExample):
+        return PromptCompletionExample(example.prompt[:chars], example.completion[:chars])
+    return TextExample(example.text[:chars])
+
+
+def _cut_preference(example: PreferenceExample, chars: int) -> PreferenceExample:
+    return PreferenceExample(
+        [_cut_message(message, chars) for message in example.messages],
+        _cut_message(example.preferred, chars),
+        _cut_message(example.non_preferred, chars),
+    )
+
+
 MASKINGS: dict[str, FormatMasking] = {
-    SUPERVISED.name: FormatMasking(_supervised_sequences),
-    PREFERENCE.name: FormatMasking(_preference_sequences),
+    SUPERVISED.name: FormatMasking(_supervised_sequences, _cut_supervised),
+    PREFERENCE.name: FormatMasking(_preference_sequences, _cut_preference),
 }
+
+# A normalizer may join a few characters into one before the vocabulary sees them (NFC joins a letter and its
+# combining accent, Hangul jamo join three into one syllable).
+CHARACTERS_PER_NORMALIZED_CHARACTER = 4
+
+
+def text_chars_used(tokenizer: Any, max_seq_length: int) -> int:
+    """How many characters of one text the first `max_seq_length` tokens of a sequence can reach. No token stands
+    for more characters of the text than its vocabulary entry has (a byte-level entry's characters stand for one
+    byte each, a SentencePiece piece's for one character each), times what a normalizer joins into one. A text cut
+    there keeps the tokens within `max_seq_length` as they were, and still reaches past it when the whole did."""
+    longest_entry = max(map(len, tokenizer.get_vocab()), default=1)
+    return max_seq_length * longest_entry * CHARACTERS_PER_NORMALIZED_CHARACTER
 
 
 def masking_for(method_type: str) -> FormatMasking | None:
@@ -304,9 +360,12 @@ def check_examples(
     stop_ids: Collection[int],
     limit: int | None = None,
 ) -> FileCheck:
-    """Checks (line number, example) pairs in order, at most `limit`, stopping at the first failure."""
+    """Checks (line number, example) pairs in order, at most `limit`, stopping at the first failure. Each text is
+    cut to what `max_seq_length` tokens can reach before it is tokenized."""
     result = FileCheck()
     first: tuple[int, list[LabeledSequence]] | None = None
+    chars = text_chars_used(tokenizer, max_seq_length)
+    examples_with_trained_tokens = 0
     for line, example in numbered_examples:
         if limit is not None and result.examples_checked >= limit:
             result.complete = False
@@ -314,7 +373,11 @@ def check_examples(
         result.examples_checked += 1
         try:
             sequences = checked_sequences(
-                masking, tokenizer, example, train_on_inputs=train_on_inputs, stop_ids=stop_ids
+                masking,
+                tokenizer,
+                masking.cut_texts(example, chars),
+                train_on_inputs=train_on_inputs,
+                stop_ids=stop_ids,
             )
         except DataCheckFailure as failure:
             result.failure, result.line = failure, line
@@ -327,13 +390,26 @@ def check_examples(
         result.examples_without_trained_tokens += any(
             s.masked.trained_tokens_within(max_seq_length) == 0 for s in sequences
         )
+        examples_with_trained_tokens += all(any(s.masked.trained) for s in sequences)
     if first is not None:
         result.line, result.preview = first[0], preview(tokenizer, first[1])
-        if result.complete and result.examples_without_trained_tokens == result.examples_checked:
+        if result.complete and examples_with_trained_tokens == 0:
+            result.failure = DataCheckFailure(
+                "trained_tokens",
+                "no example of the file has a trained token: every assistant message has weight 0, which "
+                "makes it context only (give the turns to learn weight 1, or leave weight out)",
+                first[1],
+            )
+        elif result.complete and result.examples_without_trained_tokens == result.examples_checked:
+            remedy = (
+                "raise max_seq_length, or shorten the prompts"
+                if max_seq_length < MAX_SEQ_LENGTH
+                else f"shorten the prompts: {MAX_SEQ_LENGTH} is the largest max_seq_length"
+            )
             result.failure = DataCheckFailure(
                 "trained_tokens_after_truncation",
                 f"every example of the file is cut by max_seq_length={max_seq_length} to no trained token "
-                "(raise max_seq_length, or shorten the prompts)",
+                f"({remedy})",
                 first[1],
             )
     return result

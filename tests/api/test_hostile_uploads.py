@@ -216,7 +216,7 @@ def test_generated_files_are_stored_or_refused_naming_the_first_bad_line(module_
 
 
 def test_unexpected_error_is_a_500_with_a_logged_request_id_and_counted(settings, monkeypatch, caplog):
-    def broken_validator(_stream):
+    def broken_validator(_stream, *_limits):
         raise RuntimeError("internal detail that must not leak")
 
     monkeypatch.setattr("fusetune.api.routes.files.validate_chat_jsonl", broken_validator)

@@ -234,3 +234,18 @@ def test_a_checkpoint_of_a_fine_tuned_model_is_a_model_and_unknown_models_list_f
         error = _assert_error_shape(client.post("/v1/fine_tuning/jobs", json=body), 400, "model")
         assert error["code"] == "model_not_found"
         assert "Base models on this server: tiny." in error["message"] and fine_tuned in error["message"]
+
+
+def test_an_example_over_the_byte_limit_is_refused_naming_the_line_and_the_limit(tmp_path):
+    settings = Settings(data_dir=tmp_path / "small", max_example_bytes=200)
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    long = json.dumps(
+        {"messages": [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "4"}]}
+    )
+    with TestClient(create_app(settings), headers=AUTH) as client:
+        error = _assert_error_shape(_upload(client, "\n".join([GOOD_LINE, long, GOOD_LINE])), 400, "file")
+    assert f"line 2: the example is {len(long):,} bytes, over the limit of 200 bytes" in error["message"]
+    assert "FUSETUNE_MAX_EXAMPLE_BYTES" in error["message"]
+    assert "line 1" not in error["message"] and "line 3" not in error["message"]
+    assert list(settings.files_dir.iterdir()) == []

@@ -25,6 +25,7 @@ from fusetune.spec.examples import (
     parse_preference_example,
     parse_supervised_example,
 )
+from fusetune.spec.hyperparameters import MAX_SEQ_LENGTH
 from fusetune.tokenization.check import (
     DataCheckFailure,
     check_examples,
@@ -33,6 +34,7 @@ from fusetune.tokenization.check import (
     marked_text,
     masking_for,
     preview,
+    text_chars_used,
 )
 from fusetune.tokenization.masks import mask_conversation
 from fusetune.tokenization.tokenizer import load_tokenizer_without_torch, stop_token_ids
@@ -326,6 +328,60 @@ def test_truncation_is_counted_and_a_file_of_only_cut_examples_is_refused(llama_
         tokenizer, masking_for("supervised"), _numbered([(1, long), (2, short)]), limit=1, **kwargs
     )
     assert part.passed and not part.complete and part.examples_checked == 1
+
+
+def test_a_file_whose_assistant_turns_all_have_weight_zero_is_refused_for_that(llama_backend):
+    tokenizer = _with_template(llama_backend, LLAMA)
+    context_only = {"messages": [*CHAT[:2], {**CHAT[2], "weight": 0}]}
+    result = check_examples(
+        tokenizer, masking_for("supervised"), _numbered([(1, context_only), (2, context_only)]),
+        max_seq_length=512, train_on_inputs=False, stop_ids={tokenizer.eos_token_id},
+    )  # fmt: skip
+    assert result.failure.check == "trained_tokens" and "weight 0" in result.failure.problem
+    assert "max_seq_length" not in result.failure.problem
+
+
+def test_at_the_largest_max_seq_length_the_refusal_does_not_advise_raising_it(llama_backend):
+    tokenizer = _with_template(llama_backend, LLAMA)
+    long = {"messages": [{"role": "user", "content": "a b c d " * (MAX_SEQ_LENGTH // 2)}, CHAT[2]]}
+    result = check_examples(
+        tokenizer, masking_for("supervised"), _numbered([(1, long)]), max_seq_length=MAX_SEQ_LENGTH,
+        train_on_inputs=False, stop_ids={tokenizer.eos_token_id},
+    )  # fmt: skip
+    assert result.failure.check == "trained_tokens_after_truncation"
+    assert "raise max_seq_length" not in result.failure.problem
+    assert f"{MAX_SEQ_LENGTH} is the largest max_seq_length" in result.failure.problem
+
+
+def test_a_text_is_tokenized_only_as_far_as_max_seq_length_reaches(llama_backend):
+    """A 2-million-character line is checked at the cost of what max_seq_length tokens can reach, and counts as
+    truncated as it would whole."""
+    tokenizer = _with_template(llama_backend, LLAMA)
+    huge = "Hello there, how are you today? " * 62_500
+    chars = text_chars_used(tokenizer, 64)
+    assert chars < len(huge) // 10
+    records = [
+        (1, {"messages": [{"role": "user", "content": huge}, {"role": "assistant", "content": huge}]}),
+        (2, {"prompt": huge, "completion": huge}),
+    ]
+    result = check_examples(
+        tokenizer, masking_for("supervised"), _numbered(records), max_seq_length=64, train_on_inputs=False,
+        stop_ids={tokenizer.eos_token_id},
+    )  # fmt: skip
+    assert result.examples_truncated == 2 and result.examples_without_trained_tokens == 2
+    assert result.failure.check == "trained_tokens_after_truncation"
+    # What was tokenized: the two cut texts and the template's tokens, never the whole line.
+    assert result.preview[0].tokens <= 2 * chars + 64
+    pairs = [(1, parse_preference_example({
+        "input": {"messages": [{"role": "user", "content": huge}]},
+        "preferred_output": [{"role": "assistant", "content": huge}],
+        "non_preferred_output": [{"role": "assistant", "content": huge + "!"}],
+    }))]  # fmt: skip
+    checked = check_examples(
+        tokenizer, masking_for("dpo"), pairs, max_seq_length=64, train_on_inputs=False,
+        stop_ids={tokenizer.eos_token_id},
+    )  # fmt: skip
+    assert all(sequence.tokens <= 2 * chars + 64 for sequence in checked.preview)
 
 
 def test_a_file_stops_at_its_first_failing_line(llama_backend):

@@ -130,7 +130,7 @@ def create_file(
         # written (a temporary file beside the final one, or an aborted multipart upload).
         with storage.file_writer(tenant, storage_name, download_name=filename) as writer:
             upload = _UploadLines(file.file, writer, settings.max_upload_bytes, digest)
-            report = validate_chat_jsonl(upload)
+            report = validate_chat_jsonl(upload, settings.max_example_bytes)
             earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
             if earlier is not None:
                 return to_schema(_get(session, earlier, tenant))
