@@ -13,7 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
+from python_multipart.multipart import DEFAULT_MAX_HEADER_SIZE
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,17 @@ def _param_from_loc(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
+# A file's stored name (files.filename) is at most this long.
+MAX_FILENAME_CHARS = 255
+
+
+def _multipart_header_too_long(exc: StarletteHTTPException) -> bool:
+    """Whether Starlette's "Invalid multipart data." came from a part's header over python-multipart's limit:
+    a long filename reaches it first, and the parser's own reason is lost in Starlette's message."""
+    parse_error = exc.__context__
+    return isinstance(parse_error, MultiPartException) and "header size" in str(parse_error.__cause__)
+
+
 def new_request_id() -> str:
     return f"req_{secrets.token_hex(8)}"
 
@@ -104,6 +117,12 @@ def install_error_handlers(app: FastAPI, registry: CollectorRegistry) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if _multipart_header_too_long(exc):
+            message = (
+                "Invalid multipart data: a part's header is longer than the form parser's limit of "
+                f"{DEFAULT_MAX_HEADER_SIZE:,} bytes. A file's name may be at most {MAX_FILENAME_CHARS} characters."
+            )
+            return JSONResponse(error_body(400, message, "file", "invalid_filename"), status_code=400)
         return JSONResponse(
             error_body(exc.status_code, str(exc.detail), None, None),
             status_code=exc.status_code,

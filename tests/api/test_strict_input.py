@@ -90,3 +90,14 @@ def test_a_stalled_request_body_is_answered_408():
 
     asyncio.run(main())
     assert sent[0]["status"] == 408 and b"stalled" in sent[1]["body"]
+
+
+@pytest.mark.parametrize("length", [256, 1000, 5000])
+def test_a_filename_over_the_limit_is_refused_saying_so(client, length):
+    response = _upload(client, _multipart(b"a" * (length - len(".jsonl")) + b".jsonl"))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "file" and error["code"] == "invalid_filename"
+    assert "at most 255 characters" in error["message"] or "over the limit of 255" in error["message"], error
+    assert client.get("/v1/files").json()["data"] == []
+    assert _upload(client, _multipart(b"a" * 249 + b".jsonl")).status_code == 200

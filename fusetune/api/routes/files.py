@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from fusetune.api import idempotency
 from fusetune.api.deps import SessionDep, SettingsDep, StorageDep, TenantDep
-from fusetune.api.errors import ApiError, not_found
+from fusetune.api.errors import MAX_FILENAME_CHARS, ApiError, not_found
 from fusetune.api.file_validation import TRAINING_PURPOSE, validate_chat_jsonl
 from fusetune.api.schemas import FileDeleted, FileList, FileObject
 from fusetune.db import queries
@@ -116,7 +116,10 @@ def create_file(
             400, f"purpose must be one of {', '.join(PURPOSES)} (got '{purpose}').", param="purpose"
         )
     _check_filename(file.filename or "")
-    filename = PurePath(file.filename or "upload.jsonl").name[:255]
+    filename = PurePath(file.filename or "upload.jsonl").name
+    if len(filename) > MAX_FILENAME_CHARS:
+        raise ApiError(400, f"The file's name is {len(filename):,} characters, over the limit of "
+                       f"{MAX_FILENAME_CHARS}; rename the file.", param="file", code="invalid_filename")  # fmt: skip
     if not filename.endswith(".jsonl"):
         raise ApiError(
             400, f"Training files must be JSON Lines with a .jsonl name (got '{filename}').", param="file"
