@@ -3,15 +3,32 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-gpu lint serve worker bench
+.PHONY: install lock upgrade demo test test-gpu test-numerics-narrow lint serve worker bench
 
-$(VENV)/.installed: pyproject.toml
+# The installs come from requirements.lock: every package, pinned with its hashes, as CI last passed with it,
+# for any platform and Python >= 3.11 (uv's universal resolution). requirements-service.lock is the same
+# versions without the dev extra, for the image. `make lock` after a change to pyproject.toml's dependencies;
+# `make upgrade` to move every pin to the newest release inside pyproject.toml's ranges.
+LOCK := requirements.lock
+SERVICE_LOCK := requirements-service.lock
+COMPILE := pip compile pyproject.toml --generate-hashes --universal --python-version 3.11 --quiet
+
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,tracking]"
+	$(PY) -m pip install -q --require-hashes -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 install: $(VENV)/.installed
+
+lock: install
+	$(VENV)/bin/uv $(COMPILE) --extra dev --extra tracking $(UPGRADE) -o $(LOCK)
+	$(VENV)/bin/uv $(COMPILE) --extra tracking -c $(LOCK) -o $(SERVICE_LOCK)
+
+upgrade:
+	$(MAKE) lock UPGRADE=--upgrade
+	$(MAKE) test
 
 # Starts the embedded service, fine-tunes the bundled tiny model through the HTTP API, loads the result.
 demo: install
@@ -22,6 +39,14 @@ demo: install
 # of pytest where one worker takes 22.5 (the interpreted kernels and the trainer processes each use a core).
 test: install
 	$(PY) -m pytest -q --timeout=900 -n 2 --dist worksteal --durations=25
+
+# The numerical tests (kernels, losses, the trainer's equivalence tests) again on the CPU's narrow code paths:
+# oneDNN and MKL without AVX-512 and AMX, whose matmuls sum in another order. On a CPU that has the wide
+# instructions, `make test` took those; this takes the AVX2 ones, so one machine checks both (.ci/run).
+# The selection is the marker `numerics` (tests/conftest.py's NUMERICS lists the folders and modules).
+test-numerics-narrow: install
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	  $(PY) -m pytest -q --timeout=900 -n 2 --dist worksteal -m numerics
 
 # On a GPU machine: the kernel tests at real sizes and under torch.compile.
 test-gpu:

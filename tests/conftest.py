@@ -21,7 +21,24 @@ if not _HAS_CUDA:
 DEVICE = "cuda" if _HAS_CUDA else "cpu"
 
 
+# The numerical tests: kernels against their float64 references, the models' patched-against-unpatched runs and
+# the trainer's equivalence tests (accumulation, micro batches, methods). `make test-numerics-narrow` runs them
+# (`-m numerics`) a second time on the CPU's AVX2 code paths, which sum in another order than AVX-512 and AMX.
+NUMERICS = (
+    "tests/kernels/",
+    "tests/models/test_convergence.py",
+    "tests/worker/test_train_trainer.py",
+    "tests/worker/test_train_dpo.py",
+    "tests/worker/test_train_simpo.py",
+    "tests/worker/test_token_accuracy.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix().startswith(NUMERICS):
+            item.add_marker(pytest.mark.numerics)
     if _HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
