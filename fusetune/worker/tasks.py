@@ -32,6 +32,7 @@ from fusetune.worker import results, run_storage
 from fusetune.worker.lifecycle import detect_gpus
 from fusetune.worker.redact import without_paths
 from fusetune.worker.train.checkpoints import store as checkpoint_store
+from fusetune.worker.train.checkpoints.layout import adapter_base_model_name
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.outcome import (
     ERROR_FILENAME,
@@ -191,17 +192,32 @@ class JobRunner:
     # ---- steps -----------------------------------------------------------------------------------------------
 
     def _model_location(self, job: Job) -> str | None:
-        location = base_model_location(self.settings, job.model)
+        return self._location_of(job.model, job.tenant)
+
+    def _location_of(self, model: str, tenant: str) -> str | None:
+        location = base_model_location(self.settings, model)
         if location is not None:
             return location
         with self.session_factory() as session:
             # A fine-tuned model's newest checkpoint, or the one a checkpoint's model name names.
-            checkpoint = queries.checkpoint_of_model(session, job.model, job.tenant)
+            checkpoint = queries.checkpoint_of_model(session, model, tenant)
             if checkpoint is not None:
                 return str(checkpoint_store.restore_model(
-                    self.storage, job.tenant, checkpoint.storage_path, self.settings.runs_dir
+                    self.storage, tenant, checkpoint.storage_path, self.settings.runs_dir
                 ).resolve())  # fmt: skip
         return None
+
+    def _adapter_base_models(self, tenant: str, location: str) -> dict[str, str]:
+        """Where the base model of a LoRA checkpoint at `location` is here, by the public name the checkpoint
+        gives it, and so on down while a base is a LoRA checkpoint too (TrainConfig.adapter_base_models). A name
+        this server does not know (an older checkpoint's path) is left to the trainer to load as it is."""
+        found: dict[str, str] = {}
+        while (name := adapter_base_model_name(location)) is not None and name not in found:
+            base = self._location_of(name, tenant)
+            if base is None:
+                break
+            found[name] = location = base
+        return found
 
     def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:
         with self.session_factory() as session:
@@ -220,6 +236,8 @@ class JobRunner:
             integrations=job.integrations or [],
             mlflow_tracking_uri=self.settings.mlflow_tracking_uri or None,
             model_path=model_location,
+            model_name=job.model,
+            adapter_base_models=self._adapter_base_models(job.tenant, model_location),
             training_file=str(
                 run_storage.stage_input(self.storage, job.tenant, training.storage_name, run_dir)
             ),

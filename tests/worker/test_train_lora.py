@@ -1,13 +1,16 @@
 """LoRA through peft on CPU: only the adapters train, the checkpoint holds the adapter (and merged weights on
 request) and loads with peft or the Auto classes, and a resume continues the same curve (dropout included)."""
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from fusetune.demo import assets
-from fusetune.worker.train import lora
 from fusetune.worker.train.checkpoints import layout as ckpt
 from fusetune.worker.train.checkpoints import state as checkpoint_state
 from fusetune.worker.train.outcome import JobStopped
@@ -104,7 +107,7 @@ def test_adapter_only_checkpoint_loads_and_serves_as_a_base_model(model_dir, tra
         p.name for p in checkpoint.iterdir()
     }
     assert not (checkpoint / "model.safetensors").exists()
-    assert lora.is_adapter_checkpoint(checkpoint)
+    assert ckpt.is_adapter_checkpoint(checkpoint)
     expected = eval_logits(trainer.model, model_dir)
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), checkpoint)
     torch.testing.assert_close(eval_logits(with_adapter, model_dir), expected, rtol=1e-5, atol=1e-5)
@@ -112,6 +115,40 @@ def test_adapter_only_checkpoint_loads_and_serves_as_a_base_model(model_dir, tra
     as_base = load_model(str(checkpoint), torch.float32)
     assert not isinstance(as_base, PeftModel)
     torch.testing.assert_close(eval_logits(as_base, model_dir), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("merge_lora_on_save", [False, True])
+def test_checkpoint_names_the_public_model_and_loads_without_the_servers_folders(
+    model_dir, train_file, tmp_path, merge_lora_on_save
+):
+    """A tenant downloads a LoRA checkpoint (all but training_state/, which stays on the server): no file names
+    the server's folders, and the adapter loads with peft onto the base model kept anywhere else."""
+    server = tmp_path / "server"
+    server_model = shutil.copytree(model_dir, server / "models" / "tiny-llama")
+    config = lora_config(server_model, train_file, server / "runs" / "ftjob-1", max_steps=3, n_epochs=1,
+                         model_name="tiny-llama", merge_lora_on_save=merge_lora_on_save)  # fmt: skip
+    trainer = Trainer(config, ONE_CPU_RANK, RecordingReporter())
+    checkpoint = Path(trainer.train().final_checkpoint)
+    expected = eval_logits(trainer.model, model_dir)
+
+    downloaded = tmp_path / "laptop" / "checkpoint"
+    shutil.copytree(checkpoint, downloaded, ignore=shutil.ignore_patterns(ckpt.TRAINING_STATE_DIRNAME))
+    for path in downloaded.rglob("*"):
+        if path.is_file():
+            assert str(server).encode() not in path.read_bytes(), path.relative_to(downloaded)
+    adapter = downloaded / ckpt.ADAPTER_DIRNAME if merge_lora_on_save else downloaded
+    adapter_config = json.loads((adapter / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "tiny-llama"
+    assert "base_model: tiny-llama" in (adapter / "README.md").read_text()
+
+    base = shutil.copytree(server_model, tmp_path / "laptop" / "hub" / "my-copy-of-tiny-llama")
+    shutil.rmtree(server)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+    torch.testing.assert_close(eval_logits(with_adapter, model_dir), expected, rtol=1e-5, atol=1e-5)
+    if not merge_lora_on_save:
+        # As a job's model, the checkpoint's base is found where TrainConfig.adapter_base_models says.
+        as_base = load_model(str(downloaded), torch.float32, {"tiny-llama": str(base)})
+        torch.testing.assert_close(eval_logits(as_base, model_dir), expected, rtol=1e-5, atol=1e-5)
 
 
 def _paused_then_resumed_losses(config, monkeypatch=None) -> list[float]:

@@ -41,6 +41,13 @@ class TrainConfig(TrainingHyperparameters):
 
     # Inputs and outputs: local paths (a model id already in the local Hugging Face cache works too).
     model_path: str
+    # The model's public name (the job's `model`: a base model's name or Hugging Face id, a fine-tuned model's
+    # name), which a LoRA checkpoint names as its base model in place of model_path, a path of the server's that
+    # the tenant must not see and that exists only there. None: model_path (a run of the trainer itself).
+    model_name: str | None = None
+    # Where the base models that LoRA checkpoints name are on this host, by public name: model_path's, if it is
+    # one, and so on down (a fine-tuned model's base can be a LoRA checkpoint too). The worker fills it in.
+    adapter_base_models: dict[str, str] = Field(default_factory=dict)
     training_file: str
     validation_file: str | None = None
     output_dir: str

@@ -3,13 +3,14 @@ into its base model), and patching the model with fusetune's kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fusetune.worker.train import lora
-from fusetune.worker.train.checkpoints.layout import adapter_dir
+from fusetune.worker.train.checkpoints.layout import adapter_base_model_name, adapter_dir
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
@@ -40,14 +41,22 @@ def load_tokenizer(model_path: str):
         raise _model_not_found(model_path, "tokenizer", exc) from exc
 
 
-def load_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A causal LM from a model folder, a model in the local cache, or a LoRA checkpoint (merged into the base
-    model it names)."""
+def load_model(
+    model_path: str, dtype: torch.dtype, adapter_base_models: Mapping[str, str] | None = None
+) -> torch.nn.Module:
+    """A causal LM from a model folder, a model in the local cache, or a LoRA checkpoint merged into the base
+    model it names. A checkpoint names its base model by its public name; `adapter_base_models` says where each
+    such name is here (TrainConfig.adapter_base_models), and a name it lacks is loaded as a path or a cached id."""
     from transformers import AutoModelForCausalLM
 
+    adapter_base_models = adapter_base_models or {}
+    base_name = adapter_base_model_name(model_path)
+    if base_name is not None:
+        # The base may itself be a LoRA job's checkpoint (a fine-tuned model fine-tuned again).
+        base = load_model(adapter_base_models.get(base_name, base_name), dtype, adapter_base_models)
     try:
-        if lora.is_adapter_checkpoint(model_path):
-            return lora.load_merged_adapter_model(model_path, dtype)
+        if base_name is not None:
+            return lora.merge_adapter(base, model_path)
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise _model_not_found(model_path, "causal LM", exc) from exc
@@ -60,7 +69,7 @@ def prepare_model(model: torch.nn.Module, config: TrainConfig, resumed: Path | N
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora is not None:
-        model = lora.apply_lora(model, config.lora)
+        model = lora.apply_lora(model, config.lora, config.model_name)
         if resumed is not None:
             lora.load_adapter_weights(model, adapter_dir(resumed))
     return model

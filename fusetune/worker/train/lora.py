@@ -6,24 +6,29 @@ parameters, so the same functions serve one process, DDP and FSDP.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fusetune.spec.hyperparameters import LoraSpec
-
-ADAPTER_CONFIG_FILENAME = "adapter_config.json"
-ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"
-HF_CONFIG_FILENAME = "config.json"
+from fusetune.worker.train.checkpoints.layout import ADAPTER_WEIGHTS_FILENAME
 
 
-def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
-    """The model wrapped in LoRA adapters; only the adapters require gradients."""
+def apply_lora(model: torch.nn.Module, lora: LoraSpec, base_model_name: str | None = None) -> torch.nn.Module:
+    """The model wrapped in LoRA adapters; only the adapters require gradients.
+
+    `base_model_name` is what the adapter's checkpoints name as their base model (adapter_config.json and the
+    README.md peft writes, which read it from the model): the model's public name, where its local path would
+    tell the tenant the server's folders and load only where they exist. None: the path it was loaded from.
+    """
     import peft
 
+    if base_model_name is not None:
+        model.config.name_or_path = base_model_name
+        model.name_or_path = base_model_name
     config = peft.LoraConfig(
+        base_model_name_or_path=base_model_name,
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -33,22 +38,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraSpec) -> torch.nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def is_adapter_checkpoint(path: str | Path) -> bool:
-    """A folder holding a LoRA adapter without full weights beside it (a LoRA job's checkpoint)."""
-    path = Path(path)
-    return (path / ADAPTER_CONFIG_FILENAME).is_file() and not (path / HF_CONFIG_FILENAME).is_file()
-
-
-def load_merged_adapter_model(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
-    """A full model from an adapter checkpoint: its base model (as named in adapter_config.json) with the
-    adapter merged in, so that a LoRA job's result can be fine-tuned further like any base model."""
+def merge_adapter(base: torch.nn.Module, path: str | Path) -> torch.nn.Module:
+    """A full model from an adapter checkpoint and its base model, the adapter merged in, so that a LoRA job's
+    result can be fine-tuned further like any base model."""
     import peft
-    from transformers import AutoModelForCausalLM
 
-    adapter_config = json.loads((Path(path) / ADAPTER_CONFIG_FILENAME).read_text(encoding="utf-8"))
-    base = AutoModelForCausalLM.from_pretrained(
-        adapter_config["base_model_name_or_path"], dtype=dtype, local_files_only=True
-    )
     return peft.PeftModel.from_pretrained(base, str(path)).merge_and_unload()
 
 

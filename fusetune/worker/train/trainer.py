@@ -203,7 +203,7 @@ class Trainer:
         return load_tokenizer(self.config.model_path)
 
     def _load_model(self, path: str, dtype: torch.dtype) -> torch.nn.Module:
-        return load_model(path, dtype)
+        return load_model(path, dtype, self.config.adapter_base_models)
 
     def _load_data(self, path: str, packing: bool) -> LoadedData:
         return report_data(

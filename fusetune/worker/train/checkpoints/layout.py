@@ -29,6 +29,9 @@ CHECKPOINT_PREFIX = "step-"
 INCOMPLETE_SUFFIX = ".incomplete"
 TRAINER_STATE_FILENAME = "fusetune_trainer_state.json"
 ADAPTER_DIRNAME = "adapter"
+ADAPTER_CONFIG_FILENAME = "adapter_config.json"
+ADAPTER_WEIGHTS_FILENAME = "adapter_model.safetensors"
+HF_CONFIG_FILENAME = "config.json"
 TRAINING_STATE_DIRNAME = "training_state"
 OPTIMIZER_FILENAME = "optimizer.pt"
 RESUME_STATE_FILENAME = "resume.pt"
@@ -58,6 +61,22 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         if path.is_dir() and path.name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit():
             found.append((int(suffix), path))
     return sorted(found)
+
+
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    """A folder holding a LoRA adapter without full weights beside it (a LoRA job's checkpoint)."""
+    path = Path(path)
+    return (path / ADAPTER_CONFIG_FILENAME).is_file() and not (path / HF_CONFIG_FILENAME).is_file()
+
+
+def adapter_base_model_name(path: str | Path) -> str | None:
+    """The base model an adapter checkpoint names (`base_model_name_or_path`): the public name of the model the
+    job trained (a checkpoint written before public names, a path); None for a folder that is no adapter
+    checkpoint."""
+    if not is_adapter_checkpoint(path):
+        return None
+    adapter_config = json.loads((Path(path) / ADAPTER_CONFIG_FILENAME).read_text(encoding="utf-8"))
+    return adapter_config["base_model_name_or_path"]
 
 
 def training_state_dir(checkpoint: Path) -> Path:
