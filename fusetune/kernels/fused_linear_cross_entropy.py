@@ -249,9 +249,14 @@ def _held_logits_width(n_rows: int, hidden_size: int) -> int:
 
 
 def _transposed_logits_in(grad_weight: Tensor, n_rows: int, width: int) -> Tensor:
-    """The [V, n_rows] view, rows ``width`` apart, at the start of the contiguous ``grad_weight``'s memory."""
+    """The [V, n_rows] view, rows ``width`` apart, at the start of the contiguous ``grad_weight``'s memory.
+    Its padding columns (width - n_rows of each row) are zeroed: dW = logits_t @ h reduces over them, and a CPU
+    matmul may read a tile past K (see LOGITS_ROW_ALIGNMENT)."""
     vocab_size = grad_weight.shape[0]
-    return grad_weight.view(-1)[: vocab_size * width].view(vocab_size, width)[:, :n_rows]
+    rows = grad_weight.view(-1)[: vocab_size * width].view(vocab_size, width)
+    if width > n_rows:
+        rows[:, n_rows:].zero_()
+    return rows[:, :n_rows]
 
 
 def _bounce_elements(n_tokens: int, weight: Tensor, logits_chunk_bytes: int | None) -> int:
@@ -297,15 +302,24 @@ def _weight_gradient_over_its_transposed_logits(
 # or write it (h @ W^T, dh, dW) with its slow unaligned kernels (cutlass `align1`), and the cross-entropy
 # kernel's row loads go unaligned too. H100, Granite-3.3-2B shape (V = 49,159), 4 x 2048 tokens
 # (benchmarks/step/e2e.py --profile, 2026-11-27): those matmuls took 42 ms of a 314 ms step and the
-# cross-entropy kernel 7.9 ms (1.4 at OLMo-2's V = 100,352, a multiple of 64). The padding columns are never
-# read: every kernel and matmul sees the [C, V] view, whose row stride is the padded width.
+# cross-entropy kernel 7.9 ms (1.4 at OLMo-2's V = 100,352, a multiple of 64).
+# Every kernel and matmul sees the [C, V] view, whose row stride is the padded width, and none of them uses the
+# padding columns; but a matmul may still *read* them. oneDNN's AMX and AVX-512-BF16 kernels load the
+# reduction dimension in whole tiles and multiply the tail past K by zeros: with dh = dlogits @ W, K = V, so
+# they read the padding of each dlogits row, and a NaN left there by the allocator's previous owner turns
+# 0 * NaN into whole rows of NaN in dh (seen on an Intel Xeon with amx_bf16, never on AVX2 CPUs or in
+# cuBLAS). So the padding is zeroed once per buffer: n_rows * (width - V) elements, nothing beside the chunk.
 LOGITS_ROW_ALIGNMENT = 64
 
 
 def _logits_buffer(n_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """An uninitialised [n_rows, vocab_size] view whose rows are LOGITS_ROW_ALIGNMENT-aligned."""
+    """An [n_rows, vocab_size] view, uninitialised, whose rows are LOGITS_ROW_ALIGNMENT-aligned; the padding
+    columns past vocab_size are zero."""
     width = triton.cdiv(vocab_size, LOGITS_ROW_ALIGNMENT) * LOGITS_ROW_ALIGNMENT
-    return torch.empty((n_rows, width), dtype=dtype, device=device)[:, :vocab_size]
+    buffer = torch.empty((n_rows, width), dtype=dtype, device=device)
+    if width > vocab_size:
+        buffer[:, vocab_size:].zero_()
+    return buffer[:, :vocab_size]
 
 
 def _per_token(rows: Tensor, valid_rows: Tensor | None, n_tokens: int) -> Tensor:

@@ -637,3 +637,24 @@ def test_one_chunk_runs_without_synchronising_on_gpu(num_items):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss) and 0.0 <= float(accuracy) <= 1.0
+
+
+@pytest.mark.parametrize(("n_rows", "vocab_size"), [(3, 777), (2, 64), (1, 65)])
+def test_logits_buffer_padding_is_zero(device, n_rows, vocab_size):
+    # A matmul may read a row's padding past V (oneDNN's AMX kernels load K in whole tiles): with the
+    # allocator's NaN (the poisoning fixture) left there, 0 * NaN made whole rows of dh NaN.
+    view = flce_module._logits_buffer(n_rows, vocab_size, torch.bfloat16, torch.device(device))
+    width = view.stride(0)
+    whole = view.as_strided((n_rows, width), (width, 1))
+    assert width % flce_module.LOGITS_ROW_ALIGNMENT == 0 and view.shape == (n_rows, vocab_size)
+    assert torch.count_nonzero(whole[:, vocab_size:]).item() == 0
+
+
+def test_held_logits_padding_is_zero(device):
+    # The same for the [V, rows] logits held in dW's memory, whose rows are padded to the held width.
+    grad_weight = torch.full((VOCAB, HIDDEN), float("nan"), device=device)
+    width = flce_module._held_logits_width(12, HIDDEN)
+    held = flce_module._transposed_logits_in(grad_weight, 12, width)
+    assert width == 16 and held.shape == (VOCAB, 12)
+    padding = grad_weight.view(-1)[: VOCAB * width].view(VOCAB, width)[:, 12:]
+    assert torch.count_nonzero(padding).item() == 0
