@@ -412,6 +412,37 @@ def test_files_page_and_the_new_job_form_show_the_estimate_first(dashboard, demo
     assert service.client.post(f"/v1/fine_tuning/jobs/{created}/cancel").status_code == 200
 
 
+def test_a_results_file_is_labelled_and_never_offered_for_training(dashboard, demo):
+    """A finished job's results CSV is a file of the tenant's: the Files page says what each file is, and the new
+    job form offers only training files of the chosen method's line format, so it opens on an estimate, never on
+    the error a results file would get."""
+    browser = dashboard
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    service = demo.service
+    results = demo.finished["result_files"][0]
+    preference = service.upload(PREFERENCE_FILE).json()["id"]
+    browser.get(f"{service.base_url}/ui/#/files")
+    row = lambda file: _text(browser, f"#files-table tr[data-file-id='{file}']")  # noqa: E731
+    assert "a job's results" in row(results) and "not a training file" in row(results)
+    assert "every line is a preference pair" in row(preference)
+    assert "every line is a supervised example" in row(demo.training_file)
+    assert "chat example" not in _text(browser, "#files-table")
+
+    browser.get(f"{service.base_url}/ui/#/new")
+    values = lambda select: [option.get_attribute("value") for option in select.options]  # noqa: E731
+    files = lambda: values(Select(_element(browser, "#training_file")))  # noqa: E731
+    _wait_for(lambda: demo.training_file in files(), "the training file among the choices")
+    assert results not in files() and preference not in files()
+    assert results not in values(Select(browser.find_element(By.ID, "validation_file")))
+    assert _text(browser, "#estimate-steps")  # the newest usable file is estimated, not refused
+    assert browser.find_elements(By.CSS_SELECTOR, "#estimate .error") == []
+    Select(browser.find_element(By.ID, "method")).select_by_value("dpo")
+    _wait_for(lambda: preference in files(), "the preference file among the DPO choices")
+    assert demo.training_file not in files() and results not in files()
+
+
 def test_the_new_job_form_is_built_from_the_options_and_sends_a_methods_settings(dashboard, demo):
     """The form's fields, defaults, bounds and choices are those of /v1/fine_tuning/options; DPO's own settings
     appear when DPO is chosen, and a DPO job created through the form has the beta typed into it."""

@@ -10,7 +10,7 @@ export function render(main) {
   const input = h("input", { type: "file", id: "upload-file", accept: ".jsonl", required: true });
   const uploadResult = h("div", { id: "upload-result" });
   const submit = h("button", { type: "submit" }, "Upload and check");
-  const form = h("form", { class: "toolbar", id: "upload-form" }, h("label", {}, "Training file (chat JSON Lines) ", input), submit);
+  const form = h("form", { class: "toolbar", id: "upload-form" }, h("label", {}, "Training file (JSON Lines) ", input), submit);
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     if (!input.files.length) return;
@@ -45,7 +45,7 @@ export function render(main) {
 
   async function load() {
     try {
-      const list = await api("v1/files");
+      const [list, options] = await Promise.all([api("v1/files"), api("v1/fine_tuning/options")]);
       replaceChildren(status, list.data.length ? null : h("p", { class: "muted" }, "No files yet."));
       replaceChildren(body, list.data.map((file) => h("tr", { dataset: { fileId: file.id } },
         h("td", {}, file.id),
@@ -54,7 +54,7 @@ export function render(main) {
         h("td", {}, formatTime(file.created_at)),
         h("td", { class: "number" }, formatCount(file.example_count)),
         h("td", { class: "number" }, formatCount(file.token_estimate)),
-        h("td", {}, validation(file)))));
+        h("td", {}, validation(file, options)))));
     } catch (error) {
       replaceChildren(status, errorBox(error.message));
     }
@@ -64,8 +64,20 @@ export function render(main) {
   return null;
 }
 
-// The server checks every line on upload and stores only files that pass, so a listed file is a valid one.
-function validation(file) {
-  if (file.status === "processed") return h("span", { class: "ok" }, `valid: every line is a chat example`);
+// What every line of a training file is, by its line format (the options' `example_format` of its method).
+const LINE_FORMATS = {
+  supervised: "a supervised example (a chat, a prompt and completion, or a text)",
+  preference: "a preference pair (an input with a preferred and a non-preferred output)",
+  reinforcement: "a prompt with reference fields for the grader (reinforcement)",
+};
+
+// The server checks every line on upload and stores only files that pass, so a listed training file is a valid
+// one; a job's results CSV (purpose fine-tune-results) is no training file.
+function validation(file, options) {
+  if (file.purpose === "fine-tune-results") return h("span", { class: "muted" }, "a job's results: one CSV row per step, not a training file");
+  if (file.purpose !== "fine-tune") return h("span", { class: "muted" }, `purpose ${file.purpose}`);
+  const format = options.methods[file.method]?.example_format;
+  const what = LINE_FORMATS[format] || `a ${file.method} example`;
+  if (file.status === "processed") return h("span", { class: "ok" }, `valid: every line is ${what}`);
   return h("span", { class: "warn" }, `${file.status}${file.status_details ? `: ${file.status_details}` : ""}`);
 }

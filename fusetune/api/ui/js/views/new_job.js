@@ -114,6 +114,22 @@ export function render(main) {
       packing.control.disabled = !chosen.supports_packing;
       if (!chosen.supports_packing) packing.control.checked = false;
     }
+    showFiles();
+  }
+
+  // Only files a job of the chosen method can train on: uploaded training files (purpose fine-tune, not a job's
+  // results CSV) whose line format is the method's. The choice made stays while it is still usable.
+  let files = null; // the tenant's files, once loaded
+  function showFiles() {
+    if (!files || !options) return;
+    const format = options.methods[method.value].example_format;
+    const usable = files.filter((f) => f.purpose === "fine-tune" && options.methods[f.method]?.example_format === format);
+    const items = usable.map((f) => [f.id, `${f.filename} (${f.id}, ${formatCount(f.example_count)} examples)`]);
+    for (const [control, empty] of [[trainingFile, null], [validationFile, "none"]]) {
+      const kept = control.value;
+      optionsFor(control, items, empty ?? (items.length ? null : `no ${format} training files: upload one on the Files page`));
+      if (items.some(([id]) => id === kept)) control.value = kept;
+    }
   }
   // Before the form-wide listeners (the element's own listener runs first), so the estimate sees the new settings.
   method.addEventListener("change", showMethod);
@@ -132,13 +148,9 @@ export function render(main) {
   };
   const loaded = Promise.all([
     api("v1/models").then((list) => optionsFor(model, list.data.map((m) => [m.id, m.id]))),
-    api("v1/files").then((list) => {
-      const items = list.data.map((f) => [f.id, `${f.filename} (${f.id}, ${formatCount(f.example_count)} examples)`]);
-      optionsFor(trainingFile, items);
-      optionsFor(validationFile, items, "none");
-    }),
+    api("v1/files").then((list) => { files = list.data; }),
     api("v1/fine_tuning/options").then(build),
-  ]).catch((error) => replaceChildren(estimatePanel, errorBox(error.message)));
+  ]).then(showFiles).catch((error) => replaceChildren(estimatePanel, errorBox(error.message)));
 
   function body() {
     const hyperparameters = { ...valuesOf(shared), ...valuesOf(settings) };
