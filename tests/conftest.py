@@ -22,12 +22,12 @@ DEVICE = "cuda" if _HAS_CUDA else "cpu"
 
 
 # The numerical tests: kernels against their float64 references, the models' patched-against-unpatched runs and
-# the trainer's equivalence tests (accumulation, micro batches, methods). `make test-numerics-narrow` runs them
+# the trainer's equivalence tests (these modules, and tests marked `numerics` one by one in
+# tests/worker/test_train_trainer.py). `make test-numerics-narrow` runs them
 # (`-m numerics`) a second time on the CPU's AVX2 code paths, which sum in another order than AVX-512 and AMX.
 NUMERICS = (
     "tests/kernels/",
     "tests/models/test_convergence.py",
-    "tests/worker/test_train_trainer.py",
     "tests/worker/test_train_dpo.py",
     "tests/worker/test_train_simpo.py",
     "tests/worker/test_token_accuracy.py",

@@ -181,6 +181,7 @@ def test_lr_schedule_without_warmup_starts_at_peak():
 # ----------------------------------------------------------------------------------- loss normalisation
 
 
+@pytest.mark.numerics
 def test_loss_is_normalised_by_the_trained_tokens_of_the_whole_step(model_dir, small_train_file, tmp_path):
     trainer = Trainer(make_config(model_dir, small_train_file, tmp_path), ONE_CPU_RANK, NullReporter())
     rows = trainer.train_data.sequences[:4]
@@ -223,6 +224,7 @@ def _first_step_gradients(model_dir, train_file, output_dir, micro_batch_size, p
     return {name: p.grad.clone() for name, p in trainer.model.named_parameters()}, counts
 
 
+@pytest.mark.numerics
 def test_micro_batches_give_the_same_gradients_as_one_batch(model_dir, small_train_file, tmp_path):
     whole, _ = _first_step_gradients(model_dir, small_train_file, tmp_path, micro_batch_size=8)
     split, counts = _first_step_gradients(model_dir, small_train_file, tmp_path, micro_batch_size=2)
@@ -239,6 +241,7 @@ def test_micro_batches_give_the_same_gradients_as_one_batch(model_dir, small_tra
             torch.testing.assert_close(control[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.numerics
 def test_micro_batches_give_the_same_loss_curve_as_one_batch(model_dir, small_train_file, tmp_path):
     runs = {
         size: _train_steps(model_dir, small_train_file, tmp_path / str(size), size, Float64Trainer)
@@ -292,6 +295,7 @@ def _mlp_forwards_in_one_step(trainer) -> int:
     return len(calls)
 
 
+@pytest.mark.numerics
 def test_gradient_checkpointing_recomputes_layers_and_keeps_the_losses(model_dir, small_train_file, tmp_path):
     plain_losses, _ = _train_steps(model_dir, small_train_file, tmp_path / "plain", micro_batch_size=4)
     reporter = RecordingReporter()
