@@ -304,11 +304,13 @@ def _weight_gradient_over_its_transposed_logits(
 # (benchmarks/step/e2e.py --profile, 2026-11-27): those matmuls took 42 ms of a 314 ms step and the
 # cross-entropy kernel 7.9 ms (1.4 at OLMo-2's V = 100,352, a multiple of 64).
 # Every kernel and matmul sees the [C, V] view, whose row stride is the padded width, and none of them uses the
-# padding columns; but a matmul may still *read* them. oneDNN's AMX and AVX-512-BF16 kernels load the
-# reduction dimension in whole tiles and multiply the tail past K by zeros: with dh = dlogits @ W, K = V, so
-# they read the padding of each dlogits row, and a NaN left there by the allocator's previous owner turns
-# 0 * NaN into whole rows of NaN in dh (seen on an Intel Xeon with amx_bf16, never on AVX2 CPUs or in
-# cuBLAS). So the padding is zeroed once per buffer: n_rows * (width - V) elements, nothing beside the chunk.
+# padding columns; but a CPU matmul may still *read* them. oneDNN's bf16 kernels for AVX-512-BF16 and AMX
+# multiply bf16 values in pairs along the reduction (and AMX loads it in tiles), so with dh = dlogits @ W, where
+# K = V, an odd V has them read past V into the padding, times a zero they put in W's place. A NaN or an
+# infinity the allocator's previous owner left there then makes 0 * NaN whole rows of NaN in dh: the bf16 tests
+# failed so on an Intel Xeon with amx_bf16 (issue 55: in some runs, and rows 0-15 NaN after a NaN-filled
+# tensor was freed), never on AVX2 CPUs; on an H200, cuBLAS with NaN in the padding gave no NaN
+# (2026-12-01, one call). So the padding is zeroed once per buffer: n_rows * (width - V) < 64 * n_rows elements.
 LOGITS_ROW_ALIGNMENT = 64
 
 
