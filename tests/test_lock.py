@@ -65,3 +65,12 @@ def test_the_image_lock_pins_the_same_versions():
     locked, service = pins(ROOT / "requirements.lock"), pins(ROOT / "requirements-service.lock")
     assert {"torch", "fastapi", "celery"} <= service.keys()
     assert {name: version for name, version in service.items() if locked.get(name) != version} == {}
+
+
+def test_the_readme_names_the_locked_versions():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Installs: the lock file") :]
+    section = section[: section.index("\n## ")]
+    locked = pins(ROOT / "requirements.lock")
+    for name in ("torch", "transformers", "triton"):
+        assert f"{name} {locked[name]}" in section, f"README's lock section does not name {name} {locked[name]}"
