@@ -7,6 +7,7 @@ those is ever loaded, so a job cannot make the server read an arbitrary path.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -40,6 +41,51 @@ def base_model_location(settings: Settings, name: str) -> str | None:
     if name in settings.hub_models:
         return name
     return None
+
+
+# safetensors' own bound on a header; a larger one is not a safetensors file.
+_SAFETENSORS_HEADER_LIMIT = 100 * 1024 * 1024
+
+
+def _safetensors_header(path: Path) -> dict:
+    """The tensor table at the head of a safetensors file (8 bytes little-endian length, then JSON); no weight
+    is read."""
+    with path.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        if length > _SAFETENSORS_HEADER_LIMIT:
+            raise ValueError(f"{path} is not a safetensors file: its header claims {length} bytes")
+        header = json.loads(file.read(length))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not a table")
+    return header
+
+
+def adapter_module_paths(model_dir: Path) -> set[str] | None:
+    """The paths of the modules a LoRA adapter can wrap ("model.layers.0.self_attn.q_proj"): those holding a
+    matrix (linear layers and embeddings, a quantized layer's packed weight; not norms or biases), read from the
+    tensor names and shapes in the folder's safetensors headers, no weight loaded. An output head tied to the embeddings has no tensor of its own but is
+    a module of the loaded model: lm_head is always one. None when the folder holds no safetensors
+    (model.safetensors or a sharded index) or they cannot be read: then nothing is known here."""
+    index = model_dir / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            shards = set(json.loads(index.read_bytes())["weight_map"].values())
+            files = [model_dir / shard for shard in shards if "/" not in shard and ".." not in shard]
+        elif (model_dir / "model.safetensors").is_file():
+            files = [model_dir / "model.safetensors"]
+        else:
+            return None
+        paths = {
+            name.rpartition(".")[0]
+            for file in files
+            for name, tensor in _safetensors_header(file).items()
+            if "." in name and isinstance(tensor, dict) and len(tensor.get("shape", ())) >= 2
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not any(path == "lm_head" or path.endswith(".lm_head") for path in paths):
+        paths.add("lm_head")
+    return paths
 
 
 class ModelFolderError(ValueError):

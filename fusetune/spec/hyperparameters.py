@@ -89,6 +89,17 @@ class LoraSpec(Spec):
         '["q_proj", "v_proj"]',
     )
 
+    def unmatched_targets(self, module_paths: set[str]) -> list[str]:
+        """The names in target_modules that match none of `module_paths` as peft matches them: a module's whole
+        path, or its end after a dot ("q_proj", "self_attn.q_proj"). None unmatched for "all-linear"."""
+        if self.target_modules == "all-linear":
+            return []
+        return [
+            target
+            for target in self.target_modules
+            if target not in module_paths and not any(path.endswith(f".{target}") for path in module_paths)
+        ]
+
 
 class EarlyStoppingSpec(Spec):
     """Stop training once the validation loss has not improved for `patience` evaluations in a row. The job

@@ -10,12 +10,14 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from fusetune.catalog import adapter_module_paths
 from fusetune.demo import assets
 from fusetune.worker.train.checkpoints import layout as ckpt
 from fusetune.worker.train.checkpoints import state as checkpoint_state
 from fusetune.worker.train.outcome import JobStopped
 from fusetune.worker.train.reporter import StopRequest
 from fusetune.worker.train.trainer import Trainer, load_model
+from tests.models import tiny
 from tests.worker.test_train_trainer import ONE_CPU_RANK, RecordingReporter, make_config
 
 LORA = {"r": 8, "alpha": 16, "dropout": 0.1}
@@ -178,3 +180,18 @@ def test_lora_resume_without_the_rng_state_draws_other_dropout_masks(
     config = lora_config(model_dir, train_file, tmp_path / "resumed")
     with pytest.raises(AssertionError):
         torch.testing.assert_close(_paused_then_resumed_losses(config), whole_losses, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("model_type", [*tiny.FAMILY_NAMES, *tiny.STRUCTURE_FAMILY_NAMES])
+def test_every_module_an_adapter_wraps_is_named_by_the_safetensors_headers(model_type, tmp_path):
+    """The API refuses a target_modules name that matches none of adapter_module_paths (read from the saved
+    headers); each family's linear layers and embeddings, as the loaded model names them, must be among them,
+    or a name peft would wrap were refused."""
+    tiny.build_tiny_model(model_type).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    wrappable = {
+        name
+        for name, module in loaded.named_modules()
+        if isinstance(module, torch.nn.Linear | torch.nn.Embedding)
+    }
+    assert wrappable and wrappable <= adapter_module_paths(tmp_path)

@@ -38,6 +38,7 @@ from fusetune.api.schemas import (
     MetricList,
 )
 from fusetune.catalog import (
+    adapter_module_paths,
     base_model_location,
     checkpoint_model_name,
     list_base_models,
@@ -295,6 +296,31 @@ def _resolve_spec(body: JobCreate, training: File, settings: Settings) -> JobSpe
     return spec
 
 
+def _refuse_unknown_lora_targets(settings: Settings, body: JobCreate, spec: JobSpec) -> None:
+    """A LoRA target that names no module of the model would fail the job in the trainer; refused here when the
+    model's safetensors are in the models directory (adapter_module_paths), listing the names it has."""
+    lora = spec.hyperparameters.lora
+    location = base_model_location(settings, body.model)
+    if lora is None or location is None or not Path(location).is_dir():
+        return
+    paths = adapter_module_paths(Path(location))
+    unmatched = lora.unmatched_targets(paths) if paths is not None else []
+    if unmatched:
+        given_in = (
+            "hyperparameters"
+            if body.hyperparameters is not None
+            else f"method.{body.method.type}.hyperparameters"
+        )
+        names = sorted({path.rpartition(".")[2] for path in paths})
+        raise ApiError(
+            400,
+            f"lora.target_modules {unmatched} name no module of model '{body.model}'. Its modules that take an "
+            f'adapter: {", ".join(names)}; or "all-linear" for every linear layer but the output head.',
+            param=f"{given_in}.lora.target_modules",
+            code="invalid_lora_target_modules",
+        )
+
+
 def _refuse_if_too_large(estimate: EstimateObject | None) -> None:
     """No memory plan fits the GPU, or the checkpoints do not fit the disk: refused, saying what would fit."""
     if estimate is not None and estimate.refusal is not None:
@@ -406,6 +432,7 @@ def create_job(
         return _job_schema(session, _get_job(session, earlier, tenant))
     training = _check_inputs(session, settings, tenant, body)
     spec = _resolve_spec(body, training, settings)
+    _refuse_unknown_lora_targets(settings, body, spec)
     validation = queries.get_file(session, body.validation_file, tenant) if body.validation_file else None
     check_job_grader(settings, storage, tenant, spec, training, validation)
     estimate = _estimate(session, settings, storage, tenant, body.model, training, spec)
