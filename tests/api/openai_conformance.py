@@ -1,0 +1,211 @@
+"""Response bodies checked against OpenAI's OpenAPI description (tests/data/openai_openapi/, spec 2.3.0).
+
+A `Recorder` is an httpx response hook: every JSON response of an operation the spec declares (files,
+fine-tuning, graders, models) is recorded with its method, path template and status, and `problems()`
+validates each body against the schema the spec gives that operation's 200 (success) or ErrorResponse (any
+other status: the spec's operations declare only their success). The `client` fixture of tests/api and the
+SDK tests' client record every call; tests/api/test_openai_conformance.py drives each operation itself.
+
+The deliberate differences are `EXCEPTIONS`, each with its reason; anything else the spec rejects is a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import httpx
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+SPEC_PATH = Path(__file__).parents[1] / "data" / "openai_openapi" / "openapi.subset.json"
+SPEC_URI = "urn:openai-openapi"
+API_PREFIX = "/v1"
+
+
+@dataclass(frozen=True)
+class Exception_:
+    """Bodies of `operation` (METHOD template) that the spec's schema rejects on purpose: `applies` picks
+    them, `adjust` gives the body fusetune would send if it followed the spec there, validated instead."""
+
+    operation: str
+    reason: str
+    applies: object  # (body) -> bool
+    adjust: object  # (body) -> body
+
+
+def _status_paused(body: dict) -> bool:
+    return body.get("object") == "fine_tuning.job" and body.get("status") == "paused"
+
+
+def _jobs_paused(body: dict) -> bool:
+    return any(_status_paused(job) for job in body.get("data", ()))
+
+
+def _with_status(job: dict, status: str = "running") -> dict:
+    return {**job, "status": status} if job.get("status") == "paused" else job
+
+
+JOB_OPERATIONS = (
+    "POST /fine_tuning/jobs",
+    "GET /fine_tuning/jobs/{fine_tuning_job_id}",
+    "POST /fine_tuning/jobs/{fine_tuning_job_id}/cancel",
+    "POST /fine_tuning/jobs/{fine_tuning_job_id}/pause",
+    "POST /fine_tuning/jobs/{fine_tuning_job_id}/resume",
+)
+
+EXCEPTIONS: tuple[Exception_, ...] = (
+    # OpenAI's own example response of POST .../pause shows "status": "paused", and a paused job is read back
+    # so; the FineTuningJob schema's status enum (validating_files ... cancelled) has not caught up.
+    *(
+        Exception_(operation, '"status": "paused"', _status_paused, _with_status)
+        for operation in JOB_OPERATIONS
+    ),
+    Exception_(
+        "GET /fine_tuning/jobs",
+        '"status": "paused" in a listed job (see above)',
+        _jobs_paused,
+        lambda body: {**body, "data": [_with_status(job) for job in body["data"]]},
+    ),
+    # An empty page has no first or last file: null, as the checkpoints list's schema has it (the files list's
+    # declares a string, with no value for an empty page).
+    Exception_(
+        "GET /files",
+        "first_id and last_id of an empty page",
+        lambda body: body.get("data") == [] and body.get("first_id") is None and body.get("last_id") is None,
+        lambda body: {**body, "first_id": "", "last_id": ""},
+    ),
+    # fusetune's dry run (`"dry_run": true` in the request, a fusetune field) answers the job's estimate, an
+    # object of its own (fine_tuning.job.estimate); no job is created.
+    Exception_(
+        "POST /fine_tuning/jobs",
+        "a dry run's estimate",
+        lambda body: body.get("object") == "fine_tuning.job.estimate",
+        lambda body: None,
+    ),
+)
+# Fields fusetune adds (a job's attempts, resolved, training_seconds; a file's example_count, token_estimate,
+# method; a checkpoint's best) need no exception: no schema of these operations forbids other properties.
+
+
+@dataclass(frozen=True)
+class Recorded:
+    method: str
+    path: str
+    template: str
+    status: int
+    body: object
+
+    @property
+    def operation(self) -> str:
+        return f"{self.method} {self.template}"
+
+
+def _exclusive_bounds_as_numbers(node: object) -> object:
+    """The description is OpenAPI 3.1 (JSON Schema 2020-12), where exclusiveMinimum is a number, but a few of
+    its schemas keep 3.0's boolean form (`minimum: 0, exclusiveMinimum: true`: above 0), which 2020-12 would
+    read as "above 1" (true is 1). Rewritten to the 2020-12 form on loading; the vendored file is unchanged."""
+    if isinstance(node, list):
+        return [_exclusive_bounds_as_numbers(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _exclusive_bounds_as_numbers(value) for key, value in node.items()}
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(exclusive), bool):
+            if node.pop(exclusive):
+                node[exclusive] = node.pop(bound)
+    return node
+
+
+@cache
+def spec() -> dict:
+    return _exclusive_bounds_as_numbers(json.loads(SPEC_PATH.read_text()))
+
+
+@cache
+def _registry() -> Registry:
+    return Registry().with_resource(SPEC_URI, Resource(contents=spec(), specification=DRAFT202012))
+
+
+def _pointer(*parts: str) -> str:
+    return "/".join(part.replace("~", "~0").replace("/", "~1") for part in parts)
+
+
+@cache
+def _validator(pointer: str) -> Draft202012Validator:
+    return Draft202012Validator({"$ref": f"{SPEC_URI}#/{pointer}"}, registry=_registry())
+
+
+@cache
+def _templates() -> tuple[tuple[re.Pattern, str, frozenset[str]], ...]:
+    found = []
+    for template, item in spec()["paths"].items():
+        # A model's id may hold "/" and ":" (fusetune serves /v1/models/{model_id:path}).
+        pattern = re.sub(r"\\\{model\\\}", ".+", re.escape(template))
+        pattern = re.sub(r"\\\{[a-z_]+\\\}", "[^/]+", pattern)
+        methods = frozenset(m.upper() for m in item if m in ("get", "post", "delete"))
+        found.append((re.compile(pattern + "$"), template, methods))
+    return tuple(found)
+
+
+def operation_of(method: str, path: str) -> str | None:
+    """The spec's path template of a request, or None when the spec does not declare the operation."""
+    if not path.startswith(API_PREFIX):
+        return None
+    path = path.removeprefix(API_PREFIX)
+    for pattern, template, methods in _templates():
+        if method in methods and pattern.match(path):
+            return template
+    return None
+
+
+def declared_operations() -> set[str]:
+    return {f"{m} {t}" for _, t, methods in _templates() for m in methods}
+
+
+def schema_pointer(record: Recorded) -> str:
+    if not 200 <= record.status < 300:
+        return _pointer("components", "schemas", "ErrorResponse")
+    return _pointer(
+        "paths", record.template, record.method.lower(), "responses", "200", "content", "application/json",
+        "schema",
+    )  # fmt: skip
+
+
+def problems(record: Recorded) -> list[str]:
+    """What the spec finds wrong with the recorded body (after the deliberate exceptions), one line each."""
+    body = record.body
+    for exception in EXCEPTIONS:
+        if exception.operation == record.operation and 200 <= record.status < 300 and exception.applies(body):
+            body = exception.adjust(body)
+            if body is None:
+                return []
+    errors = sorted(_validator(schema_pointer(record)).iter_errors(body), key=lambda e: list(e.absolute_path))
+    where = f"{record.method} {record.path} -> {record.status}"
+    return [f"{where}: at {list(e.absolute_path)}: {e.message[:300]}" for e in errors]
+
+
+class Recorder:
+    """An httpx response hook (`client.event_hooks["response"].append(recorder)`)."""
+
+    def __init__(self) -> None:
+        self.records: list[Recorded] = []
+
+    def __call__(self, response: httpx.Response) -> None:
+        request = response.request
+        template = operation_of(request.method, request.url.path)
+        if template is None or not response.headers.get("content-type", "").startswith("application/json"):
+            # Not an OpenAI operation, or not a JSON body: a file's content (the spec declares a JSON string;
+            # OpenAI serves the file's bytes, as fusetune does) or a redirect to the object store.
+            return
+        response.read()
+        self.records.append(
+            Recorded(request.method, request.url.path, template, response.status_code, response.json())
+        )
+
+    def problems(self) -> list[str]:
+        return [line for record in self.records for line in problems(record)]
