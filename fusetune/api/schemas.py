@@ -27,7 +27,8 @@ class FileObject(BaseModel):
     filename: str
     purpose: str
     status: str = "processed"
-    status_details: str | None = None
+    # OpenAI's schema declares a string: left out when there is nothing to say, never null.
+    status_details: str | None = Field(default=None, exclude_if=lambda value: value is None)
     example_count: int = 0
     token_estimate: int = 0
     # The training method (`method.type` of a job) whose examples the file holds.
@@ -37,12 +38,37 @@ class FileObject(BaseModel):
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]
+    first_id: str | None = Field(description="the page's first file; null when the page is empty")
+    last_id: str | None = Field(
+        description="the page's last file, the `after` of the next page; null when the page is empty"
+    )
     has_more: bool = False
 
 
 class FileDeleted(BaseModel):
     id: str
     object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+# ---- models ----------------------------------------------------------------------------------------------
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]
+
+
+class ModelDeleted(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
     deleted: bool = True
 
 
@@ -156,14 +182,30 @@ class JobList(BaseModel):
     has_more: bool
 
 
+# OpenAI's event levels. The trainer and the worker record Python's "warning"; an event is read out in OpenAI's
+# word (api_event_level), whenever it was stored.
+EventLevel = Literal["info", "warn", "error"]
+_STORED_EVENT_LEVELS: dict[str, EventLevel] = {
+    "info": "info",
+    "warning": "warn",
+    "warn": "warn",
+    "error": "error",
+}
+
+
+def api_event_level(stored: str) -> EventLevel:
+    """The API's level of a stored event's level; anything unknown (say "debug") reads as info."""
+    return _STORED_EVENT_LEVELS.get(stored, "info")
+
+
 class EventObject(BaseModel):
     id: str
     object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
     created_at: int
-    level: str
+    level: EventLevel
     message: str
     type: str
-    data: dict[str, Any] | None = None
+    data: dict[str, Any] = Field(default={}, description="the event's details; {} when it has none")
 
 
 class EventList(BaseModel):

@@ -106,6 +106,9 @@ class Job(Base):
     result_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # When a running job should end, from its trainer's measured step time (updated with every step).
     estimated_finish: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # When the owner deleted the job's fine-tuned model (DELETE /v1/models/{model}): from then on the model is
+    # neither listed nor usable, and its checkpoints are gone; the job keeps its record and fine_tuned_model.
+    model_deleted_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")

@@ -33,11 +33,36 @@ def get_file(session: Session, file_id: str, tenant: str) -> File | None:
     return session.scalar(select(File).where(File.id == file_id, File.tenant == tenant))
 
 
-def list_files(session: Session, tenant: str, purpose: str | None = None) -> list[File]:
-    query = select(File).where(File.tenant == tenant).order_by(File.created_at.desc(), File.id)
+def page_files(
+    session: Session,
+    tenant: str,
+    *,
+    purpose: str | None = None,
+    after: File | None = None,
+    limit: int,
+    order: str = "desc",
+) -> tuple[list[File], bool]:
+    """The tenant's files by creation time, newest first ("desc", ties by id) or oldest first ("asc", the exact
+    reverse), only of ``purpose`` when given, after the file ``after``; (page, has_more)."""
+    query = select(File).where(File.tenant == tenant)
     if purpose:
         query = query.where(File.purpose == purpose)
-    return list(session.scalars(query))
+    if order == "desc":
+        query = query.order_by(File.created_at.desc(), File.id)
+        if after is not None:
+            query = query.where(
+                (File.created_at < after.created_at)
+                | ((File.created_at == after.created_at) & (File.id > after.id))
+            )
+    else:
+        query = query.order_by(File.created_at, File.id.desc())
+        if after is not None:
+            query = query.where(
+                (File.created_at > after.created_at)
+                | ((File.created_at == after.created_at) & (File.id < after.id))
+            )
+    rows = list(session.scalars(query.limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
 
 
 def file_in_use(session: Session, file_id: str) -> bool:
@@ -66,7 +91,10 @@ def get_job_status(session: Session, job_id: str) -> str | None:
 def has_fine_tuned_model(session: Session, model: str, tenant: str) -> bool:
     """Whether one of the tenant's succeeded jobs produced the model."""
     query = select(Job.id).where(
-        Job.fine_tuned_model == model, Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED
+        Job.fine_tuned_model == model,
+        Job.tenant == tenant,
+        Job.status == JobStatus.SUCCEEDED,
+        Job.model_deleted_at.is_(None),
     )
     return session.scalar(query) is not None
 
@@ -87,10 +115,12 @@ def checkpoint_of_model(session: Session, model: str, tenant: str) -> Checkpoint
             select(Checkpoint)
             .join(Job)
             .where(Job.fine_tuned_model == fine_tuned, Job.tenant == tenant, Checkpoint.step == step)
-            .where(Job.status == JobStatus.SUCCEEDED)
+            .where(Job.status == JobStatus.SUCCEEDED, Job.model_deleted_at.is_(None))
         )
         return session.scalar(query.limit(1))
     source = job_of_fine_tuned_model(session, model, tenant)
+    if source is not None and source.model_deleted_at is not None:
+        return None
     checkpoints = list_checkpoints(session, source.id) if source is not None else []
     return checkpoints[0] if checkpoints else None
 
@@ -100,9 +130,27 @@ def fine_tuned_models(session: Session, tenant: str) -> list[tuple[str, int | No
     query = (
         select(Job.fine_tuned_model, Job.finished_at)
         .where(Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED, Job.fine_tuned_model.is_not(None))
+        .where(Job.model_deleted_at.is_(None))
         .order_by(Job.finished_at)
     )
     return [(name, finished_at) for name, finished_at in session.execute(query)]
+
+
+def unfinished_jobs_from_model(session: Session, model: str, tenant: str) -> list[str]:
+    """Ids of the tenant's jobs not yet finished that train from the model or one of its checkpoints."""
+    query = select(Job.id).where(
+        Job.tenant == tenant,
+        Job.status.not_in(JobStatus.FINISHED),
+        (Job.model == model) | Job.model.startswith(f"{model}:ckpt-step-", autoescape=True),
+    )
+    return list(session.scalars(query))
+
+
+def delete_fine_tuned_model(session: Session, job: Job) -> None:
+    """Marks the job's model deleted and forgets its checkpoints; the caller deletes the stored run after its
+    commit."""
+    job.model_deleted_at = now_s()
+    session.execute(delete(Checkpoint).where(Checkpoint.job_id == job.id))
 
 
 def change_job_status(session: Session, job_id: str, allowed_from: tuple[str, ...], to: str) -> bool:
@@ -427,6 +475,21 @@ def add_checkpoint(
 def list_checkpoints(session: Session, job_id: str) -> list[Checkpoint]:
     query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())
     return list(session.scalars(query))
+
+
+def page_checkpoints(
+    session: Session, job_id: str, *, after: Checkpoint | None = None, limit: int
+) -> tuple[list[Checkpoint], bool]:
+    """The job's checkpoints newest first (by step), after the checkpoint ``after``; (page, has_more)."""
+    query = (
+        select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc(), Checkpoint.id)
+    )
+    if after is not None:
+        query = query.where(
+            (Checkpoint.step < after.step) | ((Checkpoint.step == after.step) & (Checkpoint.id > after.id))
+        )
+    rows = list(session.scalars(query.limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
 
 
 def get_checkpoint(session: Session, checkpoint_id: str, tenant: str) -> Checkpoint | None:

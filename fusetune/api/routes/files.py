@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import PurePath
-from typing import Annotated, BinaryIO
+from typing import Annotated, BinaryIO, Literal
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Form, Header, Request, UploadFile
+from fastapi import APIRouter, Depends, Form, Header, Query, Request, UploadFile
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from sqlalchemy.exc import IntegrityError
 
@@ -176,9 +176,35 @@ def create_file(
     return to_schema(row)
 
 
+# OpenAI's bounds and default of a page of files.
+MAX_FILES_PER_PAGE = 10_000
+
+
 @router.get("", response_model=FileList)
-def list_files(session: SessionDep, tenant: TenantDep, purpose: str | None = None) -> FileList:
-    return FileList(data=[to_schema(row) for row in queries.list_files(session, tenant, purpose)])
+def list_files(
+    session: SessionDep,
+    tenant: TenantDep,
+    purpose: Annotated[str | None, Query(description="Only files of this purpose")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_FILES_PER_PAGE)] = MAX_FILES_PER_PAGE,
+    after: Annotated[str | None, Query(description="The last file id of the previous page")] = None,
+    order: Annotated[Literal["asc", "desc"], Query(description="By creation time")] = "desc",
+) -> FileList:
+    cursor = None
+    if after is not None:
+        # An unknown cursor would otherwise read as no cursor and answer the first page again.
+        cursor = queries.get_file(session, after, tenant)
+        if cursor is None:
+            raise not_found("file", after, param="after")
+    rows, has_more = queries.page_files(
+        session, tenant, purpose=purpose, after=cursor, limit=limit, order=order
+    )
+    data = [to_schema(row) for row in rows]
+    return FileList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
+    )
 
 
 def _get(session, file_id: str, tenant: str) -> File:

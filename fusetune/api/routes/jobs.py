@@ -36,6 +36,7 @@ from fusetune.api.schemas import (
     JobList,
     JobObject,
     MetricList,
+    api_event_level,
 )
 from fusetune.catalog import (
     adapter_module_paths,
@@ -584,8 +585,9 @@ async def list_events(
         _check_job(connection, job_id, tenant)
         rows, has_more = queries.list_events(connection, job_id, after=after, limit=limit, type=type)
         events = [
-            {"id": id_, "object": "fine_tuning.job.event", "created_at": created_at, "level": level,
-             "message": message, "type": type_, "data": _stored_json(data_json)}
+            {"id": id_, "object": "fine_tuning.job.event", "created_at": created_at,
+             "level": api_event_level(level), "message": message, "type": type_,
+             "data": _stored_json(data_json) if data_json not in (None, "null") else {}}
             for id_, created_at, level, message, type_, data_json in rows
         ]  # fmt: skip
         return _json_response({"object": "list", "data": events, "has_more": has_more})
@@ -637,11 +639,28 @@ def _checkpoint_schema(job: Job, checkpoint: Checkpoint) -> CheckpointObject:
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
-def list_checkpoints(job_id: str, session: SessionDep, tenant: TenantDep) -> CheckpointList:
+def list_checkpoints(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: Annotated[str | None, Query(description="The last checkpoint id of the previous page")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 10,
+) -> CheckpointList:
+    """Newest first (by step), as OpenAI pages them."""
     job = _get_job(session, job_id, tenant)
-    data = [_checkpoint_schema(job, c) for c in queries.list_checkpoints(session, job.id)]
+    cursor = None
+    if after is not None:
+        # An unknown cursor would otherwise read as no cursor and answer the first page again.
+        cursor = queries.get_checkpoint(session, after, tenant)
+        if cursor is None or cursor.job_id != job.id:
+            raise not_found("checkpoint", after, param="after")
+    rows, has_more = queries.page_checkpoints(session, job.id, after=cursor, limit=limit)
+    data = [_checkpoint_schema(job, c) for c in rows]
     return CheckpointList(
-        data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=has_more,
     )
 
 

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from fastapi import APIRouter
-from pydantic import BaseModel
 
-from fusetune.api.deps import SessionDep, SettingsDep, TenantDep
-from fusetune.api.errors import not_found
+from fusetune.api.deps import SessionDep, SettingsDep, StorageDep, TenantDep
+from fusetune.api.errors import ApiError, not_found
+from fusetune.api.schemas import ModelDeleted, ModelList, ModelObject
 from fusetune.catalog import list_base_models
 from fusetune.db import queries
+from fusetune.storage import StorageError
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
-
-
-class ModelObject(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelObject]
 
 
 def _all_models(session, settings, tenant) -> list[ModelObject]:
@@ -47,3 +34,31 @@ def retrieve_model(
         if model.id == model_id:
             return model
     raise not_found("model", model_id, param="model")
+
+
+@router.delete("/{model_id:path}", response_model=ModelDeleted)
+def delete_model(
+    model_id: str, session: SessionDep, settings: SettingsDep, storage: StorageDep, tenant: TenantDep
+) -> ModelDeleted:
+    """The tenant's fine-tuned model: no longer listed or usable, its checkpoints deleted; the job that made it
+    keeps its record (events, metrics, results file) and names it in fine_tuned_model."""
+    if model_id in list_base_models(settings):
+        raise ApiError(403, f"'{model_id}' is a base model of this server; only fine-tuned models can be "
+                       "deleted.", param="model", code="model_not_deletable")  # fmt: skip
+    job = queries.job_of_fine_tuned_model(session, model_id, tenant)
+    if job is None or not queries.has_fine_tuned_model(session, model_id, tenant):
+        raise not_found("model", model_id, param="model")
+    training_from_it = queries.unfinished_jobs_from_model(session, model_id, tenant)
+    if training_from_it:
+        raise ApiError(400, f"Model '{model_id}' is the base of fine-tuning jobs not yet finished "
+                       f"({', '.join(training_from_it)}); cancel them or wait for them to end.",
+                       param="model", code="model_in_use")  # fmt: skip
+    queries.delete_fine_tuned_model(session, job)
+    session.commit()
+    # After the commit: a failed delete leaves folders no row names (harmless), never a listed model without
+    # weights. The whole run: checkpoints pruned or left half-written by a crash go too.
+    try:
+        storage.delete_run(tenant, job.id)
+    except StorageError as error:
+        raise ApiError(503, f"The checkpoint store failed: {error}", code="storage_error") from error
+    return ModelDeleted(id=model_id)

@@ -100,7 +100,8 @@ export const jobs = {
   get: (jobId) => api(jobPath(jobId)),
   action: (jobId, verb) => api(`${jobPath(jobId)}/${verb}`, { method: "POST" }),
   events: (jobId, query) => api(`${jobPath(jobId)}/events`, { query }),
-  checkpoints: (jobId) => api(`${jobPath(jobId)}/checkpoints`),
+  // Every checkpoint a job keeps fits one page of the most the route gives (the API's default page is 10).
+  checkpoints: (jobId) => api(`${jobPath(jobId)}/checkpoints`, { query: { limit: 1000 } }),
   create: (body, idempotencyKey) =>
     api("v1/fine_tuning/jobs", { method: "POST", json: body, headers: { "Idempotency-Key": idempotencyKey } }),
 };
