@@ -62,11 +62,10 @@ from fusetune.spec.methods import METHODS
 from fusetune.spec.plan import MemoryPlan
 from fusetune.spec.precision import (
     AUTO,
-    CPU_DEFAULT,
     DTYPE_BYTES,
-    GPU_DEFAULT,
     OPTIMIZERS,
     PRECISIONS,
+    auto_precisions,
     mode_for,
     same_compute,
 )
@@ -121,9 +120,6 @@ TIME_COSTS = TimeCosts()
 # (h100-step.json, memory-plans-16k-fp8 and -r18). Reserved memory reached 1.10x the estimate with 8 layers
 # offloaded (memory-plans-time-model).
 PLANNABLE_FRACTION = 0.93
-# What the planner chooses among when a job's precision is "auto" on a GPU: the default, then the same with the
-# optimizer's state in 8 bits (slower by eight_bit_step_overhead, 2 bytes a parameter smaller).
-AUTO_PRECISIONS_ON_GPU = (GPU_DEFAULT, "bf16-sr-8bit")
 # Whether the planner chooses the optimizer step inside the backward for a job of several GPUs (a pin is passed
 # through either way, and the trainer refuses what it cannot run).
 OPTIMIZER_IN_BACKWARD_ON_SEVERAL_GPUS = False
@@ -277,12 +273,13 @@ def _choices(shape: ModelShape, job: JobSpec, on_gpu: bool, memory_known: bool):
     fsdp = hyper.distributed == "fsdp" and hyper.n_gpus > 1
     if hyper.precision != AUTO:
         precisions = [hyper.precision]
-    elif on_gpu:
-        precisions = [
-            p for p in AUTO_PRECISIONS_ON_GPU if not fsdp or OPTIMIZERS[PRECISIONS[p].optimizer].supports_fsdp
-        ]
     else:
-        precisions = [CPU_DEFAULT]
+        # What "auto" may become on this kind of device (the precision table says); FSDP2 runs only some.
+        precisions = [
+            p
+            for p in auto_precisions(on_gpu)
+            if not fsdp or OPTIMIZERS[PRECISIONS[p].optimizer].supports_fsdp
+        ]
     per_gpu = sequences_per_gpu(job)
     if hyper.micro_batch_size is not None:
         micros = [hyper.micro_batch_size]

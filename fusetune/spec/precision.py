@@ -72,6 +72,9 @@ class PrecisionMode:
     float8_linears: bool = False
     # The lowest CUDA compute capability that runs the mode: float8 tensor cores start at 8.9 (Ada, Hopper).
     min_compute_capability: tuple[int, int] | None = None
+    # The kinds of device ("gpu", "cpu") on which a job's precision "auto" may become this mode: the planner
+    # chooses among them, and the first of the table for a kind is that kind's default (`auto_precisions`).
+    auto_on: tuple[str, ...] = ()
 
     @property
     def mixed(self) -> bool:
@@ -103,6 +106,7 @@ PRECISIONS: dict[str, PrecisionMode] = {
         PrecisionMode(
             "fp32", "float32", "float32", "adamw", needs_gpu=False,
             description="fp32 weights, compute and AdamW state",
+            auto_on=("cpu",),
         ),
         PrecisionMode(
             "bf16-mixed", "float32", "bfloat16", "adamw", needs_gpu=True,
@@ -119,12 +123,17 @@ PRECISIONS: dict[str, PrecisionMode] = {
             description="bf16 weights, gradients and AdamW state, the update stochastically rounded "
             "(fusetune.kernels.FusedAdamW): the quality of fp32 master weights at half their memory "
             "(tests/kernels/test_adamw_quality.py)",
+            # "auto"'s default on GPUs: it fine-tuned to the eval loss of fp32 master weights where plain bf16
+            # did not (tests/kernels/test_adamw_quality.py).
+            auto_on=("gpu",),
         ),
         PrecisionMode(
             "bf16-sr-8bit", "bfloat16", "bfloat16", "adamw-8bit", needs_gpu=True,
             description="bf16-sr with the AdamW moments in 8 bits (fusetune.kernels.FusedAdamW8bit): about 2 "
             "bytes of optimizer state per parameter instead of 4, within 0.2% of fp32 master weights' eval "
             "loss in tests/kernels/test_adamw_quality.py; not with FSDP",
+            # "auto" on a GPU when only its smaller state fits (slower by the 8-bit step's overhead).
+            auto_on=("gpu",),
         ),
         PrecisionMode(
             "fp8", "bfloat16", "bfloat16", "adamw-stochastic-rounding", needs_gpu=True,
@@ -142,10 +151,17 @@ PRECISIONS: dict[str, PrecisionMode] = {
         ),
     )
 }  # fmt: skip
-# What "auto" means on each kind of device. On GPUs: bf16-sr, which fine-tuned to the eval loss of fp32 master
-# weights where plain bf16 did not (tests/kernels/test_adamw_quality.py).
-GPU_DEFAULT = "bf16-sr"
-CPU_DEFAULT = "fp32"
+
+
+def auto_precisions(on_gpu: bool = True) -> tuple[str, ...]:
+    """What a job's precision "auto" may become on a GPU (or a CPU), the default first: the table's modes
+    marked `auto_on` that kind of device, in the table's order."""
+    kind = "gpu" if on_gpu else "cpu"
+    return tuple(mode.name for mode in PRECISIONS.values() if kind in mode.auto_on)
+
+
+GPU_DEFAULT = auto_precisions(on_gpu=True)[0]
+CPU_DEFAULT = auto_precisions(on_gpu=False)[0]
 PRECISION_NAMES: tuple[str, ...] = (AUTO, *PRECISIONS)
 
 

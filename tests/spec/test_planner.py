@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from fusetune.spec import precision as precision_table
 from fusetune.spec.estimate import (
     DataCounts,
     ModelShape,
@@ -79,6 +80,23 @@ def test_the_fastest_plan_that_fits_is_chosen():
     # With room to spare: the plainest, fastest plan.
     roomy = plan_job(SMALL, job, data, 80 * GIB)
     assert roomy.plan == MemoryPlan(8, 0, 0, "bf16-sr", False)
+
+
+def test_what_auto_may_become_is_the_precision_tables_data(monkeypatch):
+    """The planner chooses "auto" among the modes the precision table marks for the device, and nothing else:
+    taking the 8-bit state's mark off the table takes it out of every plan."""
+    assert precision_table.auto_precisions(on_gpu=True) == ("bf16-sr", "bf16-sr-8bit")
+    assert precision_table.auto_precisions(on_gpu=False) == ("fp32",)
+    assert (precision_table.GPU_DEFAULT, precision_table.CPU_DEFAULT) == ("bf16-sr", "fp32")
+    job, data = _job(), _data()
+    assert plan_job(SMALL, job, data, None, on_gpu=False).plan.precision == "fp32"
+    # 8B at 8 x 8192 on 64 GiB: only the 8-bit state fits beside the bf16 weights and gradients.
+    tight = plan_job(LLAMA_8B, job, data, 64 * GIB)
+    assert tight.fits and tight.plan.precision == "bf16-sr-8bit"
+    eight_bit = dataclasses.replace(precision_table.PRECISIONS["bf16-sr-8bit"], auto_on=())
+    monkeypatch.setitem(precision_table.PRECISIONS, "bf16-sr-8bit", eight_bit)
+    assert precision_table.auto_precisions(on_gpu=True) == ("bf16-sr",)
+    assert plan_job(LLAMA_8B, job, data, 64 * GIB).plan.precision == "bf16-sr"
 
 
 def test_the_time_model_ranks_the_costs_as_documented():

@@ -30,14 +30,13 @@ from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
 from fusetune.spec.planner import (
-    AUTO_PRECISIONS_ON_GPU,
     CheckpointDisk,
     PlanError,
     checkpoint_disk,
     free_disk_bytes,
     plan_job,
 )
-from fusetune.spec.precision import AUTO, mode_for
+from fusetune.spec.precision import AUTO, auto_precisions, mode_for
 from fusetune.worker.train.checkpoints.layout import list_checkpoints
 from fusetune.worker.train.checkpoints.state import read_optimizer_state
 from fusetune.worker.train.config import TrainConfig
@@ -114,7 +113,8 @@ def resumed_precision(checkpoint: Path) -> str:
         for parameter_state in state.values()
         for value in parameter_state.values()
     )
-    return AUTO_PRECISIONS_ON_GPU[1] if quantized else AUTO_PRECISIONS_ON_GPU[0]
+    choices = auto_precisions(on_gpu=True)
+    return next(name for name in choices if (mode_for(name).optimizer_state_dtype == "uint8") == quantized)
 
 
 def plan_run(

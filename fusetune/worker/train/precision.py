@@ -82,9 +82,20 @@ def resolve_precision(
     capability: tuple[int, int] | None = None,
     gpu_name: str | None = None,
 ) -> PrecisionPolicy:
-    """The policy of a job's `precision` on `device`; raises ValueError, saying why and what to use instead,
-    for a GPU-only mode on a CPU or a mode that needs a newer GPU than `device` (`capability` and `gpu_name`:
-    the device's, read from CUDA when None)."""
+    """The policy of a job's `precision` on `device`, once the plan has made "auto" concrete; raises
+    ValueError as `runnable_mode` does."""
+    return PrecisionPolicy(runnable_mode(name, device, capability, gpu_name), device, fsdp)
+
+
+def runnable_mode(
+    name: str,
+    device: torch.device,
+    capability: tuple[int, int] | None = None,
+    gpu_name: str | None = None,
+) -> PrecisionMode:
+    """The mode `name` names on `device`; raises ValueError, saying why and what to use instead, for a GPU-only
+    mode on a CPU or a mode that needs a newer GPU than `device` (`capability` and `gpu_name`: the device's,
+    read from CUDA when None). The trainer asks it of the job's precision before anything loads."""
     on_gpu = device.type == "cuda"
     mode = mode_for(name, on_gpu)
     if mode.needs_gpu and not on_gpu:
@@ -106,7 +117,7 @@ def resolve_precision(
             )
     if mode.float8_linears and importlib.util.find_spec("torchao") is None:
         raise ValueError(f"precision {name!r} needs torchao (float8 training), which this worker lacks")
-    return PrecisionPolicy(mode, device, fsdp)
+    return mode
 
 
 def _version(capability: tuple[int, int]) -> str:

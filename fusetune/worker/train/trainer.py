@@ -79,7 +79,7 @@ from fusetune.worker.train.outcome import (
     TrainResult,
 )
 from fusetune.worker.train.planning import RunPlan, free_gpu_memory_bytes, plan_run
-from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision
+from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision, runnable_mode
 from fusetune.worker.train.reporter import Reporter, StopRequest
 
 __all__ = ["StepStats", "Trainer", "load_model", "load_tokenizer", "lr_factor"]
@@ -99,9 +99,10 @@ class Trainer:
         self.reporter = reporter
         self.fsdp = config.distributed == "fsdp" and dist_info.world_size > 1
         try:
-            self.precision: PrecisionPolicy = resolve_precision(config.precision, self.device, self.fsdp)
-            self.micro_batch_size, self.grad_accum_steps = config.micro_batches_per_rank(dist_info.world_size)
-            self.micro_batch_reason = "as set" if config.micro_batch_size else "the default token budget"
+            # A mode this device cannot run, or a batch the processes cannot split, fails before anything loads;
+            # the precision is resolved once the plan has decided it (_plan_run).
+            runnable_mode(config.precision, self.device)
+            config.micro_batches_per_rank(dist_info.world_size)
         except ValueError as exc:
             raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
         torch.manual_seed(config.seed)
@@ -190,7 +191,10 @@ class Trainer:
             resumed_checkpoint=self.resume_from[1] if self.resume_from is not None else None,
         )
         try:
-            self.precision = resolve_precision(run_plan.config.precision, self.device, self.fsdp)
+            # The one place the precision is resolved: after the plan made "auto" concrete.
+            self.precision: PrecisionPolicy = resolve_precision(
+                run_plan.config.precision, self.device, self.fsdp
+            )
             self.micro_batch_size, self.grad_accum_steps = run_plan.config.micro_batches_per_rank(
                 self.dist.world_size
             )
