@@ -13,6 +13,14 @@ from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
 from fusetune.spec.planner import PLANNABLE_FRACTION
+from fusetune.worker.train.checkpoints import layout
+from fusetune.worker.train.checkpoints.state import (
+    RESUME_RUN,
+    RUN_MEMORY_PLAN,
+    RUN_PRECISION,
+    read_resume_state,
+    write_training_state,
+)
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import DistInfo
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
@@ -154,6 +162,34 @@ def test_the_started_event_names_the_plan_that_runs(model_dir, tmp_path):
     assert started["memory_plan_estimate"]["peak_memory_bytes_per_gpu"] <= two
     assert started["memory_plan_estimate"]["gpu_memory_bytes"] == two
     assert started["micro_batch_size"] == 2 and "fits" in started["memory_plan_reason"]
+    # The checkpoint records what ran: the resolved precision and the memory plan.
+    saved_run = read_resume_state(layout.checkpoint_path(config.output_dir, 1))[RESUME_RUN]
+    assert saved_run[RUN_PRECISION] == "fp32" and saved_run[RUN_MEMORY_PLAN] == plan.as_dict()
+
+
+def _checkpoint_with_8bit_state(path):
+    """A checkpoint folder whose optimizer state is stored as uint8 codes (the 8-bit state's)."""
+    path.mkdir(parents=True)
+    state = {"state": {0: {"exp_avg": torch.zeros(4, dtype=torch.uint8)}}, "param_groups": []}
+    write_training_state(path, state, {})
+    return path
+
+
+def test_a_resumed_auto_run_keeps_the_precision_its_checkpoint_records(model_dir, tmp_path):
+    """ "auto" on resume is what the checkpoint's run description records, not a guess from the optimizer
+    state; a checkpoint written before that record still resumes, by the guess."""
+    checkpoint = _checkpoint_with_8bit_state(tmp_path / "checkpoint")
+    config, lengths = _config(model_dir, tmp_path, precision="auto"), [100] * 64
+
+    def resumed(saved_run):
+        return plan_run(config, 1, lengths, 1, 2**40, True, 2**50, checkpoint, saved_run).plan.precision
+
+    # The record wins over the state's dtype (here made to disagree with it).
+    assert resumed({RUN_PRECISION: "bf16-sr", RUN_MEMORY_PLAN: {}}) == "bf16-sr"
+    # An older checkpoint, without the record: the uint8 state reads as the 8-bit mode.
+    assert resumed({}) == "bf16-sr-8bit"
+    # Without a checkpoint, roomy memory plans the default.
+    assert plan_run(config, 1, lengths, 1, 2**40, True, 2**50).plan.precision == "bf16-sr"
 
 
 @pytest.mark.gpu

@@ -38,7 +38,7 @@ from fusetune.spec.planner import (
 )
 from fusetune.spec.precision import AUTO, auto_precisions, mode_for
 from fusetune.worker.train.checkpoints.layout import list_checkpoints
-from fusetune.worker.train.checkpoints.state import read_optimizer_state
+from fusetune.worker.train.checkpoints.state import RUN_PRECISION, read_optimizer_state
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import all_reduce
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
@@ -103,10 +103,17 @@ def _model_shape(model_path: str) -> ModelShape | None:
         return None
 
 
-def resumed_precision(checkpoint: Path) -> str:
-    """The precision "auto" ran with before `checkpoint`: the planner chooses between the GPU default and its
-    8-bit-state variant, and the optimizer state of the one must not be loaded into the other. The 8-bit state
-    is the one stored as uint8 codes (the file is memory-mapped: only the first tensors are read)."""
+def resumed_precision(checkpoint: Path, saved_run: dict[str, Any]) -> str:
+    """The precision "auto" ran with before `checkpoint`, as its run description (`saved_run`) records it: the
+    optimizer state of one mode must not be loaded into another's."""
+    recorded = saved_run.get(RUN_PRECISION)
+    return recorded if recorded is not None else guessed_precision(checkpoint)
+
+
+def guessed_precision(checkpoint: Path) -> str:
+    """For a checkpoint written before its run description recorded the precision: of what "auto" may become on
+    a GPU, the mode whose optimizer state is stored as uint8 codes when it is, else the default (the file is
+    memory-mapped: only the first tensors are read)."""
     state = read_optimizer_state(checkpoint).get("state", {})
     quantized = any(
         isinstance(value, torch.Tensor) and value.dtype == torch.uint8
@@ -126,14 +133,16 @@ def plan_run(
     on_gpu: bool,
     free_disk: int | None = None,
     resumed_checkpoint: Path | None = None,
+    resumed_run: dict[str, Any] | None = None,
 ) -> RunPlan:
     """The run's plan on `world_size` processes of `memory_bytes` each (None: not planned against a size),
     and its config with every plan field decided; `free_disk`: the free bytes of the run's disk (read from it
     when None). A run that resumes `resumed_checkpoint` keeps the precision
-    its optimizer state was saved in. Raises TrainingFailure: out_of_memory when no plan fits, storage_error
+    its run description `resumed_run` records (its optimizer state was saved in it). Raises TrainingFailure: out_of_memory when no plan fits, storage_error
     when the checkpoints cannot fit `free_disk` bytes, trainer_error for a pin the model cannot run."""
     if resumed_checkpoint is not None and on_gpu and config.precision == AUTO:
-        config = config.model_copy(update={"precision": resumed_precision(resumed_checkpoint)})
+        precision = resumed_precision(resumed_checkpoint, resumed_run or {})
+        config = config.model_copy(update={"precision": precision})
     # The run as a job of `world_size` GPUs (the config was validated when it was written).
     hyperparameters = JobHyperparameters.model_construct(**config.training_fields(), n_gpus=world_size)
     job = JobSpec.model_construct(method=config.method, hyperparameters=hyperparameters)

@@ -118,14 +118,15 @@ class Trainer:
         self.method = TRAINING_METHODS[config.method.type](config, self.tokenizer, self.pad_token_id)
         self.train_data = self._load_data(config.training_file, packing=config.packing)
         self.row_lengths = [self.method.row_length(row) for row in self.train_data.sequences]
+        # Read before planning (a resumed run keeps the precision its checkpoint records) and checked before the
+        # model loads, so that a run that cannot resume fails fast.
+        saved_state = read_resume_state(self.resume_from[1]) if self.resume_from is not None else None
         # The memory plan, before the model loads: from here on the config has every part of it decided.
-        self.run_plan = self._plan_run()
+        self.run_plan = self._plan_run(saved_state[checkpoint_state.RESUME_RUN] if saved_state else None)
         config = self.config = self.run_plan.config
         self.valid_data = (
             self._load_data(config.validation_file, packing=False) if config.validation_file else None
         )
-        # Checked before the model loads, so that a run that cannot resume fails fast.
-        saved_state = read_resume_state(self.resume_from[1]) if self.resume_from is not None else None
         if saved_state is not None:
             check_resumable(
                 saved_state[checkpoint_state.RESUME_RUN], self._run_description(), self.resume_from[1]
@@ -178,8 +179,9 @@ class Trainer:
         give a size, so that the CPU runs a plan chosen against one)."""
         return free_gpu_memory_bytes(self.device, self.config.gpu_memory_bytes)
 
-    def _plan_run(self) -> RunPlan:
-        """The run's memory plan (planning.py); the precision and the micro-batches follow it."""
+    def _plan_run(self, resumed_run: dict[str, Any] | None = None) -> RunPlan:
+        """The run's memory plan (planning.py); the precision and the micro-batches follow it. `resumed_run`:
+        the run description of the checkpoint it resumes."""
         pinned_micro = self.config.micro_batch_size
         run_plan = plan_run(
             self.config,
@@ -189,6 +191,7 @@ class Trainer:
             self._plan_memory_bytes(),
             on_gpu=self.device.type == "cuda",
             resumed_checkpoint=self.resume_from[1] if self.resume_from is not None else None,
+            resumed_run=resumed_run,
         )
         try:
             # The one place the precision is resolved: after the plan made "auto" concrete.
@@ -502,7 +505,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- checkpoints
 
     def _run_description(self) -> dict[str, Any]:
-        return run_description(self.config, len(self.train_data.sequences))
+        return run_description(self.config, len(self.train_data.sequences), self.run_plan.plan)
 
     def _save_checkpoint(self, metrics: dict[str, float]) -> None:
         """Weights, tokenizer and training state of the current step; collective (every rank calls it). A disk

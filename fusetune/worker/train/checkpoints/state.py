@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fusetune.spec.plan import MemoryPlan
 from fusetune.worker.train.checkpoints import layout
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import DistInfo, broadcast_object
@@ -38,6 +39,13 @@ RESUME_RNG = "rng"  # one entry per rank
 RESUME_RUN = "run"  # what must match for the data position to mean the same (see check_resumable)
 RESUME_METHOD = "method"  # the training method's own state
 RESUME_FORMAT = "format"  # absent in the first format (see read_resume_state)
+
+# Keys of the run description (RESUME_RUN) that record what the run ran with: the precision "auto" resolved to
+# (the optimizer state's dtype follows it) and the memory plan. A resume reads the precision back; they are not
+# compared (a resumed run plans again for the memory free now). Absent in checkpoints written before them.
+RUN_PRECISION = "precision"
+RUN_MEMORY_PLAN = "memory_plan"
+RECORDED_RUN_KEYS = (RUN_PRECISION, RUN_MEMORY_PLAN)
 
 
 @dataclass
@@ -155,8 +163,9 @@ def read_optimizer_state(checkpoint: Path) -> dict[str, Any]:
     )
 
 
-def run_description(config: TrainConfig, training_rows: int) -> dict[str, Any]:
-    """What a checkpoint's data position depends on; a run may resume from it only if all of it matches."""
+def run_description(config: TrainConfig, training_rows: int, plan: MemoryPlan) -> dict[str, Any]:
+    """What a checkpoint's data position depends on (a run may resume from it only if all of it matches), and
+    what the run ran with (`RECORDED_RUN_KEYS`: the resolved precision, `plan`)."""
     return {
         "method": config.method.type,
         "training_rows": training_rows,
@@ -165,6 +174,8 @@ def run_description(config: TrainConfig, training_rows: int) -> dict[str, Any]:
         "max_seq_length": config.max_seq_length,
         "packing": config.packing,
         "lora": config.lora is not None,
+        RUN_PRECISION: plan.precision,
+        RUN_MEMORY_PLAN: plan.as_dict(),
     }
 
 
@@ -172,7 +183,7 @@ def check_resumable(saved_run: dict[str, Any], current_run: dict[str, Any], chec
     differences = [
         f"{key}={saved_run.get(key)!r} there, {value!r} now"
         for key, value in current_run.items()
-        if saved_run.get(key) != value
+        if key not in RECORDED_RUN_KEYS and saved_run.get(key) != value
     ]
     if differences:
         raise TrainingFailure(
