@@ -24,8 +24,8 @@ EXACT = {"type": "string_check", "name": "exact", "operation": "eq",
 
 @pytest.fixture
 def recorded(client) -> Recorder:
-    recorder = Recorder()
-    client.event_hooks["response"].append(recorder)
+    """The client's own recorder (tests/api/conftest.py), read here before the test ends."""
+    (recorder,) = [hook for hook in client.event_hooks["response"] if isinstance(hook, Recorder)]
     return recorder
 
 
