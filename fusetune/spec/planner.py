@@ -1,5 +1,8 @@
 """The memory planner: for a job and the GPU it lands on, the fastest memory plan that fits.
 
+`plan_run` is its one entry point for a job about to be admitted or to train: the plan, the disk its checkpoints
+need and the refusal, asked by the API with the configured memory and by the worker with what is free.
+
 `plan_job` enumerates the plans the job allows (every part its hyperparameters pin stays as pinned: a
 non-null `micro_batch_size`, `recompute_layers`, `offload_layers`, `optimizer_in_backward` or
 `optimizer_state_on_host`, a `precision` other than "auto", `gradient_checkpointing: true` as every layer
@@ -39,7 +42,7 @@ import functools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fusetune.spec.estimate import (
     DataCounts,
@@ -54,6 +57,7 @@ from fusetune.spec.estimate import (
     optimizer_state_bytes,
     row_tokens,
     saved_bytes_per_token_layer,
+    saves_before_the_end,
     sequences_per_gpu,
 )
 from fusetune.spec.hyperparameters import LoraSpec, SpecError
@@ -608,6 +612,70 @@ def checkpoint_disk(
         return CheckpointDisk(size, 1 + min(checkpoints_present, keep_last_checkpoints), size, free_bytes)
     count = checkpoints_on_disk(keep_last_checkpoints)
     return CheckpointDisk(size, count, size * max(0, count - checkpoints_present), free_bytes)
+
+
+@dataclass(frozen=True)
+class CheckpointSaving:
+    """How a run saves its checkpoints (the server's schedule, or the run's config) and the disk they go to."""
+
+    keep_last_checkpoints: int
+    every_steps: int | None
+    every_epoch: bool
+    every_minutes: float | None
+    free_bytes: int | None  # None: not known
+    checkpoints_present: int = 0  # a resumed run's, already on that disk
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a job cannot run: no plan fits the memory ("memory"), or its checkpoints do not fit the disk."""
+
+    kind: Literal["memory", "disk"]
+    message: str
+
+
+@dataclass(frozen=True)
+class RunDecision:
+    """What a job will run with: the plan chosen (with its estimate and alternatives), the disk its checkpoints
+    need, and the refusal when it cannot run (None when it can)."""
+
+    planned: PlannedJob
+    disk: CheckpointDisk
+    refusal: Refusal | None
+
+    @property
+    def plan(self) -> MemoryPlan:
+        return self.planned.plan
+
+
+def plan_run(
+    shape: ModelShape,
+    job: JobSpec,
+    data: DataCounts,
+    memory_bytes: int | None,
+    saving: CheckpointSaving,
+    *,
+    on_gpu: bool = True,
+    measured_tokens_per_second: float | None = None,
+) -> RunDecision:
+    """The one answer to "what will this job run?": the plan (`plan_job`), then the disk its checkpoints need
+    (one final checkpoint when it saves nothing before its end), then the refusal, memory before disk. The API's
+    admission asks it with the configured GPU memory, the worker with what is free on its devices. Raises
+    PlanError for a pin the model cannot run."""
+    planned = plan_job(
+        shape, job, data, memory_bytes, on_gpu=on_gpu, measured_tokens_per_second=measured_tokens_per_second
+    )
+    periodic = saves_before_the_end(job, saving.every_steps, saving.every_epoch, saving.every_minutes)
+    disk = checkpoint_disk(
+        shape, job, planned.plan, saving.keep_last_checkpoints, saving.free_bytes,
+        saving.checkpoints_present, periodic,
+    )  # fmt: skip
+    refusal = None
+    if planned.fits is False:
+        refusal = Refusal("memory", planned.refusal())
+    elif (disk_refusal_text := disk.refusal()) is not None:
+        refusal = Refusal("disk", disk_refusal_text)
+    return RunDecision(planned, disk, refusal)
 
 
 def free_disk_bytes(path: str | Path) -> int:

@@ -176,3 +176,38 @@ def test_the_job_object_reports_the_plan_that_ran():
     )  # fmt: skip
     reported = jobs_route.to_schema(job).hyperparameters
     assert {key: reported[key] for key in plan} == plan
+
+
+def _worker_plan(data_dir, tmp_path, memory_bytes: int, rows: list[int]):
+    """The worker's plan for the dry run's job (batch 4, max_seq_length 128, "auto" precision) on one GPU of
+    `memory_bytes` free, with rows of `rows` tokens."""
+    from fusetune.worker.train.config import TrainConfig
+    from fusetune.worker.train.planning import plan_training
+
+    config = TrainConfig(model_path=str(Settings(data_dir=data_dir).models_dir / "llama-8b"),
+                         training_file="t.jsonl", output_dir=str(tmp_path / "run"), batch_size=4,
+                         max_seq_length=128)  # fmt: skip
+    return plan_training(config, 1, rows, 1, memory_bytes, on_gpu=True, free_disk=10**15)
+
+
+def test_the_dry_run_and_the_worker_plan_by_one_function(data_dir, tmp_path, monkeypatch):
+    """Given the same memory and the same data (rows of max_seq_length tokens, which the API's counts also
+    reach), the API's dry run and the worker's planning choose the same plan: both ask spec.planner.plan_run. A
+    change to its rules (here: which runs save before their end) reaches both from its one home."""
+    from fusetune.spec import planner
+
+    long_line = json.dumps({"messages": [{"role": "user", "content": "Hi " * 400},
+                                         {"role": "assistant", "content": "Hello " * 400}]})  # fmt: skip
+    upload = {"file": ("long.jsonl", "\n".join([long_line] * 8).encode())}
+    for memory in (40 * GIB, 24 * GIB):
+        client, _ = _client(data_dir, memory)
+        file_id = client.post("/v1/files", files=upload, data={"purpose": "fine-tune"}).json()["id"]
+        api = _dry_run(client, file_id, max_seq_length=128).json()
+        worker = _worker_plan(data_dir, tmp_path, memory, [128] * 8)
+        assert api["plan"] == worker.plan.as_dict(), (memory, api["plan"])
+        assert api["peak_memory_bytes_per_gpu"] == worker.estimate.peak_memory_bytes_per_gpu
+    assert api["checkpoints_on_disk"] == 3 and worker.disk.checkpoints_on_disk == 3
+    monkeypatch.setattr(planner, "saves_before_the_end", lambda *schedule: False)
+    api = _dry_run(client, file_id, max_seq_length=128).json()
+    worker = _worker_plan(data_dir, tmp_path, 24 * GIB, [128] * 8)
+    assert api["checkpoints_on_disk"] == 1 and worker.disk.checkpoints_on_disk == 1

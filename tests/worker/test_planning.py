@@ -24,7 +24,7 @@ from fusetune.worker.train.checkpoints.state import (
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.distributed import DistInfo
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
-from fusetune.worker.train.planning import free_gpu_memory_bytes, plan_run
+from fusetune.worker.train.planning import free_gpu_memory_bytes, plan_training
 from fusetune.worker.train.reporter import NullReporter
 from fusetune.worker.train.trainer import Trainer
 
@@ -61,25 +61,26 @@ def _room(peak: int) -> int:
 
 def test_the_whole_plan_is_decided_for_the_free_memory(model_dir, tmp_path):
     lengths = [100] * 64
-    roomy = plan_run(_config(model_dir, tmp_path), 1, lengths, 1, 2**40, on_gpu=True, free_disk=2**50)
+    roomy = plan_training(_config(model_dir, tmp_path), 1, lengths, 1, 2**40, on_gpu=True, free_disk=2**50)
     assert roomy.plan == MemoryPlan(8, 0, 0, "bf16-sr", False)
     assert {name: getattr(roomy.config, name) for name in PLAN_FIELDS} == roomy.plan.as_dict()
     assert roomy.config.gradient_checkpointing is False and roomy.estimate is not None
     # Room for micro-batches of 4 but not 8 (recomputing is ruled out): 4, the rest by accumulation.
     pinned = _config(model_dir, tmp_path, recompute_layers=0, optimizer_in_backward=False)
     four = _room(_peak(model_dir, MemoryPlan(4, 0, 0, "bf16-sr", False), recompute_layers=0))
-    tight = plan_run(pinned, 1, lengths, 1, four, on_gpu=True, free_disk=2**50)
+    tight = plan_training(pinned, 1, lengths, 1, four, on_gpu=True, free_disk=2**50)
     assert tight.plan.micro_batch_size == 4 and tight.config.micro_batch_size == 4
     assert tight.estimate.peak_memory_bytes_per_gpu <= four
     # Two GPUs: 4 sequences each, so 4 is the most.
     assert (
-        plan_run(_config(model_dir, tmp_path), 2, lengths, 1, 2**40, True, 2**50).plan.micro_batch_size == 4
+        plan_training(_config(model_dir, tmp_path), 2, lengths, 1, 2**40, True, 2**50).plan.micro_batch_size
+        == 4
     )
     # A micro-batch pads to the data's longest row: longer rows need more memory.
-    longer = plan_run(pinned, 1, [128] * 64, 1, four, on_gpu=True, free_disk=2**50)
+    longer = plan_training(pinned, 1, [128] * 64, 1, four, on_gpu=True, free_disk=2**50)
     assert longer.plan.micro_batch_size < 4
     # gradient_checkpointing is every layer recomputed, and says so again in the config the trainer gets.
-    every = plan_run(
+    every = plan_training(
         _config(model_dir, tmp_path, gradient_checkpointing=True), 1, lengths, 1, 2**40, True, 2**50
     )
     assert every.config.recompute_layers == 2 and every.config.gradient_checkpointing is True
@@ -88,28 +89,31 @@ def test_the_whole_plan_is_decided_for_the_free_memory(model_dir, tmp_path):
 def test_a_run_that_fits_no_plan_or_no_disk_stops_before_the_model_loads(model_dir, tmp_path):
     config = _config(model_dir, tmp_path)
     with pytest.raises(TrainingFailure) as refused:
-        plan_run(config, 1, [100] * 64, 1, 2**20, on_gpu=True, free_disk=2**50)
+        plan_training(config, 1, [100] * 64, 1, 2**20, on_gpu=True, free_disk=2**50)
     assert refused.value.code == ErrorCode.OUT_OF_MEMORY
     assert "even with its smallest plan" in refused.value.message
     # Three checkpoints (the two kept and the next) of the tiny model do not fit one checkpoint's space.
     shape = ModelShape.from_config_file(model_dir / "config.json")
     one = checkpoint_bytes(shape, JobSpec(), "bf16-sr")
     with pytest.raises(TrainingFailure) as no_disk:
-        plan_run(config, 1, [100] * 64, 1, 2**40, on_gpu=True, free_disk=one)
+        plan_training(config, 1, [100] * 64, 1, 2**40, on_gpu=True, free_disk=one)
     assert no_disk.value.code == ErrorCode.STORAGE_ERROR
     assert "3 checkpoints" in no_disk.value.message and "free" in no_disk.value.message
     # A run that checkpoints only at its end (one epoch, no schedule by steps or minutes) writes one.
     final_only = _config(model_dir, tmp_path, n_epochs=1, checkpoint_every_minutes=None)
-    assert plan_run(final_only, 1, [100] * 64, 1, 2**40, on_gpu=True, free_disk=one).disk.needed_bytes == one
+    assert (
+        plan_training(final_only, 1, [100] * 64, 1, 2**40, on_gpu=True, free_disk=one).disk.needed_bytes
+        == one
+    )
     # A pin the model cannot run.
     with pytest.raises(TrainingFailure) as bad_pin:
-        plan_run(_config(model_dir, tmp_path, recompute_layers=3), 1, [100] * 64, 1, 2**40, True, 2**50)
+        plan_training(_config(model_dir, tmp_path, recompute_layers=3), 1, [100] * 64, 1, 2**40, True, 2**50)
     assert bad_pin.value.code == ErrorCode.TRAINER_ERROR and "recompute_layers" in bad_pin.value.message
 
 
 def test_a_model_without_a_readable_config_runs_its_pins_and_the_defaults(tmp_path):
     config = _config(tmp_path, tmp_path, precision="auto", recompute_layers=1, gradient_checkpointing=True)
-    planned = plan_run(config, 1, [100] * 8, 1, 2**40, on_gpu=False, free_disk=0)
+    planned = plan_training(config, 1, [100] * 8, 1, 2**40, on_gpu=False, free_disk=0)
     assert planned.estimate is None and planned.plan == MemoryPlan(8, 1, 0, "fp32", False)
     assert {name: getattr(planned.config, name) for name in PLAN_FIELDS} == planned.plan.as_dict()
 
@@ -182,14 +186,14 @@ def test_a_resumed_auto_run_keeps_the_precision_its_checkpoint_records(model_dir
     config, lengths = _config(model_dir, tmp_path, precision="auto"), [100] * 64
 
     def resumed(saved_run):
-        return plan_run(config, 1, lengths, 1, 2**40, True, 2**50, checkpoint, saved_run).plan.precision
+        return plan_training(config, 1, lengths, 1, 2**40, True, 2**50, checkpoint, saved_run).plan.precision
 
     # The record wins over the state's dtype (here made to disagree with it).
     assert resumed({RUN_PRECISION: "bf16-sr", RUN_MEMORY_PLAN: {}}) == "bf16-sr"
     # An older checkpoint, without the record: the uint8 state reads as the 8-bit mode.
     assert resumed({}) == "bf16-sr-8bit"
     # Without a checkpoint, roomy memory plans the default.
-    assert plan_run(config, 1, lengths, 1, 2**40, True, 2**50).plan.precision == "bf16-sr"
+    assert plan_training(config, 1, lengths, 1, 2**40, True, 2**50).plan.precision == "bf16-sr"
 
 
 @pytest.mark.gpu

@@ -48,11 +48,11 @@ from fusetune.catalog import (
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import AttemptEnd, Checkpoint, File, Job, JobStatus, new_id, now_s
-from fusetune.spec.estimate import DataCounts, ModelShape, saves_before_the_end
+from fusetune.spec.estimate import DataCounts, ModelShape
 from fusetune.spec.hyperparameters import SpecError
 from fusetune.spec.job import JobSpec
 from fusetune.spec.methods import DEFAULT_METHOD, METHODS, reads_the_same_files
-from fusetune.spec.planner import PlanError, checkpoint_disk, free_disk_bytes, plan_job
+from fusetune.spec.planner import CheckpointSaving, PlanError, free_disk_bytes, plan_run
 from fusetune.storage import Storage, StorageError
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -204,22 +204,17 @@ def _estimate(
     # The memory plan for the GPU the job would land on: FUSETUNE_GPU_MEMORY_BYTES (workers advertise their GPU
     # count, not its memory); the worker plans again from the memory free when the job starts.
     capacity = settings.gpu_memory_bytes
-    try:
-        planned = plan_job(shape, spec, data, capacity, measured_tokens_per_second=measured)
-    except PlanError as exc:
-        raise ApiError(400, str(exc), param=exc.field) from exc
     # The data directory holds the runs' checkpoints (the worker's, when they share a host; a worker checks its
     # own again before it trains).
-    periodic = saves_before_the_end(
-        spec,
-        settings.checkpoint_every_steps,
-        settings.checkpoint_every_epoch,
-        settings.checkpoint_every_minutes,
-    )
-    disk = checkpoint_disk(
-        shape, spec, planned.plan, settings.keep_last_checkpoints, free_disk_bytes(settings.data_dir),
-        periodic=periodic,
+    saving = CheckpointSaving(
+        settings.keep_last_checkpoints, settings.checkpoint_every_steps, settings.checkpoint_every_epoch,
+        settings.checkpoint_every_minutes, free_disk_bytes(settings.data_dir),
     )  # fmt: skip
+    try:
+        decided = plan_run(shape, spec, data, capacity, saving, measured_tokens_per_second=measured)
+    except PlanError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from exc
+    planned, disk = decided.planned, decided.disk
     estimate = planned.estimate.as_dict()
     return EstimateObject(
         model=model,
@@ -228,7 +223,7 @@ def _estimate(
         plan_description=planned.plan.describe(),
         alternatives=[a.as_dict() for a in planned.alternatives] or None,
         remedies={a.change: a.peak_memory_bytes_per_gpu for a in planned.alternatives} or None,
-        refusal=planned.refusal() if planned.fits is False else disk.refusal(),
+        refusal=None if decided.refusal is None else decided.refusal.message,
         checkpoint_bytes=disk.checkpoint_bytes,
         checkpoints_on_disk=disk.checkpoints_on_disk,
         checkpoint_disk_bytes=disk.needed_bytes,

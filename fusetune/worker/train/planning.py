@@ -1,9 +1,10 @@
 """The run's memory plan, chosen before the model loads: micro-batch, recomputed and offloaded layers, precision,
 and where the optimizer steps.
 
-The trainer calls `plan_run` once its data is loaded, with the memory free on the tightest of the job's GPUs
+The trainer calls `plan_training` once its data is loaded, with the memory free on the tightest of the job's GPUs
 (None on a CPU, where nothing is planned against a memory size: the plan is the job's pins and the trainer's
-defaults, through the same path). `fusetune.spec.planner.plan_job` picks the fastest plan that fits, from the
+defaults, through the same path). `fusetune.spec.planner.plan_run` (which the API's admission asks too, with the
+configured memory) picks the fastest plan that fits, from the
 model's config.json, the data's longest row and the job's pins; the trainer then runs with a config whose every
 plan field is decided (`TrainConfig.recompute_layers`, `offload_layers`, `optimizer_in_backward`, `precision`,
 `micro_batch_size`, and `gradient_checkpointing` true exactly when every layer recomputes). A job that fits no
@@ -19,22 +20,16 @@ from typing import Any
 
 import torch
 
-from fusetune.spec.estimate import (
-    DataCounts,
-    Estimate,
-    ModelShape,
-    default_micro_batch_size,
-    saves_before_the_end,
-)
+from fusetune.spec.estimate import DataCounts, Estimate, ModelShape, default_micro_batch_size
 from fusetune.spec.hyperparameters import JobHyperparameters
 from fusetune.spec.job import JobSpec
 from fusetune.spec.plan import MemoryPlan
 from fusetune.spec.planner import (
     CheckpointDisk,
+    CheckpointSaving,
     PlanError,
-    checkpoint_disk,
     free_disk_bytes,
-    plan_job,
+    plan_run,
 )
 from fusetune.spec.precision import AUTO, auto_precisions, mode_for
 from fusetune.worker.train.checkpoints.layout import list_checkpoints
@@ -124,7 +119,7 @@ def guessed_precision(checkpoint: Path) -> str:
     return next(name for name in choices if (mode_for(name).optimizer_state_dtype == "uint8") == quantized)
 
 
-def plan_run(
+def plan_training(
     config: TrainConfig,
     world_size: int,
     row_lengths: list[int],
@@ -168,23 +163,20 @@ def plan_run(
         token_estimate=sum(row_lengths),
         padded_length=max(row_lengths, default=1) // rows_per_example,
     )
-    try:
-        planned = plan_job(shape, job, data, memory_bytes, on_gpu=on_gpu)
-    except PlanError as exc:
-        raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
-    if planned.fits is False:
-        raise TrainingFailure(ErrorCode.OUT_OF_MEMORY, planned.refusal())
-    plan = planned.plan
-    present = len(list_checkpoints(config.output_dir))
     if free_disk is None:
         free_disk = free_disk_bytes(config.output_dir)
-    periodic = saves_before_the_end(
-        job, config.checkpoint_every_steps, config.checkpoint_every_epoch, config.checkpoint_every_minutes
-    )
-    disk = checkpoint_disk(shape, job, plan, config.keep_last_checkpoints, free_disk, present, periodic)
-    refusal = disk.refusal()
-    if refusal is not None:
-        raise TrainingFailure(ErrorCode.STORAGE_ERROR, refusal)
+    saving = CheckpointSaving(
+        config.keep_last_checkpoints, config.checkpoint_every_steps, config.checkpoint_every_epoch,
+        config.checkpoint_every_minutes, free_disk, len(list_checkpoints(config.output_dir)),
+    )  # fmt: skip
+    try:
+        decided = plan_run(shape, job, data, memory_bytes, saving, on_gpu=on_gpu)
+    except PlanError as exc:
+        raise TrainingFailure(ErrorCode.TRAINER_ERROR, str(exc)) from exc
+    if decided.refusal is not None:
+        code = ErrorCode.OUT_OF_MEMORY if decided.refusal.kind == "memory" else ErrorCode.STORAGE_ERROR
+        raise TrainingFailure(code, decided.refusal.message)
+    plan = decided.plan
     resolved = config.model_copy(
         update={**plan.as_dict(), "gradient_checkpointing": plan.recompute_layers >= shape.num_layers}
     )
@@ -193,4 +185,4 @@ def plan_run(
         if memory_bytes is not None
         else "the job's settings and the defaults (no GPU memory to plan against)"
     )
-    return RunPlan(resolved, plan, planned.estimate, memory_bytes, reason, disk)
+    return RunPlan(resolved, plan, decided.planned.estimate, memory_bytes, reason, decided.disk)

@@ -78,7 +78,7 @@ from fusetune.worker.train.outcome import (
     TrainingFailure,
     TrainResult,
 )
-from fusetune.worker.train.planning import RunPlan, free_gpu_memory_bytes, plan_run
+from fusetune.worker.train.planning import RunPlan, free_gpu_memory_bytes, plan_training
 from fusetune.worker.train.precision import PrecisionPolicy, resolve_precision, runnable_mode
 from fusetune.worker.train.reporter import Reporter, StopRequest
 
@@ -183,7 +183,7 @@ class Trainer:
         """The run's memory plan (planning.py); the precision and the micro-batches follow it. `resumed_run`:
         the run description of the checkpoint it resumes."""
         pinned_micro = self.config.micro_batch_size
-        run_plan = plan_run(
+        run_plan = plan_training(
             self.config,
             self.dist.world_size,
             self.row_lengths,
