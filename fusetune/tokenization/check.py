@@ -18,7 +18,8 @@ Each example's sequences (`masks.MaskedTokens`) are held against what serving pr
 
 The work is bounded by `max_seq_length`: each text of an example (a message's content, a prompt, a completion) is
 cut, before it is tokenized, to what the first `max_seq_length` tokens can reach (`text_chars_used`), so a line of
-megabytes costs what its first tokens cost.
+megabytes costs what its first tokens cost; a conversation of many messages is cut to those that start within
+`max_seq_length` tokens (`messages_within`), so a line of 100,000 short messages costs what those few cost.
 
 Which sequences an example makes is its line format's (`FormatMasking`, one per format in `MASKINGS`): a
 supervised example is one sequence, a preference pair two (the input with each output; the input's own
@@ -96,10 +97,11 @@ class DataCheckFailure(ValueError):
 class FormatMasking:
     """How the examples of one line format become the sequences trained on, each with its loss mask:
     (tokenizer, example, train_on_inputs, stop token ids) -> sequences; and the example with each of its texts
-    cut to at most so many characters: (example, characters) -> example."""
+    cut to at most so many characters and its conversation's messages cut by a function of them: (example,
+    characters, messages -> messages) -> example."""
 
     sequences: Callable[[Any, Any, bool, Collection[int]], list[LabeledSequence]]
-    cut_texts: Callable[[Any, int], Any]
+    cut_texts: Callable[[Any, int, Callable[[list], list]], Any]
 
 
 def _supervised_sequences(
@@ -135,17 +137,19 @@ def _cut_message(message: dict[str, Any], chars: int) -> dict[str, Any]:
     )
 
 
-def _cut_supervised(example: Any, chars: int) -> Any:
+def _cut_supervised(example: Any, chars: int, cut_messages: Callable[[list], list]) -> Any:
     if isinstance(example, ChatExample):
-        return ChatExample([_cut_message(message, chars) for message in example.messages])
+        return ChatExample(cut_messages([_cut_message(message, chars) for message in example.messages]))
     if isinstance(example, PromptCompletionExample):
         return PromptCompletionExample(example.prompt[:chars], example.completion[:chars])
     return TextExample(example.text[:chars])
 
 
-def _cut_preference(example: PreferenceExample, chars: int) -> PreferenceExample:
+def _cut_preference(
+    example: PreferenceExample, chars: int, cut_messages: Callable[[list], list]
+) -> PreferenceExample:
     return PreferenceExample(
-        [_cut_message(message, chars) for message in example.messages],
+        cut_messages([_cut_message(message, chars) for message in example.messages]),
         _cut_message(example.preferred, chars),
         _cut_message(example.non_preferred, chars),
     )
@@ -168,6 +172,52 @@ def text_chars_used(tokenizer: Any, max_seq_length: int) -> int:
     there keeps the tokens within `max_seq_length` as they were, and still reaches past it when the whole did."""
     longest_entry = max(map(len, tokenizer.get_vocab()), default=1)
     return max_seq_length * longest_entry * CHARACTERS_PER_NORMALIZED_CHARACTER
+
+
+# A conversation of up to so many messages is checked whole; one of more is first cut to the messages that start
+# within max_seq_length tokens (`messages_within`), which costs a few renderings of its start.
+MESSAGES_CHECKED_WHOLE = 32
+
+
+def _rendered_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> int | None:
+    try:
+        return len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+    except Exception:  # the check proper names the template's failure
+        return None
+
+
+def messages_within(
+    tokenizer: Any, messages: list[dict[str, Any]], max_seq_length: int, train_on_inputs: bool
+) -> list[dict[str, Any]]:
+    """The messages of a conversation that start within its first `max_seq_length` tokens: its first k, where the
+    rendering of k messages is the shortest longer than `max_seq_length` (found by doubling, then halving, so a
+    few renderings of the start), and through its first trained assistant turn (with `train_on_inputs` every
+    message is trained). Rendering each trained turn's
+    prompt costs as much as the conversation before it, so a line of 100,000 short messages would cost the
+    square; what starts past `max_seq_length` is never trained, and the cut conversation is as truncated, and
+    as trained, as the whole. A conversation that fits is returned whole."""
+    if len(messages) <= MESSAGES_CHECKED_WHOLE:
+        return messages
+    fits, longer = 0, MESSAGES_CHECKED_WHOLE  # the rendering of `fits` messages is within max_seq_length
+    while True:
+        tokens = _rendered_tokens(tokenizer, messages[:longer])
+        if tokens is None or (longer == len(messages) and tokens <= max_seq_length):
+            return messages
+        if tokens > max_seq_length:
+            break
+        fits, longer = longer, min(2 * longer, len(messages))
+    while longer - fits > 1:
+        middle = (fits + longer) // 2
+        tokens = _rendered_tokens(tokenizer, messages[:middle])
+        if tokens is None:
+            return messages
+        fits, longer = (middle, longer) if tokens <= max_seq_length else (fits, middle)
+    first_trained = next(
+        (i for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("weight", 1) != 0), 0
+    )
+    if train_on_inputs:
+        first_trained = 0
+    return messages[: max(longer, first_trained + 1)]
 
 
 def masking_for(method_type: str) -> FormatMasking | None:
@@ -361,7 +411,8 @@ def check_examples(
     limit: int | None = None,
 ) -> FileCheck:
     """Checks (line number, example) pairs in order, at most `limit`, stopping at the first failure. Each text is
-    cut to what `max_seq_length` tokens can reach before it is tokenized."""
+    cut to what `max_seq_length` tokens can reach before it is tokenized, and a long conversation to the
+    messages that start within them."""
     result = FileCheck()
     first: tuple[int, list[LabeledSequence]] | None = None
     chars = text_chars_used(tokenizer, max_seq_length)
@@ -375,7 +426,11 @@ def check_examples(
             sequences = checked_sequences(
                 masking,
                 tokenizer,
-                masking.cut_texts(example, chars),
+                masking.cut_texts(
+                    example,
+                    chars,
+                    lambda messages: messages_within(tokenizer, messages, max_seq_length, train_on_inputs),
+                ),
                 train_on_inputs=train_on_inputs,
                 stop_ids=stop_ids,
             )

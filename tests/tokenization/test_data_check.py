@@ -384,6 +384,66 @@ def test_a_text_is_tokenized_only_as_far_as_max_seq_length_reaches(llama_backend
     assert all(sequence.tokens <= 2 * chars + 64 for sequence in checked.preview)
 
 
+def _renderings_of_a_check(tokenizer, monkeypatch, records, **kwargs) -> tuple[int, object]:
+    calls = []
+    render = type(tokenizer).apply_chat_template
+
+    def counted(self, messages, *args, **render_kwargs):
+        calls.append(len(messages))
+        return render(self, messages, *args, **render_kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", counted)
+    result = check_examples(tokenizer, masking_for(kwargs.pop("method", "supervised")), records, **kwargs)
+    monkeypatch.undo()
+    return len(calls), result
+
+
+@pytest.mark.parametrize("weight_zero_turns", [False, True], ids=["trained-turns", "weight-0-turns"])
+def test_a_line_of_many_short_messages_renders_what_max_seq_length_reaches(
+    llama_backend, monkeypatch, weight_zero_turns
+):
+    """A chat of 20,000 short turns renders as often as one of 2,000, and each rendering as few messages: the
+    prompt of every trained turn was rendered, costing the square of the message count. What counts is kept:
+    the example is truncated, and its trained turns past max_seq_length still count as trained ones."""
+    tokenizer = _with_template(llama_backend, LLAMA)
+    kwargs = dict(max_seq_length=64, train_on_inputs=weight_zero_turns, stop_ids={tokenizer.eos_token_id})
+
+    def line(turns: int) -> list[tuple[int, object]]:
+        answer = {"role": "assistant", "content": "5", **({"weight": 0} if weight_zero_turns else {})}
+        messages = [CHAT[1], answer] * (turns // 2) + [CHAT[1], {"role": "assistant", "content": "5"}]
+        return _numbered([(1, {"messages": messages})])
+
+    counts = {}
+    for turns in (2_000, 20_000):
+        counts[turns], result = _renderings_of_a_check(tokenizer, monkeypatch, line(turns), **kwargs)
+        assert result.examples_truncated == 1 and result.examples_checked == 1
+        if weight_zero_turns:
+            assert result.passed and result.examples_without_trained_tokens == 0  # train_on_inputs
+        else:
+            assert result.examples_without_trained_tokens == 0 and result.preview[0].trained_tokens > 0
+    assert counts[20_000] == counts[2_000] < 40, counts
+    # Only its last turn trained, far past max_seq_length: refused for truncation, as the whole line was.
+    last_only = [(1, {"messages": [*[CHAT[1], {**CHAT[2], "weight": 0}] * 10_000, CHAT[1], CHAT[2]]})]
+    renderings, result = _renderings_of_a_check(
+        tokenizer, monkeypatch, _numbered(last_only), **{**kwargs, "train_on_inputs": False}
+    )
+    assert result.failure.check == "trained_tokens_after_truncation" and renderings < 40
+
+
+def test_a_conversation_that_fits_is_checked_whole(llama_backend, monkeypatch):
+    tokenizer = _with_template(llama_backend, LLAMA)
+    messages = [CHAT[0], *CHAT[1:3] * 40]  # 81 messages, about 900 tokens
+    kwargs = dict(max_seq_length=4096, train_on_inputs=False, stop_ids={tokenizer.eos_token_id})
+    _, result = _renderings_of_a_check(
+        tokenizer, monkeypatch, _numbered([(1, {"messages": messages})]), **kwargs
+    )
+    assert result.passed and result.examples_truncated == 0
+    assert result.preview[0].tokens == len(
+        tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+    )
+    assert result.preview[0].trained_tokens == 2 * 40
+
+
 def test_a_file_stops_at_its_first_failing_line(llama_backend):
     tokenizer = _with_template(llama_backend, LLAMA_MARKED_WITHOUT_EOT)
     nothing_trained = {"messages": [*CHAT[:2], {**CHAT[2], "weight": 0}]}
