@@ -8,6 +8,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from fusetune.api import admission
 from fusetune.api.app import create_app
 from fusetune.api.routes import jobs as jobs_route
 from fusetune.config import Settings
@@ -24,7 +25,7 @@ LINE = json.dumps(
 @pytest.fixture(autouse=True)
 def a_large_disk(monkeypatch):
     """The data directory's free space as the test sets it, not as this machine has it."""
-    monkeypatch.setattr(jobs_route, "free_disk_bytes", lambda path: 10**15)
+    monkeypatch.setattr(admission, "free_disk_bytes", lambda path: 10**15)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_a_user_pins_any_part_and_a_plan_that_cannot_fit_is_refused_with_one_tha
 
 def test_a_job_whose_checkpoints_cannot_fit_the_disk_is_refused(data_dir, monkeypatch):
     client, file_id = _client(data_dir, 80 * GIB)
-    monkeypatch.setattr(jobs_route, "free_disk_bytes", lambda path: 100 * 10**9)
+    monkeypatch.setattr(admission, "free_disk_bytes", lambda path: 100 * 10**9)
     estimate = _dry_run(client, file_id).json()
     assert estimate["disk_free_bytes"] == 100 * 10**9 and estimate["disk_fits"] is False
     body = {"model": "llama-8b", "training_file": file_id, "hyperparameters": {"batch_size": 4}}
@@ -147,7 +148,7 @@ def test_a_job_whose_checkpoints_cannot_fit_the_disk_is_refused(data_dir, monkey
 
 
 def test_a_job_that_checkpoints_only_at_its_end_needs_the_disk_of_one_checkpoint(data_dir, monkeypatch):
-    monkeypatch.setattr(jobs_route, "free_disk_bytes", lambda path: 52 * 10**9)
+    monkeypatch.setattr(admission, "free_disk_bytes", lambda path: 52 * 10**9)
     # The 8-bit state's checkpoint (about 32 GB) fits 52 GB once, not three times (the default schedule's).
     client, file_id = _client(data_dir, 80 * GIB, checkpoint_every_minutes=0, checkpoint_every_epoch=False)
     estimate = _dry_run(client, file_id, precision="bf16-sr-8bit").json()
