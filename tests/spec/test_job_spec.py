@@ -33,6 +33,7 @@ LINE = json.dumps(
 RUN_FIELDS = {
     "job_id", "database_url", "model_path", "training_file", "validation_file", "output_dir",
     "checkpoint_paths_relative_to", "seed", "integrations", "mlflow_tracking_uri",
+    "model_name", "adapter_base_models",  # the model's public name, and where a LoRA model's bases lie here
 }  # fmt: skip
 
 
