@@ -32,7 +32,9 @@ def pins(path: Path) -> dict[str, str]:
 
 def hashed_entries(path: Path) -> tuple[int, int]:
     text = path.read_text(encoding="utf-8")
-    entries = re.findall(r"^[A-Za-z0-9][^\n]*==[^\n]*\\\n((?:\s+--hash=sha256:[0-9a-f]{64}[ \\]*\n)+)", text, re.M)
+    entries = re.findall(
+        r"^[A-Za-z0-9][^\n]*==[^\n]*\\\n((?:\s+--hash=sha256:[0-9a-f]{64}[ \\]*\n)+)", text, re.M
+    )
     return len(re.findall(r"^[A-Za-z0-9][^\s]*==", text, re.M)), len(entries)
 
 
@@ -55,7 +57,9 @@ def test_the_lock_pins_every_dependency_inside_its_range():
         if requirement.marker and not requirement.marker.evaluate():
             continue
         name = canonicalize_name(requirement.name)
-        assert name in locked, f"{requirement.name} is in pyproject.toml but not in requirements.lock: make lock"
+        assert name in locked, (
+            f"{requirement.name} is in pyproject.toml but not in requirements.lock: make lock"
+        )
         assert requirement.specifier.contains(locked[name], prereleases=True), (
             f"requirements.lock pins {requirement.name}=={locked[name]}, outside {requirement}: make lock"
         )
@@ -73,4 +77,6 @@ def test_the_readme_names_the_locked_versions():
     section = section[: section.index("\n## ")]
     locked = pins(ROOT / "requirements.lock")
     for name in ("torch", "transformers", "triton"):
-        assert f"{name} {locked[name]}" in section, f"README's lock section does not name {name} {locked[name]}"
+        assert f"{name} {locked[name]}" in section, (
+            f"README's lock section does not name {name} {locked[name]}"
+        )
