@@ -40,11 +40,12 @@ demo: install
 test: install
 	$(PY) -m pytest -q --timeout=900 -n 2 --dist worksteal --durations=25
 
-# The numerical tests (kernels, losses, the trainer's equivalence tests) again on the CPU's narrow code paths:
+# The numerical tests whose arithmetic goes through the CPU's math libraries (the fused linear cross-entropy,
+# the sequence log-probs, the convergence runs, the trainer's equivalence tests) again on the narrow code paths:
 # oneDNN, MKL and torch's own vectorised kernels without AVX-512 and AMX, whose matmuls and reductions sum in
 # another order (and whose bf16 matmuls read K in pairs). On a CPU that has the wide
 # instructions, `make test` took those; this takes the AVX2 ones, so one machine checks both (.ci/run).
-# The selection is the marker `numerics` (tests/conftest.py's NUMERICS lists the folders and modules).
+# The selection is the marker `numerics` (tests/conftest.py's NUMERICS lists the modules and says why these).
 test-numerics-narrow: install
 	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
 	  $(PY) -m pytest -q --timeout=900 -n 2 --dist worksteal -m numerics
