@@ -300,23 +300,39 @@ def _patch_instance(
                 break
 
     if options.rope and spec.rope_function:
-        handle._undo.append(
-            _shared.acquire(spec.module(), spec.rope_function, fused.make_apply_rotary_pos_emb)
-        )
+        release = _shared.acquire(spec.module(), spec.rope_function, fused.make_apply_rotary_pos_emb)
+        handle._undo.append(release)
+        # The rotary function is module-level: a model freed without `revert_fusetune` gives its share back,
+        # or every later model of the family in the process (unpatched ones included) would keep the kernel.
+        weakref.finalize(model, release)
         handle._record(f"{spec.modeling_module}.{spec.rope_function}")
 
     if options.varlen_attention:
         previous = attention.switch_to_varlen_attention(model)
         if previous is not None:
-            handle._undo.append(lambda: model.set_attn_implementation(previous))
+            # A weak reference: the handle lives in `_instance_handles`, keyed weakly by this model, so a
+            # strong one here would keep the model (and its weights) alive for the life of the process.
+            model_ref = weakref.ref(model)
+
+            def restore_attention() -> None:
+                live = model_ref()
+                if live is not None:
+                    live.set_attn_implementation(previous)
+
+            handle._undo.append(restore_attention)
             handle._record(f"attention: {attention.VARLEN_ATTENTION}")
 
 
 def _switch_class(module: nn.Module, fused_class: type, handle: FusetuneHandle) -> None:
     original_class = type(module)
     module.__class__ = fused_class
+    # Weakly: the handle must not keep the model alive (see `_patch_instance`); a freed module needs no undo.
+    module_ref = weakref.ref(module)
 
     def undo() -> None:
+        module = module_ref()
+        if module is None:
+            return
         if type(module) is fused_class:
             module.__class__ = original_class
         else:  # something (FSDP, a wrapper) re-classed the module after patching; leave it be

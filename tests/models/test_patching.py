@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import weakref
 from collections import Counter
 
 import pytest
@@ -197,6 +198,23 @@ def test_shared_rotary_function_is_restored_by_its_last_user(device: str) -> Non
     first_handle.revert()
     assert modeling.apply_rotary_pos_emb is not original_rope, "still used by the second model"
     second_handle.revert()
+    assert modeling.apply_rotary_pos_emb is original_rope
+
+
+def test_a_patched_model_freed_without_revert_is_freed_and_gives_the_rotary_function_back(
+    device: str,
+) -> None:
+    """The handle must not keep its model alive: a worker that patches one model per job would otherwise hold
+    every model's weights, and the module-level rotary function would stay the kernel for every later model
+    of the family in the process, unpatched ones included."""
+    modeling = importlib.import_module("transformers.models.mistral.modeling_mistral")
+    original_rope = modeling.apply_rotary_pos_emb
+    model = build_tiny_model("mistral").to(device)
+    apply_fusetune(model)
+    assert modeling.apply_rotary_pos_emb is not original_rope
+    freed = weakref.ref(model)
+    del model  # no revert_fusetune, and no garbage collection: the last reference going frees it
+    assert freed() is None
     assert modeling.apply_rotary_pos_emb is original_rope
 
 
