@@ -15,6 +15,7 @@ Adding a method is its settings model (if it has settings) and one entry in `MET
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from typing import Annotated, Any, Literal, Union
@@ -297,6 +298,17 @@ class _MethodRequestBase(BaseModel):
         settings = getattr(self, self.type, None)
         beside = {name: getattr(settings, name) for name in METHODS[self.type].request_fields}
         return settings_from_request(self.type, self.hyperparameters(), beside)
+
+
+def method_in_request_shape(stored: Mapping[str, Any] | None, shared: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of `MethodRequest.spec()`: a stored method (the dict a job row keeps; None for a row older than
+    methods) in the OpenAI API's shape, `{"type": t, t: {"hyperparameters": {...}, ...}}`. The method's own
+    settings sit under `hyperparameters` beside the `shared` ones (as OpenAI reports DPO's beta), and its
+    `request_fields` (reinforcement's grader) beside `hyperparameters`, where the request gave them."""
+    method_type = _type_of(stored or {})
+    settings = dict((stored or {}).get(method_type) or {})
+    beside = {name: settings.pop(name) for name in METHODS[method_type].request_fields if name in settings}
+    return {"type": method_type, method_type: {"hyperparameters": {**shared, **settings}, **beside}}
 
 
 def _method_request_model() -> type[_MethodRequestBase]:

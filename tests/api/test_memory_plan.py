@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from fusetune.api import admission
 from fusetune.api.app import create_app
-from fusetune.api.routes import jobs as jobs_route
+from fusetune.api.job_object import to_schema
 from fusetune.config import Settings
 from fusetune.db.migrate import upgrade
 
@@ -175,7 +175,7 @@ def test_the_job_object_reports_the_plan_that_ran():
         resolved={"precision": "bf16-sr-8bit", "kernels": True, "memory_plan": plan,
                   "memory_plan_description": "micro-batch 2, precision bf16-sr-8bit, 8 layers recomputed"},
     )  # fmt: skip
-    reported = jobs_route.to_schema(job).hyperparameters
+    reported = to_schema(job).hyperparameters
     assert {key: reported[key] for key in plan} == plan
 
 

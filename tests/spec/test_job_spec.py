@@ -234,3 +234,33 @@ def test_a_method_setting_without_bounds_is_checked_by_its_type(client):
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "method.dpo.hyperparameters.loss_type", error
     assert "'sigmoid' or 'ipo'" in error["message"], error
+
+
+GRADER = {
+    "type": "string_check", "name": "exact", "operation": "eq",
+    "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method_type", sorted(METHODS))
+def test_a_stored_method_maps_back_to_the_request_it_came_from(method_type):
+    """The job object's `method` is the request's shape again: read back as a request, it stores the same method
+    (settings under `hyperparameters`, a reinforcement grader beside them), for every method of the table."""
+    from fusetune.spec.methods import MethodRequest, method_in_request_shape
+
+    settings = METHODS[method_type].settings
+    given = {
+        name: field.default * 2
+        for name, field in (settings.model_fields.items() if settings else ())
+        if isinstance(field.default, float) and name not in METHODS[method_type].request_fields
+    }
+    beside = {"grader": GRADER} if "grader" in METHODS[method_type].request_fields else {}
+    shared = {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 0.5}
+    request = MethodRequest.model_validate(
+        {"type": method_type, method_type: {"hyperparameters": {**shared, **given}, **beside}}
+    )
+    stored = request.spec().model_dump(mode="json")
+    shown = method_in_request_shape(stored, shared)
+    assert MethodRequest.model_validate(shown).spec() == request.spec()
+    assert {name: shown[method_type]["hyperparameters"][name] for name in given} == given
+    assert {name: shown[method_type][name] for name in beside} == beside

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
@@ -16,15 +15,14 @@ from fusetune.api import admission, idempotency
 from fusetune.api.checkpoint_archive import archive_response, iter_archive_bytes, plan_stored_archive
 from fusetune.api.deps import QueueDep, ReadsDep, SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import ApiError, not_found
+from fusetune.api.job_object import to_schema
 from fusetune.api.routes.files import presigned_redirect
 from fusetune.api.schemas import (
     CheckpointList,
     CheckpointObject,
     EstimateObject,
     EventList,
-    JobAttemptObject,
     JobCreate,
-    JobError,
     JobList,
     JobObject,
     MetricList,
@@ -34,8 +32,7 @@ from fusetune.catalog import (
     checkpoint_model_name,
 )
 from fusetune.db import queries
-from fusetune.db.models import AttemptEnd, Checkpoint, Job, JobStatus, now_s
-from fusetune.spec.methods import DEFAULT_METHOD, METHODS
+from fusetune.db.models import Checkpoint, Job, JobStatus
 from fusetune.storage import StorageError
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
@@ -44,69 +41,6 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 DEFAULT_METRIC_POINTS = 1000
 MAX_METRIC_POINTS = 10_000
 JobStatusName = Literal["validating_files", "queued", "running", "succeeded", "failed", "cancelled", "paused"]
-
-
-def to_schema(job: Job | Row, attempts: Sequence = ()) -> JobObject:
-    """The API object of a job, from its ORM object or its row (same attribute names), with its attempts (ORM
-    objects or rows of job_attempts)."""
-    hyper = dict(job.hyperparameters)
-    resolved = job.resolved
-    if resolved:
-        # What ran, once a trainer started: "auto" made concrete, kernels a CPU run could not apply turned off,
-        # every part of the memory plan decided.
-        hyper.update({key: resolved[key] for key in ("precision", "kernels") if key in resolved})
-        hyper.update(resolved.get("memory_plan") or {})
-    method = hyper.pop("method", None) or {}
-    method_type = method.get("type", DEFAULT_METHOD)
-    public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hyper}
-    # A method's own settings (DPO's beta, ...) are reported beside the shared hyperparameters, as OpenAI does;
-    # those its request gives beside the hyperparameters (reinforcement's grader) beside them again.
-    settings = dict(method.get(method_type) or {})
-    beside = {name: settings.pop(name) for name in METHODS[method_type].request_fields if name in settings}
-    public.update(settings)
-    return JobObject(
-        id=job.id,
-        created_at=job.created_at,
-        error=JobError(**job.error) if job.error else None,
-        fine_tuned_model=job.fine_tuned_model,
-        finished_at=job.finished_at,
-        started_at=job.started_at,
-        hyperparameters=hyper,
-        method={"type": method_type, method_type: {"hyperparameters": public, **beside}},
-        model=job.model,
-        organization_id=job.tenant,
-        result_files=[job.result_file_id] if job.result_file_id else [],
-        seed=job.seed,
-        status=job.status,
-        trained_tokens=job.trained_tokens,
-        estimated_finish=job.estimated_finish if job.status == JobStatus.RUNNING else None,
-        integrations=job.integrations,
-        training_file=job.training_file_id,
-        validation_file=job.validation_file_id,
-        metadata=job.user_metadata,
-        user_provided_suffix=job.suffix,
-        attempts=[
-            JobAttemptObject(
-                number=a.number,
-                started_at=a.started_at,
-                ended_at=a.ended_at,
-                cause=a.cause,
-                fault=a.cause in AttemptEnd.FAULTS,
-            )
-            for a in attempts
-        ],
-        training_seconds=_training_seconds(attempts),
-        resolved=resolved,
-        status_details=job.waiting_reason if job.status == JobStatus.QUEUED else None,
-    )
-
-
-def _training_seconds(attempts: Sequence) -> int | None:
-    """Time trained over all attempts (an attempt still open counts until now); None before the first."""
-    if not attempts:
-        return None
-    now = now_s()
-    return sum((now if a.ended_at is None else a.ended_at) - a.started_at for a in attempts)
 
 
 def _job_schema(session: Session, job: Job) -> JobObject:
