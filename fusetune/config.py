@@ -109,6 +109,19 @@ class Settings(BaseSettings):
     storage_presigned_expiry_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)  # SigV4's longest: 7 days
     storage_public_endpoint: str = ""
 
+    # Chat completions (fusetune/serving): each worker runs a server of its own for them, which the API finds
+    # through the worker's row and calls with a token it writes there. It listens on serving_host:serving_port (0:
+    # a free port) and is reached at serving_public_host (empty: serving_host), which must be reachable from the
+    # API's hosts only. A model it loaded is unloaded after serving_idle_s without a request, and at once when a
+    # training job starts on the worker.
+    serving: bool = True
+    serving_host: str = "127.0.0.1"
+    serving_port: int = Field(default=0, ge=0, le=65535)
+    serving_public_host: str = ""
+    serving_idle_s: float = Field(default=600.0, gt=0)
+    # Sequences decoded together in one step (a request's `n` completions count one each); more wait their turn.
+    serving_max_batch: int = Field(default=32, ge=1)
+
     # An MLflow tracking server every job reports to (besides a job's own `integrations`); empty: none.
     mlflow_tracking_uri: str = ""
 
@@ -180,6 +193,12 @@ class Settings(BaseSettings):
             "FUSETUNE_STORAGE_PRESIGNED_EXPIRY_S": str(self.storage_presigned_expiry_s),
             "FUSETUNE_STORAGE_PUBLIC_ENDPOINT": self.storage_public_endpoint,
             "FUSETUNE_MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
+            "FUSETUNE_SERVING": str(self.serving).lower(),
+            "FUSETUNE_SERVING_HOST": self.serving_host,
+            "FUSETUNE_SERVING_PORT": str(self.serving_port),
+            "FUSETUNE_SERVING_PUBLIC_HOST": self.serving_public_host,
+            "FUSETUNE_SERVING_IDLE_S": str(self.serving_idle_s),
+            "FUSETUNE_SERVING_MAX_BATCH": str(self.serving_max_batch),
             "FUSETUNE_PYTHON_GRADERS": str(self.python_graders).lower(),
             "FUSETUNE_PYTHON_GRADER_TIMEOUT_S": str(self.python_grader_timeout_s),
             "FUSETUNE_PYTHON_GRADER_MEMORY_BYTES": str(self.python_grader_memory_bytes),

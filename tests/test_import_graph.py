@@ -124,7 +124,7 @@ FORBIDDEN = {
     "fusetune.kernels": ("fusetune.",),
     # The command line's HTTP client reaches a server through its API alone.
     "fusetune.client": ("fusetune.",),
-    "fusetune.api": ("fusetune.worker", "fusetune.models", "fusetune.kernels"),
+    "fusetune.api": ("fusetune.worker", "fusetune.serving", "fusetune.models", "fusetune.kernels"),
     "fusetune.db": ("fusetune.api", "fusetune.worker", "fusetune.models", "fusetune.kernels"),
     "fusetune.models": ("fusetune.api", "fusetune.worker", "fusetune.db"),
     "fusetune.worker.train": ("fusetune.api", "fusetune.worker."),

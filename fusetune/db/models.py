@@ -200,6 +200,10 @@ class Worker(Base):
     gpus: Mapped[int] = mapped_column(Integer)
     started_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
     heartbeat_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    # Its chat completions server (fusetune.serving), which the API forwards requests to with this Bearer token;
+    # None: the worker serves no chat completions.
+    serving_url: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    serving_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class TenantLimit(Base):

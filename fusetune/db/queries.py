@@ -289,14 +289,43 @@ def waiting_jobs(session: Session) -> list[Job]:
     return list(session.scalars(query.order_by(Job.created_at, Job.id)))
 
 
-def record_worker(session: Session, name: str, gpus: int) -> None:
+def record_worker(
+    session: Session, name: str, gpus: int, serving_url: str | None = None, serving_token: str | None = None
+) -> None:
     """A worker's start or heartbeat: its row, written anew."""
     now = now_s()
     worker = session.get(Worker, name)
     if worker is None:
-        session.add(Worker(name=name, gpus=gpus, started_at=now, heartbeat_at=now))
+        worker = Worker(name=name, started_at=now)
+        session.add(worker)
+    worker.gpus, worker.heartbeat_at = gpus, now
+    worker.serving_url, worker.serving_token = serving_url, serving_token
+
+
+def serving_workers(connection: Connection, alive_since: int) -> list[tuple[str, str, bool]]:
+    """(serving URL, token, training now) of each worker up that serves chat completions: the idle ones first,
+    then the most recently beating."""
+    training = select(Job.id).where(Job.worker == Worker.name, Job.status == JobStatus.RUNNING).exists()
+    query = (
+        select(Worker.serving_url, Worker.serving_token, training)
+        .where(Worker.heartbeat_at >= alive_since, Worker.serving_url.is_not(None))
+        .order_by(training, Worker.heartbeat_at.desc())
+    )
+    return [(url, token, bool(busy)) for url, token, busy in connection.execute(query)]
+
+
+def callable_fine_tuned_model(connection: Connection, model: str, tenant: str) -> bool:
+    """Whether the model is one of the tenant's fine-tuned models, or a checkpoint of one
+    (`<model>:ckpt-step-<n>`), that is not deleted: what its chat completions may call."""
+    query = select(Job.id).where(
+        Job.tenant == tenant, Job.status == JobStatus.SUCCEEDED, Job.model_deleted_at.is_(None)
+    )
+    named = split_checkpoint_model_name(model)
+    if named is None:
+        query = query.where(Job.fine_tuned_model == model)
     else:
-        worker.gpus, worker.heartbeat_at = gpus, now
+        query = query.join(Checkpoint).where(Job.fine_tuned_model == named[0], Checkpoint.step == named[1])
+    return connection.execute(query.limit(1)).first() is not None
 
 
 def remove_worker(session: Session, name: str) -> None:

@@ -18,6 +18,7 @@ from fusetune import capacity
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, JobQueue, declare_jobs_queue, make_celery_app
+from fusetune.serving.server import ServingServer
 from fusetune.worker.lifecycle import stop_with_parent
 from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
 
@@ -30,6 +31,7 @@ def make_worker_app(settings: Settings, restart: threading.Event | None = None) 
     app = make_celery_app(settings)
     queue = JobQueue(app)
     runner = JobRunner(settings, requeue=queue.enqueue)
+    serving: list[ServingServer] = []  # the chat completions server, once the worker is ready
 
     @app.task(name=RUN_JOB_TASK)
     def run_job(job_id: str) -> str:
@@ -38,13 +40,30 @@ def make_worker_app(settings: Settings, restart: threading.Event | None = None) 
     def beat() -> None:
         """The worker's heartbeat row (what it advertises), then, when it is idle, what waits and could start here
         now (a limit raised, a lost wake-up; a job's end wakes the waiting at once)."""
+        url, token = (serving[0].url, serving[0].token) if serving else (None, None)
         with runner.session_factory() as session:
-            queries.record_worker(session, runner.worker_name, runner.gpus)
+            queries.record_worker(session, runner.worker_name, runner.gpus, url, token)
             session.commit()
         if runner.training is None and not runner.stopping.is_set():
             capacity.release_waiting_jobs(settings, runner.session_factory, queue.enqueue, runner.gpus)
 
+    def start_serving() -> None:
+        """The chat completions server (in this thread, not the worker's start: loading torch takes seconds).
+        Training takes the worker's devices: the server unloads its models and refuses requests while a job
+        trains here."""
+        try:
+            server = ServingServer(settings, runner.locations).start()
+        except OSError:
+            log.exception("could not start the chat completions server; this worker serves none")
+            return
+        runner.before_training, runner.after_training = server.engine.pause, server.engine.resume
+        if runner.training is not None:  # a job claimed while the server started
+            server.engine.pause()
+        serving.append(server)
+
     def reap_forever() -> None:
+        if settings.serving:
+            start_serving()  # before the first heartbeat, which advertises it
         while True:
             try:
                 requeued = reap_lapsed_jobs(settings, runner.session_factory, queue.enqueue)
@@ -87,6 +106,8 @@ def make_worker_app(settings: Settings, restart: threading.Event | None = None) 
 
     @worker_shutdown.connect(weak=False)
     def _unregister(**_kwargs) -> None:
+        for server in serving:
+            server.stop()
         with runner.session_factory() as session:
             queries.remove_worker(session, runner.worker_name)
             session.commit()

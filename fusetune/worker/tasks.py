@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusetune import capacity
-from fusetune.catalog import base_model_location, fine_tuned_model_name
+from fusetune.catalog import fine_tuned_model_name
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import AttemptEnd, Job, JobStatus
@@ -30,9 +30,9 @@ from fusetune.spec.job import JobSpec
 from fusetune.storage import StorageError, open_storage
 from fusetune.worker import results, run_storage
 from fusetune.worker.lifecycle import detect_gpus
+from fusetune.worker.locations import ModelLocations
 from fusetune.worker.redact import without_paths
 from fusetune.worker.train.checkpoints import store as checkpoint_store
-from fusetune.worker.train.checkpoints.layout import adapter_base_model_name
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.outcome import (
     ERROR_FILENAME,
@@ -84,6 +84,7 @@ class JobRunner:
         self.session_factory = make_session_factory(make_engine(settings.database_url))
         self.worker_name = f"{socket.gethostname()}:{os.getpid()}"
         self.storage = open_storage(settings)
+        self.locations = ModelLocations(settings, self.session_factory, self.storage)
         # Set when the worker is asked to stop: a job in training is handed back to the queue with a checkpoint.
         self.stopping = threading.Event()
         # What this worker advertises and takes jobs up to (fusetune.capacity).
@@ -91,6 +92,10 @@ class JobRunner:
         # The job this worker trains, if any: only an idle worker sends waiting jobs a message on its heartbeat
         # (a busy one could not take them, and would fill the queue with copies while they wait).
         self.training: str | None = None
+        # Called before a claimed job's training starts and after it ends: the worker's chat completions
+        # server gives the GPUs back to training and takes them again (fusetune.serving).
+        self.before_training: Callable[[], None] = lambda: None
+        self.after_training: Callable[[], None] = lambda: None
 
     # ---- public --------------------------------------------------------------------------------------------
 
@@ -117,6 +122,7 @@ class JobRunner:
             session.commit()
         self.training = job_id
         try:
+            self.before_training()
             outcome = self._train(job)
         except StorageError as exc:
             log.exception("job %s: the store failed", job_id)
@@ -138,6 +144,7 @@ class JobRunner:
             status = self._record(job, outcome)
         finally:
             self.training = None
+            self.after_training()
         # The job's slot and GPUs are free again: what waited for them may start.
         capacity.release_waiting_jobs(self.settings, self.session_factory, self.requeue, self.gpus)
         return status
@@ -195,29 +202,10 @@ class JobRunner:
         return self._location_of(job.model, job.tenant)
 
     def _location_of(self, model: str, tenant: str) -> str | None:
-        location = base_model_location(self.settings, model)
-        if location is not None:
-            return location
-        with self.session_factory() as session:
-            # A fine-tuned model's newest checkpoint, or the one a checkpoint's model name names.
-            checkpoint = queries.checkpoint_of_model(session, model, tenant)
-            if checkpoint is not None:
-                return str(checkpoint_store.restore_model(
-                    self.storage, tenant, checkpoint.storage_path, self.settings.runs_dir
-                ).resolve())  # fmt: skip
-        return None
+        return self.locations.location_of(model, tenant)
 
     def _adapter_base_models(self, tenant: str, location: str) -> dict[str, str]:
-        """Where the base model of a LoRA checkpoint at `location` is here, by the public name the checkpoint
-        gives it, and so on down while a base is a LoRA checkpoint too (TrainConfig.adapter_base_models). A name
-        this server does not know (an older checkpoint's path) is left to the trainer to load as it is."""
-        found: dict[str, str] = {}
-        while (name := adapter_base_model_name(location)) is not None and name not in found:
-            base = self._location_of(name, tenant)
-            if base is None:
-                break
-            found[name] = location = base
-        return found
+        return self.locations.adapter_base_models(tenant, location)
 
     def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:
         with self.session_factory() as session:

@@ -1,0 +1,213 @@
+"""The worker's chat completions server: a small HTTP app over the serving engine, run by uvicorn in a thread of
+the worker process, on serving_host:serving_port. The worker writes its URL and a token made at its start into
+its row (queries.record_worker) on every heartbeat; the API forwards a tenant's checked request there
+(fusetune/api/routes/chat.py) with that token and the tenant, and passes the answer or the event stream through.
+
+It speaks OpenAI's shape (chat.completion, chat.completion.chunk events ending with `data: [DONE]`), so the API
+adds nothing to a reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from fusetune.config import Settings
+from fusetune.serving.engine import Engine, ServingError
+from fusetune.spec.chat import TENANT_HEADER, ChatCompletionCreate
+from fusetune.worker.locations import ModelLocations
+from fusetune.worker.train.loading import load_model, load_tokenizer
+from fusetune.worker.train.outcome import TrainingFailure
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+def create_serving_app(engine: Engine, locations: ModelLocations, token: str) -> FastAPI:
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    dtype = torch.bfloat16 if engine.device.type == "cuda" else torch.float32
+
+    def resolve(model: str, tenant: str) -> tuple[str, Any]:
+        """The model's location (the engine's key) and how to load it; the API checked the tenant may call it."""
+        location = locations.location_of(model, tenant)
+        if location is None:
+            raise ServingError(404, f"No model with id '{model}'.", "model", "model_not_found")
+        bases = locations.adapter_base_models(tenant, location)
+
+        def load() -> tuple[Any, Any]:
+            try:
+                tokenizer = load_tokenizer(location)
+            except TrainingFailure:  # a checkpoint without its tokenizer: its base's
+                tokenizer = load_tokenizer(next(reversed(bases.values()), location))
+            return load_model(location, dtype, bases), tokenizer
+
+        return location, load
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "loaded_models": len(engine.loaded_models)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+            return _error(401, "This is a worker's serving endpoint; call the API.", code="invalid_api_key")
+        tenant = request.headers.get(TENANT_HEADER, "")
+        try:
+            body = ChatCompletionCreate.model_validate_json(await request.body())
+        except ValidationError as error:
+            return _error(400, str(error), code="invalid_request")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        try:
+            key, load = await run_in_threadpool(resolve, body.model, tenant)
+            handle = await run_in_threadpool(engine.submit, key, load, body, emit)
+        except ServingError as error:
+            return _error(error.status_code, error.message, error.param, error.code)
+        except TrainingFailure as failure:
+            log.warning("serving: could not load %s: %s", body.model, failure)
+            return _error(500, f"The model '{body.model}' could not be loaded.", "model", "model_load_failed")
+        reply_id, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        if body.stream:
+            stream = _stream(events, body, reply_id, created)
+            return StreamingResponse(
+                _cancelling(stream, handle.cancelled), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )  # fmt: skip
+        try:
+            return await _complete(events, body, reply_id, created)
+        finally:
+            handle.cancelled.set()
+
+    return app
+
+
+async def _cancelling(stream: AsyncIterator[bytes], cancelled: threading.Event) -> AsyncIterator[bytes]:
+    """The stream; a client gone before its end stops the request's decoding."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        cancelled.set()
+
+
+async def _complete(events: asyncio.Queue, body: ChatCompletionCreate, reply_id: str, created: int):
+    texts = [""] * body.choices
+    reasons: list[str | None] = [None] * body.choices
+    while True:
+        kind, first, second = await events.get()
+        if kind == "delta":
+            texts[first] += second
+        elif kind == "finish":
+            reasons[first] = second
+        elif kind == "error":
+            return _error(first, second, code="generation_failed")
+        elif kind == "usage":
+            break
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+         "finish_reason": reason, "logprobs": None}
+        for i, (text, reason) in enumerate(zip(texts, reasons, strict=True))
+    ]  # fmt: skip
+    usage = {"prompt_tokens": first, "completion_tokens": second, "total_tokens": first + second}
+    return {"id": reply_id, "object": "chat.completion", "created": created, "model": body.model,
+            "choices": choices, "usage": usage}  # fmt: skip
+
+
+async def _stream(
+    events: asyncio.Queue, body: ChatCompletionCreate, reply_id: str, created: int
+) -> AsyncIterator[bytes]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    head = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": body.model}
+    if include_usage:
+        head["usage"] = None
+
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return _sse({**head, "choices": [choice]})
+
+    for index in range(body.choices):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    while True:
+        kind, first, second = await events.get()
+        if kind == "delta":
+            yield chunk(first, {"content": second})
+        elif kind == "finish":
+            yield chunk(first, {}, second)
+        elif kind == "error":
+            body_error = {
+                "message": second,
+                "type": "server_error",
+                "param": None,
+                "code": "generation_failed",
+            }
+            yield _sse({"error": body_error})
+            return
+        elif kind == "usage":
+            if include_usage:
+                usage = {"prompt_tokens": first, "completion_tokens": second, "total_tokens": first + second}
+                yield _sse({**head, "choices": [], "usage": usage})
+            yield _sse("[DONE]")
+            return
+
+
+class ServingServer:
+    """The engine and its HTTP server, in threads of the worker process."""
+
+    def __init__(self, settings: Settings, locations: ModelLocations):
+        self.engine = Engine(settings.serving_idle_s, settings.serving_max_batch)
+        self.token = secrets.token_hex(24)
+        family = socket.AF_INET6 if ":" in settings.serving_host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((settings.serving_host, settings.serving_port))
+        port = self._socket.getsockname()[1]
+        host = settings.serving_public_host or settings.serving_host
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        app = create_serving_app(self.engine, locations, self.token)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._socket]},
+            name="fusetune-serving-http",
+            daemon=True,
+        )
+
+    def start(self) -> ServingServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self.engine.stop()
+        self._thread.join(timeout=10)
+        self._socket.close()
