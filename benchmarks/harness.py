@@ -620,6 +620,27 @@ def short_error(error: BaseException | str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# ---- the head of an e2e or scaling section (benchmarks/step/e2e.py, benchmarks/scaling/gpus.py)
+
+MFU_FORMULA = (
+    "mfu = tokens_per_s * flops_per_token / peak, flops_per_token = 6*N + 12*L*(n_heads*head_dim)*S "
+    "(forward + backward; N = parameters that take part in matmuls: all parameters, minus the input "
+    "embedding table unless it is tied to the lm_head; attention term as in the PaLM paper, not halved for "
+    "the causal mask; S = the row length, or the document length when rows are packed), peak = the bf16 "
+    "matmul rate measured at the start of the run (8192^3)"
+)
+
+
+def results_header(meta: dict[str, Any], method: str) -> dict[str, Any]:
+    """How an e2e or scaling section starts: the run's meta, its method and the MFU's formula and peak."""
+    return {
+        **meta,
+        "method": method,
+        "mfu_formula": MFU_FORMULA,
+        "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
+    }
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--device-info"]:
         report(device_info())

@@ -33,7 +33,6 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import GIB, markdown_table, short_error
-from benchmarks.step.e2e import results_header
 from benchmarks.workloads import MODEL_SHAPES, build_config
 
 RESULTS = harness.Benchmark("gpus", topic="scaling")
@@ -260,7 +259,7 @@ def merge_rows(previous: list[dict[str, Any]], new: list[dict[str, Any]]) -> lis
 
 def results_payload(meta: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        **results_header(meta, METHOD),
+        **harness.results_header(meta, METHOD),
         "goal": f"scaling efficiency >= {GOAL_EFFICIENCY} on 2 GPUs and >= {GOAL_EFFICIENCY_MANY_GPUS} on 4 or 8, "
         "with the kernels on (HF + Liger-Kernel under plain DDP, 1 -> 2 GPUs: "
         "0.946 on H200, shared/ANCHORS.md)",

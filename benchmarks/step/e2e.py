@@ -119,13 +119,6 @@ LIGER_PATCHES = {
 # (its logits are scaled), so Liger's Granite runs its cross-entropy on the built logits.
 LIGER_LOSS = {"granite": {"fused_linear_cross_entropy": False, "cross_entropy": True}}
 
-MFU_FORMULA = (
-    "mfu = tokens_per_s * flops_per_token / peak, flops_per_token = 6*N + 12*L*(n_heads*head_dim)*S "
-    "(forward + backward; N = parameters that take part in matmuls: all parameters, minus the input "
-    "embedding table unless it is tied to the lm_head; attention term as in the PaLM paper, not halved for "
-    "the causal mask; S = the row length, or the document length when rows are packed), peak = the bf16 "
-    "matmul rate measured at the start of the run (8192^3)"
-)
 METHOD = (
     "bf16 weights, random init (seed 0), random token ids, labels = input ids, torch.optim.AdamW(fused=True, "
     "lr=1e-5); step = forward with labels + loss.backward() + optimizer.step() + zero_grad(set_to_none=True); "
@@ -655,17 +648,7 @@ def results_payload(meta: dict[str, Any], rows: list[dict], previous: dict | Non
 
     run_keys = {key(row) for row in rows}
     kept = [row for row in (previous or {}).get("rows", []) if key(row) not in run_keys]
-    return {**results_header(meta, METHOD), "rows": kept + rows}
-
-
-def results_header(meta: dict[str, Any], method: str) -> dict[str, Any]:
-    """How an e2e or scaling section starts: the run's meta, its method and the MFU's formula and peak."""
-    return {
-        **meta,
-        "method": method,
-        "mfu_formula": MFU_FORMULA,
-        "mfu_peak_TFLOPs": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
-    }
+    return {**harness.results_header(meta, METHOD), "rows": kept + rows}
 
 
 def setup_key(row: dict[str, Any]) -> tuple:
