@@ -244,3 +244,60 @@ class IdempotentRequest(Base):
     request_hash: Mapped[str] = mapped_column(String(64))
     object_id: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class Eval(Base):
+    """An eval (OpenAI's Evals API): the item schema and the testing criteria, as the request gave them."""
+
+    __tablename__ = "evals"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("eval_"))
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    # The `custom` data source config as created (fusetune.spec.evals.CustomDataSourceConfig).
+    data_source_config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    testing_criteria: Mapped[list[Any]] = mapped_column(default=list)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+
+
+class EvalRun(Base):
+    """One run of an eval: a model sampled over a data source, each sample graded by every criterion. A worker
+    runs it (fusetune.worker.evals) and writes the counts when it ends."""
+
+    __tablename__ = "eval_runs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("evalrun_"))
+    eval_id: Mapped[str] = mapped_column(ForeignKey("evals.id", ondelete="CASCADE"), index=True)
+    tenant: Mapped[str] = mapped_column(String(64), default=DEFAULT_TENANT, index=True)
+    name: Mapped[str] = mapped_column(String(256), default="")
+    model: Mapped[str] = mapped_column(String(255), index=True)
+    status: Mapped[str] = mapped_column(String(32), default="queued")
+    # The `completions` data source as requested (fusetune.spec.evals.CompletionsDataSource).
+    data_source: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # total, passed, failed, errored; and [{testing_criteria, passed, failed}]: written when the run ends.
+    result_counts: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    per_testing_criteria_results: Mapped[list[Any]] = mapped_column(default=list)
+    per_model_usage: Mapped[list[Any]] = mapped_column(default=list)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class EvalRunOutputItem(Base):
+    """One item of a run: the item, the sample the model gave, and each criterion's result."""
+
+    __tablename__ = "eval_run_output_items"
+    __table_args__ = (Index("ix_eval_run_output_items_run_item", "run_id", "datasource_item_id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True, default=lambda: new_id("outputitem_"))
+    run_id: Mapped[str] = mapped_column(ForeignKey("eval_runs.id", ondelete="CASCADE"))
+    datasource_item_id: Mapped[int] = mapped_column(Integer)
+    datasource_item: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # "pass" when every criterion passed, "fail" otherwise, "error" when sampling or grading failed.
+    status: Mapped[str] = mapped_column(String(16))
+    sample: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    results: Mapped[list[Any]] = mapped_column(default=list)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
