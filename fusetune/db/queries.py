@@ -16,6 +16,9 @@ from fusetune.db.models import (
     ApiKey,
     AttemptEnd,
     Checkpoint,
+    Eval,
+    EvalRun,
+    EvalRunOutputItem,
     File,
     IdempotentRequest,
     Job,
@@ -755,4 +758,140 @@ def list_metrics(
     params = {"job_id": job_id, "lo": min_step or 0, "hi": MAX_STEP if max_step is None else max_step,
               "limit": limit + 1}  # fmt: skip
     rows = connection.execute(_METRICS, params).all()
+    return rows[:limit], len(rows) > limit
+
+
+# ---- evals (OpenAI's Evals API) ----------------------------------------------------------------------------------
+
+
+def _page_by_creation(session: Session, query, model, after, limit: int, order: str) -> tuple[list, bool]:
+    """A page of `query`'s rows of `model` by creation time ("asc" or "desc", ties by id), after the row `after`."""
+    if order == "desc":
+        query = query.order_by(model.created_at.desc(), model.id.desc())
+        if after is not None:
+            query = query.where(
+                (model.created_at < after.created_at)
+                | ((model.created_at == after.created_at) & (model.id < after.id))
+            )
+    else:
+        query = query.order_by(model.created_at, model.id)
+        if after is not None:
+            query = query.where(
+                (model.created_at > after.created_at)
+                | ((model.created_at == after.created_at) & (model.id > after.id))
+            )
+    rows = list(session.scalars(query.limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def get_eval(session: Session, eval_id: str, tenant: str) -> Eval | None:
+    return session.scalar(select(Eval).where(Eval.id == eval_id, Eval.tenant == tenant))
+
+
+def page_evals(
+    session: Session, tenant: str, *, after: Eval | None, limit: int, order: str
+) -> tuple[list[Eval], bool]:
+    return _page_by_creation(session, select(Eval).where(Eval.tenant == tenant), Eval, after, limit, order)
+
+
+def delete_eval(session: Session, evaluation: Eval) -> None:
+    """The eval, its runs and their output items (deleted here, not left to the database's cascade, which
+    SQLite applies only with its foreign keys on)."""
+    run_ids = select(EvalRun.id).where(EvalRun.eval_id == evaluation.id)
+    session.execute(delete(EvalRunOutputItem).where(EvalRunOutputItem.run_id.in_(run_ids)))
+    session.execute(delete(EvalRun).where(EvalRun.eval_id == evaluation.id))
+    session.delete(evaluation)
+
+
+def get_eval_run(session: Session, run_id: str, tenant: str, eval_id: str | None = None) -> EvalRun | None:
+    query = select(EvalRun).where(EvalRun.id == run_id, EvalRun.tenant == tenant)
+    if eval_id is not None:
+        query = query.where(EvalRun.eval_id == eval_id)
+    return session.scalar(query)
+
+
+def page_eval_runs(
+    session: Session, eval_id: str, *, status: str | None, after: EvalRun | None, limit: int, order: str
+) -> tuple[list[EvalRun], bool]:
+    query = select(EvalRun).where(EvalRun.eval_id == eval_id)
+    if status:
+        query = query.where(EvalRun.status == status)
+    return _page_by_creation(session, query, EvalRun, after, limit, order)
+
+
+def eval_runs_of_model(session: Session, model: str, tenant: str, limit: int = 20) -> list[EvalRun]:
+    """The tenant's newest runs that sampled `model` (the dashboard shows them beside the job that made it)."""
+    query = (
+        select(EvalRun)
+        .where(EvalRun.model == model, EvalRun.tenant == tenant)
+        .order_by(EvalRun.created_at.desc(), EvalRun.id.desc())
+        .limit(limit)
+    )
+    return list(session.scalars(query))
+
+
+def claim_eval_run(session: Session, run_id: str, worker: str) -> EvalRun | None:
+    """The run, now in_progress on `worker`, if it was queued; None for a redelivered or canceled run."""
+    claimed = session.execute(
+        update(EvalRun)
+        .where(EvalRun.id == run_id, EvalRun.status == "queued")
+        .values(status="in_progress", worker=worker)
+    ).rowcount
+    return session.get(EvalRun, run_id) if claimed else None
+
+
+def finish_eval_run(session: Session, run_id: str, status: str, **fields: Any) -> bool:
+    """Ends an in_progress run (not one canceled meanwhile) with `status` and `fields`."""
+    return bool(
+        session.execute(
+            update(EvalRun)
+            .where(EvalRun.id == run_id, EvalRun.status == "in_progress")
+            .values(status=status, finished_at=now_s(), **fields)
+        ).rowcount
+    )
+
+
+def cancel_eval_run(session: Session, run: EvalRun) -> bool:
+    return bool(
+        session.execute(
+            update(EvalRun)
+            .where(EvalRun.id == run.id, EvalRun.status.in_(("queued", "in_progress")))
+            .values(status="canceled", finished_at=now_s())
+        ).rowcount
+    )
+
+
+def eval_run_status(session: Session, run_id: str) -> str | None:
+    return session.scalar(select(EvalRun.status).where(EvalRun.id == run_id))
+
+
+def get_output_item(session: Session, run_id: str, item_id: str) -> EvalRunOutputItem | None:
+    return session.scalar(
+        select(EvalRunOutputItem).where(EvalRunOutputItem.run_id == run_id, EvalRunOutputItem.id == item_id)
+    )
+
+
+def page_output_items(
+    session: Session,
+    run_id: str,
+    *,
+    status: str | None,
+    after: EvalRunOutputItem | None,
+    limit: int,
+    order: str,
+) -> tuple[list[EvalRunOutputItem], bool]:
+    """A run's output items by their item's position in the data source ("asc") or from the last ("desc")."""
+    query = select(EvalRunOutputItem).where(EvalRunOutputItem.run_id == run_id)
+    if status:
+        query = query.where(EvalRunOutputItem.status == status)
+    position = EvalRunOutputItem.datasource_item_id
+    if order == "desc":
+        query = query.order_by(position.desc())
+        if after is not None:
+            query = query.where(position < after.datasource_item_id)
+    else:
+        query = query.order_by(position)
+        if after is not None:
+            query = query.where(position > after.datasource_item_id)
+    rows = list(session.scalars(query.limit(limit + 1)))
     return rows[:limit], len(rows) > limit
