@@ -48,25 +48,30 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
 
+def resolve_model(engine: Engine, locations: ModelLocations, model: str, tenant: str) -> tuple[str, Any]:
+    """The model's location (the engine's key) and how to load it; the caller checked the tenant may call it.
+    Chat completions and eval runs (fusetune/worker/evals.py) both submit to the engine with these."""
+    dtype = torch.bfloat16 if engine.device.type == "cuda" else torch.float32
+    location = locations.location_of(model, tenant)
+    if location is None:
+        raise ServingError(404, f"No model with id '{model}'.", "model", "model_not_found")
+    bases = locations.adapter_base_models(tenant, location)
+
+    def load() -> tuple[Any, Any]:
+        try:
+            tokenizer = load_tokenizer(location)
+        except TrainingFailure:  # a checkpoint without its tokenizer: its base's
+            tokenizer = load_tokenizer(next(reversed(bases.values()), location))
+        return load_model(location, dtype, bases), tokenizer
+
+    return location, load
+
+
 def create_serving_app(engine: Engine, locations: ModelLocations, token: str) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    dtype = torch.bfloat16 if engine.device.type == "cuda" else torch.float32
 
     def resolve(model: str, tenant: str) -> tuple[str, Any]:
-        """The model's location (the engine's key) and how to load it; the API checked the tenant may call it."""
-        location = locations.location_of(model, tenant)
-        if location is None:
-            raise ServingError(404, f"No model with id '{model}'.", "model", "model_not_found")
-        bases = locations.adapter_base_models(tenant, location)
-
-        def load() -> tuple[Any, Any]:
-            try:
-                tokenizer = load_tokenizer(location)
-            except TrainingFailure:  # a checkpoint without its tokenizer: its base's
-                tokenizer = load_tokenizer(next(reversed(bases.values()), location))
-            return load_model(location, dtype, bases), tokenizer
-
-        return location, load
+        return resolve_model(engine, locations, model, tenant)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
