@@ -352,6 +352,28 @@ def test_the_job_goes_on_while_grading_fails_on_at_most_half_a_steps_completions
     assert failed.value.code == ErrorCode.GRADER_ERROR and "ZeroDivisionError" in failed.value.message
 
 
+@pytest.mark.parametrize(("errors", "fails"), [(2, False), (3, True)])
+def test_a_validation_whose_grading_fails_on_most_completions_fails_the_job(
+    model_dir, prompts_file, tmp_path, monkeypatch, errors, fails
+):
+    """The validation's sums count the grader's failures (summed over batches and ranks like the scores), and
+    more than half of them failed fails the job as a training step's would, where it reported a pass rate of
+    the few that graded."""
+    _grade_with_errors(monkeypatch, errors)
+    config = make_config(model_dir, prompts_file, tmp_path, method=reinforcement(), batch_size=2, max_steps=1)
+    trainer = Trainer(config, ONE_CPU_RANK, RecordingReporter())
+    method = trainer.method
+    batch = method.collate(method.load_data(str(prompts_file), packing=False).sequences[:4], packed=False)
+    sums = method.eval_sums(trainer.model, batch).tolist()
+    assert sums[1:3] == [4.0, float(errors)]
+    if not fails:
+        assert method.eval_metrics(sums)["valid_pass_rate_exact"] == (4 - errors) / 4
+        return
+    with pytest.raises(TrainingFailure, match="failed on 3 of 4 validation completions") as failed:
+        method.eval_metrics(sums)
+    assert failed.value.code == ErrorCode.GRADER_ERROR
+
+
 def test_over_a_static_cache_prompts_pad_to_a_width_class_that_samples_alike():
     """The widths a static cache (and the compiled decoding step) sees are powers of two: 5 and 16 pad to 16,
     17 and 30 to 32; the extra padding is on the left and masked, and greedy sampling of the padded prompts

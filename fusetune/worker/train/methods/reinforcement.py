@@ -148,7 +148,12 @@ class GroupRelativePolicyOptimization(TrainingMethod):
         self.graders = sub_graders(self.settings.grader)
         # The server's limits for python graders, which the worker hands to the trainer's environment.
         self.grading_settings = Settings()
-        self.eval_sum_names = ("reward", "prompts", *(f"pass_{name}" for name in self.graders))
+        self.eval_sum_names = (
+            "reward",
+            "prompts",
+            "grading_errors",
+            *(f"pass_{name}" for name in self.graders),
+        )
         self.step_metric_names = (
             "reward_mean", "reward_std", "zero_std_groups", *(f"pass_rate_{name}" for name in self.graders),
             "completion_length", "truncated_completions", "grading_errors", "generated_tokens_per_second",
@@ -497,11 +502,25 @@ class GroupRelativePolicyOptimization(TrainingMethod):
         completions = self._generate(model, batch, 1, sample=False)
         results = self._grade(prompts, completions, 1)
         passed = self._passed(results)
-        sums = [sum(result.score for result in results), float(len(prompts)), *(sum(p) for p in passed)]
+        errors = sum(result.error is not None for result in results)
+        sums = [
+            sum(result.score for result in results),
+            float(len(prompts)),
+            float(errors),
+            *(sum(p) for p in passed),
+        ]
         return torch.tensor(sums, dtype=torch.float64, device=batch["input_ids"].device)
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
-        reward, prompts, *passed = sums
+        reward, prompts, errors, *passed = sums
+        # The same rule as a training step's: a validation score made mostly of failures measures nothing. Every
+        # rank reads the same summed counts, so every rank stops here together.
+        if errors > MAX_GRADING_ERROR_SHARE * prompts:
+            raise TrainingFailure(
+                ErrorCode.GRADER_ERROR,
+                f"the grader failed on {errors:.0f} of {prompts:.0f} validation completions; the first failures "
+                "of training steps are in the job's grading_errors events",
+            )
         return {
             "valid_reward_mean": reward / prompts,
             **{f"valid_pass_rate_{name}": p / prompts for name, p in zip(self.graders, passed, strict=True)},
