@@ -83,7 +83,10 @@ class LoraSpec(Spec):
     r: int = Field(16, ge=1, le=1024, description="Rank of the adapters")
     alpha: float = Field(32.0, gt=0, description="Scale of the adapters' update: alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input")
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    # At least one name, none empty: peft would build no adapter, and the job would train nothing.
+    target_modules: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | Literal["all-linear"]
+    ) = Field(
         "all-linear",
         description='"all-linear": every linear layer but the output head; or module names such as '
         '["q_proj", "v_proj"]',

@@ -68,6 +68,14 @@ def test_an_unknown_target_module_is_refused_naming_the_field_and_the_modules(
     assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
 
 
+@pytest.mark.parametrize("target_modules", [[], [""]], ids=["none", "an-empty-name"])
+def test_no_target_module_is_refused_naming_the_field(client, model_with_weights, target_modules):
+    """No adapter would be built: the job would train nothing and succeed."""
+    error = _assert_error_shape(_create(client, {"target_modules": target_modules}), 400)
+    assert error["param"].startswith("hyperparameters.lora.target_modules"), error
+    assert client.get("/v1/fine_tuning/jobs").json()["data"] == []
+
+
 @pytest.mark.parametrize(
     "target_modules",
     [["q_proj", "v_proj"], ["self_attn.q_proj"], ["model.layers.0.mlp.down_proj"], ["lm_head"], "all-linear"],
