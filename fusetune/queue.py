@@ -14,6 +14,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from fusetune.config import Settings
 
 RUN_JOB_TASK = "fusetune.run_job"
+# An eval run goes to the same queue as jobs: a worker samples it with the devices it would train with.
+RUN_EVAL_TASK = "fusetune.run_eval"
 JOBS_QUEUE = "fusetune.jobs"
 
 
@@ -50,6 +52,12 @@ class JobQueue:
             declare_jobs_queue(self._celery)
             self._declared = True
         self._celery.send_task(RUN_JOB_TASK, args=[job_id], queue=JOBS_QUEUE)
+
+    def enqueue_eval_run(self, run_id: str) -> None:
+        if not self._declared:
+            declare_jobs_queue(self._celery)
+            self._declared = True
+        self._celery.send_task(RUN_EVAL_TASK, args=[run_id], queue=JOBS_QUEUE)
 
 
 def declare_jobs_queue(celery_app: Celery, attempts: int = 5) -> None:

@@ -11,7 +11,7 @@ from fusetune import __version__
 from fusetune.api.deps import Reads
 from fusetune.api.errors import install_error_handlers
 from fusetune.api.middleware import MULTIPART_OVERHEAD_BYTES, BodyReadTimeout, BodySizeLimit, RequestMetrics
-from fusetune.api.routes import chat, files, graders, jobs, metrics, models, options
+from fusetune.api.routes import chat, evals, files, graders, jobs, metrics, models, options
 from fusetune.api.routes.ui import install_dashboard
 from fusetune.config import Settings
 from fusetune.db.session import make_engine, make_session_factory
@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
         request_registry = CollectorRegistry()  # its values live in the files, not here
         multiprocess.MultiProcessCollector(app.state.metrics_registry)
     install_error_handlers(app, request_registry)
-    for module in (files, jobs, options, graders, models, chat, metrics):
+    for module in (files, jobs, options, graders, models, chat, evals, metrics):
         app.include_router(module.router)
     install_dashboard(app)
     app.state.job_metrics_registry = metrics.install_state_collector(

@@ -132,6 +132,42 @@ def validate_chat_jsonl(stream: BinaryIO, max_example_bytes: int | None = None) 
     return report
 
 
+def validate_eval_jsonl(stream: BinaryIO, max_example_bytes: int | None = None) -> FileReport:
+    """An eval data file (purpose `evals`, OpenAI's format): every line an object `{"item": {...}}`, with an
+    optional `"sample"` object beside it. What the item holds is the eval's item schema's to say."""
+    report = FileReport(method="evals")
+    for line_number, raw in enumerate(stream, start=1):
+        if line_number == 1:
+            raw = raw.removeprefix(UTF8_BOM)
+        example_bytes = len(raw.rstrip(b"\r\n"))
+        if max_example_bytes is not None and example_bytes > max_example_bytes:
+            report.add_error(line_number, f"the line is {example_bytes:,} bytes, over the limit of "
+                             f"{max_example_bytes:,} bytes (the server's FUSETUNE_MAX_EXAMPLE_BYTES)")  # fmt: skip
+            continue
+        if not raw.strip():
+            continue
+        try:
+            row = parse_line(raw)
+        except ValueError as exc:
+            report.add_error(line_number, str(exc))
+            continue
+        if not isinstance(row, dict) or not isinstance(row.get("item"), dict):
+            report.add_error(
+                line_number, 'an eval line is an object {"item": {...}} (the item\'s fields inside)'
+            )
+            continue
+        extra = sorted(set(row) - {"item", "sample"})
+        if extra or not isinstance(row.get("sample", {}), dict):
+            report.add_error(line_number, f'an eval line holds "item" and optionally a "sample" object (got '
+                             f"{', '.join(extra) or 'a sample that is not an object'})")  # fmt: skip
+            continue
+        report.example_count += 1
+        report.token_estimate += max(1, example_bytes // CHARS_PER_TOKEN)
+    if report.example_count == 0 and not report.errors:
+        report.errors.append("the file holds no items")
+    return report
+
+
 def numbered_examples(chunks: Iterable[bytes], parse: Callable[[Any], Any]) -> Iterator[tuple[int, Any]]:
     """A stored file's examples with their line numbers, read lazily from its bytes: lines split at "\n" as
     above, the byte order mark and blank lines left out, each line parsed by its format's `parse` (the file passed

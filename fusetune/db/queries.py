@@ -865,6 +865,11 @@ def eval_run_status(session: Session, run_id: str) -> str | None:
     return session.scalar(select(EvalRun.status).where(EvalRun.id == run_id))
 
 
+def delete_eval_run(session: Session, run: EvalRun) -> None:
+    session.execute(delete(EvalRunOutputItem).where(EvalRunOutputItem.run_id == run.id))
+    session.delete(run)
+
+
 def get_output_item(session: Session, run_id: str, item_id: str) -> EvalRunOutputItem | None:
     return session.scalar(
         select(EvalRunOutputItem).where(EvalRunOutputItem.run_id == run_id, EvalRunOutputItem.id == item_id)

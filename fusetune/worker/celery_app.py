@@ -17,8 +17,16 @@ from celery.worker import state as celery_state
 from fusetune import capacity
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.queue import JOBS_QUEUE, RUN_JOB_TASK, JobQueue, declare_jobs_queue, make_celery_app
+from fusetune.queue import (
+    JOBS_QUEUE,
+    RUN_EVAL_TASK,
+    RUN_JOB_TASK,
+    JobQueue,
+    declare_jobs_queue,
+    make_celery_app,
+)
 from fusetune.serving.server import ServingServer
+from fusetune.worker.evals import EvalRunner
 from fusetune.worker.lifecycle import stop_with_parent
 from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
 
@@ -33,9 +41,17 @@ def make_worker_app(settings: Settings, restart: threading.Event | None = None) 
     runner = JobRunner(settings, requeue=queue.enqueue)
     serving: list[ServingServer] = []  # the chat completions server, once the worker is ready
 
+    # Eval runs sample through the chat completions engine once it started (its models stay warm for both).
+    evals = EvalRunner(settings, runner.session_factory, runner.storage, runner.locations, runner.worker_name,
+                       lambda: serving[0].engine if serving else None)  # fmt: skip
+
     @app.task(name=RUN_JOB_TASK)
     def run_job(job_id: str) -> str:
         return runner.run(job_id)
+
+    @app.task(name=RUN_EVAL_TASK)
+    def run_eval(run_id: str) -> str:
+        return evals.run(run_id)
 
     def beat() -> None:
         """The worker's heartbeat row (what it advertises), then, when it is idle, what waits and could start here

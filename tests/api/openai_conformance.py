@@ -69,7 +69,29 @@ JOB_OPERATIONS = (
     "POST /fine_tuning/jobs/{fine_tuning_job_id}/resume",
 )
 
+
+# An eval data file has purpose "evals": OpenAI's upload request takes it (CreateFileRequest), and its file object's
+# purpose enum has not caught up. Read as "user_data" (every other field is still checked).
+def as_openai_file(file: dict) -> dict:
+    return {**file, "purpose": "user_data"} if file.get("purpose") == "evals" else file
+
+
 EXCEPTIONS: tuple[Exception_, ...] = (
+    *(
+        Exception_(
+            operation,
+            "an eval data file (as_openai_file)",
+            lambda body: body.get("purpose") == "evals",
+            as_openai_file,
+        )  # fmt: skip
+        for operation in ("POST /files", "GET /files/{file_id}")
+    ),
+    Exception_(
+        "GET /files",
+        "the listed files (as_openai_file)",
+        lambda body: isinstance(body.get("data"), list),
+        lambda body: {**body, "data": [as_openai_file(file) for file in body["data"]]},
+    ),
     *(
         Exception_(
             operation,

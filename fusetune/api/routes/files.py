@@ -15,15 +15,18 @@ from sqlalchemy.exc import IntegrityError
 from fusetune.api import idempotency
 from fusetune.api.deps import SessionDep, SettingsDep, StorageDep, TenantDep
 from fusetune.api.errors import MAX_FILENAME_CHARS, ApiError, not_found
-from fusetune.api.file_validation import TRAINING_PURPOSE, validate_chat_jsonl
+from fusetune.api.file_validation import TRAINING_PURPOSE, validate_chat_jsonl, validate_eval_jsonl
 from fusetune.api.schemas import FileDeleted, FileList, FileObject
 from fusetune.db import queries
 from fusetune.db.models import File, new_id
+from fusetune.spec.evals import EVALS_PURPOSE
 from fusetune.storage import FileWriter, StorageError
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-PURPOSES = (TRAINING_PURPOSE,)
+# Each purpose's line check: training examples, or eval items (`{"item": {...}}`, read by eval runs).
+VALIDATORS = {TRAINING_PURPOSE: validate_chat_jsonl, EVALS_PURPOSE: validate_eval_jsonl}
+PURPOSES = tuple(VALIDATORS)
 _COPY_CHUNK_BYTES = 1024 * 1024
 
 
@@ -133,14 +136,15 @@ def create_file(
         # written (a temporary file beside the final one, or an aborted multipart upload).
         with storage.file_writer(tenant, storage_name, download_name=filename) as writer:
             upload = _UploadLines(file.file, writer, settings.max_upload_bytes, digest)
-            report = validate_chat_jsonl(upload, settings.max_example_bytes)
+            report = VALIDATORS[purpose](upload, settings.max_example_bytes)
             earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
             if earlier is not None:
                 return to_schema(_get(session, earlier, tenant))
             if report.errors:
                 raise ApiError(
                     400,
-                    f"Invalid training file '{filename}': {report.summary()}",
+                    f"Invalid {'eval data' if purpose == EVALS_PURPOSE else 'training'} file '{filename}': "
+                    f"{report.summary()}",
                     param="file",
                     code="invalid_file",
                 )
