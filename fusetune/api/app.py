@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None, queue: JobQueue | None = None) 
     install_error_handlers(app, request_registry)
     for module in (files, jobs, options, graders, models, chat, evals, metrics):
         app.include_router(module.router)
+    app.include_router(evals.job_runs_router)
     install_dashboard(app)
     app.state.job_metrics_registry = metrics.install_state_collector(
         app.state.metrics_registry, app.state.session_factory

@@ -153,3 +153,26 @@ def test_another_tenants_eval_is_a_404(client, settings, eval_and_file):
     assert own != theirs
     error = _error(client.post(f"/v1/evals/{theirs}/runs", json=_run_body(file_id), headers=other))
     assert error["param"] == "data_source.source.id"
+
+
+def test_a_jobs_eval_runs_are_the_runs_of_its_model(client, settings, eval_and_file):
+    from fusetune.db.models import DEFAULT_TENANT, EvalRun, Job, JobStatus
+
+    eval_id, file_id = eval_and_file
+    training = _upload(client, [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
+                                                                                  "content": "b"}]}], "fine-tune")  # fmt: skip
+    with make_session_factory(make_engine(settings.database_url))() as session:
+        job = Job(tenant=DEFAULT_TENANT, model="tiny", training_file_id=training.json()["id"],
+                  status=JobStatus.SUCCEEDED, fine_tuned_model="ft:tiny:default::abc")  # fmt: skip
+        session.add(job)
+        for model in ("ft:tiny:default::abc", "tiny"):
+            session.add(EvalRun(eval_id=eval_id, tenant=DEFAULT_TENANT, model=model, status="completed",
+                                data_source={}, result_counts={"total": 1, "passed": 1}))  # fmt: skip
+        _, other_key = queries.create_api_key(session, "other")
+        session.commit()
+        job_id = job.id
+    runs = client.get(f"/v1/fine_tuning/jobs/{job_id}/eval_runs").json()["data"]
+    assert [run["model"] for run in runs] == ["ft:tiny:default::abc"]
+    assert runs[0]["result_counts"] == {"total": 1, "passed": 1, "failed": 0, "errored": 0}
+    other = {"Authorization": f"Bearer {other_key}"}
+    assert client.get(f"/v1/fine_tuning/jobs/{job_id}/eval_runs", headers=other).status_code == 404

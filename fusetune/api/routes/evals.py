@@ -38,6 +38,9 @@ from fusetune.spec.evals import (
 from fusetune.spec.graders import StringCheckGrader, TextSimilarityGrader, sub_graders, template_references
 
 router = APIRouter(prefix="/v1/evals", tags=["evals"])
+# fusetune's own: the runs of a job's fine-tuned model, which the dashboard shows on the job's page (OpenAI lists
+# runs only by eval).
+job_runs_router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["evals"])
 
 MAX_PAGE = 100
 Order = Annotated[Literal["asc", "desc"], Query(description="By creation time")]
@@ -367,3 +370,13 @@ def retrieve_output_item(
     if row is None:
         raise not_found("output item", item_id, param="output_item_id")
     return output_item_object(row, run)
+
+
+@job_runs_router.get("/{job_id}/eval_runs")
+def list_job_eval_runs(job_id: str, session: SessionDep, tenant: TenantDep) -> dict:
+    """The newest eval runs (at most 20) that sampled the model the job made; none before it made one."""
+    job = queries.get_job(session, job_id, tenant)
+    if job is None:
+        raise not_found("fine-tuning job", job_id, param="job_id")
+    rows = queries.eval_runs_of_model(session, job.fine_tuned_model, tenant) if job.fine_tuned_model else []
+    return _list([run_object(row) for row in rows], False)

@@ -102,6 +102,8 @@ export const jobs = {
   events: (jobId, query) => api(`${jobPath(jobId)}/events`, { query }),
   // Every checkpoint a job keeps fits one page of the most the route gives (the API's default page is 10).
   checkpoints: (jobId) => api(`${jobPath(jobId)}/checkpoints`, { query: { limit: 1000 } }),
+  // The eval runs of the job's fine-tuned model (fusetune's route beside OpenAI's /v1/evals).
+  evalRuns: (jobId) => api(`${jobPath(jobId)}/eval_runs`),
   create: (body, idempotencyKey) =>
     api("v1/fine_tuning/jobs", { method: "POST", json: body, headers: { "Idempotency-Key": idempotencyKey } }),
 };

@@ -47,6 +47,7 @@ export function render(main, [jobId]) {
   const chartGrid = h("div", { class: "chart-grid", id: "job-charts" });
   const events = h("tbody");
   const checkpoints = h("tbody");
+  const evalRuns = h("tbody");
   const downloadStatus = h("div", { id: "download-status", class: "muted" });
   const pageError = h("div", { id: "job-page-error" });
 
@@ -68,6 +69,10 @@ export function render(main, [jobId]) {
       h("thead", {}, h("tr", {}, ["Step", "Saved", "Train loss", "Valid loss", "Valid accuracy", "Model", "Download"].map((c) => h("th", {}, c)))),
       checkpoints),
     downloadStatus,
+    h("h2", {}, "Eval runs of the fine-tuned model"),
+    h("table", { class: "data", id: "job-eval-runs" },
+      h("thead", {}, h("tr", {}, ["Run", "Eval", "Status", "Passed", "Per criterion", "Created"].map((c) => h("th", {}, c)))),
+      evalRuns),
     h("h2", {}, "Events"),
     h("table", { class: "data compact", id: "job-events" },
       h("thead", {}, h("tr", {}, ["Time", "Level", "Message"].map((c) => h("th", {}, c)))), events),
@@ -153,6 +158,22 @@ export function render(main, [jobId]) {
       h("tr", { class: `level-${e.level}` }, h("td", { class: "nowrap" }, formatTime(e.created_at)), h("td", {}, e.level), h("td", {}, e.message))));
   }
 
+  // Each run's pass rate over the items it graded, and each testing criterion's.
+  function drawEvalRuns(list) {
+    const rate = (passed, failed) => (passed + failed ? `${passed}/${passed + failed} (${Math.round((100 * passed) / (passed + failed))}%)` : "—");
+    replaceChildren(evalRuns, list.length ? list.map((r) => {
+      const counts = r.result_counts;
+      const criteria = r.per_testing_criteria_results.map((c) => `${c.testing_criteria}: ${rate(c.passed, c.failed)}`).join("; ");
+      return h("tr", { dataset: { runId: r.id } },
+        h("td", {}, r.name || r.id),
+        h("td", {}, r.eval_id),
+        h("td", {}, r.status === "failed" && r.error ? `failed: ${r.error.message}` : r.status),
+        h("td", { class: "eval-pass-rate" }, rate(counts.passed, counts.failed + counts.errored)),
+        h("td", {}, criteria || "—"),
+        h("td", {}, formatTime(r.created_at)));
+    }) : [h("tr", {}, h("td", { colspan: 6, class: "muted" }, "No eval run of this job's model yet (POST /v1/evals/{id}/runs)."))]);
+  }
+
   function drawCheckpoints(list) {
     replaceChildren(checkpoints, list.map((c) => {
       const download = (withState) => {
@@ -217,16 +238,18 @@ export function render(main, [jobId]) {
       for (const section of main.children) if (section !== pageError) section.hidden = true;
       return false;
     }
-    const [, eventPage, checkpointPage] = await Promise.all([
+    const [, eventPage, checkpointPage, evalRunPage] = await Promise.all([
       stream.poll(),
       jobs.events(jobId, { type: "message", limit: EVENTS_SHOWN }),
       jobs.checkpoints(jobId),
+      jobs.evalRuns(jobId),
     ]);
     const startedEvent = eventPage.data.find((e) => e.data && e.data.event === "started");
     drawCharts();
     drawJob(startedEvent ? startedEvent.data : null);
     drawEvents(eventPage.data);
     drawCheckpoints(checkpointPage.data);
+    drawEvalRuns(evalRunPage.data);
     return FINISHED_STATUSES.has(job.status) ? FINISHED_REFRESH_MS : RUNNING_REFRESH_MS;
   }
 
