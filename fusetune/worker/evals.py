@@ -15,15 +15,14 @@ import logging
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import EvalRun, EvalRunOutputItem
 from fusetune.graders import Sample, grade_many
 from fusetune.graders.templates import TemplateError, lookup, render
-from fusetune.serving.engine import Engine, ServingError
-from fusetune.serving.server import resolve_model
+from fusetune.serving.server import ServingError, resolve_model
 from fusetune.spec.chat import ChatCompletionCreate
 from fusetune.spec.evals import (
     DEFAULT_MAX_COMPLETION_TOKENS,
@@ -38,6 +37,9 @@ from fusetune.spec.graders import parse_grader
 from fusetune.storage import Storage, StorageError
 from fusetune.worker.locations import ModelLocations
 from fusetune.worker.train.outcome import TrainingFailure
+
+if TYPE_CHECKING:
+    from fusetune.serving.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ class EvalRunner:
         storage: Storage,
         locations: ModelLocations,
         worker_name: str,
-        serving_engine: Callable[[], Engine | None],
+        serving_engine: Callable[[], Any],
     ):
         self.settings = settings
         self.session_factory = session_factory
@@ -105,13 +107,16 @@ class EvalRunner:
         self._serving_engine = serving_engine
         self._own_engine: Engine | None = None
 
-    def engine(self) -> Engine:
+    def engine(self) -> Engine:  # or the serving server's engine, which submits and loads as one
         """The worker's chat completions engine (its models stay warm for chat), or, on a worker that serves
         none, one of the runner's own."""
         engine = self._serving_engine()
         if engine is not None:
             return engine
         if self._own_engine is None:
+            # torch and transformers: imported when a run needs them, not at the worker's start
+            from fusetune.serving.engine import Engine
+
             self._own_engine = Engine(self.settings.serving_idle_s, self.settings.serving_max_batch)
         return self._own_engine
 
