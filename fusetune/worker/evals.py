@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import EvalRun, EvalRunOutputItem
@@ -61,7 +63,6 @@ class _Sampled:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-    done: bool = False
     handle: Any = None
     parts: list[str] = field(default_factory=list)
 
@@ -194,22 +195,26 @@ class EvalRunner:
         for index, sampled in enumerate(prompts):
             if sampled is None:
                 continue
-            body = ChatCompletionCreate(
-                model=data_source.model,
-                messages=sampled.messages,
-                temperature=params.temperature if params else None,
-                top_p=params.top_p if params else None,
-                seed=params.seed if params else None,
-                max_completion_tokens=(params and params.max_completion_tokens)
-                or DEFAULT_MAX_COMPLETION_TOKENS,
-            )
+            try:
+                body = ChatCompletionCreate(
+                    model=data_source.model,
+                    messages=sampled.messages,
+                    temperature=params.temperature if params else None,
+                    top_p=params.top_p if params else None,
+                    seed=params.seed if params else None,
+                    max_completion_tokens=(params and params.max_completion_tokens)
+                    or DEFAULT_MAX_COMPLETION_TOKENS,
+                )
+            except ValidationError as error:  # an item's own messages in a shape chat does not take
+                sampled.error = f"input_messages: {error.errors()[0]['msg']}"
+                continue
             try:
                 sampled.handle = engine.submit(key, load, body, lambda event, i=index: events.put((i, event)))
                 waiting += 1
             except ServingError as error:
                 if error.status_code == 503:  # the engine paused or stopped: the run cannot go on here
                     raise RunFailure("worker_unavailable", error.message) from error
-                sampled.error, sampled.done = error.message, True
+                sampled.error = error.message
             except TrainingFailure as failure:
                 raise RunFailure("model_load_failed",
                                  f"data_source.model: '{data_source.model}' could not be loaded: {failure}") from failure  # fmt: skip
@@ -233,7 +238,7 @@ class EvalRunner:
                     sampled.prompt_tokens, sampled.completion_tokens = first, second
                 else:
                     sampled.error = second
-                sampled.text, sampled.done = "".join(sampled.parts), True
+                sampled.text = "".join(sampled.parts)
                 waiting -= 1
         return True
 

@@ -289,9 +289,8 @@ def create_run(
     try:
         queue.enqueue_eval_run(row.id)  # after the commit: the worker reads the run from SQL
     except Exception as error:
-        queries.cancel_eval_run(session, row)
-        row.error = {"code": "queue_unavailable", "message": f"The run could not be queued: {error}"}
-        row.status = RunStatus.FAILED
+        row.status, row.error = RunStatus.FAILED, {"code": "queue_unavailable",
+                                                   "message": f"The run could not be queued: {error}"}  # fmt: skip
         session.commit()
     return run_object(row)
 
