@@ -394,47 +394,57 @@ def _block_map(numels: tuple[int, ...], block_size: int, device: torch.device) -
     return block_tensor.to(device), tuple(first_blocks)
 
 
-def _launch(
+def launch_over_table(
+    kernel: Any,
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
+    state_addresses: Sequence[Sequence[int]],
     element_offsets: Sequence[int],
     constants: _StepConstants,
     step_key: int,
     grad_scale: torch.Tensor | None,
-    settings: AdamWLaunchSettings,
-    block_maxima: Sequence[torch.Tensor | None],
+    *,
+    owner: str,
+    elements_per_program: int,
+    num_warps: int,
+    state_prototypes: Sequence[torch.Tensor] = (),
+    trailing_columns: Sequence[Sequence[int]] | None = None,
+    tells_alignment: bool = False,
+    **constexprs: Any,
 ) -> None:
-    """One kernel launch over local, contiguous tensors that share their dtypes and step; a tensor with
-    `block_maxima` gets them rewritten (FusedAdamW.keep_block_maxima)."""
+    """One launch of an AdamW kernel over local, contiguous tensors that share their dtypes and step, which it
+    finds through a table of addresses: the launch preparation both fused optimizers share.
+
+    Row of a tensor (int64): param and grad addresses, its `state_addresses`, numel, element offset in the
+    group, first program of the tensor in the launch, then its `trailing_columns`. The kernel receives the
+    table, the tensor of each program, the first param, grad and `state_prototypes` (for their element types),
+    the grad scale (the table in its place when there is none), the step's constants, the signed step key,
+    HAS_GRAD_SCALE, ALIGNED if `tells_alignment` (every address column a multiple of VECTOR_BYTES), then
+    `constexprs`. `owner` names the optimizer in errors.
+    """
     device = params[0].device
     numels = tuple(p.numel() for p in params)
-    block_tensor, first_blocks = _block_map(numels, settings.block_size, device)
+    program_tensor, first_programs = _block_map(numels, elements_per_program, device)
+    if trailing_columns is None:
+        trailing_columns = [()] * len(params)
     rows = [
-        [
-            p.data_ptr(),
-            g.data_ptr(),
-            m.data_ptr(),
-            v.data_ptr(),
-            n,
-            offset,
-            first,
-            0 if b is None else b.data_ptr(),
-        ]
-        for p, g, m, v, n, offset, first, b in zip(
+        [p.data_ptr(), g.data_ptr(), *state, n, offset, first, *trailing]
+        for p, g, state, n, offset, first, trailing in zip(
             params,
             grads,
-            exp_avgs,
-            exp_avg_sqs,
+            state_addresses,
             numels,
             element_offsets,
-            first_blocks,
-            block_maxima,
+            first_programs,
+            trailing_columns,
             strict=True,
         )
     ]
-    aligned = all(address % VECTOR_BYTES == 0 for row in rows for address in row[:4])
+    if tells_alignment:
+        address_columns = 2 + len(state_addresses[0])
+        constexprs["ALIGNED"] = all(
+            address % VECTOR_BYTES == 0 for row in rows for address in row[:address_columns]
+        )
     table = torch.tensor(rows, dtype=torch.int64)
     if device.type != "cpu":
         # Grad addresses change every step (zero_grad(set_to_none=True)), so the table is sent each time; from
@@ -443,17 +453,17 @@ def _launch(
     if grad_scale is not None:
         if grad_scale.numel() != 1 or grad_scale.device != device:
             raise ValueError(
-                f"FusedAdamW: grad_scale must be one element on {device}, got shape "
+                f"{owner}: grad_scale must be one element on {device}, got shape "
                 f"{tuple(grad_scale.shape)} on {grad_scale.device}"
             )
         grad_scale = grad_scale.to(torch.float32)
     step_key_signed = step_key - (1 << 32) if step_key >= 1 << 31 else step_key
-    _adamw_kernel[(block_tensor.numel(),)](
+    kernel[(program_tensor.numel(),)](
         table,
-        block_tensor,
+        program_tensor,
         params[0],
         grads[0],
-        exp_avgs[0],
+        *state_prototypes,
         grad_scale if grad_scale is not None else table,
         constants.beta1,
         constants.one_minus_beta1,
@@ -465,11 +475,8 @@ def _launch(
         constants.step_size,
         step_key_signed,
         HAS_GRAD_SCALE=grad_scale is not None,
-        ALIGNED=aligned,
-        KEEPS_MAXIMA=any(b is not None for b in block_maxima),
-        TABLE_COLUMNS=_TABLE_COLUMNS,
-        BLOCK=settings.block_size,
-        num_warps=settings.num_warps,
+        **constexprs,
+        num_warps=num_warps,
         # Fused multiply-adds would round differently from the reference's separate operations.
         enable_fp_fusion=False,
     )
@@ -547,14 +554,129 @@ def _div_rn(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return (numerator.to(torch.float64) / denominator.to(torch.float64)).to(torch.float32)
 
 
+# (param, its local tensor, contiguous local grad, state, element offset in the group): one tensor of a launch.
+LaunchMember = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], int]
+
+
 class FusedOptimizerState(torch.optim.Optimizer):
-    """What the fused AdamW optimizers share about their state: each parameter's is made as its first step makes
-    it (the subclass's `_new_state`), in host memory when `host_state` keeps it there."""
+    """What the fused AdamW optimizers share: the hyperparameters and their checks, the step (which parameters,
+    grouped into launches by dtypes and step count, the step's constants and random key, staging through host
+    memory) and the state's life (made at a parameter's first step, kept in host memory when `host_state` does,
+    loaded from a checkpoint). A subclass names its state tensors (`state_names`) and brings its launch settings,
+    its new state, its `_launch` and how a saved state tensor is checked and loaded."""
 
     host_state: HostState | None
+    # The state tensors of a parameter besides `step`; the first one's dtype is part of a launch's key.
+    state_names: tuple[str, ...]
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        *,
+        seed: int,
+        state_on_host: bool,
+    ) -> None:
+        name = type(self).__name__
+        if not 0.0 <= lr:
+            raise ValueError(f"{name}: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{name}: betas must lie in [0, 1), got {betas}")
+        if not 0.0 <= eps:
+            raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+        stochastic_rounding_key(seed, 0)  # validates the seed
+        self.seed = seed
+        self.host_state = HostState(self.state_names) if state_on_host else None
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def _launch_settings(self) -> Any:
+        raise NotImplementedError
 
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def _launch(
+        self,
+        members: Sequence[LaunchMember],
+        constants: _StepConstants,
+        step_key: int,
+        grad_scale: torch.Tensor | None,
+        settings: Any,
+    ) -> None:
+        """One kernel launch over `members` (non-empty, one dtype combination, device and step)."""
+        raise NotImplementedError
+
+    def _check_saved(self, param_id: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
+        """Refuse a saved state this optimizer cannot take (before anything is loaded)."""
+
+    def _loaded(self, param: torch.Tensor, saved: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A copy of one saved state tensor of `param`, on `device`, as this optimizer keeps it."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self,
+        closure=None,
+        grad_scale: torch.Tensor | None = None,
+        params: Sequence[torch.Tensor] | None = None,
+    ):
+        """One AdamW step of every parameter that has a gradient, or of `params` only; `grad_scale` multiplies
+        the gradients."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        name = type(self).__name__
+        settings = self._launch_settings()
+        for group, members in parameters_to_update(self, params):
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                raise TypeError(f"{name}: lr must be a Python float (a tensor would be read back every step)")
+            beta1, beta2 = group["betas"]
+            # (dtypes, device, step) -> tensors of one launch; offsets count every parameter of the group, so
+            # the random bits of a parameter do not depend on which others have gradients this step.
+            launches: dict[tuple, list[LaunchMember]] = {}
+            for index, param, start in members:
+                local_param = _local(param)
+                grad = _local(param.grad)
+                if grad.is_sparse:
+                    raise RuntimeError(f"{name}: parameter {index} of its group has a sparse gradient")
+                if not local_param.is_contiguous():
+                    raise ValueError(f"{name}: parameter {index} of its group is not contiguous")
+                state = self._state_of(param)
+                state["step"] += 1
+                step = int(state["step"].item())
+                state_dtype = state[self.state_names[0]].dtype
+                key = (local_param.dtype, grad.dtype, state_dtype, local_param.device, step)
+                launches.setdefault(key, []).append((param, local_param, grad.contiguous(), state, start))
+            for (_, _, _, device, step), members in launches.items():
+                if device.type == "cpu" and not interpreted():
+                    raise RuntimeError(
+                        f"{name}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1); "
+                        "use torch.optim.AdamW on CPU"
+                    )
+                members = [m for m in members if m[1].numel() > 0]
+                if not members:
+                    continue
+                constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
+                rounding_key = stochastic_rounding_key(self.seed, step)
+                if self.host_state is None:
+                    self._launch(members, constants, rounding_key, grad_scale, settings)
+                    continue
+                # One parameter at a time through the device buffers (the same offsets, so the same bits).
+                for param, local_param, grad, state, start in members:
+                    staged = self.host_state.stage(state, device)
+                    self._launch(
+                        [(param, local_param, grad, {**state, **staged}, start)], constants, rounding_key,
+                        grad_scale, settings,
+                    )  # fmt: skip
+                    self.host_state.unstage(state, staged)
+        return loss
 
     def _state_of(self, param: torch.Tensor) -> dict[str, Any]:
         """`param`'s state, made when it has none."""
@@ -578,15 +700,41 @@ class FusedOptimizerState(torch.optim.Optimizer):
             self.host_state.synchronize()  # the last step's copies back to host memory
         return super().state_dict()
 
-    def _load_groups(self, state_dict: dict[str, Any]) -> None:
-        """torch's load of `state_dict`; with the state in host memory, of its groups alone: torch's load puts
-        every state tensor on its parameter's device at once, so the subclass's load brings the saved tensors to
-        `_state_device`, one parameter at a time."""
-        super().load_state_dict(state_dict if self.host_state is None else {**state_dict, "state": {}})
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, each state tensor copied from the saved one by the subclass's `_loaded`.
 
-    def _state_device(self, param: torch.Tensor) -> torch.device:
-        """Where `param`'s loaded state goes: its device, or host memory when `host_state` keeps it there."""
-        return param.device if self.host_state is None else torch.device("cpu")
+        torch.optim.Optimizer casts floating state to the parameter's dtype on load, which would round an fp32
+        state of bf16 parameters to bf16, or turn codes and fp32 scales into bf16; the state tensors are made
+        again from the saved originals here. With the state in host memory, torch loads the groups alone (its
+        load would put every state tensor on its parameter's device at once) and the saved tensors go to host
+        memory one parameter at a time.
+        """
+        name = type(self).__name__
+        saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        # Not strict: torch's load refuses groups of other sizes, with its own message.
+        saved_states = []
+        for param_id, param in zip(saved_ids, params, strict=False):
+            saved = state_dict["state"].get(param_id)
+            if not saved:
+                continue
+            missing = [state_name for state_name in self.state_names if state_name not in saved]
+            if missing:
+                raise KeyError(
+                    f"{name}: the saved state of parameter {param_id} has no {missing} (a checkpoint of "
+                    "another optimizer?)"
+                )
+            self._check_saved(param_id, param, saved)
+            saved_states.append((param, saved))
+        super().load_state_dict(state_dict if self.host_state is None else {**state_dict, "state": {}})
+        for param, saved in saved_states:
+            state = self.state[param]
+            device = param.device if self.host_state is None else torch.device("cpu")
+            for state_name in self.state_names:
+                state[state_name] = self._loaded(param, saved[state_name], device)
+            state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
+            if self.host_state is not None:
+                self.host_state.keep(state)
 
 
 def parameters_to_update(
@@ -673,6 +821,8 @@ class FusedAdamW(FusedOptimizerState):
     state's GPU memory down to one parameter's, a copy in and out per step.
     """
 
+    state_names = ("exp_avg", "exp_avg_sq")
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -685,24 +835,13 @@ class FusedAdamW(FusedOptimizerState):
         state_dtype: torch.dtype = torch.bfloat16,
         state_on_host: bool = False,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"FusedAdamW: lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"FusedAdamW: betas must lie in [0, 1), got {betas}")
-        if not 0.0 <= eps:
-            raise ValueError(f"FusedAdamW: eps must be >= 0, got {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"FusedAdamW: weight_decay must be >= 0, got {weight_decay}")
         if state_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(
                 f"FusedAdamW: state_dtype must be torch.bfloat16 or torch.float32, got {state_dtype}"
             )
-        stochastic_rounding_key(seed, 0)  # validates the seed
-        self.seed = seed
         self.state_dtype = state_dtype
         self.block_maxima: dict[torch.Tensor, torch.Tensor] = {}
-        self.host_state = HostState(("exp_avg", "exp_avg_sq")) if state_on_host else None
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(params, lr, betas, eps, weight_decay, seed=seed, state_on_host=state_on_host)
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 _state_dtype(param.dtype, state_dtype)  # refuses fp16 and others now, not at the first step
@@ -729,6 +868,9 @@ class FusedAdamW(FusedOptimizerState):
             self.block_maxima[param] = block_maxima_reference(param, block_size)
         return self.block_maxima
 
+    def _launch_settings(self) -> AdamWLaunchSettings:
+        return adamw_launch_settings()
+
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         dtype = _state_dtype(param.dtype, self.state_dtype)
         return {
@@ -737,102 +879,44 @@ class FusedAdamW(FusedOptimizerState):
             "exp_avg_sq": _zeros_like_param(param, dtype),
         }
 
-    @torch.no_grad()
-    def step(  # type: ignore[override]
+    def _launch(
         self,
-        closure=None,
-        grad_scale: torch.Tensor | None = None,
-        params: Sequence[torch.Tensor] | None = None,
-    ):
-        """One AdamW step of every parameter that has a gradient, or of `params` only; `grad_scale` multiplies
-        the gradients."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, members in parameters_to_update(self, params):
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                raise TypeError(
-                    "FusedAdamW: lr must be a Python float (a tensor would be read back every step)"
-                )
-            beta1, beta2 = group["betas"]
-            # (dtypes, step) -> tensors of one launch; offsets count every parameter of the group, so the random
-            # bits of a parameter do not depend on which others have gradients this step.
-            launches: dict[tuple, list[tuple]] = {}
-            for index, param, start in members:
-                local_param = _local(param)
-                grad = _local(param.grad)
-                if grad.is_sparse:
-                    raise RuntimeError(f"FusedAdamW: parameter {index} of its group has a sparse gradient")
-                if not local_param.is_contiguous():
-                    raise ValueError(f"FusedAdamW: parameter {index} of its group is not contiguous")
-                state = self._state_of(param)
-                state["step"] += 1
-                step = int(state["step"].item())
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                key = (local_param.dtype, grad.dtype, exp_avg.dtype, local_param.device, step)
-                launches.setdefault(key, []).append(
-                    (
-                        local_param,
-                        grad.contiguous(),
-                        exp_avg,
-                        exp_avg_sq,
-                        start,
-                        state,
-                        self.block_maxima.get(param),
-                    )
-                )
-            for (_, _, _, device, step), members in launches.items():
-                if device.type == "cpu" and not interpreted():
-                    raise RuntimeError(
-                        "FusedAdamW: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1); "
-                        "use torch.optim.AdamW on CPU"
-                    )
-                members = [m for m in members if m[0].numel() > 0]
-                if not members:
-                    continue
-                constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
-                rounding_key = stochastic_rounding_key(self.seed, step)
-                if self.host_state is None:
-                    params, grads, exp_avgs, exp_avg_sqs, offsets, _, maxima = zip(*members, strict=True)
-                    _launch(
-                        params, grads, exp_avgs, exp_avg_sqs, offsets, constants, rounding_key, grad_scale,
-                        adamw_launch_settings(), maxima,
-                    )  # fmt: skip
-                    continue
-                # One parameter at a time through the device buffers (the same offsets, so the same bits).
-                for param, grad, _, _, start, state, maxima in members:
-                    staged = self.host_state.stage(state, device)
-                    _launch(
-                        (param,), (grad,), (staged["exp_avg"],), (staged["exp_avg_sq"],), (start,), constants,
-                        rounding_key, grad_scale, adamw_launch_settings(), (maxima,),
-                    )  # fmt: skip
-                    self.host_state.unstage(state, staged)
-        return loss
+        members: Sequence[LaunchMember],
+        constants: _StepConstants,
+        step_key: int,
+        grad_scale: torch.Tensor | None,
+        settings: AdamWLaunchSettings,
+    ) -> None:
+        """One launch of `_adamw_kernel`; a tensor whose block maxima are kept gets them rewritten."""
+        params, local_params, grads, states, offsets = zip(*members, strict=True)
+        exp_avgs = [_local(state["exp_avg"]) for state in states]
+        maxima = [self.block_maxima.get(param) for param in params]
+        launch_over_table(
+            _adamw_kernel,
+            local_params,
+            grads,
+            [
+                (m.data_ptr(), _local(s["exp_avg_sq"]).data_ptr())
+                for m, s in zip(exp_avgs, states, strict=True)
+            ],
+            offsets,
+            constants,
+            step_key,
+            grad_scale,
+            owner="FusedAdamW",
+            elements_per_program=settings.block_size,
+            num_warps=settings.num_warps,
+            state_prototypes=(exp_avgs[0],),
+            trailing_columns=[(0 if b is None else b.data_ptr(),) for b in maxima],
+            tells_alignment=True,
+            KEEPS_MAXIMA=any(b is not None for b in maxima),
+            TABLE_COLUMNS=_TABLE_COLUMNS,
+            BLOCK=settings.block_size,
+        )
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict (ours or torch.optim.AdamW's); exp_avg / exp_avg_sq take this optimizer's state dtype.
-
-        torch.optim.Optimizer casts floating state to the parameter's dtype on load, which would round an fp32
-        state of bf16 parameters to bf16; the saved tensors are converted again from the originals here.
-        """
-        saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
-        self._load_groups(state_dict)
-        params = [param for group in self.param_groups for param in group["params"]]
-        for param_id, param in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(param_id)
-            if not saved:
-                continue
-            state = self.state[param]
-            dtype = _state_dtype(param.dtype, self.state_dtype)
-            for name in ("exp_avg", "exp_avg_sq"):
-                if name not in saved:
-                    raise KeyError(f"FusedAdamW: the saved state of parameter {param_id} has no {name!r}")
-                state[name] = saved[name].to(device=self._state_device(param), dtype=dtype, copy=True)
-            state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
-            if self.host_state is not None:
-                self.host_state.keep(state)
+    def _loaded(self, param: torch.Tensor, saved: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """exp_avg / exp_avg_sq in this optimizer's state dtype (a torch.optim.AdamW checkpoint's included)."""
+        return saved.to(device=device, dtype=_state_dtype(param.dtype, self.state_dtype), copy=True)
 
 
 def _zeros_like_param(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

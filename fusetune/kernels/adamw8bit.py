@@ -69,8 +69,8 @@ import triton.language as tl
 from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.adamw import (
     FusedOptimizerState,
+    LaunchMember,
     _back_to_back_offsets,
-    _block_map,
     _div_rn,
     _mix32_kernel,
     _random_bits_reference,
@@ -78,10 +78,9 @@ from fusetune.kernels.adamw import (
     _round_stochastic_reference,
     _sqrt_rn,
     _StepConstants,
-    parameters_to_update,
+    launch_over_table,
     stochastic_rounding_key,
 )
-from fusetune.kernels.host_state import HostState
 
 __all__ = [
     "AdamW8bitLaunchSettings",
@@ -257,78 +256,6 @@ def _adamw8bit_kernel(
     tl.store(r_scales_ptr + blocks, new_r_scale, mask=block_mask)
 
 
-def _launch(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    states: Sequence[dict[str, torch.Tensor]],
-    element_offsets: Sequence[int],
-    constants: _StepConstants,
-    step_key: int,
-    grad_scale: torch.Tensor | None,
-    block_size: int,
-    settings: AdamW8bitLaunchSettings,
-) -> None:
-    """One kernel launch over contiguous tensors that share their dtypes and step."""
-    device = params[0].device
-    numels = tuple(p.numel() for p in params)
-    elements = settings.elements_per_program
-    if elements % block_size:
-        raise ValueError(
-            f"FusedAdamW8bit: elements_per_program ({elements}) must be a multiple of block_size ({block_size})"
-        )
-    program_tensor, first_programs = _block_map(numels, elements, device)
-    rows = [
-        [
-            p.data_ptr(),
-            g.data_ptr(),
-            *(state[name].data_ptr() for name in _STATE_KEYS),
-            n,
-            offset,
-            first,
-        ]
-        for p, g, state, n, offset, first in zip(
-            params, grads, states, numels, element_offsets, first_programs, strict=True
-        )
-    ]
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type != "cpu":
-        # Grad addresses change every step, so the table is sent each time, from pinned memory without a wait.
-        table = table.pin_memory().to(device, non_blocking=True)
-    if grad_scale is not None:
-        if grad_scale.numel() != 1 or grad_scale.device != device:
-            raise ValueError(
-                f"FusedAdamW8bit: grad_scale must be one element on {device}, got shape "
-                f"{tuple(grad_scale.shape)} on {grad_scale.device}"
-            )
-        grad_scale = grad_scale.to(torch.float32)
-    step_key_signed = step_key - (1 << 32) if step_key >= 1 << 31 else step_key
-    _adamw8bit_kernel[(program_tensor.numel(),)](
-        table,
-        program_tensor,
-        params[0],
-        grads[0],
-        grad_scale if grad_scale is not None else table,
-        constants.beta1,
-        constants.one_minus_beta1,
-        constants.beta2,
-        constants.one_minus_beta2,
-        constants.inv_sqrt_bias_correction2,
-        constants.eps,
-        constants.weight_decay_factor,
-        constants.step_size,
-        step_key_signed,
-        HAS_GRAD_SCALE=grad_scale is not None,
-        TABLE_COLUMNS=_TABLE_COLUMNS,
-        QUANT_BLOCK=block_size,
-        BLOCKS_PER_PROGRAM=elements // block_size,
-        M_MANTISSA_BITS=EXP_AVG_MANTISSA_BITS,
-        R_MANTISSA_BITS=EXP_AVG_SQ_MANTISSA_BITS,
-        num_warps=settings.num_warps,
-        # Fused multiply-adds would round differently from the reference's separate operations.
-        enable_fp_fusion=False,
-    )
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Reference
 # ------------------------------------------------------------------------------------------------------------
@@ -493,6 +420,8 @@ class FusedAdamW8bit(FusedOptimizerState):
     same results, the state's GPU memory down to one parameter's, a copy in and out per step.
     """
 
+    state_names = _STATE_KEYS
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -505,23 +434,12 @@ class FusedAdamW8bit(FusedOptimizerState):
         block_size: int = DEFAULT_BLOCK_SIZE,
         state_on_host: bool = False,
     ) -> None:
-        if not 0.0 <= lr:
-            raise ValueError(f"FusedAdamW8bit: lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"FusedAdamW8bit: betas must lie in [0, 1), got {betas}")
-        if not 0.0 <= eps:
-            raise ValueError(f"FusedAdamW8bit: eps must be >= 0, got {eps}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"FusedAdamW8bit: weight_decay must be >= 0, got {weight_decay}")
         if not (32 <= block_size <= 4096 and block_size & (block_size - 1) == 0):
             raise ValueError(
                 f"FusedAdamW8bit: block_size must be a power of two from 32 to 4096, got {block_size}"
             )
-        stochastic_rounding_key(seed, 0)  # validates the seed
-        self.seed = seed
         self.block_size = block_size
-        self.host_state = HostState(_STATE_KEYS) if state_on_host else None
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(params, lr, betas, eps, weight_decay, seed=seed, state_on_host=state_on_host)
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 if param.dtype not in _SUPPORTED_PARAM_DTYPES:
@@ -535,107 +453,58 @@ class FusedAdamW8bit(FusedOptimizerState):
                         "use FusedAdamW"
                     )
 
-    @torch.no_grad()
-    def step(  # type: ignore[override]
-        self,
-        closure=None,
-        grad_scale: torch.Tensor | None = None,
-        params: Sequence[torch.Tensor] | None = None,
-    ):
-        """One AdamW step of every parameter that has a gradient, or of `params` only; `grad_scale` multiplies
-        the gradients."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _launch_settings(self) -> AdamW8bitLaunchSettings:
         settings = adamw8bit_launch_settings(self.block_size)
-        for group, members in parameters_to_update(self, params):
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor):
-                raise TypeError(
-                    "FusedAdamW8bit: lr must be a Python float (a tensor would be read back every step)"
-                )
-            beta1, beta2 = group["betas"]
-            # (dtypes, device, step) -> tensors of one launch; offsets count every parameter of the group, so
-            # the random bits of a parameter do not depend on which others have gradients this step.
-            launches: dict[tuple, list[tuple]] = {}
-            for index, param, start in members:
-                if param.grad.is_sparse:
-                    raise RuntimeError(
-                        f"FusedAdamW8bit: parameter {index} of its group has a sparse gradient"
-                    )
-                if not param.is_contiguous():
-                    raise ValueError(f"FusedAdamW8bit: parameter {index} of its group is not contiguous")
-                state = self._state_of(param)
-                state["step"] += 1
-                step = int(state["step"].item())
-                key = (param.dtype, param.grad.dtype, param.device, step)
-                launches.setdefault(key, []).append((param, param.grad.contiguous(), state, start))
-            for (_, _, device, step), members in launches.items():
-                if device.type == "cpu" and not interpreted():
-                    raise RuntimeError(
-                        "FusedAdamW8bit: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
-                    )
-                members = [m for m in members if m[0].numel() > 0]
-                if not members:
-                    continue
-                constants = _StepConstants.of(step, lr, beta1, beta2, group["eps"], group["weight_decay"])
-                rounding_key = stochastic_rounding_key(self.seed, step)
-                if self.host_state is None:
-                    params, grads, states, offsets = zip(*members, strict=True)
-                    _launch(
-                        params, grads, states, offsets, constants, rounding_key, grad_scale, self.block_size,
-                        settings,
-                    )  # fmt: skip
-                    continue
-                # One parameter at a time through the device buffers (the same offsets, so the same bits).
-                for param, grad, state, start in members:
-                    staged = self.host_state.stage(state, device)
-                    _launch(
-                        (param,), (grad,), ({**state, **staged},), (start,), constants, rounding_key, grad_scale,
-                        self.block_size, settings,
-                    )  # fmt: skip
-                    self.host_state.unstage(state, staged)
-        return loss
+        if settings.elements_per_program % self.block_size:
+            raise ValueError(
+                f"FusedAdamW8bit: elements_per_program ({settings.elements_per_program}) must be a multiple of "
+                f"block_size ({self.block_size})"
+            )
+        return settings
 
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         zeros = adamw8bit_zero_state(param, self.block_size)
         return {"step": torch.tensor(0.0, dtype=torch.float32), **zeros}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of FusedAdamW8bit with the same block size, exactly.
+    def _launch(
+        self,
+        members: Sequence[LaunchMember],
+        constants: _StepConstants,
+        step_key: int,
+        grad_scale: torch.Tensor | None,
+        settings: AdamW8bitLaunchSettings,
+    ) -> None:
+        """One launch of `_adamw8bit_kernel`, on the masked path (adamw8bit_launch_settings says why)."""
+        _, params, grads, states, offsets = zip(*members, strict=True)
+        launch_over_table(
+            _adamw8bit_kernel,
+            params,
+            grads,
+            [[state[name].data_ptr() for name in _STATE_KEYS] for state in states],
+            offsets,
+            constants,
+            step_key,
+            grad_scale,
+            owner="FusedAdamW8bit",
+            elements_per_program=settings.elements_per_program,
+            num_warps=settings.num_warps,
+            TABLE_COLUMNS=_TABLE_COLUMNS,
+            QUANT_BLOCK=self.block_size,
+            BLOCKS_PER_PROGRAM=settings.elements_per_program // self.block_size,
+            M_MANTISSA_BITS=EXP_AVG_MANTISSA_BITS,
+            R_MANTISSA_BITS=EXP_AVG_SQ_MANTISSA_BITS,
+        )
 
-        torch.optim.Optimizer casts state to the parameter's dtype on load, which would turn the codes and fp32
-        scales of bf16 parameters into bf16; they are copied again from the saved tensors here.
-        """
-        saved_ids = [param_id for group in state_dict["param_groups"] for param_id in group["params"]]
-        params = [param for group in self.param_groups for param in group["params"]]
-        for param_id, param in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(param_id)
-            if not saved:
-                continue
-            missing = [name for name in _STATE_KEYS if name not in saved]
-            if missing:
-                raise KeyError(
-                    f"FusedAdamW8bit: the saved state of parameter {param_id} has no {missing} (a "
-                    "checkpoint of another optimizer?)"
-                )
-            blocks = triton.cdiv(param.numel(), self.block_size)
-            if saved["exp_avg_scales"].numel() != blocks:
-                raise ValueError(
-                    f"FusedAdamW8bit: the saved state of parameter {param_id} has "
-                    f"{saved['exp_avg_scales'].numel()} scales, block_size {self.block_size} needs {blocks}: "
-                    "load it with the block_size it was saved with"
-                )
-        self._load_groups(state_dict)
-        for param_id, param in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(param_id)
-            if not saved:
-                continue
-            state = self.state[param]
-            device = self._state_device(param)
-            for name in _STATE_KEYS:
-                state[name] = saved[name].to(device=device, copy=True).contiguous()
-            state["step"] = torch.as_tensor(saved["step"], dtype=torch.float32).detach().clone().cpu()
-            if self.host_state is not None:
-                self.host_state.keep(state)
+    def _check_saved(self, param_id: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
+        """The saved scales must be of this block size: the state's layout depends on it."""
+        blocks = triton.cdiv(param.numel(), self.block_size)
+        if saved["exp_avg_scales"].numel() != blocks:
+            raise ValueError(
+                f"FusedAdamW8bit: the saved state of parameter {param_id} has "
+                f"{saved['exp_avg_scales'].numel()} scales, block_size {self.block_size} needs {blocks}: "
+                "load it with the block_size it was saved with"
+            )
+
+    def _loaded(self, param: torch.Tensor, saved: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Codes and scales as saved, exactly (uint8 and fp32)."""
+        return saved.to(device=device, copy=True).contiguous()
