@@ -23,6 +23,17 @@ from fusetune.kernels.adamw import (
     gradient_clipping_scale,
     stochastic_rounding_key,
 )
+from tests.kernels import adamw_helpers
+from tests.kernels.adamw_helpers import (
+    assert_a_non_finite_norm_changes_nothing,
+    assert_bad_arguments_are_refused_with_the_field,
+    assert_same_weights_and_state,
+    random_tensors,
+    resume_on_copies,
+    run_optimizer,
+    run_reference,
+    step_on,
+)
 from tests.kernels.mutation import mutated_kernel
 
 # (atol, rtol) of FusedAdamW's parameters against torch.optim.AdamW run on an fp32 copy, per parameter dtype.
@@ -43,39 +54,31 @@ HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay"
 STEPS = 3
 
 
-def _tensors(shapes, dtype, device, seed, scale=1.0):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(shape, generator=generator) * scale).to(dtype).to(device) for shape in shapes]
-
-
 def _run_fused(param_dtypes, device, *, state_dtype=torch.bfloat16, seed=7, grad_scale=None, steps=STEPS):
     """Params and optimizer after `steps` steps of FusedAdamW on fixed random gradients."""
-    start = _tensors(SHAPES, torch.float32, device, seed=1)
-    params = [torch.nn.Parameter(p.to(dtype)) for p, dtype in zip(start, param_dtypes, strict=True)]
-    optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=seed, state_dtype=state_dtype)
-    for step in range(steps):
-        for param, grad in zip(params, _tensors(SHAPES, torch.float32, device, seed=100 + step), strict=True):
-            param.grad = grad.to(param.dtype)
-        optimizer.step(grad_scale=grad_scale)
-    return params, optimizer
+    return run_optimizer(
+        lambda params: FusedAdamW(params, **HYPERPARAMETERS, seed=seed, state_dtype=state_dtype),
+        SHAPES, param_dtypes, device, steps=steps, grad_scale=grad_scale,
+    )  # fmt: skip
 
 
 def _run_reference(param_dtypes, device, *, state_dtype=torch.bfloat16, seed=7, grad_scale=None, steps=STEPS):
-    params = [
-        p.to(dtype) for p, dtype in zip(_tensors(SHAPES, torch.float32, device, 1), param_dtypes, strict=True)
-    ]
-    states = [p.dtype if p.dtype == torch.float32 else state_dtype for p in params]
-    exp_avgs = [torch.zeros_like(p, dtype=dtype) for p, dtype in zip(params, states, strict=True)]
-    exp_avg_sqs = [torch.zeros_like(p, dtype=dtype) for p, dtype in zip(params, states, strict=True)]
-    for step in range(steps):
-        grads = [
-            g.to(p.dtype)
-            for p, g in zip(params, _tensors(SHAPES, torch.float32, device, 100 + step), strict=True)
-        ]
+    """Params and {exp_avg, exp_avg_sq} of each after `steps` reference steps on _run_fused's inputs."""
+
+    def zero_state(param):
+        dtype = param.dtype if param.dtype == torch.float32 else state_dtype
+        return {
+            "exp_avg": torch.zeros_like(param, dtype=dtype),
+            "exp_avg_sq": torch.zeros_like(param, dtype=dtype),
+        }
+
+    def reference_step(params, grads, states, step):
         adamw_step_reference(
-            params, grads, exp_avgs, exp_avg_sqs, step=step + 1, **HYPERPARAMETERS, seed=seed, grad_scale=grad_scale
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], step=step,
+            **HYPERPARAMETERS, seed=seed, grad_scale=grad_scale,
         )  # fmt: skip
-    return params, exp_avgs, exp_avg_sqs
+
+    return run_reference(zero_state, reference_step, SHAPES, param_dtypes, device, steps=steps)
 
 
 PARAM_DTYPE_SETS = [
@@ -92,17 +95,10 @@ PARAM_DTYPE_SETS = [
 def test_kernel_matches_reference_exactly(param_dtypes, state_dtype, grad_scale, device):
     scale = None if grad_scale is None else torch.tensor(grad_scale, device=device)
     params, optimizer = _run_fused(param_dtypes, device, state_dtype=state_dtype, grad_scale=scale)
-    ref_params, ref_exp_avgs, ref_exp_avg_sqs = _run_reference(
-        param_dtypes, device, state_dtype=state_dtype, grad_scale=scale
-    )
-    for param, ref_param, ref_exp_avg, ref_exp_avg_sq in zip(
-        params, ref_params, ref_exp_avgs, ref_exp_avg_sqs, strict=True
-    ):
-        state = optimizer.state[param]
-        assert state["step"].item() == STEPS
-        torch.testing.assert_close(param.detach(), ref_param, atol=0.0, rtol=0.0)
-        torch.testing.assert_close(state["exp_avg"], ref_exp_avg, atol=0.0, rtol=0.0)
-        torch.testing.assert_close(state["exp_avg_sq"], ref_exp_avg_sq, atol=0.0, rtol=0.0)
+    ref_params, ref_states = _run_reference(param_dtypes, device, state_dtype=state_dtype, grad_scale=scale)
+    assert_same_weights_and_state(params, optimizer, ref_params, ref_states)
+    for param in params:
+        assert optimizer.state[param]["step"].item() == STEPS
 
 
 def _record_launches(monkeypatch, argument: str) -> list:
@@ -128,16 +124,14 @@ def test_tensors_off_the_vector_alignment_take_the_masked_path_and_match_the_ref
     loads need no alignment. Both give the reference's bits."""
     launched = _record_launches(monkeypatch, "ALIGNED")
     for offset in (0, 1):
-        buffers = _tensors([(offset + 4095,), (offset + 1536,)], torch.bfloat16, device, seed=1)
+        buffers = random_tensors([(offset + 4095,), (offset + 1536,)], torch.bfloat16, device, seed=1)
         params = [torch.nn.Parameter(buffer[offset:]) for buffer in buffers]
         reference = [p.detach().clone() for p in params]
         exp_avgs = [torch.zeros_like(p) for p in reference]
         exp_avg_sqs = [torch.zeros_like(p) for p in reference]
         optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=5)
-        grads = _tensors([(4095,), (1536,)], torch.bfloat16, device, seed=2)
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
-        optimizer.step()
+        grads = random_tensors([(4095,), (1536,)], torch.bfloat16, device, seed=2)
+        step_on(params, optimizer, grads)
         adamw_step_reference(reference, grads, exp_avgs, exp_avg_sqs, step=1, **HYPERPARAMETERS, seed=5)
         for param, ref, exp_avg in zip(params, reference, exp_avgs, strict=True):
             torch.testing.assert_close(param.detach(), ref, atol=0.0, rtol=0.0)
@@ -149,7 +143,7 @@ def test_tensors_off_the_vector_alignment_take_the_masked_path_and_match_the_ref
 def test_reference_follows_torch_adamw(param_dtype, device):
     """The update itself (not only the kernel's agreement with the reference) is AdamW's: against
     torch.optim.AdamW on fp32 copies, one step at a time from the same fp32 values."""
-    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    start = random_tensors(SHAPES, torch.float32, device, seed=1)
     torch_params = [torch.nn.Parameter(p.to(param_dtype).float()) for p in start]
     torch_optimizer = torch.optim.AdamW(torch_params, **HYPERPARAMETERS)
     params = [p.detach().to(param_dtype) for p in start]
@@ -157,7 +151,7 @@ def test_reference_follows_torch_adamw(param_dtype, device):
     exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     atol, rtol = TOLERANCES[param_dtype]
     for step in range(1, STEPS + 1):
-        grads = _tensors(SHAPES, torch.float32, device, seed=100 + step)
+        grads = random_tensors(SHAPES, torch.float32, device, seed=100 + step)
         for torch_param, param, grad in zip(torch_params, params, grads, strict=True):
             torch_param.data.copy_(param.float())  # both start this step from the stored weights
             torch_param.grad = grad.to(param_dtype).float()
@@ -181,14 +175,14 @@ def test_reference_follows_torch_adamw(param_dtype, device):
 def test_grad_scale_is_the_same_as_scaled_gradients(device):
     scale = torch.tensor(0.37, device=device)
     params, _ = _run_fused([torch.float32] * 4, device, grad_scale=scale)
-    unscaled = [torch.nn.Parameter(p) for p in _tensors(SHAPES, torch.float32, device, seed=1)]
+    unscaled = [torch.nn.Parameter(p) for p in random_tensors(SHAPES, torch.float32, device, seed=1)]
     optimizer = FusedAdamW(unscaled, **HYPERPARAMETERS, seed=7)
     for step in range(STEPS):
-        for param, grad in zip(
-            unscaled, _tensors(SHAPES, torch.float32, device, seed=100 + step), strict=True
-        ):
-            param.grad = grad * scale
-        optimizer.step()
+        step_on(
+            unscaled,
+            optimizer,
+            [g * scale for g in random_tensors(SHAPES, torch.float32, device, seed=100 + step)],
+        )
     for param, other in zip(params, unscaled, strict=True):
         torch.testing.assert_close(param, other, atol=0.0, rtol=0.0)
     # and a scale that matters: without it the result differs
@@ -204,7 +198,7 @@ def test_stepping_parameters_one_at_a_time_gives_the_whole_step(optimizer_class,
     from fusetune.kernels import adamw8bit
 
     cls = FusedAdamW if optimizer_class == "FusedAdamW" else adamw8bit.FusedAdamW8bit
-    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    start = random_tensors(SHAPES, torch.float32, device, seed=1)
     runs = []
     for one_at_a_time in (False, True):
         params = [torch.nn.Parameter(p.to(torch.bfloat16)) for p in start]
@@ -212,16 +206,14 @@ def test_stepping_parameters_one_at_a_time_gives_the_whole_step(optimizer_class,
             [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-2, seed=3
         )
         for step in range(2):
-            grads = _tensors(SHAPES, torch.bfloat16, device, seed=100 + step)
+            grads = random_tensors(SHAPES, torch.bfloat16, device, seed=100 + step)
             if one_at_a_time:
                 for param, grad in reversed(list(zip(params, grads, strict=True))):
                     param.grad = grad
                     optimizer.step(grad_scale=torch.tensor([0.5], device=device), params=[param])
                     param.grad = None
             else:
-                for param, grad in zip(params, grads, strict=True):
-                    param.grad = grad
-                optimizer.step(grad_scale=torch.tensor([0.5], device=device))
+                step_on(params, optimizer, grads, grad_scale=torch.tensor([0.5], device=device))
         runs.append((params, optimizer))
     (whole, whole_optimizer), (single, single_optimizer) = runs
     for a, b in zip(whole, single, strict=True):
@@ -300,8 +292,8 @@ def _bf16_neighbours(exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_each_rounded_value_is_one_of_its_two_bf16_neighbours(state_dtype, device):
     params, optimizer = _run_fused([torch.bfloat16] * 4, device, state_dtype=state_dtype, steps=1)
     # the fp32 results of the same update: the reference on fp32 copies of the same bf16 inputs
-    start = [p.to(torch.bfloat16).float() for p in _tensors(SHAPES, torch.float32, device, seed=1)]
-    grads = [g.to(torch.bfloat16).float() for g in _tensors(SHAPES, torch.float32, device, seed=100)]
+    start = [p.to(torch.bfloat16).float() for p in random_tensors(SHAPES, torch.float32, device, seed=1)]
+    grads = [g.to(torch.bfloat16).float() for g in random_tensors(SHAPES, torch.float32, device, seed=100)]
     exp_avgs = [torch.zeros_like(p) for p in start]
     exp_avg_sqs = [torch.zeros_like(p) for p in start]
     adamw_step_reference(start, grads, exp_avgs, exp_avg_sqs, step=1, **HYPERPARAMETERS)
@@ -345,7 +337,7 @@ def test_same_seed_same_bits_other_seed_or_step_other_bits(device):
 def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
     """An update of zero rounds to the weight itself (the distributed checkpoint helpers step with lr 0 to
     create the state)."""
-    start = _tensors(SHAPES, torch.bfloat16, device, seed=1)
+    start = random_tensors(SHAPES, torch.bfloat16, device, seed=1)
     params = [torch.nn.Parameter(p.clone()) for p in start]
     optimizer = FusedAdamW(params, lr=0.0, weight_decay=0.1)
     for param in params:
@@ -359,21 +351,7 @@ def test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device):
     """The trainer's guard against a non-finite gradient, decided on the device: a NaN or infinite norm gives a
     NaN clipping scale, and the step then writes nothing (a gradient holding NaN included)."""
     params, optimizer = _run_fused([torch.bfloat16] * 4, device, steps=1)
-    before = [p.detach().clone() for p in params]
-    state_before = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
-    for param in params:
-        param.grad = torch.full_like(param, float("nan"))
-    for bad_norm in (float("nan"), float("inf")):
-        scale = gradient_clipping_scale(torch.tensor(bad_norm, device=device), 1.0)
-        assert torch.isnan(scale)
-        optimizer.step(grad_scale=scale)
-    for param, old, state in zip(params, before, state_before, strict=True):
-        torch.testing.assert_close(param.detach(), old, atol=0.0, rtol=0.0)
-        for key, value in state.items():
-            torch.testing.assert_close(optimizer.state[param][key], value, atol=0.0, rtol=0.0)
-    # control: a finite scale on the same gradients does write (NaN)
-    optimizer.step(grad_scale=gradient_clipping_scale(torch.tensor(1.0, device=device), 1.0))
-    assert torch.isnan(params[0]).any()
+    assert_a_non_finite_norm_changes_nothing(params, optimizer, device)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -384,28 +362,26 @@ def test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device):
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_state_dict_round_trip_resumes_exactly(state_dtype, device):
     params, optimizer = _run_fused([torch.bfloat16] * 4, device, state_dtype=state_dtype, steps=2)
-    saved = optimizer.state_dict()
-    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    resumed = FusedAdamW(copies, **HYPERPARAMETERS, seed=7, state_dtype=state_dtype)
-    resumed.load_state_dict(saved)
+    copies, resumed = resume_on_copies(
+        params, optimizer.state_dict(),
+        lambda copies: FusedAdamW(copies, **HYPERPARAMETERS, seed=7, state_dtype=state_dtype),
+    )  # fmt: skip
     for param, copy in zip(params, copies, strict=True):
         assert resumed.state[copy]["step"].item() == 2
         assert resumed.state[copy]["exp_avg"].dtype == state_dtype
         torch.testing.assert_close(
             resumed.state[copy]["exp_avg"], optimizer.state[param]["exp_avg"], atol=0, rtol=0
         )
-    grads = _tensors(SHAPES, torch.float32, device, seed=102)
-    for model_params, opt in ((params, optimizer), (copies, resumed)):
-        for param, grad in zip(model_params, grads, strict=True):
-            param.grad = grad.to(param.dtype)
-        opt.step()
+    grads = random_tensors(SHAPES, torch.float32, device, seed=102)
+    step_on(params, optimizer, grads)
+    step_on(copies, resumed, grads)
     for param, copy in zip(params, copies, strict=True):
         torch.testing.assert_close(param, copy, atol=0.0, rtol=0.0)
 
 
 def test_loads_torch_adamw_state(device):
     """A checkpoint of torch.optim.AdamW (fp32 state) resumes in FusedAdamW with the state converted."""
-    params = [torch.nn.Parameter(p) for p in _tensors(SHAPES, torch.bfloat16, device, seed=1)]
+    params = [torch.nn.Parameter(p) for p in random_tensors(SHAPES, torch.bfloat16, device, seed=1)]
     torch_optimizer = torch.optim.AdamW(params, **HYPERPARAMETERS)
     for param in params:
         param.grad = torch.ones_like(param)
@@ -418,19 +394,7 @@ def test_loads_torch_adamw_state(device):
     assert state["step"].item() == 2
 
 
-@pytest.fixture
-def one_process_group():
-    """A gloo process group of one rank in this process, with a one-device CPU mesh, for FSDP2 on CPU."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+one_process_group = adamw_helpers.one_process_group
 
 
 def test_fsdp2_parameters_update_their_shards_and_checkpoint_like_adamw(one_process_group, device):
@@ -491,19 +455,9 @@ def test_state_bytes_per_parameter():
 
 
 def test_bad_arguments_are_refused_with_the_field(device):
-    with pytest.raises(TypeError, match="bfloat16 or float32, got torch.float16"):
-        FusedAdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.float16))])
+    assert_bad_arguments_are_refused_with_the_field(FusedAdamW, device)
     with pytest.raises(ValueError, match="state_dtype"):
         FusedAdamW([torch.nn.Parameter(torch.ones(3))], state_dtype=torch.float16)
-    with pytest.raises(ValueError, match="seed"):
-        FusedAdamW([torch.nn.Parameter(torch.ones(3))], seed=-1)
-    param = torch.nn.Parameter(torch.ones(3, device=device))
-    param.grad = torch.ones_like(param)
-    with pytest.raises(ValueError, match="grad_scale must be one element"):
-        FusedAdamW([param]).step(grad_scale=torch.ones(2, device=device))
-    optimizer = FusedAdamW([param], lr=torch.tensor(0.1))
-    with pytest.raises(TypeError, match="lr must be a Python float"):
-        optimizer.step()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -557,24 +511,22 @@ def test_mutated_kernel_fails_the_exact_comparison(edit, what, tmp_path, monkeyp
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_kernel_matches_reference_exactly_at_real_sizes(state_dtype, device):
     shapes = [(2048, 8192), (8192, 2048), (2048,), (4095, 17), (1,)]
-    params = [torch.nn.Parameter(p) for p in _tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)]
+    params = [
+        torch.nn.Parameter(p) for p in random_tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)
+    ]
     reference = [p.detach().clone() for p in params]
     exp_avgs = [torch.zeros_like(p, dtype=state_dtype) for p in reference]
     exp_avg_sqs = [torch.zeros_like(p, dtype=state_dtype) for p in reference]
     optimizer = FusedAdamW(params, lr=1e-5, weight_decay=0.01, seed=3, state_dtype=state_dtype)
     scale = torch.tensor(0.5, device=device)
     for step in range(1, 4):
-        grads = _tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
-        optimizer.step(grad_scale=scale)
+        grads = random_tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
+        step_on(params, optimizer, grads, grad_scale=scale)
         adamw_step_reference(
             reference, grads, exp_avgs, exp_avg_sqs, step=step, lr=1e-5, weight_decay=0.01, seed=3, grad_scale=scale
         )  # fmt: skip
-    for param, ref, exp_avg, exp_avg_sq in zip(params, reference, exp_avgs, exp_avg_sqs, strict=True):
-        torch.testing.assert_close(param.detach(), ref, atol=0.0, rtol=0.0)
-        torch.testing.assert_close(optimizer.state[param]["exp_avg"], exp_avg, atol=0.0, rtol=0.0)
-        torch.testing.assert_close(optimizer.state[param]["exp_avg_sq"], exp_avg_sq, atol=0.0, rtol=0.0)
+    ref_states = [{"exp_avg": m, "exp_avg_sq": v} for m, v in zip(exp_avgs, exp_avg_sqs, strict=True)]
+    assert_same_weights_and_state(params, optimizer, reference, ref_states)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -586,15 +538,19 @@ def test_kernel_matches_reference_exactly_at_real_sizes(state_dtype, device):
 def test_kept_block_maxima_are_those_of_the_stored_parameters(param_dtypes, device):
     """Every step rewrites the kept block maxima from the values it stores, tails and tensors smaller than a
     block included; a step skipped by a NaN scale leaves them, as it leaves the parameters."""
-    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    start = random_tensors(SHAPES, torch.float32, device, seed=1)
     params = [torch.nn.Parameter(p.to(dtype)) for p, dtype in zip(start, param_dtypes, strict=True)]
     optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=7)
     kept = optimizer.keep_block_maxima(params[1:])
     block = adamw_module.adamw_launch_settings().block_size
     for step in range(STEPS):
-        for param, grad in zip(params, _tensors(SHAPES, torch.float32, device, seed=100 + step), strict=True):
-            param.grad = grad.to(param.dtype)
-        optimizer.step(grad_scale=torch.tensor(float("nan") if step == 1 else 0.5, device=device))
+        grads = random_tensors(SHAPES, torch.float32, device, seed=100 + step)
+        step_on(
+            params,
+            optimizer,
+            grads,
+            grad_scale=torch.tensor(float("nan") if step == 1 else 0.5, device=device),
+        )
         for param in params[1:]:
             torch.testing.assert_close(kept[param], block_maxima_reference(param, block), atol=0.0, rtol=0.0)
     assert params[0] not in kept
@@ -608,13 +564,12 @@ def test_only_launches_with_kept_maxima_reduce_their_blocks(monkeypatch, device)
     block = adamw_module.adamw_launch_settings().block_size
     for keep in (False, True):
         params = [
-            torch.nn.Parameter(p.to(torch.bfloat16)) for p in _tensors(SHAPES, torch.float32, device, seed=1)
+            torch.nn.Parameter(p.to(torch.bfloat16))
+            for p in random_tensors(SHAPES, torch.float32, device, seed=1)
         ]
         optimizer = FusedAdamW(params, **HYPERPARAMETERS, seed=3)
         kept = optimizer.keep_block_maxima(params[2:3]) if keep else {}
-        for param, grad in zip(params, _tensors(SHAPES, torch.bfloat16, device, seed=2), strict=True):
-            param.grad = grad
-        optimizer.step()
+        step_on(params, optimizer, random_tensors(SHAPES, torch.bfloat16, device, seed=2))
         for param, maxima in kept.items():
             torch.testing.assert_close(maxima, block_maxima_reference(param, block), atol=0.0, rtol=0.0)
     assert launched == [False, True]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fusetune.kernels import adamw8bit as adamw8bit_module
-from fusetune.kernels.adamw import FusedAdamW, adamw_step_reference, gradient_clipping_scale
+from fusetune.kernels.adamw import FusedAdamW, adamw_step_reference
 from fusetune.kernels.adamw8bit import (
     EXP_AVG_MANTISSA_BITS,
     EXP_AVG_SQ_MANTISSA_BITS,
@@ -25,6 +25,17 @@ from fusetune.kernels.adamw8bit import (
     adamw8bit_step_reference,
     adamw8bit_zero_state,
     dequantize_moments,
+)
+from tests.kernels import adamw_helpers
+from tests.kernels.adamw_helpers import (
+    assert_a_non_finite_norm_changes_nothing,
+    assert_bad_arguments_are_refused_with_the_field,
+    assert_same_weights_and_state,
+    random_tensors,
+    resume_on_copies,
+    run_optimizer,
+    run_reference,
+    step_on,
 )
 from tests.kernels.mutation import mutated_kernel
 
@@ -44,53 +55,29 @@ HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay"
 STEPS = 3
 
 
-def _tensors(shapes, dtype, device, seed, scale=1.0):
-    generator = torch.Generator().manual_seed(seed)
-    return [(torch.randn(shape, generator=generator) * scale).to(dtype).to(device) for shape in shapes]
-
-
 def _run_fused(param_dtypes, device, *, seed=7, grad_scale=None, steps=STEPS, block_size=256, shapes=SHAPES):
     """Params and optimizer after `steps` steps of FusedAdamW8bit on fixed random gradients."""
-    start = _tensors(shapes, torch.float32, device, seed=1)
-    params = [torch.nn.Parameter(p.to(dtype)) for p, dtype in zip(start, param_dtypes, strict=True)]
-    optimizer = FusedAdamW8bit(params, **HYPERPARAMETERS, seed=seed, block_size=block_size)
-    for step in range(steps):
-        for param, grad in zip(params, _tensors(shapes, torch.float32, device, seed=100 + step), strict=True):
-            param.grad = grad.to(param.dtype)
-        optimizer.step(grad_scale=grad_scale)
-    return params, optimizer
+    return run_optimizer(
+        lambda params: FusedAdamW8bit(params, **HYPERPARAMETERS, seed=seed, block_size=block_size),
+        shapes, param_dtypes, device, steps=steps, grad_scale=grad_scale,
+    )  # fmt: skip
 
 
 def _run_reference(
     param_dtypes, device, *, seed=7, grad_scale=None, steps=STEPS, block_size=256, shapes=SHAPES
 ):
-    params = [
-        p.to(dtype) for p, dtype in zip(_tensors(shapes, torch.float32, device, 1), param_dtypes, strict=True)
-    ]
-    states = [adamw8bit_zero_state(p, block_size) for p in params]
-    for step in range(steps):
-        grads = [
-            g.to(p.dtype)
-            for p, g in zip(params, _tensors(shapes, torch.float32, device, 100 + step), strict=True)
-        ]
+    """Params and state of each after `steps` reference steps on _run_fused's inputs."""
+
+    def reference_step(params, grads, states, step):
         adamw8bit_step_reference(
-            params,
-            grads,
-            states,
-            step=step + 1,
-            **HYPERPARAMETERS,
-            seed=seed,
-            grad_scale=grad_scale,
+            params, grads, states, step=step, **HYPERPARAMETERS, seed=seed, grad_scale=grad_scale,
             block_size=block_size,
-        )
-    return params, states
+        )  # fmt: skip
 
-
-def _assert_same(params, optimizer, ref_params, ref_states):
-    for param, ref_param, ref_state in zip(params, ref_params, ref_states, strict=True):
-        torch.testing.assert_close(param.detach(), ref_param, atol=0.0, rtol=0.0)
-        for name, value in ref_state.items():
-            torch.testing.assert_close(optimizer.state[param][name], value, atol=0.0, rtol=0.0, msg=name)
+    return run_reference(
+        lambda param: adamw8bit_zero_state(param, block_size), reference_step, shapes, param_dtypes, device,
+        steps=steps,
+    )  # fmt: skip
 
 
 PARAM_DTYPE_SETS = [
@@ -106,7 +93,7 @@ PARAM_DTYPE_SETS = [
 def test_kernel_matches_reference_exactly(param_dtypes, grad_scale, device):
     scale = None if grad_scale is None else torch.tensor(grad_scale, device=device)
     params, optimizer = _run_fused(param_dtypes, device, grad_scale=scale)
-    _assert_same(params, optimizer, *_run_reference(param_dtypes, device, grad_scale=scale))
+    assert_same_weights_and_state(params, optimizer, *_run_reference(param_dtypes, device, grad_scale=scale))
     for param in params:
         assert optimizer.state[param]["step"].item() == STEPS
 
@@ -115,7 +102,7 @@ def test_kernel_matches_reference_with_small_blocks(device):
     """32-element blocks: a 512-element program holds 16 of them, each with its own scales."""
     dtypes = [torch.bfloat16] * len(SHAPES)
     params, optimizer = _run_fused(dtypes, device, block_size=32)
-    _assert_same(params, optimizer, *_run_reference(dtypes, device, block_size=32))
+    assert_same_weights_and_state(params, optimizer, *_run_reference(dtypes, device, block_size=32))
     assert optimizer.state[params[2]]["exp_avg_scales"].shape == (128,)  # ceil(4095 / 32)
 
 
@@ -139,13 +126,11 @@ def test_extreme_values_match_the_reference_and_stay_finite(device):
     reference = [p.clone() for p in start]
     states = [adamw8bit_zero_state(p) for p in reference]
     for step in range(1, 4):
-        for param, grad_value in zip(params, grads, strict=True):
-            param.grad = grad_value.clone()
-        optimizer.step()
+        step_on(params, optimizer, [g.clone() for g in grads])
         adamw8bit_step_reference(
             reference, [g.clone() for g in grads], states, step=step, **HYPERPARAMETERS, seed=5
         )
-    _assert_same(params, optimizer, reference, states)
+    assert_same_weights_and_state(params, optimizer, reference, states)
     for param in params:
         exp_avg, exp_avg_sq = dequantize_moments(optimizer.state[param])
         assert (
@@ -158,13 +143,13 @@ def test_extreme_values_match_the_reference_and_stay_finite(device):
 def test_non_contiguous_gradients_are_read_and_non_contiguous_parameters_refused(device):
     params = [torch.nn.Parameter(torch.ones(33, 17, dtype=torch.bfloat16, device=device))]
     optimizer = FusedAdamW8bit(params, **HYPERPARAMETERS)
-    grad = _tensors([(17, 33)], torch.bfloat16, device, seed=2)[0]
+    grad = random_tensors([(17, 33)], torch.bfloat16, device, seed=2)[0]
     params[0].grad = grad.t()  # a transposed view: not contiguous
     optimizer.step()
     reference = [torch.ones(33, 17, dtype=torch.bfloat16, device=device)]
     states = [adamw8bit_zero_state(reference[0])]
     adamw8bit_step_reference(reference, [grad.t().contiguous()], states, step=1, **HYPERPARAMETERS)
-    _assert_same(params, optimizer, reference, states)
+    assert_same_weights_and_state(params, optimizer, reference, states)
 
     strided = torch.nn.Parameter(torch.ones(8, 8, device=device)[:, ::2])
     strided.grad = torch.ones_like(strided)
@@ -182,8 +167,8 @@ def test_first_step_weights_are_fused_adamws_with_fp32_state(device):
     are FusedAdamW's with fp32 state bit for bit: same update, same rounding bits."""
     dtypes = [torch.bfloat16] * len(SHAPES)
     params, _ = _run_fused(dtypes, device, steps=1)
-    start = _tensors(SHAPES, torch.bfloat16, device, seed=1)
-    grads = _tensors(SHAPES, torch.bfloat16, device, seed=100)
+    start = random_tensors(SHAPES, torch.bfloat16, device, seed=1)
+    grads = random_tensors(SHAPES, torch.bfloat16, device, seed=100)
     exp_avgs = [torch.zeros_like(p, dtype=torch.float32) for p in start]
     exp_avg_sqs = [torch.zeros_like(p, dtype=torch.float32) for p in start]
     adamw_step_reference(start, grads, exp_avgs, exp_avg_sqs, step=1, **HYPERPARAMETERS, seed=7)
@@ -206,14 +191,14 @@ def _assert_within_one_code_step(stored, exact, scales, mantissa_bits, block_siz
 def test_reference_follows_torch_adamw(param_dtype, device):
     """Each step of the reference is torch.optim.AdamW's from the same weights and the same (dequantized)
     moments within TOLERANCES, and the moments it stores are within one code step of torch's new ones."""
-    start = _tensors(SHAPES, torch.float32, device, seed=1)
+    start = random_tensors(SHAPES, torch.float32, device, seed=1)
     torch_params = [torch.nn.Parameter(p.to(param_dtype).float()) for p in start]
     torch_optimizer = torch.optim.AdamW(torch_params, **HYPERPARAMETERS)
     params = [p.detach().to(param_dtype) for p in start]
     states = [adamw8bit_zero_state(p) for p in params]
     atol, rtol = TOLERANCES[param_dtype]
     for step in range(1, STEPS + 2):
-        grads = _tensors(SHAPES, torch.float32, device, seed=100 + step)
+        grads = random_tensors(SHAPES, torch.float32, device, seed=100 + step)
         for torch_param, param, grad, state in zip(torch_params, params, grads, states, strict=True):
             torch_param.data.copy_(param.float())  # both start this step from the stored weights and moments
             torch_param.grad = grad.to(param_dtype).float()
@@ -302,7 +287,7 @@ def test_same_seed_same_bits_other_seed_other_bits(device):
     first, first_optimizer = _run_fused(dtypes, device, seed=11, steps=2)
     again, again_optimizer = _run_fused(dtypes, device, seed=11, steps=2)
     other, other_optimizer = _run_fused(dtypes, device, seed=12, steps=2)
-    _assert_same(again, again_optimizer, first, [first_optimizer.state[p] for p in first])
+    assert_same_weights_and_state(again, again_optimizer, first, [first_optimizer.state[p] for p in first])
     for name in ("exp_avg_codes", "exp_avg_sq_codes"):
         changed = (
             (first_optimizer.state[first[2]][name] != other_optimizer.state[other[2]][name]).float().mean()
@@ -311,7 +296,7 @@ def test_same_seed_same_bits_other_seed_other_bits(device):
 
 
 def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
-    start = _tensors(SHAPES, torch.bfloat16, device, seed=1)
+    start = random_tensors(SHAPES, torch.bfloat16, device, seed=1)
     params = [torch.nn.Parameter(p.clone()) for p in start]
     optimizer = FusedAdamW8bit(params, lr=0.0, weight_decay=0.1)
     for param in params:
@@ -324,19 +309,7 @@ def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the control step's block maxima of NaN
 def test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device):
     params, optimizer = _run_fused([torch.bfloat16] * len(SHAPES), device, steps=1)
-    before = [p.detach().clone() for p in params]
-    state_before = [{k: v.clone() for k, v in optimizer.state[p].items() if k != "step"} for p in params]
-    for param in params:
-        param.grad = torch.full_like(param, float("nan"))
-    for bad_norm in (float("nan"), float("inf")):
-        optimizer.step(grad_scale=gradient_clipping_scale(torch.tensor(bad_norm, device=device), 1.0))
-    for param, old, state in zip(params, before, state_before, strict=True):
-        torch.testing.assert_close(param.detach(), old, atol=0.0, rtol=0.0)
-        for key, value in state.items():
-            torch.testing.assert_close(optimizer.state[param][key], value, atol=0.0, rtol=0.0)
-    # control: a finite scale on the same gradients does write (NaN)
-    optimizer.step(grad_scale=gradient_clipping_scale(torch.tensor(1.0, device=device), 1.0))
-    assert torch.isnan(params[0]).any()
+    assert_a_non_finite_norm_changes_nothing(params, optimizer, device)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -352,21 +325,19 @@ def test_state_dict_round_trip_resumes_exactly(device):
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    resumed = FusedAdamW8bit(copies, **HYPERPARAMETERS, seed=7)
-    resumed.load_state_dict(saved)
+    copies, resumed = resume_on_copies(
+        params, saved, lambda copies: FusedAdamW8bit(copies, **HYPERPARAMETERS, seed=7)
+    )
     for param, copy in zip(params, copies, strict=True):
         state = resumed.state[copy]
         assert state["step"].item() == 2 and state["step"].device.type == "cpu"
         assert state["exp_avg_codes"].dtype == torch.uint8 and state["exp_avg_scales"].dtype == torch.float32
         for name, value in optimizer.state[param].items():
             torch.testing.assert_close(state[name], value, atol=0, rtol=0)
-    grads = _tensors(SHAPES, torch.float32, device, seed=102)
-    for model_params, opt in ((params, optimizer), (copies, resumed)):
-        for param, grad in zip(model_params, grads, strict=True):
-            param.grad = grad.to(param.dtype)
-        opt.step()
-    _assert_same(copies, resumed, params, [optimizer.state[p] for p in params])
+    grads = random_tensors(SHAPES, torch.float32, device, seed=102)
+    step_on(params, optimizer, grads)
+    step_on(copies, resumed, grads)
+    assert_same_weights_and_state(copies, resumed, params, [optimizer.state[p] for p in params])
 
 
 def test_the_trainers_full_state_dict_helpers_round_trip_the_state(device):
@@ -422,34 +393,13 @@ def test_state_bytes_per_parameter(device):
     assert state_bytes == param.numel() * adamw8bit_state_bytes_per_parameter()
 
 
-@pytest.fixture
-def one_process_group():
-    """A gloo process group of one rank in this process, with a one-device CPU mesh."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+one_process_group = adamw_helpers.one_process_group
 
 
 def test_bad_arguments_are_refused_with_the_field(device):
-    with pytest.raises(TypeError, match="bfloat16 or float32, got torch.float16"):
-        FusedAdamW8bit([torch.nn.Parameter(torch.ones(3, dtype=torch.float16))])
+    assert_bad_arguments_are_refused_with_the_field(FusedAdamW8bit, device)
     with pytest.raises(ValueError, match="block_size must be a power of two from 32 to 4096, got 100"):
         FusedAdamW8bit([torch.nn.Parameter(torch.ones(3))], block_size=100)
-    with pytest.raises(ValueError, match="seed"):
-        FusedAdamW8bit([torch.nn.Parameter(torch.ones(3))], seed=-1)
-    param = torch.nn.Parameter(torch.ones(3, device=device))
-    param.grad = torch.ones_like(param)
-    with pytest.raises(ValueError, match="grad_scale must be one element"):
-        FusedAdamW8bit([param]).step(grad_scale=torch.ones(2, device=device))
-    with pytest.raises(TypeError, match="lr must be a Python float"):
-        FusedAdamW8bit([param], lr=torch.tensor(0.1)).step()
 
 
 def test_fsdp2_parameters_are_refused_with_the_reason(one_process_group):
@@ -534,17 +484,17 @@ def test_no_skip_guard_mutant_fails_the_non_finite_test(tmp_path, monkeypatch, d
 @pytest.mark.gpu
 def test_kernel_matches_reference_exactly_at_real_sizes(device):
     shapes = [(2048, 8192), (8192, 2048), (2048,), (4095, 17), (1,)]
-    params = [torch.nn.Parameter(p) for p in _tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)]
+    params = [
+        torch.nn.Parameter(p) for p in random_tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)
+    ]
     reference = [p.detach().clone() for p in params]
     states = [adamw8bit_zero_state(p) for p in reference]
     optimizer = FusedAdamW8bit(params, lr=1e-5, weight_decay=0.01, seed=3)
     scale = torch.tensor(0.5, device=device)
     for step in range(1, 4):
-        grads = _tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
-        optimizer.step(grad_scale=scale)
+        grads = random_tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
+        step_on(params, optimizer, grads, grad_scale=scale)
         adamw8bit_step_reference(
             reference, grads, states, step=step, lr=1e-5, weight_decay=0.01, seed=3, grad_scale=scale
         )
-    _assert_same(params, optimizer, reference, states)
+    assert_same_weights_and_state(params, optimizer, reference, states)
