@@ -28,27 +28,22 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from fusetune.serving.errors import ServingError
 from fusetune.spec.chat import ChatCompletionCreate
+from fusetune.worker.train.loading import load_model, load_tokenizer
+from fusetune.worker.train.outcome import TrainingFailure
 
 log = logging.getLogger(__name__)
 
 # What a request hears about, from the scheduler's thread: ("delta", choice, text), ("finish", choice, reason),
 # ("usage", prompt_tokens, completion_tokens) once all its choices ended, or ("error", status, message).
 Event = tuple[str, Any, Any]
-
-
-class ServingError(Exception):
-    """A request the engine refuses: an HTTP status and a message the user can act on."""
-
-    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status_code, self.message, self.param, self.code = status_code, message, param, code
 
 
 @dataclass
@@ -201,6 +196,16 @@ class Engine:
             return list(self._models)
 
     # ---- loading -----------------------------------------------------------------------------------------
+
+    def load_model(self, location: str, adapter_base_models: Mapping[str, str]) -> tuple[Any, Any]:
+        """The model at `location` (a LoRA checkpoint merged over its bases) and its tokenizer, in the dtype of the
+        engine's device: what a `load` passed to `submit` does for a model the worker found."""
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        try:
+            tokenizer = load_tokenizer(location)
+        except TrainingFailure:  # a checkpoint without its tokenizer: its base's
+            tokenizer = load_tokenizer(next(reversed(adapter_base_models.values()), location))
+        return load_model(location, dtype, adapter_base_models), tokenizer
 
     def _model(self, key: str, load: Callable[[], tuple[Any, Any]]) -> LoadedModel:
         with self._lock:

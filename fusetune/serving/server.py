@@ -16,10 +16,9 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,11 +26,14 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from fusetune.config import Settings
-from fusetune.serving.engine import Engine, ServingError
+from fusetune.serving.errors import ServingError
 from fusetune.spec.chat import TENANT_HEADER, ChatCompletionCreate
 from fusetune.worker.locations import ModelLocations
-from fusetune.worker.train.loading import load_model, load_tokenizer
 from fusetune.worker.train.outcome import TrainingFailure
+
+if TYPE_CHECKING:
+    from fusetune.serving.engine import Engine, Event
+    from fusetune.serving.engine import Request as EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +50,91 @@ def _sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
 
-def resolve_model(engine: Engine, locations: ModelLocations, model: str, tenant: str) -> tuple[str, Any]:
+def resolve_model(
+    engine: Engine | LazyEngine, locations: ModelLocations, model: str, tenant: str
+) -> tuple[str, Any]:
     """The model's location (the engine's key) and how to load it; the caller checked the tenant may call it.
     Chat completions and eval runs (fusetune/worker/evals.py) both submit to the engine with these."""
-    dtype = torch.bfloat16 if engine.device.type == "cuda" else torch.float32
     location = locations.location_of(model, tenant)
     if location is None:
         raise ServingError(404, f"No model with id '{model}'.", "model", "model_not_found")
     bases = locations.adapter_base_models(tenant, location)
-
-    def load() -> tuple[Any, Any]:
-        try:
-            tokenizer = load_tokenizer(location)
-        except TrainingFailure:  # a checkpoint without its tokenizer: its base's
-            tokenizer = load_tokenizer(next(reversed(bases.values()), location))
-        return load_model(location, dtype, bases), tokenizer
-
-    return location, load
+    return location, lambda: engine.load_model(location, bases)
 
 
-def create_serving_app(engine: Engine, locations: ModelLocations, token: str) -> FastAPI:
+class LazyEngine:
+    """The serving engine, built when it is first used (a chat request, an eval run). The engine imports torch and
+    transformers, which took most of a worker's start when the server built it there (the commit that made it
+    lazy has the measurement): a worker that serves nothing never imports them in its main process. Training
+    pauses and resumes it before it is built as after."""
+
+    def __init__(self, idle_s: float, max_batch: int):
+        self._idle_s, self._max_batch = idle_s, max_batch
+        self._engine: Engine | None = None
+        self._build_lock = threading.Lock()  # one build; held through torch's import
+        self._lock = threading.Lock()  # the state below, never held through an import
+        self._paused = False
+        self._stopped = False
+
+    def get(self) -> Engine:
+        engine = self._engine
+        if engine is not None:
+            return engine
+        with self._build_lock:
+            if self._engine is None:
+                # torch and transformers: imported once something is served, not at the worker's start
+                from fusetune.serving.engine import Engine
+
+                engine = Engine(self._idle_s, self._max_batch)
+                with self._lock:
+                    if self._stopped:
+                        engine.stop()
+                        raise ServingError(503, "The worker is stopping.")
+                    if self._paused:  # a job started training while the engine was built
+                        engine.pause()
+                    self._engine = engine
+                log.info("serving: engine started on %s", engine.device)
+            return self._engine
+
+    def submit(
+        self, key: str, load: Callable[[], tuple[Any, Any]], body: ChatCompletionCreate,
+        emit: Callable[[Event], None],
+    ) -> EngineRequest:  # fmt: skip
+        with self._lock:
+            if self._paused and self._engine is None:  # refused as the engine would, without building it now
+                raise ServingError(503, "The worker is training a job; chat completions resume after it.",
+                                   code="worker_training")  # fmt: skip
+        return self.get().submit(key, load, body, emit)
+
+    def load_model(self, location: str, adapter_base_models: Mapping[str, str]) -> tuple[Any, Any]:
+        return self.get().load_model(location, adapter_base_models)
+
+    def pause(self) -> None:
+        with self._lock:
+            self._paused = True
+            if self._engine is not None:
+                self._engine.pause()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            if self._engine is not None:
+                self._engine.resume()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            engine = self._engine
+        if engine is not None:
+            engine.stop()
+
+    @property
+    def loaded_models(self) -> list[str]:
+        engine = self._engine
+        return engine.loaded_models if engine is not None else []
+
+
+def create_serving_app(engine: LazyEngine, locations: ModelLocations, token: str) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     def resolve(model: str, tenant: str) -> tuple[str, Any]:
@@ -188,7 +255,7 @@ class ServingServer:
     """The engine and its HTTP server, in threads of the worker process."""
 
     def __init__(self, settings: Settings, locations: ModelLocations):
-        self.engine = Engine(settings.serving_idle_s, settings.serving_max_batch)
+        self.engine = LazyEngine(settings.serving_idle_s, settings.serving_max_batch)
         self.token = secrets.token_hex(24)
         family = socket.AF_INET6 if ":" in settings.serving_host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
