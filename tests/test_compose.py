@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fusetune.config import Settings
+
 COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 
 
@@ -20,9 +22,14 @@ def test_compose_services_and_commands():
     env = services["api"]["environment"]
     assert env["FUSETUNE_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert env["FUSETUNE_BROKER_URL"].startswith("redis://")
-    # The same settings everywhere; the API adds how many processes it runs.
-    assert services["worker"]["environment"] == services["migrate"]["environment"]
-    assert env == {**services["worker"]["environment"], "FUSETUNE_API_PROCESSES": "2"}
+    # The same settings everywhere; the API adds how many processes it runs, the worker its serving server.
+    shared = services["migrate"]["environment"]
+    worker_env = services["worker"]["environment"]
+    assert env == {**shared, "FUSETUNE_API_PROCESSES": "2"}
+    assert worker_env == {
+        **shared,
+        **{k: v for k, v in worker_env.items() if k.startswith("FUSETUNE_SERVING_")},
+    }
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia"
     # Files and checkpoints go to the object store; no volume is mounted by more than one service.
@@ -45,6 +52,19 @@ def test_compose_services_and_commands():
             [sys.executable, "-m", "fusetune.cli", *command[1:2], "--help"], capture_output=True
         )
         assert result.returncode == 0, result.stderr
+
+
+def test_the_worker_serves_chat_completions_to_the_api():
+    """The worker's chat completions server listens on every interface of its container at a fixed port, and
+    advertises an address the API's container reaches: the worker's service name on the compose network, the
+    port not published to the host."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    env = services["worker"]["environment"]
+    settings = Settings(**{key.removeprefix("FUSETUNE_").lower(): value for key, value in env.items()})
+    assert settings.serving and settings.serving_host == "0.0.0.0" and settings.serving_port > 0
+    assert settings.serving_public_host == "worker" and "worker" in services
+    assert str(settings.serving_port) in services["worker"]["expose"]
+    assert "ports" not in services["worker"]
 
 
 @pytest.mark.skipif(
