@@ -64,7 +64,7 @@ def make_worker_app(settings: Settings, restart: threading.Event | None = None) 
             capacity.release_waiting_jobs(settings, runner.session_factory, queue.enqueue, runner.gpus)
 
     def start_serving() -> None:
-        """The chat completions server (in this thread, not the worker's start: loading torch takes seconds).
+        """The chat completions server; its engine, which imports torch, is built at the first request (LazyEngine).
         Training takes the worker's devices: the server unloads its models and refuses requests while a job
         trains here."""
         try:
