@@ -48,8 +48,9 @@ def test_demo_command_offers_keep_serving():
 
 
 @pytest.mark.slow
-def test_demo_job_teaches_the_task(tmp_path):
-    """The demo's job as `make demo` submits it; it ends when the job does, however long that takes."""
+def test_demo_job_teaches_the_task(tmp_path, capsys):
+    """The demo's job as `make demo` submits it; it ends when the job does, however long that takes. Its last
+    word is the service's: the fine-tuned model answers a held-out prompt through POST /v1/chat/completions."""
     data_dir = tmp_path / "data"
     model_dir, _ = task.ensure_base_model(data_dir / "models" / DEMO_MODEL)
     with running_service(data_dir) as service:
@@ -57,6 +58,14 @@ def test_demo_job_teaches_the_task(tmp_path):
     assert result.job["status"] == "succeeded", result.job
     assert result.base.accuracy <= 0.1, result.base
     assert result.fine_tuned is not None and result.fine_tuned.accuracy >= 0.9, result.fine_tuned
+    # Greedy, the fine-tuned model gets the held-out prompts right: the chat reply is the expected number.
+    first = task.read_examples(task.HELD_OUT_FILE)[0]
+    assert result.chat is not None and result.chat.prompt == task.question(first), result.chat
+    assert result.chat.reply == result.chat.expected == task.expected_answer(first), result.chat
+    printed = capsys.readouterr().out
+    assert f"model {result.job['fine_tuned_model']}" in printed, printed[-2000:]
+    assert f"reply     '{result.chat.expected}' ✓" in printed, printed[-2000:]
+    assert f"expected  {result.chat.expected}" in printed, printed[-2000:]
 
 
 def test_the_downloaded_checkpoint_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):

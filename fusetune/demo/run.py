@@ -3,7 +3,8 @@
 Every step goes through the service a user would run: ``fusetune serve`` (API + worker + SQLite + a broker on
 SQLite), the bundled dataset uploaded over HTTP, a job created, polled and its checkpoint downloaded. The base
 model and the downloaded checkpoint, each loaded with ``from_pretrained``, answer the same held-out prompts
-(`fusetune.demo.task`), and the two sets of answers are printed side by side with their accuracies.
+(`fusetune.demo.task`), and the two sets of answers are printed side by side with their accuracies. Last, the
+service itself answers one of those prompts with the fine-tuned model (a chat completion through the openai SDK).
 """
 
 from __future__ import annotations
@@ -32,10 +33,20 @@ console = Console()
 
 
 @dataclass(frozen=True)
+class ChatReply:
+    """One held-out prompt asked of the fine-tuned model through POST /v1/chat/completions."""
+
+    prompt: str
+    reply: str
+    expected: str
+
+
+@dataclass(frozen=True)
 class DemoResult:
     job: dict
     base: task.Answers
     fine_tuned: task.Answers | None  # None when the job did not succeed
+    chat: ChatReply | None = None  # None when the job did not succeed, or the openai package is missing
 
 
 def _start_server(settings: Settings, port: int) -> subprocess.Popen:
@@ -196,6 +207,37 @@ def _comparison_table(chats: list[dict], base: task.Answers, fine_tuned: task.An
     return table
 
 
+def _chat_with_fine_tuned(client: httpx.Client, model: str, chat: dict) -> ChatReply | None:
+    """`chat`'s question asked of `model` by the openai SDK against the service `client` speaks to, greedily."""
+    try:
+        from openai import OpenAI
+    except ImportError:  # a dev extra: `make demo` installs it, the service image leaves it out
+        console.print("[yellow]the openai package is not installed: no chat completion")
+        return None
+    api_key = client.headers["authorization"].removeprefix("Bearer ")
+    # The worker serves again once its job's training process ended, which can be a moment after the job reads
+    # succeeded: the SDK retries the 503 of that moment.
+    base_url = f"{str(client.base_url).rstrip('/')}/v1"
+    with OpenAI(base_url=base_url, api_key=api_key, max_retries=5) as sdk:
+        completion = sdk.chat.completions.create(
+            model=model,
+            messages=chat["messages"][:-1],
+            temperature=0,
+            max_completion_tokens=task.DIGITS_PER_PROMPT + 3,
+        )
+    reply = (completion.choices[0].message.content or "").strip()
+    return ChatReply(prompt=task.question(chat), reply=reply, expected=task.expected_answer(chat))
+
+
+def _print_chat(model: str, chat: ChatReply) -> None:
+    mark = "[green]✓" if chat.reply == chat.expected else "[red]✗"
+    console.print(f"[bold]one chat completion[/bold] (openai SDK, POST /v1/chat/completions, model {model}, "
+                  "temperature 0)", soft_wrap=True)  # fmt: skip
+    console.print(f"  prompt    {chat.prompt}")
+    console.print(f"  reply     {_shown(chat.reply)} {mark}")
+    console.print(f"  expected  {chat.expected}")
+
+
 def fine_tune_and_compare(
     client: httpx.Client, base_model_dir: Path, n_gpus: int = 2, n_epochs: int | None = None
 ) -> DemoResult:
@@ -231,7 +273,11 @@ def fine_tune_and_compare(
     checkpoints = _check(client.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints"))["data"]
     fine_tuned = _answer_with_checkpoint(client, job["id"], checkpoints[0], held_out)
     console.print(_comparison_table(held_out, base, fine_tuned))
-    return DemoResult(job=job, base=base, fine_tuned=fine_tuned)
+    # The table's first prompt again, answered by the service itself: the fine-tuned model as any client calls it.
+    chat = _chat_with_fine_tuned(client, job["fine_tuned_model"], held_out[0])
+    if chat is not None:
+        _print_chat(job["fine_tuned_model"], chat)
+    return DemoResult(job=job, base=base, fine_tuned=fine_tuned, chat=chat)
 
 
 def _print_next_steps(base_url: str, api_key: str, job_id: str, data_dir: Path, keep_serving: bool) -> None:
