@@ -15,7 +15,7 @@ import logging
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -24,7 +24,8 @@ from fusetune.db import queries
 from fusetune.db.models import EvalRun, EvalRunOutputItem
 from fusetune.graders import Sample, grade_many
 from fusetune.graders.templates import TemplateError, lookup, render
-from fusetune.serving.server import ServingError, resolve_model
+from fusetune.serving.errors import ServingError
+from fusetune.serving.server import LazyEngine, resolve_model
 from fusetune.spec.chat import ChatCompletionCreate
 from fusetune.spec.evals import (
     DEFAULT_MAX_COMPLETION_TOKENS,
@@ -39,9 +40,6 @@ from fusetune.spec.graders import parse_grader
 from fusetune.storage import Storage, StorageError
 from fusetune.worker.locations import ModelLocations
 from fusetune.worker.train.outcome import TrainingFailure
-
-if TYPE_CHECKING:
-    from fusetune.serving.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ class EvalRunner:
         storage: Storage,
         locations: ModelLocations,
         worker_name: str,
-        serving_engine: Callable[[], Any],
+        serving_engine: Callable[[], LazyEngine | None],
     ):
         self.settings = settings
         self.session_factory = session_factory
@@ -106,22 +104,29 @@ class EvalRunner:
         self.locations = locations
         self.worker_name = worker_name
         self._serving_engine = serving_engine
-        self._own_engine: Engine | None = None
+        self._own_engine: LazyEngine | None = None
 
-    def engine(self) -> Engine:  # or the serving server's engine, which submits and loads as one
+    def engine(self) -> LazyEngine:
         """The worker's chat completions engine (its models stay warm for chat), or, on a worker that serves
-        none, one of the runner's own."""
+        none, one of the runner's own, built (torch imported) at its first run."""
         engine = self._serving_engine()
         if engine is not None:
             return engine
         if self._own_engine is None:
-            # torch and transformers: imported when a run needs them, not at the worker's start
-            from fusetune.serving.engine import Engine
-
-            self._own_engine = Engine(self.settings.serving_idle_s, self.settings.serving_max_batch)
+            self._own_engine = LazyEngine(self.settings.serving_idle_s, self.settings.serving_max_batch)
         return self._own_engine
 
     def run(self, run_id: str) -> str:
+        try:
+            return self._claim_and_run(run_id)
+        finally:
+            if self._own_engine is not None:
+                # Nothing pauses the runner's own engine before a job trains here: its models go now, not
+                # after serving_idle_s, so that the next job has the devices' memory.
+                self._own_engine.pause()
+                self._own_engine.resume()
+
+    def _claim_and_run(self, run_id: str) -> str:
         with self.session_factory() as session:
             run = queries.claim_eval_run(session, run_id, self.worker_name)
             session.commit()

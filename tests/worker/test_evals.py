@@ -11,7 +11,7 @@ from fusetune.db import queries
 from fusetune.db.migrate import upgrade
 from fusetune.db.models import Eval, EvalRun
 from fusetune.db.session import make_engine, make_session_factory
-from fusetune.serving.server import ServingError
+from fusetune.serving.errors import ServingError
 from fusetune.worker.evals import EvalRunner
 
 ANSWERS = {"one two": "12", "three four": "35", "five six": "56"}
