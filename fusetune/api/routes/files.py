@@ -24,9 +24,8 @@ from fusetune.storage import FileWriter, StorageError
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-# Each purpose's line check: training examples, or eval items (`{"item": {...}}`, read by eval runs).
-VALIDATORS = {TRAINING_PURPOSE: validate_chat_jsonl, EVALS_PURPOSE: validate_eval_jsonl}
-PURPOSES = tuple(VALIDATORS)
+# Training examples, or eval items (`{"item": {...}}`, read by eval runs), each checked by its own validator.
+PURPOSES = (TRAINING_PURPOSE, EVALS_PURPOSE)
 _COPY_CHUNK_BYTES = 1024 * 1024
 
 
@@ -136,7 +135,8 @@ def create_file(
         # written (a temporary file beside the final one, or an aborted multipart upload).
         with storage.file_writer(tenant, storage_name, download_name=filename) as writer:
             upload = _UploadLines(file.file, writer, settings.max_upload_bytes, digest)
-            report = VALIDATORS[purpose](upload, settings.max_example_bytes)
+            validate = validate_eval_jsonl if purpose == EVALS_PURPOSE else validate_chat_jsonl
+            report = validate(upload, settings.max_example_bytes)
             earlier = idempotency.replayed_object_id(session, tenant, "files", key, digest.hexdigest())
             if earlier is not None:
                 return to_schema(_get(session, earlier, tenant))
