@@ -645,3 +645,27 @@ def _docs_pages_load_nothing_from_elsewhere(browser, base: str) -> None:
     _element(browser, "[data-section-id]")
     assert "fusetune" in _text(browser, "h1")
     assert browser.execute_script(elsewhere, base) == []
+
+
+def test_the_job_page_shows_the_eval_runs_of_its_model(dashboard, demo):
+    """A run of the job's fine-tuned model, written as the worker ends one, shows on the job's page with its pass
+    rate and each criterion's."""
+    from fusetune.db.models import Eval, EvalRun
+    from fusetune.db.session import make_engine, make_session_factory
+
+    service, job = demo.service, demo.finished
+    with make_session_factory(make_engine(service.settings.database_url))() as session:
+        evaluation = Eval(tenant="default", name="digits", data_source_config={}, testing_criteria=[])
+        session.add(evaluation)
+        session.flush()
+        run = EvalRun(eval_id=evaluation.id, tenant="default", name="tuned on digits", status="completed",
+                      model=job["fine_tuned_model"], data_source={},
+                      result_counts={"total": 4, "passed": 3, "failed": 1, "errored": 0},
+                      per_testing_criteria_results=[{"testing_criteria": "exact", "passed": 3, "failed": 1}])  # fmt: skip
+        session.add(run)
+        session.commit()
+        run_id = run.id
+    dashboard.get(f"{service.base_url}/ui/#/jobs/{job['id']}")
+    row = f"#job-eval-runs tr[data-run-id='{run_id}']"
+    assert _text(dashboard, f"{row} .eval-pass-rate") == "3/4 (75%)"
+    assert "exact: 3/4 (75%)" in _text(dashboard, row)
