@@ -60,11 +60,16 @@ def test_the_deployment_matches_compose_and_what_the_service_needs():
         ]
         > 0
     )
-    # Every setting compose gives the services comes from the ConfigMap or the Secret.
+    # Every setting compose gives the services comes from the ConfigMap or the Secret, but the address each
+    # worker advertises for its chat completions server: its own pod's, from the downward API.
     settings = set(resources["ConfigMap", "fusetune-config"]["data"]) | set(
         resources["Secret", "fusetune-secrets"]["stringData"]
     )
-    assert set(compose["worker"]["environment"]) <= settings
+    per_pod = {entry["name"]: entry for entry in worker.get("env", [])}
+    assert per_pod["FUSETUNE_SERVING_PUBLIC_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert set(compose["worker"]["environment"]) <= settings | set(per_pod)
+    serving_port = int(resources["ConfigMap", "fusetune-config"]["data"]["FUSETUNE_SERVING_PORT"])
+    assert {"name": "serving", "containerPort": serving_port} in worker["ports"]
     for container in (api, worker, migrate):
         sources = {ref.get("configMapRef", ref.get("secretRef"))["name"] for ref in container["envFrom"]}
         assert sources == {"fusetune-config", "fusetune-secrets"}

@@ -6,6 +6,7 @@ through the API; deleting a file deletes its object; the store holds exactly the
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -124,14 +125,18 @@ def test_two_workers_share_only_the_store_and_a_killed_job_resumes_on_the_other(
                 # Its processes are found while they load (the job id is in their command line on any host). The
                 # checkpoint row, read from PostgreSQL (the one place that records it), is polled closely only
                 # once the checkpoint's folder is in place on the worker, so the polling does not slow the start.
-                pids = _wait_until(lambda: (found if len(found := _training_pids(f"/{victim}/")) >= 2 else None),
-                                   300, "the victim's training processes never started", interval_s=0.05)  # fmt: skip
+                _wait_until(lambda: len(_training_pids(f"/{victim}/")) >= 2, 300,
+                            "the victim's training processes never started", interval_s=0.05)  # fmt: skip
                 _wait_until(lambda: _saved_locally(workers, victim), 300, "no checkpoint was saved",
                             interval_s=0.01)  # fmt: skip
                 _wait_until(lambda: _recorded_steps(database, victim), 60, "no checkpoint was recorded",
                             interval_s=0.005)  # fmt: skip
-                for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
+                # Found again now: a process seen while the job started may have been a short-lived helper of its
+                # start (gone by now), and a rank may have started after that first look; one may also end
+                # between the look and the signal.
+                for pid in _training_pids(f"/{victim}/"):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
                 saved_step = max(_recorded_steps(database, victim))
                 assert saved_step < STEPS
                 victim_pid = _worker_pid(service, victim)
