@@ -86,30 +86,54 @@ def parse_line(raw: bytes) -> object:
     return value
 
 
+def _example_over_limit(example_bytes: int, max_example_bytes: int) -> str:
+    return (
+        f"the example is {example_bytes:,} bytes, over the limit of {max_example_bytes:,} bytes for one "
+        "example (the server's FUSETUNE_MAX_EXAMPLE_BYTES)"
+    )
+
+
+def _eval_line_over_limit(line_bytes: int, max_example_bytes: int) -> str:
+    return (
+        f"the line is {line_bytes:,} bytes, over the limit of {max_example_bytes:,} bytes (the server's "
+        "FUSETUNE_MAX_EXAMPLE_BYTES)"
+    )
+
+
+def _parsed_lines(
+    stream: BinaryIO,
+    report: FileReport,
+    max_example_bytes: int | None,
+    over_limit: Callable[[int, int], str],
+) -> Iterator[tuple[int, object, int]]:
+    """The uploaded file's JSON lines as (line number, value, bytes without the line ending), for a validator
+    to check against its format. The byte order mark is dropped from the first line, blank lines are skipped,
+    and a line over `max_example_bytes` (refused unread, with `over_limit`'s message) or not JSON is reported
+    in `report` and not yielded."""
+    for line_number, raw in enumerate(stream, start=1):
+        if line_number == 1:
+            raw = raw.removeprefix(UTF8_BOM)  # the trainer reads the file as utf-8-sig
+        line_bytes = len(raw.rstrip(b"\r\n"))
+        if max_example_bytes is not None and line_bytes > max_example_bytes:
+            report.add_error(line_number, over_limit(line_bytes, max_example_bytes))
+            continue
+        if not raw.strip():
+            continue
+        try:
+            value = parse_line(raw)
+        except ValueError as exc:
+            report.add_error(line_number, str(exc))
+            continue
+        yield line_number, value, line_bytes
+
+
 def validate_chat_jsonl(stream: BinaryIO, max_example_bytes: int | None = None) -> FileReport:
     """Reads the whole stream once, line by line, and reports every problem up to a limit. The file's method
     is the one whose line format its first JSON line is in; every line must be in that format. A line longer
     than `max_example_bytes` is refused unread."""
     example_format = None
     report = FileReport()
-    for line_number, raw in enumerate(stream, start=1):
-        if line_number == 1:
-            raw = raw.removeprefix(UTF8_BOM)  # the trainer reads the file as utf-8-sig
-        example_bytes = len(raw.rstrip(b"\r\n"))
-        if max_example_bytes is not None and example_bytes > max_example_bytes:
-            report.add_error(
-                line_number,
-                f"the example is {example_bytes:,} bytes, over the limit of {max_example_bytes:,} bytes for one "
-                "example (the server's FUSETUNE_MAX_EXAMPLE_BYTES)",
-            )
-            continue
-        if not raw.strip():
-            continue
-        try:
-            example = parse_line(raw)
-        except ValueError as exc:
-            report.add_error(line_number, str(exc))
-            continue
+    for line_number, example, _ in _parsed_lines(stream, report, max_example_bytes, _example_over_limit):
         if example_format is None:
             report.method = method_of_record(example)
             example_format = METHODS[report.method].example_format
@@ -136,21 +160,9 @@ def validate_eval_jsonl(stream: BinaryIO, max_example_bytes: int | None = None) 
     """An eval data file (purpose `evals`, OpenAI's format): every line an object `{"item": {...}}`, with an
     optional `"sample"` object beside it. What the item holds is the eval's item schema's to say."""
     report = FileReport(method="evals")
-    for line_number, raw in enumerate(stream, start=1):
-        if line_number == 1:
-            raw = raw.removeprefix(UTF8_BOM)
-        example_bytes = len(raw.rstrip(b"\r\n"))
-        if max_example_bytes is not None and example_bytes > max_example_bytes:
-            report.add_error(line_number, f"the line is {example_bytes:,} bytes, over the limit of "
-                             f"{max_example_bytes:,} bytes (the server's FUSETUNE_MAX_EXAMPLE_BYTES)")  # fmt: skip
-            continue
-        if not raw.strip():
-            continue
-        try:
-            row = parse_line(raw)
-        except ValueError as exc:
-            report.add_error(line_number, str(exc))
-            continue
+    for line_number, row, line_bytes in _parsed_lines(
+        stream, report, max_example_bytes, _eval_line_over_limit
+    ):
         if not isinstance(row, dict) or not isinstance(row.get("item"), dict):
             report.add_error(
                 line_number, 'an eval line is an object {"item": {...}} (the item\'s fields inside)'
@@ -162,7 +174,7 @@ def validate_eval_jsonl(stream: BinaryIO, max_example_bytes: int | None = None) 
                              f"{', '.join(extra) or 'a sample that is not an object'})")  # fmt: skip
             continue
         report.example_count += 1
-        report.token_estimate += max(1, example_bytes // CHARS_PER_TOKEN)
+        report.token_estimate += max(1, line_bytes // CHARS_PER_TOKEN)
     if report.example_count == 0 and not report.errors:
         report.errors.append("the file holds no items")
     return report
