@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -15,7 +17,48 @@ from fusetune.api.errors import error_body
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
-class BodySizeLimit:
+def _answered_instead(send, cut_off: Callable[[], bool], reject: Callable[[Any], Awaitable[None]]):
+    """The app's `send` while the body is whole; once `cut_off()` (the body guard ended the body early), what
+    the app answers about the truncated request is dropped and `reject(send)` answers in its place, once."""
+    rejected = False
+
+    async def guarded_send(message):
+        nonlocal rejected
+        if not cut_off():
+            return await send(message)
+        if not rejected:
+            rejected = True
+            await reject(send)
+
+    return guarded_send
+
+
+async def _send_closing_error(send, status: int, error: dict) -> None:
+    """A JSON error response that closes the connection (the rest of the body is not read)."""
+    body = json.dumps(error).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+class _RequestBodyGuard:
+    """What both guards of a request body share: only requests that carry one (POST, PUT, PATCH) reach
+    `_guard`; the rest go straight to the app."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        return await self._guard(scope, receive, send)
+
+    async def _guard(self, scope, receive, send):
+        raise NotImplementedError
+
+
+class BodySizeLimit(_RequestBodyGuard):
     """Refuses a request body over the limit with a 413 as soon as the limit is crossed, before it is buffered.
 
     A Content-Length over the limit is refused at the app's first read of the body, before any byte is read; a
@@ -24,17 +67,14 @@ class BodySizeLimit:
     """
 
     def __init__(self, app, max_body_bytes: int):
-        self.app = app
+        super().__init__(app)
         self.max_body_bytes = max_body_bytes
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
+    async def _guard(self, scope, receive, send):
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         received = 0
         too_large = False
-        rejected = False
 
         async def counting_receive():
             nonlocal received, too_large
@@ -51,27 +91,15 @@ class BodySizeLimit:
                     return {"type": "http.request", "body": b"", "more_body": False}
             return message
 
-        async def guarded_send(message):
-            nonlocal rejected
-            if not too_large:
-                return await send(message)
-            if not rejected:
-                rejected = True
-                await self._reject(send)
-
-        await self.app(scope, counting_receive, guarded_send)
+        await self.app(scope, counting_receive, _answered_instead(send, lambda: too_large, self._reject))
 
     async def _reject(self, send):
         limit = self.max_body_bytes - MULTIPART_OVERHEAD_BYTES
-        body = json.dumps(error_body(413, f"Request body is larger than the upload limit of {limit} bytes.", "file",
-                                     "file_too_large")).encode()  # fmt: skip
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        message = f"Request body is larger than the upload limit of {limit} bytes."
+        await _send_closing_error(send, 413, error_body(413, message, "file", "file_too_large"))
 
 
-class BodyReadTimeout:
+class BodyReadTimeout(_RequestBodyGuard):
     """Answers 408 and closes the connection when a request body stops arriving: no bytes for `timeout_s`.
 
     uvicorn bounds idle keep-alive connections but not a body that stalls mid-upload, which held a request (and
@@ -80,13 +108,11 @@ class BodyReadTimeout:
     """
 
     def __init__(self, app, timeout_s: float):
-        self.app = app
+        super().__init__(app)
         self.timeout_s = timeout_s
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        body_done = timed_out = rejected = False
+    async def _guard(self, scope, receive, send):
+        body_done = timed_out = False
 
         async def timed_receive():
             nonlocal body_done, timed_out
@@ -102,23 +128,11 @@ class BodyReadTimeout:
                 body_done = True
             return message
 
-        async def guarded_send(message):
-            nonlocal rejected
-            if not timed_out:
-                return await send(message)
-            if not rejected:
-                rejected = True
-                await self._reject(send)
-
-        await self.app(scope, timed_receive, guarded_send)
+        await self.app(scope, timed_receive, _answered_instead(send, lambda: timed_out, self._reject))
 
     async def _reject(self, send):
         message = f"The request body stalled: no bytes for {self.timeout_s:g} s."
-        body = json.dumps(error_body(408, message, None, "request_timeout")).encode()
-        await send({"type": "http.response.start", "status": 408,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        await _send_closing_error(send, 408, error_body(408, message, None, "request_timeout"))
 
 
 class RequestMetrics:

@@ -70,6 +70,12 @@ DOCS_CONTENT_SECURITY_POLICY = (
 )
 
 
+def _docs_page_arguments(request: Request) -> dict[str, str]:
+    """What both docs pages are given alike: the OpenAPI document's URL under the proxy's root path, a title."""
+    root = request.scope.get("root_path", "")
+    return {"openapi_url": f"{root}{request.app.openapi_url}", "title": f"{request.app.title} API"}
+
+
 def _docs_page(page: HTMLResponse) -> HTMLResponse:
     page.headers["Content-Security-Policy"] = DOCS_CONTENT_SECURITY_POLICY
     return page
@@ -79,8 +85,7 @@ def _docs_page(page: HTMLResponse) -> HTMLResponse:
 def swagger_ui(request: Request) -> HTMLResponse:
     root = request.scope.get("root_path", "")
     page = get_swagger_ui_html(
-        openapi_url=f"{root}{request.app.openapi_url}",
-        title=f"{request.app.title} API",
+        **_docs_page_arguments(request),
         swagger_js_url=f"{root}{SWAGGER_UI}/swagger-ui-bundle.js",
         swagger_css_url=f"{root}{SWAGGER_UI}/swagger-ui.css",
         swagger_favicon_url=f"{root}{SWAGGER_UI}/favicon-32x32.png",
@@ -95,8 +100,7 @@ def swagger_ui(request: Request) -> HTMLResponse:
 def redoc(request: Request) -> HTMLResponse:
     root = request.scope.get("root_path", "")
     page = get_redoc_html(
-        openapi_url=f"{root}{request.app.openapi_url}",
-        title=f"{request.app.title} API",
+        **_docs_page_arguments(request),
         redoc_js_url=f"{root}{REDOC}/redoc.standalone.js",
         redoc_favicon_url=f"{root}{SWAGGER_UI}/favicon-32x32.png",
         with_google_fonts=False,
