@@ -41,6 +41,9 @@ DEFAULT_PASS_THRESHOLD = 1.0
 # Items per run: every item is sampled and kept as an output item row.
 MAX_RUN_ITEMS = 10_000
 DEFAULT_MAX_COMPLETION_TOKENS = 256
+# A run's seed when its sampling_params give none: OpenAI's documented default. A run draws with a seed it then
+# reports in every output item's sample (OpenAI's schema requires an integer there), so a rerun draws the same.
+DEFAULT_SEED = 42
 
 
 class RunStatus:

@@ -29,6 +29,7 @@ from fusetune.serving.server import LazyEngine, resolve_model
 from fusetune.spec.chat import ChatCompletionCreate
 from fusetune.spec.evals import (
     DEFAULT_MAX_COMPLETION_TOKENS,
+    DEFAULT_SEED,
     MAX_RUN_ITEMS,
     CompletionsDataSource,
     FileContentSource,
@@ -86,6 +87,11 @@ def _messages(data_source: CompletionsDataSource, item: dict[str, Any]) -> list[
             messages.append({"role": message["role"], "content": str(content)})
         return messages
     return [{"role": m.role, "content": render(m.text, {"item": item})} for m in source.template]
+
+
+def _seed(data_source: CompletionsDataSource) -> int:
+    params = data_source.sampling_params
+    return params.seed if params is not None and params.seed is not None else DEFAULT_SEED
 
 
 class EvalRunner:
@@ -206,7 +212,7 @@ class EvalRunner:
                     messages=sampled.messages,
                     temperature=params.temperature if params else None,
                     top_p=params.top_p if params else None,
-                    seed=params.seed if params else None,
+                    seed=_seed(data_source),
                     max_completion_tokens=(params and params.max_completion_tokens)
                     or DEFAULT_MAX_COMPLETION_TOKENS,
                 )
@@ -307,7 +313,7 @@ class EvalRunner:
                 "temperature": params.temperature if params and params.temperature is not None else 1.0,
                 "max_completion_tokens": (params and params.max_completion_tokens) or DEFAULT_MAX_COMPLETION_TOKENS,
                 "top_p": params.top_p if params and params.top_p is not None else 1.0,
-                "seed": params.seed if params and params.seed is not None else None,
+                "seed": _seed(data_source),
             }  # fmt: skip
             rows.append(EvalRunOutputItem(run_id=run.id, datasource_item_id=index, datasource_item=item,
                                           status=status, sample=sample, results=results))  # fmt: skip

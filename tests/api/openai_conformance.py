@@ -1,10 +1,17 @@
 """Response bodies checked against OpenAI's OpenAPI description (tests/data/openai_openapi/, spec 2.3.0).
 
 A `Recorder` is an httpx response hook: every JSON response of an operation the spec declares (files,
-fine-tuning, graders, models) is recorded with its method, path template and status, and `problems()`
-validates each body against the schema the spec gives that operation's 200 (success) or ErrorResponse (any
-other status: the spec's operations declare only their success). The `client` fixture of tests/api and the
-SDK tests' client record every call; tests/api/test_openai_conformance.py drives each operation itself.
+fine-tuning, graders, models, chat completions, evals) is recorded with its method, path template and status, and
+`problems()` validates each body against the schema the spec gives that operation's success status (200, or 201
+where it declares 201: a success answered with another status is a problem too) or ErrorResponse (any other
+status). An event stream (`stream: true` of a chat completion) is recorded event by event: each `data:` event is
+validated against the stream's schema (CreateChatCompletionStreamResponse), and the stream must end with
+`data: [DONE]`. The `client` fixture of tests/api records every call; tests/api/test_openai_conformance.py drives
+each operation itself.
+
+Errors are ErrorResponse (`{"error": {...}}`) for every operation. Three evals operations declare their 400 or
+404 body as `Error`, the object inside ErrorResponse; OpenAI's API and its SDKs (which read the body's `error`)
+use the envelope there as everywhere, and ErrorResponse validates that object against `Error` anyway.
 
 The deliberate differences are `EXCEPTIONS`, each with its reason; anything else the spec rejects is a bug.
 """
@@ -107,13 +114,23 @@ EXCEPTIONS: tuple[Exception_, ...] = (
         lambda body: isinstance(body.get("data"), list),
         lambda body: {**body, "data": [as_openai_job(job) for job in body["data"]]},
     ),
-    # An empty page has no first or last file: null, as the checkpoints list's schema has it (the files list's
-    # declares a string, with no value for an empty page).
-    Exception_(
-        "GET /files",
-        "first_id and last_id of an empty page",
-        lambda body: body.get("data") == [] and body.get("first_id") is None and body.get("last_id") is None,
-        lambda body: {**body, "first_id": "", "last_id": ""},
+    # An empty page has no first or last object: null, as the checkpoints list's schema has it (the files and
+    # evals lists' declare a string, with no value for an empty page).
+    *(
+        Exception_(
+            operation,
+            "first_id and last_id of an empty page",
+            lambda body: (
+                body.get("data") == [] and body.get("first_id") is None and body.get("last_id") is None
+            ),
+            lambda body: {**body, "first_id": "", "last_id": ""},
+        )  # fmt: skip
+        for operation in (
+            "GET /files",
+            "GET /evals",
+            "GET /evals/{eval_id}/runs",
+            "GET /evals/{eval_id}/runs/{run_id}/output_items",
+        )  # fmt: skip
     ),
     # fusetune's dry run (`"dry_run": true` in the request, a fusetune field) answers the job's estimate, an
     # object of its own (fine_tuning.job.estimate); no job is created.
@@ -128,13 +145,21 @@ EXCEPTIONS: tuple[Exception_, ...] = (
 # method; a checkpoint's best) need no exception: no schema of these operations forbids other properties.
 
 
+EVENT_STREAM = "text/event-stream"
+DONE = "[DONE]"
+
+
 @dataclass(frozen=True)
 class Recorded:
+    """One response. `body` is the JSON body, or for an event stream the list of its `data:` events, each
+    parsed (the final `[DONE]` as the string)."""
+
     method: str
     path: str
     template: str
     status: int
     body: object
+    media_type: str = "application/json"
 
     @property
     def operation(self) -> str:
@@ -157,9 +182,43 @@ def _exclusive_bounds_as_numbers(node: object) -> object:
     return node
 
 
+EVAL_ITEM = "#/components/schemas/EvalItem"
+
+
+def _eval_messages_any_of(node: object) -> object:
+    """An eval's message (a template's, a label_model criterion's input) is `oneOf` EvalItem and a simpler
+    message schema (EasyInputMessage, or an inline role and content). Neither forbids the other's fields, so every
+    message, OpenAI's own examples included (`{"role": "user", "content": "{{ item.question }}"}`), is valid
+    under both and so under no `oneOf`. Read as `anyOf` on loading: a message must still be valid under one of
+    them. The vendored file is unchanged."""
+    if isinstance(node, list):
+        return [_eval_messages_any_of(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _eval_messages_any_of(value) for key, value in node.items()}
+    if any(isinstance(member, dict) and member.get("$ref") == EVAL_ITEM for member in node.get("oneOf", ())):
+        node["anyOf"] = node.pop("oneOf")
+    return node
+
+
+def _nullable_as_null_type(node: object) -> object:
+    """OpenAPI 3.0's `nullable: true`, which some of the 3.1 description's schemas keep (a chat completion chunk's
+    `finish_reason`, its `usage`, ...): JSON Schema 2020-12 ignores the keyword, so the schema would reject the
+    null it allows. Rewritten to `anyOf: [schema, {type: null}]` on loading; the vendored file is unchanged."""
+    if isinstance(node, list):
+        return [_nullable_as_null_type(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _nullable_as_null_type(value) for key, value in node.items()}
+    if node.pop("nullable", False) is True:
+        return {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
 @cache
 def spec() -> dict:
-    return _exclusive_bounds_as_numbers(json.loads(SPEC_PATH.read_text()))
+    loaded = json.loads(SPEC_PATH.read_text())
+    return _eval_messages_any_of(_nullable_as_null_type(_exclusive_bounds_as_numbers(loaded)))
 
 
 @cache
@@ -203,26 +262,78 @@ def declared_operations() -> set[str]:
     return {f"{m} {t}" for _, t, methods in _templates() for m in methods}
 
 
+def success_status(method: str, template: str) -> int:
+    """The success status the spec declares for the operation (201 for creating an eval or a run, else 200)."""
+    declared = [int(s) for s in spec()["paths"][template][method.lower()]["responses"] if s.startswith("2")]
+    (status,) = declared
+    return status
+
+
 def schema_pointer(record: Recorded) -> str:
     if not 200 <= record.status < 300:
         return _pointer("components", "schemas", "ErrorResponse")
     return _pointer(
-        "paths", record.template, record.method.lower(), "responses", "200", "content", "application/json",
-        "schema",
+        "paths", record.template, record.method.lower(), "responses", str(success_status(record.method,
+        record.template)), "content", record.media_type, "schema",
     )  # fmt: skip
 
 
-def problems(record: Recorded) -> list[str]:
-    """What the spec finds wrong with the recorded body (after the deliberate exceptions), one line each."""
-    body = record.body
+def _parse_events(text: str) -> list[object]:
+    """The `data:` fields of a server-sent event stream, one per event, each JSON-parsed but `[DONE]`."""
+    events = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        data = "\n".join(
+            line.removeprefix("data:").removeprefix(" ")
+            for line in block.split("\n")
+            if line.startswith("data:")
+        )
+        if data:
+            events.append(data if data == DONE else json.loads(data))
+    return events
+
+
+def _validate(record: Recorded, body: object, where: str) -> list[str]:
+    body = _adjusted(record, body)
+    if body is None:
+        return []
+    errors = sorted(_validator(schema_pointer(record)).iter_errors(body), key=lambda e: list(e.absolute_path))
+    return [f"{where}: at {list(e.absolute_path)}: {e.message[:300]}" for e in errors]
+
+
+def _adjusted(record: Recorded, body: object) -> object:
+    """The body after each deliberate exception that applies to it (None: nothing of it to validate)."""
     for exception in EXCEPTIONS:
         if exception.operation == record.operation and 200 <= record.status < 300 and exception.applies(body):
             body = exception.adjust(body)
             if body is None:
-                return []
-    errors = sorted(_validator(schema_pointer(record)).iter_errors(body), key=lambda e: list(e.absolute_path))
+                return None
+    return body
+
+
+def problems(record: Recorded) -> list[str]:
+    """What the spec finds wrong with the recorded body (after the deliberate exceptions), one line each."""
     where = f"{record.method} {record.path} -> {record.status}"
-    return [f"{where}: at {list(e.absolute_path)}: {e.message[:300]}" for e in errors]
+    if 200 <= record.status < 300 and record.status != (
+        declared := success_status(record.method, record.template)
+    ):
+        return [f"{where}: the spec declares {declared} for this operation's success"]
+    if record.media_type != EVENT_STREAM:
+        return _validate(record, record.body, where)
+    events = record.body
+    found = [] if events and events[-1] == DONE else [f"{where}: the stream does not end with data: {DONE}"]
+    for number, event in enumerate(events):
+        if event == DONE:
+            if number != len(events) - 1:
+                found.append(f"{where}: event {number}: data: {DONE} before the stream's end")
+            continue
+        if (
+            isinstance(event, dict) and "error" in event
+        ):  # a failure after the 200: the error body as an event
+            error = Recorded(record.method, record.path, record.template, 500, event)
+            found += _validate(error, event, f"{where}: event {number}")
+            continue
+        found += _validate(record, event, f"{where}: event {number}")
+    return found
 
 
 class Recorder:
@@ -235,13 +346,15 @@ class Recorder:
         request = response.request
         template = operation_of(request.method, request.url.path)
         media_type = response.headers.get("content-type", "").partition(";")[0].strip()
-        if template is None or media_type != "application/json":
-            # Not an OpenAI operation, or not a JSON body: a file's content (the spec declares a JSON string;
-            # OpenAI serves the file's bytes, as fusetune does) or a redirect to the object store.
+        if template is None or media_type not in ("application/json", EVENT_STREAM):
+            # Not an OpenAI operation, or not a JSON body nor an event stream: a file's content (the spec declares
+            # a JSON string; OpenAI serves the file's bytes, as fusetune does) or a redirect to the object store.
             return
+        # Read whole here; the caller still reads it (iter_lines of a stream included) from what was read.
         response.read()
+        body = response.json() if media_type == "application/json" else _parse_events(response.text)
         self.records.append(
-            Recorded(request.method, request.url.path, template, response.status_code, response.json())
+            Recorded(request.method, request.url.path, template, response.status_code, body, media_type)
         )
 
     def problems(self) -> list[str]:

@@ -39,7 +39,7 @@ def _run_body(file_id: str, model: str = "tiny", input_messages: dict = TEMPLATE
 @pytest.fixture
 def eval_and_file(client) -> tuple[str, str]:
     created = _eval(client)
-    assert created.status_code == 200, created.text
+    assert created.status_code == 201, created.text
     upload = _upload(client, [{"item": {"question": "Write in digits: one", "answer": "1"}}])
     assert upload.status_code == 200, upload.text
     return created.json()["id"], upload.json()["id"]

@@ -1,6 +1,8 @@
-"""Every files, fine-tuning, graders and models operation, success and error, against OpenAI's OpenAPI
-description (tests/api/openai_conformance.py; the exceptions are listed there with their reasons). In-process
-app, no worker: the finished job's events, checkpoints and model are written as the worker writes them."""
+"""Every files, fine-tuning, graders, models, chat completions and evals operation, success and error, against
+OpenAI's OpenAPI description (tests/api/openai_conformance.py; the exceptions are listed there with their
+reasons). In-process app, no worker: the finished job's events, checkpoints and model are written as the worker
+writes them; chat completions go to a worker's chat completions server started in the test on the bundled tiny
+model; an eval run is run by the worker's eval runner on an engine that answers from a table."""
 
 from __future__ import annotations
 
@@ -10,8 +12,14 @@ import pytest
 
 from fusetune.catalog import fine_tuned_model_name
 from fusetune.db import queries
-from fusetune.db.models import DEFAULT_TENANT, Job, JobStatus
+from fusetune.db.models import DEFAULT_TENANT, EvalRun, Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
+from fusetune.demo.assets import build_tiny_model
+from fusetune.serving.errors import ServingError
+from fusetune.serving.server import ServingServer
+from fusetune.storage import open_storage
+from fusetune.worker.evals import EvalRunner
+from fusetune.worker.locations import ModelLocations
 from tests.api import openai_conformance
 from tests.api.openai_conformance import Recorder
 
@@ -112,10 +120,185 @@ def test_every_operation_answers_as_the_spec_declares(client, settings, recorded
         "POST /fine_tuning/jobs/{fine_tuning_job_id}/pause",
         "POST /fine_tuning/jobs/{fine_tuning_job_id}/resume",
     }
-    assert openai_conformance.declared_operations() - served_elsewhere - exercised == set()
-    assert {r.operation for r in recorded.records if r.status == 200} >= (
-        openai_conformance.declared_operations() - served_elsewhere - pausable
+    declared = {
+        operation
+        for operation in openai_conformance.declared_operations()
+        if not operation.split()[1].startswith(("/chat/", "/evals"))  # the tests below
+    }
+    assert declared - served_elsewhere - exercised == set()
+    assert {
+        r.operation for r in recorded.records if r.status == 200
+    } >= declared - served_elsewhere - pausable
+
+
+CHAT_MODEL = "tiny-llama"
+HELLO = [{"role": "user", "content": "Write in digits: two nine"}]
+
+
+@pytest.fixture
+def chat_model(settings) -> str:
+    """The bundled tiny model (real weights and tokenizer) as a base model of the service."""
+    build_tiny_model(settings.models_dir / CHAT_MODEL)
+    return CHAT_MODEL
+
+
+@pytest.fixture
+def serving(settings, chat_model):
+    """A worker's chat completions server, advertised in the worker's row as the worker's heartbeat does."""
+    session_factory = make_session_factory(make_engine(settings.database_url))
+    locations = ModelLocations(settings, session_factory, open_storage(settings))
+    server = ServingServer(settings, locations).start()
+    with session_factory() as session:
+        queries.record_worker(session, "conformance-worker", 0, server.url, server.token)
+        session.commit()
+    yield server
+    server.stop()
+
+
+def test_chat_completions_answer_as_the_spec_declares(client, chat_model, recorded, request):
+    chat = "/v1/chat/completions"
+    body = {"model": chat_model, "messages": HELLO, "seed": 5, "max_completion_tokens": 3}
+    unserved = client.post(chat, json=body)  # no worker serves yet
+    assert unserved.status_code == 503 and unserved.json()["error"]["code"] == "no_serving_worker"
+    request.getfixturevalue("serving")
+    completion = client.post(chat, json=body)
+    assert completion.status_code == 200, completion.text
+    client.post(chat, json={**body, "n": 2, "stop": ["\n"], "temperature": 0.5, "top_p": 0.9})
+    streamed = client.post(chat, json={**body, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    with_usage = client.post(chat, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    client.post(chat, json={**body, "model": "no-such-model"})  # 404
+    client.post(chat, json={**body, "temperature": 3})  # 400
+    client.post(chat, json={**body, "logprobs": True})  # 400: not served
+
+    assert recorded.problems() == [], "\n".join(recorded.problems())
+    streams = [r for r in recorded.records if r.media_type == openai_conformance.EVENT_STREAM]
+    assert [r.status for r in streams] == [200, 200] and streams[1].body[-1] == openai_conformance.DONE
+    # The events are checked, not skipped: a role chunk, content, the finish, the usage chunk, [DONE].
+    assert len(streams[1].body) >= 4 and streams[1].body[-2]["usage"]["completion_tokens"] <= 3
+    assert with_usage.status_code == 200
+    assert {r.status for r in recorded.records} == {200, 400, 404, 503}
+    assert {r.operation for r in recorded.records} == {"POST /chat/completions"}
+    assert "POST /chat/completions" in openai_conformance.declared_operations()
+    assert not {o for o in openai_conformance.declared_operations() if o.split()[1].startswith("/chat/")} - {
+        "POST /chat/completions"
+    }
+
+
+def test_a_stream_is_checked_event_by_event(recorded):
+    """The stream check itself: a chunk the spec rejects is reported with its event's number, and so is a
+    stream cut before `data: [DONE]`."""
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]}  # fmt: skip
+    text = (
+        "data: " + json.dumps(chunk) + "\n\n" + "data: " + json.dumps({**chunk, "object": "chunk"}) + "\n\n"
     )
+    events = openai_conformance._parse_events(text + "data: [DONE]\n\n")
+    record = openai_conformance.Recorded("POST", "/v1/chat/completions", "/chat/completions", 200, events,
+                                         openai_conformance.EVENT_STREAM)  # fmt: skip
+    (problem,) = openai_conformance.problems(record)
+    assert "event 1: at ['object']" in problem
+    cut = openai_conformance.Recorded("POST", "/v1/chat/completions", "/chat/completions", 200, events[:1],
+                                      openai_conformance.EVENT_STREAM)  # fmt: skip
+    assert openai_conformance.problems(cut) == [
+        "POST /v1/chat/completions -> 200: the stream does not end with data: [DONE]"
+    ]
+
+
+class TableEngine:
+    """Answers an eval's prompt from a table at once, as the serving engine's events; refuses any other prompt
+    (that item is errored, not the run)."""
+
+    ANSWERS = {"Write in digits: one": "1", "Write in digits: two": "3"}
+
+    def submit(self, key, load, body, emit):
+        prompt = body.messages[-1].content
+        if prompt not in self.ANSWERS:
+            raise ServingError(400, f"The messages are too long for {key}.", "messages")
+        emit(("delta", 0, self.ANSWERS[prompt]))
+        emit(("finish", 0, "stop"))
+        emit(("usage", 5, 1))
+        return type("Handle", (), {"cancelled": type("Set", (), {"set": lambda self: None})()})()
+
+
+def test_evals_answer_as_the_spec_declares(client, settings, recorded):
+    items = [{"question": q, "answer": a} for q, a in
+             (("Write in digits: one", "1"), ("Write in digits: two", "2"), ("Write in digits: ten", "10"))]  # fmt: skip
+    content = "".join(json.dumps({"item": item}) + "\n" for item in items)
+    file_id = client.post(
+        "/v1/files", files={"file": ("items.jsonl", content.encode())}, data={"purpose": "evals"}
+    ).json()["id"]
+    schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
+              "required": ["question", "answer"]}  # fmt: skip
+    created = client.post("/v1/evals", json={
+        "name": "digits", "metadata": {"team": "a"},
+        "data_source_config": {"type": "custom", "item_schema": schema, "include_sample_schema": True},
+        "testing_criteria": [EXACT, {**EXACT, "name": "has it", "operation": "like"}],
+    })  # fmt: skip
+    assert created.status_code == 201, created.text
+    eval_id = created.json()["id"]
+    client.post("/v1/evals", json={"data_source_config": {"type": "custom", "item_schema": schema},
+                                   "testing_criteria": [{**EXACT, "operation": "?"}]})  # 400  # fmt: skip
+    client.get("/v1/evals")
+    client.get("/v1/evals", params={"limit": 1, "order": "desc"})
+    client.get(f"/v1/evals/{eval_id}")
+    client.get("/v1/evals/eval_missing")  # 404
+    client.post(f"/v1/evals/{eval_id}", json={"name": "digits, renamed"})
+    runs = f"/v1/evals/{eval_id}/runs"
+    template = {"type": "template", "template": [
+        {"role": "developer", "content": "Answer with digits only."},
+        {"role": "user", "content": "{{ item.question }}"},
+    ]}  # fmt: skip
+    source = {"type": "completions", "model": "tiny", "source": {"type": "file_id", "id": file_id},
+              "input_messages": template, "sampling_params": {"temperature": 0, "max_completion_tokens": 4}}  # fmt: skip
+    run = client.post(runs, json={"name": "tiny", "data_source": source})
+    assert run.status_code == 201, run.text
+    run_id = run.json()["id"]
+    client.post(runs, json={"data_source": {**source, "model": "no-such-model"}})  # 400
+    client.get(runs)  # queued
+    # The worker's runner: every item sampled on the table engine, graded, written as the worker writes them.
+    session_factory = make_session_factory(make_engine(settings.database_url))
+    storage = open_storage(settings)
+    locations = ModelLocations(settings, session_factory, storage)
+    engine = TableEngine()
+    runner = EvalRunner(settings, session_factory, storage, locations, "conformance-worker", lambda: engine)
+    assert runner.run(run_id) == "completed"
+    finished = client.get(f"{runs}/{run_id}").json()
+    assert finished["result_counts"] == {"total": 3, "passed": 1, "failed": 1, "errored": 1}
+    client.get(runs, params={"limit": 1, "status": "completed"})
+    outputs = client.get(f"{runs}/{run_id}/output_items").json()["data"]
+    assert [o["status"] for o in outputs] == ["pass", "fail", "error"]
+    client.get(f"{runs}/{run_id}/output_items", params={"status": "fail", "limit": 1})
+    client.get(f"{runs}/{run_id}/output_items", params={"status": "pass", "after": outputs[0]["id"]})  # empty
+    for output in outputs:
+        client.get(f"{runs}/{run_id}/output_items/{output['id']}")
+    client.get(f"{runs}/{run_id}/output_items/outputitem_missing")  # 404
+    client.get(f"{runs}/evalrun_missing")  # 404
+    # A run that failed (its model gone before the worker ran it) carries its error.
+    failing = client.post(runs, json={"data_source": source}).json()["id"]
+    runner.locations = type("Nowhere", (), {"location_of": lambda self, model, tenant: None})()
+    assert runner.run(failing) == "failed"
+    assert client.get(f"{runs}/{failing}").json()["error"]["code"]
+    canceled = client.post(runs, json={"data_source": source}).json()["id"]
+    assert client.post(f"{runs}/{canceled}").json()["status"] == "canceled"
+    client.delete(f"{runs}/{canceled}")
+    client.delete(f"{runs}/{canceled}")  # 404
+    client.delete(f"/v1/evals/{eval_id}")
+    client.delete(f"/v1/evals/{eval_id}")  # 404
+    client.get(runs)  # 404: the eval is gone
+    with session_factory() as session:
+        assert session.get(EvalRun, run_id) is None  # its runs went with it
+
+    assert recorded.problems() == [], "\n".join(recorded.problems())
+    assert {r.status for r in recorded.records if r.operation.split()[1].startswith("/evals")} == {
+        200, 201, 400, 404
+    }  # fmt: skip
+    evals_operations = {
+        o for o in openai_conformance.declared_operations() if o.split()[1].startswith("/evals")
+    }
+    assert len(evals_operations) == 12  # every one fusetune serves
+    succeeded = {r.operation for r in recorded.records if r.status in (200, 201)}
+    assert evals_operations - succeeded == set()
 
 
 def test_the_recorder_finds_what_the_spec_rejects(client, recorded):

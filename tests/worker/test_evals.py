@@ -12,6 +12,7 @@ from fusetune.db.migrate import upgrade
 from fusetune.db.models import Eval, EvalRun
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.serving.errors import ServingError
+from fusetune.spec.evals import DEFAULT_SEED
 from fusetune.worker.evals import EvalRunner
 
 ANSWERS = {"one two": "12", "three four": "35", "five six": "56"}
@@ -133,3 +134,18 @@ def test_a_model_the_worker_cannot_find_fails_the_run_naming_it(tmp_path):
         run = session.get(EvalRun, run_id)
         assert run.status == "failed" and run.error["code"] == "model_not_found"
         assert "tiny" in run.error["message"]
+
+
+def test_a_run_without_a_seed_draws_with_the_default_one_and_reports_it(tmp_path):
+    """OpenAI's output item reports the sample's seed as an integer: a run whose sampling_params give none draws
+    with DEFAULT_SEED (OpenAI's default), and says so."""
+    runner, session_factory, engine = _runner(tmp_path)
+    run_id = _run(
+        session_factory, [{"question": "one two", "answer": "12"}], [EXACT], sampling={"temperature": 1}
+    )
+    assert runner.run(run_id) == "completed"
+    with session_factory() as session:
+        (output,), _ = queries.page_output_items(
+            session, run_id, status=None, after=None, limit=10, order="asc"
+        )
+    assert [body.seed for body in engine.bodies] == [DEFAULT_SEED] and output.sample["seed"] == DEFAULT_SEED

@@ -208,7 +208,8 @@ def _get_run(session, eval_id: str, run_id: str, tenant: str) -> EvalRun:
 # ---- evals -----------------------------------------------------------------------------------------------------
 
 
-@router.post("")
+# Creating an eval or a run answers 201, as OpenAI's spec declares for these two (its other creations answer 200).
+@router.post("", status_code=201)
 def create_eval(body: EvalCreate, session: SessionDep, settings: SettingsDep, tenant: TenantDep) -> dict:
     criteria = _criteria(body, settings)
     config = body.data_source_config
@@ -260,7 +261,7 @@ def delete_eval(eval_id: str, session: SessionDep, tenant: TenantDep) -> dict:
 # ---- runs ------------------------------------------------------------------------------------------------------
 
 
-@router.post("/{eval_id}/runs")
+@router.post("/{eval_id}/runs", status_code=201)
 def create_run(
     eval_id: str,
     body: RunCreate,
