@@ -65,6 +65,15 @@ def tolerance_for(device: str) -> dict[str, dict[str, float]]:
     return GPU_FP32_TOLERANCE if device == "cuda" else FP32_TOLERANCE
 
 
+# On a CPU the patched run's kernels run in Triton's interpreter, which makes this the suite's largest cost
+# (nine families, twice in CI: once per CPU code path), so the CPU runs the first 10 of the golden curve's 20
+# steps. A wrong kernel shows from the first step on (the wrong-way RoPE below: 1.2e-1 on the first loss), and
+# the gaps between the two runs only grow with steps, so the tolerances measured over 20 hold over 10; the loss
+# still falls below 0.40 of its start by step 10 in every family's golden curve (the check asks for 0.5).
+def train_steps_for(device: str) -> int:
+    return TRAIN_STEPS if device == "cuda" else TRAIN_STEPS // 2
+
+
 # Golden curves are fp32 CPU runs of the unpatched model; the same run on another machine or transformers
 # 5.x (other matmul kernels, other summation orders) drifts in the last bits, which 20 steps can grow.
 GOLDEN_TOLERANCE = {"atol": 2e-3, "rtol": 0.0}
@@ -84,11 +93,13 @@ def _train_patched(model_type: str, device: str, batches, *, steps: int = TRAIN_
 @pytest.mark.parametrize("model_type", FAMILY_NAMES)
 def test_patched_training_matches_hf(model_type: str, device: str) -> None:
     batches = make_batches(device)
-    reference = train(build_tiny_model(model_type).to(device), batches)
-    patched = _train_patched(model_type, device, batches)
+    steps = train_steps_for(device)
+    reference = train(build_tiny_model(model_type).to(device), batches, steps=steps)
+    patched = _train_patched(model_type, device, batches, steps=steps)
 
     golden = load_golden(model_type)["losses"]
-    assert len(golden) == len(reference.losses)
+    assert len(golden) == TRAIN_STEPS and len(reference.losses) == steps
+    golden = golden[:steps]
     torch.testing.assert_close(torch.tensor(reference.losses), torch.tensor(golden), **GOLDEN_TOLERANCE)
     torch.testing.assert_close(torch.tensor(patched.losses), torch.tensor(golden), **GOLDEN_TOLERANCE)
     assert patched.losses[-1] < 0.5 * patched.losses[0], "the tiny model should learn its four batches"
