@@ -234,6 +234,10 @@ def make_decoder_layer_forward(
         """The branch as the layer adds it to the residual stream (Granite's `branch * residual_multiplier`)."""
         return branch * getattr(self, multiplier_name) if multiplier_name is not None else branch
 
+    def norm_arguments(norm: nn.Module) -> dict[str, Any]:
+        """The family's RMSNorm settings, as both fused adds (alone and with the MLP) take them."""
+        return {"eps": getattr(norm, eps_attribute), "offset": offset, "casting_mode": casting_mode}
+
     def add_norm(norm: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
         if branch.dtype != residual.dtype:
             # Under autocast the attention / MLP output is in the autocast dtype while the residual stream
@@ -241,14 +245,7 @@ def make_decoder_layer_forward(
             # add sees the same values as HF's.
             dtype = torch.promote_types(branch.dtype, residual.dtype)
             branch, residual = branch.to(dtype), residual.to(dtype)
-        return kernels.rms_norm.add_rms_norm(
-            branch,
-            residual,
-            norm.weight,
-            eps=getattr(norm, eps_attribute),
-            offset=offset,
-            casting_mode=casting_mode,
-        )
+        return kernels.rms_norm.add_rms_norm(branch, residual, norm.weight, **norm_arguments(norm))
 
     def add_norm_mlp(norm: nn.Module, mlp: nn.Module, branch: torch.Tensor, residual: torch.Tensor):
         """(mlp(norm(branch + residual)), branch + residual)."""
@@ -262,14 +259,7 @@ def make_decoder_layer_forward(
             and whole_mlp_fusable(branch, (residual, norm.weight, *weights))
         ):
             return kernels.swiglu.add_rms_norm_gated_mlp(
-                branch,
-                residual,
-                norm.weight,
-                *weights,
-                eps=getattr(norm, eps_attribute),
-                offset=offset,
-                casting_mode=casting_mode,
-                activation=name,
+                branch, residual, norm.weight, *weights, **norm_arguments(norm), activation=name
             )
         hidden_states, residual = add_norm(norm, branch, residual)
         return mlp(hidden_states), residual
@@ -438,17 +428,10 @@ def make_causal_lm_forward(spec: FamilySpec, original_forward: Callable[..., Any
             hidden_states = hidden_states * factor
             bias = bias * factor if bias is not None else None
         with torch.autocast(device_type, enabled=False) if autocast_dtype else contextlib.nullcontext():
-            if per_token:
-                loss = kernels.sequence_log_probs.token_log_probs(
-                    hidden_states.view(per_sequence_shape),
-                    weight,
-                    shift_labels.view(per_sequence_shape[:-1]),
-                    bias,
-                    ignore_index=ignore_index,
-                    softcap=softcap,
-                )
-            elif per_sequence:
-                loss = kernels.sequence_log_probs.sequence_log_probs(
+            if per_token or per_sequence:
+                log_probs = kernels.sequence_log_probs
+                of_each = log_probs.token_log_probs if per_token else log_probs.sequence_log_probs
+                loss = of_each(
                     hidden_states.view(per_sequence_shape),
                     weight,
                     shift_labels.view(per_sequence_shape[:-1]),
