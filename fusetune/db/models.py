@@ -282,6 +282,10 @@ class EvalRun(Base):
     per_model_usage: Mapped[list[Any]] = mapped_column(default=list)
     error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     worker: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # Claims so far, and when the last one was made: a run whose worker stopped beating is requeued until
+    # max_attempts claims, then failed (fusetune.worker.evals.reap_lost_eval_runs), as a job is.
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    started_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[int] = mapped_column(BigInteger, default=now_s)
     finished_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 

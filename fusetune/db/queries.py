@@ -831,24 +831,56 @@ def eval_runs_of_model(session: Session, model: str, tenant: str, limit: int = 2
 
 
 def claim_eval_run(session: Session, run_id: str, worker: str) -> EvalRun | None:
-    """The run, now in_progress on `worker`, if it was queued; None for a redelivered or canceled run."""
+    """The run, now in_progress on `worker` (one more attempt), if it was queued; None for a redelivered or
+    canceled run."""
     claimed = session.execute(
         update(EvalRun)
         .where(EvalRun.id == run_id, EvalRun.status == "queued")
-        .values(status="in_progress", worker=worker)
+        .values(status="in_progress", worker=worker, attempts=EvalRun.attempts + 1, started_at=now_s())
     ).rowcount
     return session.get(EvalRun, run_id) if claimed else None
 
 
-def finish_eval_run(session: Session, run_id: str, status: str, **fields: Any) -> bool:
-    """Ends an in_progress run (not one canceled meanwhile) with `status` and `fields`."""
-    return bool(
-        session.execute(
-            update(EvalRun)
-            .where(EvalRun.id == run_id, EvalRun.status == "in_progress")
-            .values(status=status, finished_at=now_s(), **fields)
-        ).rowcount
+def finish_eval_run(
+    session: Session, run_id: str, status: str, worker: str | None = None, **fields: Any
+) -> bool:
+    """Ends an in_progress run (not one canceled meanwhile) with `status` and `fields`; with `worker`, only while
+    that worker holds it (not one the reaper gave to another after this worker was taken for lost)."""
+    query = update(EvalRun).where(EvalRun.id == run_id, EvalRun.status == "in_progress")
+    if worker is not None:
+        query = query.where(EvalRun.worker == worker)
+    return bool(session.execute(query.values(status=status, finished_at=now_s(), **fields)).rowcount)
+
+
+def eval_run_held_by(session: Session, run_id: str, worker: str) -> bool:
+    """Whether the run is in progress on `worker` (not canceled, deleted, or requeued since it claimed it)."""
+    query = select(EvalRun.id).where(
+        EvalRun.id == run_id, EvalRun.status == "in_progress", EvalRun.worker == worker
     )
+    return session.scalar(query) is not None
+
+
+def lost_eval_runs(session: Session, alive_since: int) -> list[EvalRun]:
+    """In-progress runs whose worker has not beaten since `alive_since` (it died, froze, or lost the database;
+    a worker's row goes when it stops). A run claimed since then is left alone: its worker may not have
+    written its first heartbeat yet."""
+    beating = select(Worker.name).where(Worker.name == EvalRun.worker, Worker.heartbeat_at >= alive_since)
+    query = select(EvalRun).where(
+        EvalRun.status == "in_progress", EvalRun.started_at < alive_since, ~beating.exists()
+    )
+    return list(session.scalars(query))
+
+
+def requeue_eval_run(session: Session, run_id: str, worker: str | None) -> bool:
+    """Back to queued for another attempt, if `worker` still holds it; the output items a lost attempt wrote
+    (before it could record the run's end) go, so that the next attempt writes them once."""
+    query = update(EvalRun).where(
+        EvalRun.id == run_id, EvalRun.status == "in_progress", EvalRun.worker == worker
+    )
+    if not session.execute(query.values(status="queued", worker=None, started_at=None)).rowcount:
+        return False
+    session.execute(delete(EvalRunOutputItem).where(EvalRunOutputItem.run_id == run_id))
+    return True
 
 
 def cancel_eval_run(session: Session, run: EvalRun) -> bool:

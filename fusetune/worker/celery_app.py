@@ -26,7 +26,7 @@ from fusetune.queue import (
     make_celery_app,
 )
 from fusetune.serving.server import ServingServer
-from fusetune.worker.evals import EvalRunner
+from fusetune.worker.evals import EvalRunner, reap_lost_eval_runs
 from fusetune.worker.lifecycle import stop_with_parent
 from fusetune.worker.tasks import JobRunner, reap_lapsed_jobs
 
@@ -85,6 +85,9 @@ def make_worker_app(settings: Settings, restart: threading.Event | None = None) 
                 requeued = reap_lapsed_jobs(settings, runner.session_factory, queue.enqueue)
                 if requeued:
                     log.warning("requeued jobs whose worker stopped renewing its lease: %s", requeued)
+                requeued = reap_lost_eval_runs(settings, runner.session_factory, queue.enqueue_eval_run)
+                if requeued:
+                    log.warning("requeued eval runs whose worker stopped beating: %s", requeued)
                 beat()
             except Exception:  # a database hiccup must not end the reaper
                 log.exception("reaper pass failed")

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fusetune.capacity import workers_alive_since
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import EvalRun, EvalRunOutputItem
@@ -148,7 +149,7 @@ class EvalRunner:
         except RunFailure as failure:
             log.warning("eval run %s failed: %s", run_id, failure.message)
             with self.session_factory() as session:
-                queries.finish_eval_run(session, run_id, RunStatus.FAILED,
+                queries.finish_eval_run(session, run_id, RunStatus.FAILED, self.worker_name,
                                         error={"code": failure.code, "message": failure.message})  # fmt: skip
                 session.commit()
             return RunStatus.FAILED
@@ -156,14 +157,16 @@ class EvalRunner:
             log.exception("eval run %s failed", run_id)
             with self.session_factory() as session:
                 message = "The run failed on the worker; the worker's log has the traceback."
-                queries.finish_eval_run(session, run_id, RunStatus.FAILED,
+                queries.finish_eval_run(session, run_id, RunStatus.FAILED, self.worker_name,
                                         error={"code": "internal_error", "message": message})  # fmt: skip
                 session.commit()
             return RunStatus.FAILED
         if fields is None:
             return RunStatus.CANCELED
         with self.session_factory() as session:
-            finished = queries.finish_eval_run(session, run_id, RunStatus.COMPLETED, **fields)
+            finished = queries.finish_eval_run(
+                session, run_id, RunStatus.COMPLETED, self.worker_name, **fields
+            )
             session.commit()
         return RunStatus.COMPLETED if finished else RunStatus.CANCELED
 
@@ -171,7 +174,7 @@ class EvalRunner:
 
     def _canceled(self, run_id: str) -> bool:
         with self.session_factory() as session:
-            return queries.eval_run_status(session, run_id) != RunStatus.IN_PROGRESS
+            return not queries.eval_run_held_by(session, run_id, self.worker_name)
 
     def _items(self, run: EvalRun, data_source: CompletionsDataSource) -> list[tuple[dict, dict | None]]:
         source = data_source.source
@@ -318,8 +321,8 @@ class EvalRunner:
             rows.append(EvalRunOutputItem(run_id=run.id, datasource_item_id=index, datasource_item=item,
                                           status=status, sample=sample, results=results))  # fmt: skip
         with self.session_factory() as session:
-            if queries.eval_run_status(session, run.id) != RunStatus.IN_PROGRESS:
-                return None  # canceled or deleted while grading
+            if not queries.eval_run_held_by(session, run.id, self.worker_name):
+                return None  # canceled, deleted, or requeued (this worker taken for lost) while grading
             session.add_all(rows)
             session.commit()
         invocations = sum(1 for sampled in prompts if sampled is not None and sampled.handle is not None)
@@ -331,3 +334,26 @@ class EvalRunner:
             "per_testing_criteria_results": per_criterion,
             "per_model_usage": [model_usage],
         }
+
+
+def reap_lost_eval_runs(settings: Settings, session_factory, requeue: Callable[[str], None]) -> list[str]:
+    """Requeues in-progress runs whose worker stopped beating (killed, frozen, cut off from the database), or
+    fails them once max_attempts workers claimed them: the policy of jobs (fusetune.worker.tasks.reap_lapsed_jobs),
+    with the worker's heartbeat for the lease (a run holds no lease of its own). Any worker may run this."""
+    requeued = []
+    with session_factory() as session:
+        for run in queries.lost_eval_runs(session, workers_alive_since(settings)):
+            if run.attempts < settings.max_attempts:
+                if queries.requeue_eval_run(session, run.id, run.worker):
+                    session.commit()
+                    requeue(run.id)
+                    requeued.append(run.id)
+                else:
+                    session.rollback()  # the run moved on meanwhile
+                continue
+            message = (f"The run's worker ({run.worker}) stopped responding; giving up after {run.attempts} "
+                       f"attempts (max_attempts).")  # fmt: skip
+            queries.finish_eval_run(session, run.id, RunStatus.FAILED, run.worker,
+                                    error={"code": "worker_lost", "message": message})  # fmt: skip
+            session.commit()
+    return requeued

@@ -1,19 +1,20 @@
 """The eval runner (fusetune/worker/evals.py) on a fake engine that answers each prompt from a table, with the
 runs in SQL: the counts, the per-criterion results and the output items; an item the engine refuses or whose
-prompt cannot be rendered is errored, not the run; a run not queued is left alone."""
+prompt cannot be rendered is errored, not the run; a run not queued is left alone; a run whose worker stopped beating is requeued, then failed after max_attempts."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from fusetune.capacity import workers_alive_since
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.migrate import upgrade
-from fusetune.db.models import Eval, EvalRun
+from fusetune.db.models import Eval, EvalRun, EvalRunOutputItem, Worker
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.serving.errors import ServingError
 from fusetune.spec.evals import DEFAULT_SEED
-from fusetune.worker.evals import EvalRunner
+from fusetune.worker.evals import EvalRunner, reap_lost_eval_runs
 
 ANSWERS = {"one two": "12", "three four": "35", "five six": "56"}
 
@@ -149,3 +150,72 @@ def test_a_run_without_a_seed_draws_with_the_default_one_and_reports_it(tmp_path
             session, run_id, status=None, after=None, limit=10, order="asc"
         )
     assert [body.seed for body in engine.bodies] == [DEFAULT_SEED] and output.sample["seed"] == DEFAULT_SEED
+
+
+def _claimed_by_a_worker_that_stopped_beating(session_factory, settings, run_id: str, worker: str) -> None:
+    """The run in progress on `worker`, whose heartbeat row (and the claim) are older than the window in which a
+    worker counts as alive: the rows a dead worker leaves, written as they would be that long after."""
+    long_ago = workers_alive_since(settings) - 1
+    with session_factory() as session:
+        assert queries.claim_eval_run(session, run_id, worker) is not None
+        queries.record_worker(session, worker, 1)
+        session.flush()
+        session.get(Worker, worker).heartbeat_at = long_ago
+        session.get(EvalRun, run_id).started_at = long_ago
+        session.commit()
+
+
+def test_a_run_whose_worker_died_is_requeued_then_failed_after_max_attempts(tmp_path):
+    runner, session_factory, _ = _runner(tmp_path)
+    settings = runner.settings
+    assert settings.max_attempts == 3
+    lost = _run(session_factory, [{"question": "one two", "answer": "12"}], [EXACT])
+    alive = _run(session_factory, [{"question": "one two", "answer": "12"}], [EXACT])
+    recent = _run(session_factory, [{"question": "one two", "answer": "12"}], [EXACT])
+    _claimed_by_a_worker_that_stopped_beating(session_factory, settings, lost, "dead-worker")
+    with session_factory() as session:
+        # A run on a worker that beats, and one claimed just now by a worker with no row yet: both are left.
+        queries.claim_eval_run(session, alive, "live-worker")
+        queries.record_worker(session, "live-worker", 1)
+        session.get(EvalRun, alive).started_at = workers_alive_since(settings) - 1
+        queries.claim_eval_run(session, recent, "new-worker")
+        # What the dead attempt wrote before it could record the run's end.
+        session.add(EvalRunOutputItem(run_id=lost, datasource_item_id=0, status="pass"))
+        session.commit()
+    messages = []
+    assert reap_lost_eval_runs(settings, session_factory, messages.append) == [lost] and messages == [lost]
+    with session_factory() as session:
+        run = session.get(EvalRun, lost)
+        assert (run.status, run.worker, run.attempts) == ("queued", None, 1)
+        assert (
+            queries.page_output_items(session, lost, status=None, after=None, limit=10, order="asc")[0] == []
+        )
+        assert session.get(EvalRun, alive).status == session.get(EvalRun, recent).status == "in_progress"
+    assert reap_lost_eval_runs(settings, session_factory, messages.append) == []  # nothing lost now
+    # The dead worker, had it only frozen, cannot end the run it no longer holds.
+    with session_factory() as session:
+        assert not queries.finish_eval_run(session, lost, "completed", "dead-worker")
+    # Two more workers claim it and die: the third loss fails it, naming the cause.
+    for attempt in (2, 3):
+        _claimed_by_a_worker_that_stopped_beating(session_factory, settings, lost, f"dead-worker-{attempt}")
+        requeued = reap_lost_eval_runs(settings, session_factory, messages.append)
+        assert requeued == ([lost] if attempt < settings.max_attempts else [])
+    with session_factory() as session:
+        run = session.get(EvalRun, lost)
+        assert run.status == "failed" and run.attempts == 3 and run.finished_at is not None
+        assert run.error["code"] == "worker_lost" and "dead-worker-3" in run.error["message"]
+    assert messages == [lost, lost]
+    assert runner.run(alive) == "skipped"  # in progress on another worker: not this one's to run
+
+
+def test_a_requeued_run_runs_again_and_writes_its_items_once(tmp_path):
+    runner, session_factory, engine = _runner(tmp_path)
+    run_id = _run(session_factory, [{"question": "one two", "answer": "12"}], [EXACT])
+    _claimed_by_a_worker_that_stopped_beating(session_factory, runner.settings, run_id, "dead-worker")
+    assert reap_lost_eval_runs(runner.settings, session_factory, lambda _: None) == [run_id]
+    assert runner.run(run_id) == "completed"
+    with session_factory() as session:
+        run = session.get(EvalRun, run_id)
+        assert run.result_counts["passed"] == 1 and run.attempts == 2 and run.worker == "test-worker"
+        items, _ = queries.page_output_items(session, run_id, status=None, after=None, limit=10, order="asc")
+    assert len(items) == 1
