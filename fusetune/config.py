@@ -120,7 +120,11 @@ class Settings(BaseSettings):
     serving_public_host: str = ""
     serving_idle_s: float = Field(default=600.0, gt=0)
     # Sequences decoded together in one step (a request's `n` completions count one each); more wait their turn.
+    # Each loaded model keeps a KV cache of serving_max_batch slots of serving_max_len tokens (at most the model's
+    # context): a prompt and its completion together fit one slot. Llama-3.2-1B in bf16 takes 32 KiB a token, so
+    # 32 x 4096 is 4 GiB.
     serving_max_batch: int = Field(default=32, ge=1)
+    serving_max_len: int = Field(default=4096, ge=2)
 
     # An MLflow tracking server every job reports to (besides a job's own `integrations`); empty: none.
     mlflow_tracking_uri: str = ""
@@ -199,6 +203,7 @@ class Settings(BaseSettings):
             "FUSETUNE_SERVING_PUBLIC_HOST": self.serving_public_host,
             "FUSETUNE_SERVING_IDLE_S": str(self.serving_idle_s),
             "FUSETUNE_SERVING_MAX_BATCH": str(self.serving_max_batch),
+            "FUSETUNE_SERVING_MAX_LEN": str(self.serving_max_len),
             "FUSETUNE_PYTHON_GRADERS": str(self.python_graders).lower(),
             "FUSETUNE_PYTHON_GRADER_TIMEOUT_S": str(self.python_grader_timeout_s),
             "FUSETUNE_PYTHON_GRADER_MEMORY_BYTES": str(self.python_grader_memory_bytes),

@@ -2,16 +2,20 @@
 
 Iteration-level batching: one scheduler thread runs every sequence in flight; a request that arrives is
 prefilled (its prompt, alone) between two decoding steps and joins the next step, and a sequence that ends
-leaves the batch at once. A step decodes one token of every sequence of a model together: each sequence keeps
-its own KV cache, and the step left-pads the caches to the longest, stacks them into one batch with an attention
-mask over the padding, runs the model once, and splits the grown cache back per sequence.
+leaves the batch at once. Each loaded model has a fixed number of slots (FUSETUNE_SERVING_MAX_BATCH) of a KV cache
+of fixed length (FUSETUNE_SERVING_MAX_LEN, or the model's context if shorter); a sequence in flight owns one, a
+request whose completions find too few free slots waits for them, and a decoding step runs all of a model's slots
+at once, at one shape (fusetune/serving/slots.py says how the cache is laid out and why). That is the sampling
+path of the reinforcement method: on a GPU the model is patched with fusetune's kernels (apply_fusetune), its
+one-token steps read the cache through the decode-attention kernel (fusetune/kernels/decode_attention.py, which
+skips the columns a row's mask leaves out), and the step is compiled once and replayed as CUDA graphs. On CPU the
+same slots and steps run eagerly, with the same attention routing (fusetune_varlen, whose decoding step over the
+grouped query rows falls back to scaled_dot_product_attention in float32): the tests run this path.
 
 Why this loop and not transformers' own continuous batching (`generate_batch` / `init_continuous_batching`,
 transformers 5.24): that one runs on CPU, but it takes one generation config for all its requests (no
 per-request temperature, top_p or seed, which OpenAI's API has) and it sized a paged cache that took 43 s for
-8 tokens of two requests of the tiny model on the 2-core CPU machine. The per-sequence caches here copy the
-cache each step: cheap for the short sequences of CPU tests, and the place a static-cache, compiled decoding step
-(the reinforcement method's sampler) would go for GPU throughput.
+8 tokens of two requests of the tiny model on the 2-core CPU machine.
 
 Sampling: temperature 0 is greedy; otherwise softmax(logits / temperature), cut to the smallest set of tokens
 whose probability reaches top_p, drawn with a generator per completion seeded from the request's `seed` and the
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 
 from fusetune.serving.errors import ServingError
+from fusetune.serving.slots import SlotBatch
 from fusetune.spec.chat import ChatCompletionCreate
 from fusetune.worker.train.loading import load_model, load_tokenizer
 from fusetune.worker.train.outcome import TrainingFailure
@@ -52,7 +57,8 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     eos_token_ids: set[int]
-    context_tokens: int
+    context_tokens: int  # the model's context, or the slots' columns if fewer: a sequence's longest
+    slots: SlotBatch
     last_used: float = field(default_factory=time.monotonic)
 
     @property
@@ -67,9 +73,7 @@ class Sequence:
     generator: torch.Generator
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
-    # The KV cache of prompt and completion so far, per layer (keys, values), each [1, kv_heads, length, head_dim].
-    cache: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    next_token: int | None = None
+    row: int | None = None  # the slot it owns while it decodes
     text: str = ""
     sent_chars: int = 0
     finish_reason: str | None = None
@@ -85,11 +89,6 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
 
 
-def _pad_left(tensor: torch.Tensor, length: int) -> torch.Tensor:
-    missing = length - tensor.shape[2]
-    return torch.nn.functional.pad(tensor, (0, 0, missing, 0)) if missing else tensor
-
-
 def _overlap(text: str, stop: str) -> int:
     """The length of the longest end of `text` that begins `stop` (shorter than all of it)."""
     for size in range(min(len(stop) - 1, len(text)), 0, -1):
@@ -100,8 +99,15 @@ def _overlap(text: str, stop: str) -> int:
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """One token from a row of logits: greedy at temperature 0, else nucleus sampling at the temperature."""
+    return int(draw_token(logits, temperature, top_p, generator))
+
+
+def draw_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> torch.Tensor:
+    """`sample_token` left on the logits' device (a decoding step reads all its rows' tokens back at once)."""
     if temperature == 0:
-        return int(logits.argmax())
+        return logits.argmax()
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
@@ -109,15 +115,32 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
         keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
         keep[0] = True
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def _patch_for_decoding(model: Any) -> None:
+    """On a GPU, fusetune's kernels (the decoding step's attention among them); on CPU only the attention routing
+    (fusetune_varlen: one-token steps through grouped_query_decode), so CPU tests run the GPU's code path."""
+    if next(model.parameters()).device.type == "cuda":
+        from fusetune.models import apply_fusetune
+
+        apply_fusetune(model, strict=False)
+    else:
+        from fusetune.models.attention import register_varlen_attention, switch_to_varlen_attention
+
+        register_varlen_attention()
+        switch_to_varlen_attention(model)
 
 
 class Engine:
     """Runs chat completions in one scheduler thread on the models it loaded, each known by a key (its location)."""
 
-    def __init__(self, idle_s: float, max_batch: int, device: torch.device | None = None):
+    def __init__(
+        self, idle_s: float, max_batch: int, device: torch.device | None = None, max_len: int = 4096
+    ):
         self.idle_s = idle_s
-        self.max_batch = max_batch
+        self.max_batch = max_batch  # each model's slots
+        self.max_len = max_len  # each slot's cache columns (at most the model's context)
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self._models: dict[str, LoadedModel] = {}
         self._load_locks: dict[str, threading.Lock] = {}
@@ -126,6 +149,9 @@ class Engine:
         self._lock = threading.Condition()
         self._paused = False
         self._stopped = False
+        # Called after every decoding step with (the model's key, its busy slots, time.perf_counter()); benchmarks
+        # read the steady state from it.
+        self.on_step: Callable[[str, int, float], None] | None = None
         self._thread = threading.Thread(target=self._schedule, name="fusetune-serving", daemon=True)
         self._thread.start()
 
@@ -154,6 +180,9 @@ class Engine:
         if len(prompt_ids) >= loaded.context_tokens:
             raise ServingError(400, f"The messages are {len(prompt_ids)} tokens; the model's context is "
                                f"{loaded.context_tokens}.", "messages", "context_length_exceeded")  # fmt: skip
+        if body.choices > loaded.slots.slots:
+            raise ServingError(400, f"n is {body.choices}; this worker decodes at most {loaded.slots.slots} "
+                               "completions at once (FUSETUNE_SERVING_MAX_BATCH).", "n")  # fmt: skip
         request = Request(loaded, prompt_ids, body, emit)
         max_tokens = min(body.completion_token_limit, loaded.context_tokens - len(prompt_ids))
         base_seed = body.seed if body.seed is not None else secrets.randbits(62)
@@ -223,12 +252,14 @@ class Engine:
                     return self._models[key]
             model, tokenizer = load()
             model = model.to(self.device).eval().requires_grad_(False)
+            _patch_for_decoding(model)
             eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
             generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             if generation_eos is not None:
                 eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-            context = getattr(model.config, "max_position_embeddings", None) or 2048
-            loaded = LoadedModel(key, model, tokenizer, eos, int(context))
+            context = min(int(getattr(model.config, "max_position_embeddings", None) or 2048), self.max_len)
+            slots = SlotBatch(model, self.max_batch, context, compile_step=self.device.type == "cuda")
+            loaded = LoadedModel(key, model, tokenizer, eos, context, slots)
             with self._lock:
                 if self._paused:  # a training job started while this loaded
                     raise ServingError(503, "The worker is training a job; chat completions resume after it.",
@@ -250,7 +281,14 @@ class Engine:
         requests = {id(s.request): s.request for s in self._running} | {id(r): r for r in self._waiting}
         for request in requests.values():
             request.emit(("error", status, message))
+        for sequence in self._running:
+            self._release(sequence)
         self._running, self._waiting = [], []
+
+    def _release(self, sequence: Sequence) -> None:
+        if sequence.row is not None:
+            sequence.request.loaded.slots.release(sequence.row)
+            sequence.row = None
 
     # ---- the scheduler thread ----------------------------------------------------------------------------
 
@@ -277,30 +315,36 @@ class Engine:
         self._unload(idle)
 
     def _admit(self) -> None:
-        """Prefill waiting requests while the batch has room: each prompt alone, its first token sampled, its
-        completions sharing the prompt's cache."""
-        # A request whose n alone exceeds max_batch runs when the batch is empty.
-        while self._waiting and (
-            not self._running or len(self._running) + self._waiting[0].body.choices <= self.max_batch
-        ):
-            request = self._waiting.pop(0)
+        """Prefill waiting requests, in order of arrival, while their model has a free slot for each completion:
+        each prompt alone, its first tokens sampled, its keys and values copied into its completions' slots."""
+        while self._waiting:
+            request = self._waiting[0]
             if request.cancelled.is_set():
+                self._waiting.pop(0)
                 continue
             loaded = request.loaded
+            free_rows = loaded.slots.free_rows
+            if len(free_rows) < len(request.sequences):
+                return  # it waits for slots; later requests wait behind it
+            self._waiting.pop(0)
             loaded.last_used = time.monotonic()
             input_ids = torch.tensor([request.prompt_ids], device=loaded.device)
             with torch.no_grad():
-                output = loaded.model(input_ids=input_ids, use_cache=True)
-            cache = [(layer.keys, layer.values) for layer in output.past_key_values.layers]
+                output = loaded.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+            layers = [(layer.keys, layer.values) for layer in output.past_key_values.layers]
             for sequence in request.sequences:
-                sequence.cache = cache
-                self._append(sequence, output.logits[0, -1])
+                self._take(sequence, self._draw(sequence, output.logits[0, -1]).item())
                 if sequence.finish_reason is None:
+                    sequence.row = free_rows.pop(0)
+                    loaded.slots.place(sequence.row, sequence, layers, sequence.tokens[-1])
                     self._running.append(sequence)
 
     def _step(self) -> None:
-        """One token of every running sequence, the sequences of one model in one forward pass."""
-        self._running = [s for s in self._running if not s.request.cancelled.is_set()]
+        """One token of every running sequence: one decoding step of each model with a busy slot."""
+        for sequence in self._running:
+            if sequence.request.cancelled.is_set():
+                self._release(sequence)
+        self._running = [s for s in self._running if s.row is not None]
         by_model: dict[str, list[Sequence]] = {}
         for sequence in self._running:
             by_model.setdefault(sequence.request.loaded.key, []).append(sequence)
@@ -309,52 +353,41 @@ class Engine:
         self._running = [s for s in self._running if s.finish_reason is None]
 
     def _decode(self, sequences: list[Sequence]) -> None:
-        from transformers import DynamicCache
-
         loaded = sequences[0].request.loaded
-        device = loaded.device
-        lengths = [s.cache[0][0].shape[2] for s in sequences]
-        width = max(lengths)
-        cache = DynamicCache(config=loaded.model.config)
-        for layer_index in range(len(sequences[0].cache)):
-            keys = torch.cat([_pad_left(s.cache[layer_index][0], width) for s in sequences])
-            values = torch.cat([_pad_left(s.cache[layer_index][1], width) for s in sequences])
-            cache.update(keys, values, layer_index)
-        attention_mask = torch.zeros((len(sequences), width + 1), dtype=torch.long, device=device)
-        for row, length in enumerate(lengths):
-            attention_mask[row, width - length :] = 1
-        input_ids = torch.tensor([[s.next_token] for s in sequences], device=device)
-        position_ids = torch.tensor([[length] for length in lengths], device=device)
+        slots = loaded.slots
         with torch.no_grad():
-            output = loaded.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-            )
-        layers = output.past_key_values.layers
-        for row, (sequence, length) in enumerate(zip(sequences, lengths, strict=True)):
-            start = width - length  # the padding this sequence's rows began with
-            sequence.cache = [
-                (layer.keys[row : row + 1, :, start:], layer.values[row : row + 1, :, start:])
-                for layer in layers
-            ]
-            self._append(sequence, output.logits[row, -1])
+            logits = slots.step()
+            tokens = logits.argmax(-1)  # the greedy rows' (and the free rows', unused)
+            for sequence in sequences:
+                if self._temperature(sequence) != 0:
+                    tokens[sequence.row] = self._draw(sequence, logits[sequence.row])
+            slots.input_ids[:, 0].copy_(tokens)
+        chosen = tokens.tolist()  # one read back per step, for all rows
+        if self.on_step is not None:
+            self.on_step(loaded.key, len(sequences), time.perf_counter())
+        for sequence in sequences:
+            self._take(sequence, chosen[sequence.row])
         loaded.last_used = time.monotonic()
 
-    def _append(self, sequence: Sequence, logits: torch.Tensor) -> None:
-        """Sample the sequence's next token from `logits`, and tell the request what changed."""
+    @staticmethod
+    def _temperature(sequence: Sequence) -> float:
+        temperature = sequence.request.body.temperature
+        return 1.0 if temperature is None else temperature
+
+    def _draw(self, sequence: Sequence, logits: torch.Tensor) -> torch.Tensor:
+        top_p = sequence.request.body.top_p
+        return draw_token(
+            logits, self._temperature(sequence), 1.0 if top_p is None else top_p, sequence.generator
+        )
+
+    def _take(self, sequence: Sequence, token: int) -> None:
+        """The sequence's next token: tell the request what changed."""
         body = sequence.request.body
-        temperature = 1.0 if body.temperature is None else body.temperature
-        top_p = 1.0 if body.top_p is None else body.top_p
-        token = sample_token(logits, temperature, top_p, sequence.generator)
         loaded = sequence.request.loaded
         if token in loaded.eos_token_ids:
             self._finish(sequence, "stop", sequence.text)
             return
         sequence.tokens.append(token)
-        sequence.next_token = token
         text = loaded.tokenizer.decode(sequence.tokens, skip_special_tokens=True)
         stops = body.stop_sequences
         # A stop string may have begun in text already sent only if it is longer than what came after it.
@@ -380,7 +413,7 @@ class Engine:
         if len(text) > sequence.sent_chars:
             request.emit(("delta", sequence.index, text[sequence.sent_chars :]))
         sequence.text, sequence.sent_chars, sequence.finish_reason = text, len(text), reason
-        sequence.cache = []
+        self._release(sequence)
         request.emit(("finish", sequence.index, reason))
         if all(s.finish_reason is not None for s in request.sequences):
             completion_tokens = sum(len(s.tokens) for s in request.sequences)

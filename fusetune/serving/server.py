@@ -68,8 +68,8 @@ class LazyEngine:
     lazy has the measurement): a worker that serves nothing never imports them in its main process. Training
     pauses and resumes it before it is built as after."""
 
-    def __init__(self, idle_s: float, max_batch: int):
-        self._idle_s, self._max_batch = idle_s, max_batch
+    def __init__(self, idle_s: float, max_batch: int, max_len: int = 4096):
+        self._idle_s, self._max_batch, self._max_len = idle_s, max_batch, max_len
         self._engine: Engine | None = None
         self._build_lock = threading.Lock()  # one build; held through torch's import
         self._lock = threading.Lock()  # the state below, never held through an import
@@ -85,7 +85,7 @@ class LazyEngine:
                 # torch and transformers: imported once something is served, not at the worker's start
                 from fusetune.serving.engine import Engine
 
-                engine = Engine(self._idle_s, self._max_batch)
+                engine = Engine(self._idle_s, self._max_batch, max_len=self._max_len)
                 with self._lock:
                     if self._stopped:
                         engine.stop()
@@ -255,7 +255,9 @@ class ServingServer:
     """The engine and its HTTP server, in threads of the worker process."""
 
     def __init__(self, settings: Settings, locations: ModelLocations):
-        self.engine = LazyEngine(settings.serving_idle_s, settings.serving_max_batch)
+        self.engine = LazyEngine(
+            settings.serving_idle_s, settings.serving_max_batch, settings.serving_max_len
+        )
         self.token = secrets.token_hex(24)
         family = socket.AF_INET6 if ":" in settings.serving_host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)

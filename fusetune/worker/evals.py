@@ -120,7 +120,9 @@ class EvalRunner:
         if engine is not None:
             return engine
         if self._own_engine is None:
-            self._own_engine = LazyEngine(self.settings.serving_idle_s, self.settings.serving_max_batch)
+            self._own_engine = LazyEngine(
+                self.settings.serving_idle_s, self.settings.serving_max_batch, self.settings.serving_max_len
+            )
         return self._own_engine
 
     def run(self, run_id: str) -> str:

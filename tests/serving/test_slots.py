@@ -1,0 +1,160 @@
+"""The serving engine's slot path on CPU: greedy completions equal Hugging Face `generate`'s (greedy, dynamic cache)
+on a tiny model in float32, with requests joining while others decode, a slot reused after its sequence ended, a
+request waiting for a free slot, and the ring of cache columns wrapping around.
+
+The tiny model is the demo's shape with weights drawn at a larger scale than the demo's (initializer_range 0.2): at
+the default scale its greedy completion is one token repeated, which a stale cache column could leave unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fusetune.demo.assets import TINY_MODEL_SHAPE, build_tiny_model
+from fusetune.models import attention
+from fusetune.serving.engine import Engine
+from fusetune.serving.errors import ServingError
+from fusetune.spec.chat import ChatCompletionCreate
+
+SLOTS = 2
+COLUMNS = 64  # fewer than the steps the test runs, so the write column wraps around the ring
+# Each prompt and its completion fit the columns (prompts of 40, 8, 24, 32 and 8 tokens).
+PROMPTS = {
+    "long": ("Write in digits: two nine, then three four, then one", 20),
+    "short": ("hi", 4),
+    "joins": ("Write in digits: five", 36),
+    "waits": ("what is twelve plus thirty, in digits?", 30),
+    "last": ("hi there", 40),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    shape = {**TINY_MODEL_SHAPE, "initializer_range": 0.2}
+    return build_tiny_model(tmp_path_factory.mktemp("slots") / "model", shape=shape)
+
+
+def _load(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ), AutoTokenizer.from_pretrained(model_dir)
+
+
+def _body(content: str, tokens: int, **options) -> ChatCompletionCreate:
+    return ChatCompletionCreate(
+        model="tiny",
+        messages=[{"role": "user", "content": content}],
+        temperature=0,
+        max_completion_tokens=tokens,
+        **options,
+    )
+
+
+def _reference(model_dir, content: str, tokens: int) -> list[int]:
+    """Hugging Face greedy `generate` over its dynamic cache: the completion's tokens before any end of turn."""
+    model, tokenizer = _load(model_dir)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=tokens, do_sample=False)
+    completion = output[0, inputs["input_ids"].shape[1] :].tolist()
+    eos = {tokenizer.eos_token_id, model.generation_config.eos_token_id}
+    return next((completion[:i] for i, token in enumerate(completion) if token in eos), completion)
+
+
+class _Requests:
+    """Submits requests and records what the engine tells each, in the scheduler's thread."""
+
+    def __init__(self, engine: Engine, model_dir):
+        self.engine, self.model_dir = engine, model_dir
+        self.handles: dict[str, object] = {}
+        self.done: dict[str, threading.Event] = {}
+        self.events: dict[str, list] = {}
+        self.on_usage: dict[str, callable] = {}
+
+    def submit(self, name: str, body: ChatCompletionCreate) -> None:
+        self.done[name], self.events[name] = threading.Event(), []
+
+        def emit(event) -> None:
+            self.events[name].append(event)
+            if event[0] == "usage" and name in self.on_usage:
+                self.on_usage[name]()  # in the scheduler's thread, between two steps' bookkeeping
+            if event[0] in ("usage", "error"):
+                self.done[name].set()
+
+        self.handles[name] = self.engine.submit("tiny", lambda: _load(self.model_dir), body, emit)
+
+    def tokens(self, name: str) -> list[int]:
+        assert self.done[name].wait(120), f"{name} did not finish"
+        assert self.events[name][-1][0] == "usage", self.events[name][-1]
+        return self.handles[name].sequences[0].tokens
+
+
+def test_greedy_completions_through_the_slots_equal_generate(model_dir, monkeypatch):
+    decode_calls = []
+    routed = attention.grouped_query_decode
+
+    def recording(query, key, value, attention_mask, scaling):
+        decode_calls.append((tuple(query.shape), tuple(attention_mask.shape), attention_mask.dtype))
+        return routed(query, key, value, attention_mask, scaling)
+
+    monkeypatch.setattr(attention, "grouped_query_decode", recording)
+    engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
+    steps = []
+    engine.on_step = lambda key, busy, at: steps.append(busy)
+    requests = _Requests(engine, model_dir)
+    running_when_joined = []
+
+    def join() -> None:
+        # "short" just ended: "long" is mid-way. "joins" takes the slot "short" left; "waits" finds none free and
+        # waits until one of the others ends.
+        running_when_joined.append(requests.handles["long"].sequences[0].finish_reason is None)
+        requests.submit("joins", _body(*PROMPTS["joins"]))
+        requests.submit("waits", _body(*PROMPTS["waits"]))
+
+    requests.on_usage["short"] = join
+    # One more once "joins" ends, into its slot, so the steps outnumber the columns.
+    requests.on_usage["joins"] = lambda: requests.submit("last", _body(*PROMPTS["last"]))
+    try:
+        requests.submit("long", _body(*PROMPTS["long"]))
+        requests.submit("short", _body(*PROMPTS["short"]))
+        got = {name: requests.tokens(name) for name in ("short", "long", "joins", "waits", "last")}
+    finally:
+        engine.stop()
+    assert running_when_joined == [True]
+    assert len(steps) > COLUMNS, f"{len(steps)} steps: the ring of {COLUMNS} columns never wrapped"
+    assert max(steps) == SLOTS
+    for name, (content, tokens) in PROMPTS.items():
+        expected = _reference(model_dir, content, tokens)
+        assert len(expected) >= 3, f"{name}: the reference ends at once; pick another prompt"
+        assert got[name] == expected, name
+    # Every decoding step went through the grouped-query decoding path, all slots at once, with a boolean mask over
+    # the cache's columns (what the GPU kernel reads).
+    layers = TINY_MODEL_SHAPE["num_hidden_layers"]
+    heads, dim = TINY_MODEL_SHAPE["num_attention_heads"], TINY_MODEL_SHAPE["hidden_size"] // 4
+    assert len(decode_calls) == len(steps) * layers
+    assert set(decode_calls) == {((SLOTS, heads, 1, dim), (SLOTS, 1, 1, COLUMNS), torch.bool)}
+
+
+def test_a_request_longer_than_the_slots_or_with_more_choices_than_slots_is_refused(model_dir):
+    engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
+    requests = _Requests(engine, model_dir)
+    try:
+        with pytest.raises(ServingError, match=f"context is {COLUMNS}") as error:
+            requests.submit("too long", _body("nine " * COLUMNS, 4))
+        assert error.value.code == "context_length_exceeded"
+        with pytest.raises(ServingError, match=f"at most {SLOTS} completions") as error:
+            requests.submit("too many", _body("hi", 4, n=SLOTS + 1))
+        assert error.value.param == "n"
+    finally:
+        engine.stop()
