@@ -180,6 +180,42 @@ def _round_stochastic(value, random16):
 
 
 @triton.jit
+def _adamw_update(
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    param,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    inv_sqrt_bias_correction2,
+    eps,
+    weight_decay_factor,
+    step_size,
+):
+    """The update of the module docstring on fp32 values, both optimizers' (the 8-bit one after decoding its
+    moments): the new exp_avg, exp_avg_sq, sqrt(exp_avg_sq) (the 8-bit state stores it) and parameter."""
+    exp_avg = exp_avg * beta1 + grad * one_minus_beta1
+    exp_avg_sq = exp_avg_sq * beta2 + (grad * grad) * one_minus_beta2
+    root = tl.sqrt_rn(exp_avg_sq)
+    denom = root * inv_sqrt_bias_correction2 + eps
+    param = param * weight_decay_factor - tl.div_rn(exp_avg, denom) * step_size
+    return exp_avg, exp_avg_sq, root, param
+
+
+@triton.jit
+def _random_bits(index, step_key):
+    """Two 32-bit random words per element from its index in the group and the step's key, both optimizers'
+    stochastic rounding bits (_random_bits_reference draws the same)."""
+    key = step_key.to(tl.uint32, bitcast=True)
+    high_key = _mix32_kernel((index >> 32).to(tl.uint32) ^ key)
+    first = _mix32_kernel(index.to(tl.uint32) ^ high_key)
+    second = _mix32_kernel(first ^ 0x9E3779B9)  # _SALT
+    return first, second
+
+
+@triton.jit
 def _adamw_block(
     param_ptr,
     grad_ptr,
@@ -221,17 +257,13 @@ def _adamw_block(
     if HAS_GRAD_SCALE:
         grad = grad * grad_scale
 
-    exp_avg = exp_avg * beta1 + grad * one_minus_beta1
-    exp_avg_sq = exp_avg_sq * beta2 + (grad * grad) * one_minus_beta2
-    denom = tl.sqrt_rn(exp_avg_sq) * inv_sqrt_bias_correction2 + eps
-    param = param * weight_decay_factor - tl.div_rn(exp_avg, denom) * step_size
+    exp_avg, exp_avg_sq, _, param = _adamw_update(
+        grad, exp_avg, exp_avg_sq, param, beta1, one_minus_beta1, beta2, one_minus_beta2,
+        inv_sqrt_bias_correction2, eps, weight_decay_factor, step_size,
+    )  # fmt: skip
 
     if param_dtype == tl.bfloat16 or state_dtype == tl.bfloat16:
-        index = group_offset + offsets
-        key = step_key.to(tl.uint32, bitcast=True)
-        high_key = _mix32_kernel((index >> 32).to(tl.uint32) ^ key)
-        first = _mix32_kernel(index.to(tl.uint32) ^ high_key)
-        second = _mix32_kernel(first ^ 0x9E3779B9)
+        first, second = _random_bits(group_offset + offsets, step_key)
     if param_dtype == tl.bfloat16:
         param_out = _round_stochastic(param, first & 0xFFFF)
     else:

@@ -70,9 +70,10 @@ from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.adamw import (
     FusedOptimizerState,
     LaunchMember,
+    _adamw_update,
     _back_to_back_offsets,
     _div_rn,
-    _mix32_kernel,
+    _random_bits,
     _random_bits_reference,
     _round_stochastic,
     _round_stochastic_reference,
@@ -164,6 +165,7 @@ def _decode(code, MANTISSA_BITS: tl.constexpr):
 # ------------------------------------------------------------------------------------------------------------
 
 
+# Its leading arguments are _adamw_kernel's on purpose: launch_over_table passes both kernels the same ones.
 @triton.jit(do_not_specialize=["step_key"])
 def _adamw8bit_kernel(
     table_ptr,
@@ -226,17 +228,12 @@ def _adamw8bit_kernel(
     root = _decode(r_code, R_MANTISSA_BITS) * r_scale[:, None]
     exp_avg_sq = root * root
 
-    exp_avg = exp_avg * beta1 + grad * one_minus_beta1
-    exp_avg_sq = exp_avg_sq * beta2 + (grad * grad) * one_minus_beta2
-    root = tl.sqrt_rn(exp_avg_sq)
-    denom = root * inv_sqrt_bias_correction2 + eps
-    param = param * weight_decay_factor - tl.div_rn(exp_avg, denom) * step_size
+    exp_avg, exp_avg_sq, root, param = _adamw_update(
+        grad, exp_avg, exp_avg_sq, param, beta1, one_minus_beta1, beta2, one_minus_beta2,
+        inv_sqrt_bias_correction2, eps, weight_decay_factor, step_size,
+    )  # fmt: skip
 
-    index = group_offset + offsets
-    key = step_key.to(tl.uint32, bitcast=True)
-    high_key = _mix32_kernel((index >> 32).to(tl.uint32) ^ key)
-    first = _mix32_kernel(index.to(tl.uint32) ^ high_key)
-    second = _mix32_kernel(first ^ 0x9E3779B9)  # adamw._SALT
+    first, second = _random_bits(group_offset + offsets, step_key)
     if param_dtype == tl.bfloat16:
         tl.store(param_ptr + offsets, _round_stochastic(param, first & 0xFFFF), mask=mask)
     else:
