@@ -1,7 +1,9 @@
 """What the tests of FusedAdamW (test_adamw.py) and FusedAdamW8bit (test_adamw8bit.py) share: their inputs
 (fixed random parameters and gradients), the step loops of an optimizer and of its reference, the exact
-comparison of weights and state, and the checks both optimizers must pass the same way (a non-finite norm, a
-resumed state dict, refused arguments). Each test file keeps its shapes, hyperparameters and tolerances."""
+comparison of weights and state, the hyperparameters and the tolerances against torch.optim.AdamW (the update is
+the same in both), and the checks both optimizers must pass the same way (a zero learning rate, a non-finite
+norm, a resumed state dict, refused arguments, the real-size comparison on a GPU). Each test file keeps its
+shapes and what is its kernel's alone."""
 
 from __future__ import annotations
 
@@ -13,6 +15,19 @@ import torch
 # Seeds of the inputs: the parameters from one, the gradients of step i (from 0) from GRADIENT_SEED + i.
 PARAMETER_SEED = 1
 GRADIENT_SEED = 100
+
+# (atol, rtol) of the optimizers' parameters against torch.optim.AdamW run on an fp32 copy, per parameter dtype;
+# FusedAdamW8bit's update is FusedAdamW's, so one table serves both.
+# float32: the same update with the bias correction of the second moment multiplied by its inverse instead of
+#   divided, a few fp32 roundings apart (parameters near 1, updates near lr).
+# bfloat16: the stochastically rounded weight is one of the two bf16 neighbours of the fp32 result, at most one
+#   bf16 ulp (2^-7 relative) away; round to nearest would allow half of that, so the bound is the ulp itself.
+TOLERANCES = {
+    torch.float32: (1e-7, 2e-6),
+    torch.bfloat16: (0.0, 2.0**-7),
+}
+HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+STEPS = 3
 
 
 def random_tensors(shapes, dtype, device, seed, scale=1.0) -> list[torch.Tensor]:
@@ -90,6 +105,19 @@ def assert_same_weights_and_state(
             )
 
 
+def assert_zero_learning_rate_leaves_bf16_weights_unchanged(optimizer_class, shapes, device) -> None:
+    """An update of zero rounds to the weight itself (the distributed checkpoint helpers step with lr 0 to
+    create the state)."""
+    start = random_tensors(shapes, torch.bfloat16, device, seed=PARAMETER_SEED)
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    optimizer = optimizer_class(params, lr=0.0, weight_decay=0.1)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    for param, before in zip(params, start, strict=True):
+        torch.testing.assert_close(param.detach(), before, atol=0.0, rtol=0.0)
+
+
 def assert_a_non_finite_norm_changes_nothing(params, optimizer, device) -> None:
     """The trainer's guard against a non-finite gradient, decided on the device: a NaN or infinite norm gives a
     NaN clipping scale, and a step with it writes nothing, on gradients of NaN; a finite scale on the same
@@ -131,6 +159,35 @@ def assert_bad_arguments_are_refused_with_the_field(optimizer_class, device) -> 
     optimizer = optimizer_class([param], lr=torch.tensor(0.1))
     with pytest.raises(TypeError, match="lr must be a Python float"):
         optimizer.step()
+
+
+# The GPU comparison at real sizes: a model's weight matrices both ways round, a vector, a ragged matrix, a scalar.
+REAL_SHAPES = [(2048, 8192), (8192, 2048), (2048,), (4095, 17), (1,)]
+REAL_SIZE_HYPERPARAMETERS = {"lr": 1e-5, "weight_decay": 0.01, "seed": 3}
+
+
+def assert_matches_reference_exactly_at_real_sizes(
+    make_optimizer: Callable[..., torch.optim.Optimizer],
+    make_state: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    reference_step: Callable[..., None],
+    device,
+) -> None:
+    """Three steps of `make_optimizer(params, **REAL_SIZE_HYPERPARAMETERS)` on bf16 weights of REAL_SHAPES,
+    with a grad_scale of 0.5, bit for bit against `reference_step(params, grads, states, step=..., grad_scale=...,
+    **REAL_SIZE_HYPERPARAMETERS)` on states made by `make_state(param)`."""
+    params = [
+        torch.nn.Parameter(p)
+        for p in random_tensors(REAL_SHAPES, torch.bfloat16, device, seed=PARAMETER_SEED, scale=0.02)
+    ]
+    reference = [p.detach().clone() for p in params]
+    states = [make_state(p) for p in reference]
+    optimizer = make_optimizer(params, **REAL_SIZE_HYPERPARAMETERS)
+    scale = torch.tensor(0.5, device=device)
+    for step in range(1, 4):
+        grads = random_tensors(REAL_SHAPES, torch.bfloat16, device, seed=GRADIENT_SEED + step, scale=1e-3)
+        step_on(params, optimizer, grads, grad_scale=scale)
+        reference_step(reference, grads, states, step=step, grad_scale=scale, **REAL_SIZE_HYPERPARAMETERS)
+    assert_same_weights_and_state(params, optimizer, reference, states)
 
 
 @pytest.fixture

@@ -25,6 +25,9 @@ from fusetune.kernels.adamw import (
 )
 from tests.kernels import adamw_helpers
 from tests.kernels.adamw_helpers import (
+    HYPERPARAMETERS,
+    STEPS,
+    TOLERANCES,
     assert_a_non_finite_norm_changes_nothing,
     assert_bad_arguments_are_refused_with_the_field,
     assert_same_weights_and_state,
@@ -36,22 +39,12 @@ from tests.kernels.adamw_helpers import (
 )
 from tests.kernels.mutation import mutated_kernel
 
-# (atol, rtol) of FusedAdamW's parameters against torch.optim.AdamW run on an fp32 copy, per parameter dtype.
-# float32: the same update with the bias correction of the second moment multiplied by its inverse instead of
-#   divided, a few fp32 roundings apart (parameters near 1, updates near lr).
-# bfloat16: the stochastically rounded weight is one of the two bf16 neighbours of the fp32 result, at most one
-#   bf16 ulp (2^-7 relative) away; round to nearest would allow half of that, so the bound is the ulp itself.
-TOLERANCES = {
-    torch.float32: (1e-7, 2e-6),
-    torch.bfloat16: (0.0, 2.0**-7),
-}
+# TOLERANCES (against torch.optim.AdamW), HYPERPARAMETERS and STEPS are FusedAdamW8bit's too: adamw_helpers.py.
 # exp_avg / exp_avg_sq (fp32) against torch.optim.AdamW's: torch forms exp_avg with lerp and exp_avg_sq with
 # addcmul, a few fp32 roundings from the two products and a sum here; where the sum cancels (exp_avg near zero)
 # the difference is absolute, about an ulp of the terms (gradients are N(0, 1)).
 STATE_TOLERANCE = (1e-7, 1e-6)
 SHAPES = [(1,), (5,), (4095,), (33, 17)]
-HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
-STEPS = 3
 
 
 def _run_fused(param_dtypes, device, *, state_dtype=torch.bfloat16, seed=7, grad_scale=None, steps=STEPS):
@@ -335,16 +328,7 @@ def test_same_seed_same_bits_other_seed_or_step_other_bits(device):
 
 
 def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
-    """An update of zero rounds to the weight itself (the distributed checkpoint helpers step with lr 0 to
-    create the state)."""
-    start = random_tensors(SHAPES, torch.bfloat16, device, seed=1)
-    params = [torch.nn.Parameter(p.clone()) for p in start]
-    optimizer = FusedAdamW(params, lr=0.0, weight_decay=0.1)
-    for param in params:
-        param.grad = torch.ones_like(param)
-    optimizer.step()
-    for param, before in zip(params, start, strict=True):
-        torch.testing.assert_close(param.detach(), before, atol=0.0, rtol=0.0)
+    adamw_helpers.assert_zero_learning_rate_leaves_bf16_weights_unchanged(FusedAdamW, SHAPES, device)
 
 
 def test_a_non_finite_norm_leaves_weights_and_state_as_they_are(device):
@@ -510,23 +494,22 @@ def test_mutated_kernel_fails_the_exact_comparison(edit, what, tmp_path, monkeyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_kernel_matches_reference_exactly_at_real_sizes(state_dtype, device):
-    shapes = [(2048, 8192), (8192, 2048), (2048,), (4095, 17), (1,)]
-    params = [
-        torch.nn.Parameter(p) for p in random_tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)
-    ]
-    reference = [p.detach().clone() for p in params]
-    exp_avgs = [torch.zeros_like(p, dtype=state_dtype) for p in reference]
-    exp_avg_sqs = [torch.zeros_like(p, dtype=state_dtype) for p in reference]
-    optimizer = FusedAdamW(params, lr=1e-5, weight_decay=0.01, seed=3, state_dtype=state_dtype)
-    scale = torch.tensor(0.5, device=device)
-    for step in range(1, 4):
-        grads = random_tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
-        step_on(params, optimizer, grads, grad_scale=scale)
-        adamw_step_reference(
-            reference, grads, exp_avgs, exp_avg_sqs, step=step, lr=1e-5, weight_decay=0.01, seed=3, grad_scale=scale
-        )  # fmt: skip
-    ref_states = [{"exp_avg": m, "exp_avg_sq": v} for m, v in zip(exp_avgs, exp_avg_sqs, strict=True)]
-    assert_same_weights_and_state(params, optimizer, reference, ref_states)
+    def zero_state(param):
+        return {
+            "exp_avg": torch.zeros_like(param, dtype=state_dtype),
+            "exp_avg_sq": torch.zeros_like(param, dtype=state_dtype),
+        }
+
+    def reference_step(params, grads, states, **arguments):
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        adamw_step_reference(params, grads, exp_avgs, exp_avg_sqs, **arguments)
+
+    adamw_helpers.assert_matches_reference_exactly_at_real_sizes(
+        lambda params, **hyperparameters: FusedAdamW(params, **hyperparameters, state_dtype=state_dtype),
+        zero_state,
+        reference_step,
+        device,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -28,6 +28,9 @@ from fusetune.kernels.adamw8bit import (
 )
 from tests.kernels import adamw_helpers
 from tests.kernels.adamw_helpers import (
+    HYPERPARAMETERS,
+    STEPS,
+    TOLERANCES,
     assert_a_non_finite_norm_changes_nothing,
     assert_bad_arguments_are_refused_with_the_field,
     assert_same_weights_and_state,
@@ -39,20 +42,13 @@ from tests.kernels.adamw_helpers import (
 )
 from tests.kernels.mutation import mutated_kernel
 
-# (atol, rtol) of one step of the reference against torch.optim.AdamW run on fp32 copies of the same weights and
-# of the same (dequantized) moments, per parameter dtype: the update itself is FusedAdamW's, so these are
-# test_adamw.py's. float32: a few fp32 roundings apart; bfloat16: the stochastically rounded weight is one of
-# the two bf16 neighbours of the fp32 result, at most one bf16 ulp (2^-7 relative) away.
-TOLERANCES = {
-    torch.float32: (1e-7, 2e-6),
-    torch.bfloat16: (0.0, 2.0**-7),
-}
+# TOLERANCES: one step of the reference against torch.optim.AdamW run on fp32 copies of the same weights and of
+# the same (dequantized) moments, per parameter dtype; the update itself is FusedAdamW's, so the table, the
+# HYPERPARAMETERS and the STEPS are test_adamw.py's (adamw_helpers.py).
 # The stored moments against the exact ones: each code is one of the two codes around its value, so the error
 # is under one code step, 2^-mantissa_bits of the value's binade, or of 2^-14 of the block's scale below that
 # (subnormal codes). Checked element by element in _assert_within_one_code_step.
 SHAPES = [(1,), (5,), (4095,), (33, 17), (256,), (257,)]
-HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
-STEPS = 3
 
 
 def _run_fused(param_dtypes, device, *, seed=7, grad_scale=None, steps=STEPS, block_size=256, shapes=SHAPES):
@@ -296,14 +292,7 @@ def test_same_seed_same_bits_other_seed_other_bits(device):
 
 
 def test_zero_learning_rate_leaves_bf16_weights_unchanged(device):
-    start = random_tensors(SHAPES, torch.bfloat16, device, seed=1)
-    params = [torch.nn.Parameter(p.clone()) for p in start]
-    optimizer = FusedAdamW8bit(params, lr=0.0, weight_decay=0.1)
-    for param in params:
-        param.grad = torch.ones_like(param)
-    optimizer.step()
-    for param, before in zip(params, start, strict=True):
-        torch.testing.assert_close(param.detach(), before, atol=0.0, rtol=0.0)
+    adamw_helpers.assert_zero_learning_rate_leaves_bf16_weights_unchanged(FusedAdamW8bit, SHAPES, device)
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered")  # the control step's block maxima of NaN
@@ -483,18 +472,6 @@ def test_no_skip_guard_mutant_fails_the_non_finite_test(tmp_path, monkeypatch, d
 
 @pytest.mark.gpu
 def test_kernel_matches_reference_exactly_at_real_sizes(device):
-    shapes = [(2048, 8192), (8192, 2048), (2048,), (4095, 17), (1,)]
-    params = [
-        torch.nn.Parameter(p) for p in random_tensors(shapes, torch.bfloat16, device, seed=1, scale=0.02)
-    ]
-    reference = [p.detach().clone() for p in params]
-    states = [adamw8bit_zero_state(p) for p in reference]
-    optimizer = FusedAdamW8bit(params, lr=1e-5, weight_decay=0.01, seed=3)
-    scale = torch.tensor(0.5, device=device)
-    for step in range(1, 4):
-        grads = random_tensors(shapes, torch.bfloat16, device, seed=100 + step, scale=1e-3)
-        step_on(params, optimizer, grads, grad_scale=scale)
-        adamw8bit_step_reference(
-            reference, grads, states, step=step, lr=1e-5, weight_decay=0.01, seed=3, grad_scale=scale
-        )
-    assert_same_weights_and_state(params, optimizer, reference, states)
+    adamw_helpers.assert_matches_reference_exactly_at_real_sizes(
+        FusedAdamW8bit, adamw8bit_zero_state, adamw8bit_step_reference, device
+    )
