@@ -1,0 +1,1 @@
+"""Benchmarks of the chat completions serving path (fusetune/serving)."""

@@ -1,0 +1,422 @@
+"""Chat completions throughput through the worker's serving server, against the offline ceiling.
+
+The workload (issue 54): --requests streaming chat requests of --new-tokens new tokens each, sent spread evenly
+over --arrival-s seconds, to the real serving HTTP server (fusetune/serving/server.py, started in this process on a
+free port, its engine holding the benchmark's model) from a client in another process (so the client's threads do
+not take the server's interpreter lock). The client records when each request was sent, when its first content
+arrived and when it ended; the engine reports each decoding step (Engine.on_step).
+
+    total_tokens_per_s        all new tokens / (last request finished - first request sent)
+    ttft_p50_ms, ttft_p95_ms  time to first token: request sent -> first chunk with content
+    all_busy_tokens_per_s     decode tokens/s over the steps that ran every slot busy (the steady state)
+    after_arrivals_tokens_per_s   new tokens decoded after the last request was sent / the time from then to the end
+    arrival_bound_tokens_per_s    what the arrivals allow at best: the last request is sent at --arrival-s and needs
+                              --new-tokens steps after its prefill, so the run lasts at least arrival-s + new-tokens
+                              x (the all-busy step time)
+    ceiling_tokens_per_s      Hugging Face `generate` over all prompts as one left-padded batch, static cache,
+                              compiled decoding step (`fusetune` row: the model as serving patched it, apply_fusetune;
+                              `hf` row: a fresh unpatched model of the same weights), one untimed call first
+
+Every completion must have exactly --new-tokens tokens: the model has no end-of-turn token (its generation config
+names none and the tokenizer is wrapped to name none), and the run fails if a completion's usage says otherwise.
+Random weights (seed 0), built on the GPU in bf16; the demo's tokenizer, its ids folded onto the tokens that decode
+to printable text (the model's vocabulary is the 1B shape's, the tokenizer's 512), so streamed chunks carry text.
+Sampling at temperature 1 over the whole vocabulary in both (the chat API's default), or --temperature.
+
+    python3 -m benchmarks.serving.chat_throughput --out $OUT        # Llama-3.2-1B shape, 64 x 256, one GPU
+    python3 -m benchmarks.serving.chat_throughput --tiny            # 4 requests of 8 tokens on CPU (a smoke run)
+
+Needs, beyond torch, transformers and triton: fastapi, starlette, uvicorn, pydantic, pydantic-settings and
+sqlalchemy (what fusetune/serving/server.py imports), all imported here at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# Everything the run needs, imported before anything is built: a missing package fails in seconds.
+import fastapi  # noqa: F401  (the serving server's)
+import torch
+import transformers
+import uvicorn  # noqa: F401  (the serving server's)
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import fusetune.models  # noqa: F401  (the kernels the engine patches the model with on a GPU)
+import fusetune.serving.engine  # noqa: F401  (imported by the server at its first request otherwise)
+from benchmarks import harness
+from benchmarks.harness import markdown_table
+from benchmarks.workloads import MODEL_SHAPES, build_config
+from fusetune.config import Settings
+from fusetune.demo.assets import build_tokenizer
+from fusetune.serving.server import ServingServer
+from fusetune.spec.chat import TENANT_HEADER
+
+RESULTS = harness.Benchmark("chat-throughput", topic="service")
+MODEL_NAME = "bench-model"
+
+
+class _Tokenizer:
+    """The demo tokenizer with no end-of-turn token, whose decode folds the model's ids onto its printable tokens."""
+
+    eos_token_id = None
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        specials = set(tokenizer.all_special_ids)
+        self._printable = [
+            i
+            for i in range(len(tokenizer))
+            if i not in specials and (text := tokenizer.decode([i])).isascii() and text.isprintable() and text
+        ]
+
+    def fold(self, ids: list[int]) -> list[int]:
+        return [self._printable[i % len(self._printable)] for i in ids]
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return self._tokenizer.decode(self.fold(ids), **kwargs)
+
+
+class _OneModel:
+    """The model locations the server asks: every name is the benchmark's model."""
+
+    def location_of(self, model: str, tenant: str) -> str:
+        return MODEL_NAME
+
+    def adapter_base_models(self, tenant: str, location: str) -> dict[str, str]:
+        return {}
+
+
+def _prompts(count: int) -> list[list[dict[str, str]]]:
+    """Distinct short chat prompts (about 40 to 60 tokens with the template)."""
+    topics = ["the weather", "a sum of two numbers", "a short poem", "the next prime", "a list of colours"]
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Request {i}: tell me about {topics[i % len(topics)]}, {i * 37 % 1000} ways.",
+            }
+        ]
+        for i in range(count)
+    ]
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> Any:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(build_config(args.model, tiny=args.tiny), dtype=dtype)
+    # No end of turn: every completion runs to its limit.
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------- client
+
+
+def _client(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send the requests on their schedule, one thread each; what each saw, times from time.perf_counter()
+    (CLOCK_MONOTONIC, the server process's clock too)."""
+    start = time.perf_counter() + 0.2
+    results: list[dict[str, Any]] = [{} for _ in spec["messages"]]
+
+    def one(index: int) -> None:
+        record = results[index]
+        body = {
+            "model": MODEL_NAME, "messages": spec["messages"][index], "stream": True,
+            "max_completion_tokens": spec["new_tokens"], "temperature": spec["temperature"],
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        delay = start + spec["offsets"][index] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        connection = http.client.HTTPConnection(spec["host"], spec["port"], timeout=600)
+        record["sent"] = time.perf_counter()
+        connection.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body),
+            headers={"Authorization": f"Bearer {spec['token']}", TENANT_HEADER: "bench",
+                     "Content-Type": "application/json"},
+        )  # fmt: skip
+        response = connection.getresponse()
+        if response.status != 200:
+            record["error"] = f"HTTP {response.status}: {response.read()[:300]!r}"
+            return
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                record["error"] = chunk["error"]["message"]
+                break
+            if chunk.get("usage"):
+                record["completion_tokens"] = chunk["usage"]["completion_tokens"]
+            if "first" not in record and any(c["delta"].get("content") for c in chunk["choices"]):
+                record["first"] = time.perf_counter()
+        record["end"] = time.perf_counter()
+        connection.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(spec["messages"]))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def run_clients(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The client in a process of its own; its results come back on its stdout."""
+    completed = subprocess.run(
+        [sys.executable, "-m", __spec__.name, "--_client", json.dumps(spec)],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    if completed.returncode != 0:
+        raise RuntimeError(f"the client failed: {completed.stderr[-2000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def measure_serving(args: argparse.Namespace, model: Any, tokenizer: _Tokenizer) -> dict[str, Any]:
+    settings = Settings(
+        serving_host="127.0.0.1", serving_port=0, serving_max_batch=args.requests, serving_max_len=args.max_len,
+        serving_idle_s=3600,
+    )  # fmt: skip
+    server = ServingServer(settings, _OneModel())  # type: ignore[arg-type]
+    # The server loads "models" through its engine: this one is already built.
+    server.engine.load_model = lambda location, bases: (model, tokenizer)  # type: ignore[method-assign]
+    server.start()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    base = {"host": host, "port": int(port), "token": server.token, "temperature": args.temperature}
+    try:
+        # Warm-up: the model is patched and the decoding step compiled (and its CUDA graphs recorded) at the first
+        # requests; two rounds of a few requests, then the timed run.
+        started = time.perf_counter()
+        for _ in range(2):
+            warm = run_clients({**base, "messages": _prompts(4), "offsets": [0.0] * 4, "new_tokens": 8})
+            _check(warm, 8)
+        warmup_s = time.perf_counter() - started
+        steps: list[tuple[int, float]] = []
+        engine = server.engine.get()
+        engine.on_step = lambda key, busy, at: steps.append((busy, at))
+        offsets = [args.arrival_s * i / max(1, args.requests - 1) for i in range(args.requests)]
+        spec = {
+            **base,
+            "messages": _prompts(args.requests),
+            "offsets": offsets,
+            "new_tokens": args.new_tokens,
+        }
+        records = run_clients(spec)
+        engine.on_step = None
+    finally:
+        server.stop()
+    _check(records, args.new_tokens)
+    first_sent = min(r["sent"] for r in records)
+    last_sent = max(r["sent"] for r in records)
+    last_end = max(r["end"] for r in records)
+    new_tokens = sum(r["completion_tokens"] for r in records)
+    ttft_ms = [1e3 * (r["first"] - r["sent"]) for r in records]
+    busy_steps = [at for busy, at in steps if busy == args.requests]
+    all_busy = None
+    step_ms = None
+    if len(busy_steps) > 1:
+        step_ms = 1e3 * (busy_steps[-1] - busy_steps[0]) / (len(busy_steps) - 1)
+        all_busy = round(args.requests * 1e3 / step_ms)
+    after = sum(busy for busy, at in steps if at > last_sent)
+    row: dict[str, Any] = {
+        "requests": args.requests, "new_tokens": args.new_tokens, "arrival_s": args.arrival_s,
+        "slots": args.requests, "max_len": args.max_len, "warmup_s": round(warmup_s, 1),
+        "seconds": round(last_end - first_sent, 3),
+        "total_tokens_per_s": round(new_tokens / (last_end - first_sent)),
+        "ttft_p50_ms": round(statistics.median(ttft_ms), 1),
+        "ttft_p95_ms": round(_percentile(ttft_ms, 0.95), 1),
+        "ttft_max_ms": round(max(ttft_ms), 1),
+        "decode_steps": len(steps),
+        "all_busy_steps": len(busy_steps),
+        "all_busy_step_ms": round(step_ms, 2) if step_ms else None,
+        "all_busy_tokens_per_s": all_busy,
+        "after_arrivals_s": round(last_end - last_sent, 3),
+        "after_arrivals_tokens_per_s": round(after / (last_end - last_sent)),
+    }  # fmt: skip
+    if step_ms:
+        bound_s = (last_sent - first_sent) + args.new_tokens * step_ms / 1e3
+        row["arrival_bound_s"] = round(bound_s, 3)
+        row["arrival_bound_tokens_per_s"] = round(new_tokens / bound_s)
+    return row
+
+
+def _check(records: list[dict[str, Any]], new_tokens: int) -> None:
+    for index, record in enumerate(records):
+        if "error" in record:
+            raise RuntimeError(f"request {index}: {record['error']}")
+        if record.get("completion_tokens") != new_tokens:
+            raise RuntimeError(
+                f"request {index}: completion_tokens {record.get('completion_tokens')}, expected {new_tokens}"
+            )
+        if "first" not in record:
+            raise RuntimeError(f"request {index}: no content streamed")
+
+
+# ---------------------------------------------------------------------------------------------------- ceiling
+
+
+def measure_ceiling(
+    args: argparse.Namespace, model: Any, tokenizer: _Tokenizer, device: torch.device
+) -> dict:
+    """`generate` over all prompts as one batch: static cache, decoding step compiled (on a GPU)."""
+    ids = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+        for m in _prompts(args.requests)
+    ]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[0] * (width - len(i)) + list(i) for i in ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+    options = dict(
+        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, use_cache=True, pad_token_id=0,
+        eos_token_id=None, cache_implementation="static", disable_compile=device.type != "cuda",
+    )  # fmt: skip
+    if args.temperature == 0:
+        options.update(do_sample=False)
+    else:
+        options.update(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)
+
+    def generate() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=GenerationConfig(**options),
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert output.shape == (args.requests, width + args.new_tokens), output.shape
+        return time.perf_counter() - start
+
+    first_s = generate()
+    timed_s = generate()
+    return {
+        "first_s": round(first_s, 2), "seconds": round(timed_s, 3),
+        "tokens_per_s": round(args.requests * args.new_tokens / timed_s),
+        "step_ms": round(1e3 * timed_s / args.new_tokens, 2),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def render_markdown(payload: dict[str, Any]) -> str:
+    row = payload["serving"]
+    lines = [
+        f"### Chat completions throughput ({payload.get('gpu', '?')}, {payload.get('date', '?')})",
+        "",
+        f"{row['requests']} streaming requests x {row['new_tokens']} new tokens, sent over {row['arrival_s']} s, "
+        f"{payload['model']}; {row['slots']} slots of {row['max_len']} columns",
+        "",
+    ]
+    table = [
+        ["serving: total", row["total_tokens_per_s"], row["seconds"], ""],
+        ["serving: after the last arrival", row["after_arrivals_tokens_per_s"], row["after_arrivals_s"], ""],
+        ["serving: all slots busy", row["all_busy_tokens_per_s"], None, row["all_busy_step_ms"]],
+        ["arrival bound (arrivals + new_tokens busy steps)", row.get("arrival_bound_tokens_per_s"),
+         row.get("arrival_bound_s"), ""],
+    ]  # fmt: skip
+    for name, ceiling in payload["ceilings"].items():
+        table.append(
+            [f"ceiling: generate, static, compiled ({name})", ceiling["tokens_per_s"], ceiling["seconds"],
+             ceiling["step_ms"]]
+        )  # fmt: skip
+    lines.append(markdown_table(["what", "new tokens/s", "seconds", "ms per step"], table))
+    lines += [
+        "",
+        f"time to first token: p50 {row['ttft_p50_ms']} ms, p95 {row['ttft_p95_ms']} ms, max {row['ttft_max_ms']} ms",
+    ]
+    for name, ceiling in payload["ceilings"].items():
+        lines.append(
+            f"serving total / ceiling ({name}): {row['total_tokens_per_s'] / ceiling['tokens_per_s']:.2f}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    harness.add_results_arguments(parser, RESULTS)
+    parser.add_argument("--model", default="llama-3.2-1b-shape", help=f"one of {', '.join(MODEL_SHAPES)}")
+    parser.add_argument("--requests", type=int, default=None, help="default 64 (--tiny: 4); also the slots")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (--tiny: 8)")
+    parser.add_argument("--arrival-s", type=float, default=None, help="default 2 (--tiny: 0.2)")
+    parser.add_argument("--max-len", type=int, default=512, help="each slot's cache columns")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--no-hf-ceiling", action="store_true", help="skip the unpatched model's ceiling")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run)")
+    parser.add_argument("--_client", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args._client:
+        print(json.dumps(_client(json.loads(args._client))))
+        return 0
+    defaults = (4, 8, 0.2) if args.tiny else (64, 256, 2.0)
+    args.requests = args.requests or defaults[0]
+    args.new_tokens = args.new_tokens or defaults[1]
+    args.arrival_s = defaults[2] if args.arrival_s is None else args.arrival_s
+    if args.out == harness.RESULTS_DIR and os.environ.get("OUT"):
+        args.out = Path(os.environ["OUT"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        print(f"{__spec__.name} measures serving on a GPU; no CUDA device here (--tiny runs on CPU)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.tiny:
+        harness.smoke_out(args, "chat-throughput-")
+    device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    tokenizer = _Tokenizer(build_tokenizer())
+    model = build_model(args, device)
+    serving = measure_serving(args, model, tokenizer)
+    # The same model object, as serving patched it (apply_fusetune on a GPU).
+    ceilings = {"fusetune": measure_ceiling(args, model, tokenizer, device)}
+    del model
+    if not args.no_hf_ceiling:
+        ceilings["hf"] = measure_ceiling(args, build_model(args, device), tokenizer, device)
+    payload = {
+        **harness.run_meta(device_name), "model": args.model, "tiny": args.tiny,
+        "transformers": transformers.__version__, "serving": serving, "ceilings": ceilings,
+    }  # fmt: skip
+    RESULTS.save(
+        args, harness.results_slug(args, device_name, on_gpu=device.type == "cuda"), payload, render_markdown
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
