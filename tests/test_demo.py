@@ -4,11 +4,14 @@ held-out prompts it could not answer before."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 from typer.testing import CliRunner
 
 from fusetune.cli import app
-from fusetune.demo import task
+from fusetune.demo import run, task
 from fusetune.demo.run import DEMO_MODEL, fine_tune_and_compare
 from tests.services import running_service
 
@@ -45,6 +48,52 @@ def test_base_model_is_rebuilt_only_for_another_task(tmp_path):
 def test_demo_command_offers_keep_serving():
     result = CliRunner().invoke(app, ["demo", "--help"])
     assert result.exit_code == 0 and "--keep-serving" in result.output
+
+
+def _completion(content: str) -> dict:
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "ft",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "refusal": None},
+                         "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}}  # fmt: skip
+
+
+def _unavailable(code: str) -> httpx.Response:
+    error = {"message": "later", "type": "server_error", "param": None, "code": code}
+    return httpx.Response(503, json={"error": error})
+
+
+def test_the_demos_chat_call_waits_for_the_worker_to_serve_again(monkeypatch):
+    """The demo's chat completion is a plain POST over its HTTP client (no openai package needed, so it runs in
+    the image too); the 503s of the moment the worker has not yet served again after training are asked again."""
+    monkeypatch.setattr(run, "CHAT_RETRY_S", 0)
+    first = task.read_examples(task.HELD_OUT_FILE)[0]
+    answers = [_unavailable("no_serving_worker"), _unavailable("worker_training"),
+               httpx.Response(200, json=_completion(f" {task.expected_answer(first)}\n"))]  # fmt: skip
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/chat/completions"
+        bodies.append(json.loads(request.content))
+        return answers[len(bodies) - 1]
+
+    with httpx.Client(base_url="http://service", transport=httpx.MockTransport(handler)) as client:
+        reply = run._chat_with_fine_tuned(client, "ft:tiny", first)
+    assert reply == run.ChatReply(
+        task.question(first), task.expected_answer(first), task.expected_answer(first)
+    )
+    assert len(bodies) == 3 and bodies[0]["messages"] == first["messages"][:-1]
+    assert bodies[0]["model"] == "ft:tiny" and bodies[0]["temperature"] == 0
+    # Another failure is not asked again, and the wait ends at CHAT_WAIT_S: both raise with the service's answer.
+    monkeypatch.setattr(run, "CHAT_WAIT_S", 0)
+    for answer in (
+        _unavailable("no_serving_worker"),
+        httpx.Response(404, json={"error": {"code": "model_not_found"}}),
+    ):
+        with httpx.Client(
+            base_url="http://service", transport=httpx.MockTransport(lambda _, a=answer: a)
+        ) as client:
+            with pytest.raises(RuntimeError, match=str(answer.status_code)):
+                run._chat_with_fine_tuned(client, "ft:tiny", first)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ Every step goes through the service a user would run: ``fusetune serve`` (API + 
 SQLite), the bundled dataset uploaded over HTTP, a job created, polled and its checkpoint downloaded. The base
 model and the downloaded checkpoint, each loaded with ``from_pretrained``, answer the same held-out prompts
 (`fusetune.demo.task`), and the two sets of answers are printed side by side with their accuracies. Last, the
-service itself answers one of those prompts with the fine-tuned model (a chat completion through the openai SDK).
+service itself answers one of those prompts with the fine-tuned model (a chat completion, POST /v1/chat/completions
+over the same HTTP client as every other step: the demo needs no client library, so it makes the call wherever the
+service runs, the image included).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from fusetune.demo import task
 DEMO_MODEL = task.BUNDLED_MODEL
 # Rows of the side-by-side table; the accuracies count every held-out prompt.
 SHOWN_ANSWERS = 8
+# The worker serves chat again once its job's training process ended, a moment after the job reads succeeded;
+# until then the API answers 503. The chat call asks again every CHAT_RETRY_S until CHAT_WAIT_S have passed.
+CHAT_RETRY_S = 0.5
+CHAT_WAIT_S = 120.0
+SERVING_NOT_YET = ("no_serving_worker", "worker_training")
 console = Console()
 
 
@@ -46,7 +53,7 @@ class DemoResult:
     job: dict
     base: task.Answers
     fine_tuned: task.Answers | None  # None when the job did not succeed
-    chat: ChatReply | None = None  # None when the job did not succeed, or the openai package is missing
+    chat: ChatReply | None = None  # None when the job did not succeed
 
 
 def _start_server(settings: Settings, port: int) -> subprocess.Popen:
@@ -207,32 +214,32 @@ def _comparison_table(chats: list[dict], base: task.Answers, fine_tuned: task.An
     return table
 
 
-def _chat_with_fine_tuned(client: httpx.Client, model: str, chat: dict) -> ChatReply | None:
-    """`chat`'s question asked of `model` by the openai SDK against the service `client` speaks to, greedily."""
-    try:
-        from openai import OpenAI
-    except ImportError:  # a dev extra: `make demo` installs it, the service image leaves it out
-        console.print("[yellow]the openai package is not installed: no chat completion")
-        return None
-    api_key = client.headers["authorization"].removeprefix("Bearer ")
-    # The worker serves again once its job's training process ended, which can be a moment after the job reads
-    # succeeded: the SDK retries the 503 of that moment.
-    base_url = f"{str(client.base_url).rstrip('/')}/v1"
-    with OpenAI(base_url=base_url, api_key=api_key, max_retries=5) as sdk:
-        completion = sdk.chat.completions.create(
-            model=model,
-            messages=chat["messages"][:-1],
-            temperature=0,
-            max_completion_tokens=task.DIGITS_PER_PROMPT + 3,
-        )
-    reply = (completion.choices[0].message.content or "").strip()
+def _chat_with_fine_tuned(client: httpx.Client, model: str, chat: dict) -> ChatReply:
+    """`chat`'s question asked of `model` through POST /v1/chat/completions of the service `client` speaks to,
+    greedily: the request and reply any OpenAI client sends and reads (tests/api/test_chat_completions.py makes
+    the same call through the openai SDK)."""
+    body = {
+        "model": model,
+        "messages": chat["messages"][:-1],
+        "temperature": 0,
+        "max_completion_tokens": task.DIGITS_PER_PROMPT + 3,
+    }
+    deadline = time.monotonic() + CHAT_WAIT_S
+    while True:
+        response = client.post("/v1/chat/completions", json=body, timeout=None)
+        code = response.json().get("error", {}).get("code") if response.status_code == 503 else None
+        if code not in SERVING_NOT_YET or time.monotonic() >= deadline:
+            break
+        time.sleep(CHAT_RETRY_S)
+    completion = _check(response)
+    reply = (completion["choices"][0]["message"]["content"] or "").strip()
     return ChatReply(prompt=task.question(chat), reply=reply, expected=task.expected_answer(chat))
 
 
 def _print_chat(model: str, chat: ChatReply) -> None:
     mark = "[green]✓" if chat.reply == chat.expected else "[red]✗"
-    console.print(f"[bold]one chat completion[/bold] (openai SDK, POST /v1/chat/completions, model {model}, "
-                  "temperature 0)", soft_wrap=True)  # fmt: skip
+    console.print(f"[bold]one chat completion[/bold] (POST /v1/chat/completions, model {model}, temperature 0)",
+                  soft_wrap=True)  # fmt: skip
     console.print(f"  prompt    {chat.prompt}")
     console.print(f"  reply     {_shown(chat.reply)} {mark}")
     console.print(f"  expected  {chat.expected}")
@@ -275,8 +282,7 @@ def fine_tune_and_compare(
     console.print(_comparison_table(held_out, base, fine_tuned))
     # The table's first prompt again, answered by the service itself: the fine-tuned model as any client calls it.
     chat = _chat_with_fine_tuned(client, job["fine_tuned_model"], held_out[0])
-    if chat is not None:
-        _print_chat(job["fine_tuned_model"], chat)
+    _print_chat(job["fine_tuned_model"], chat)
     return DemoResult(job=job, base=base, fine_tuned=fine_tuned, chat=chat)
 
 
