@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._tensors import storage_overlaps
 
 __all__ = [
     "RopeLaunchSettings",
@@ -591,19 +592,6 @@ def _in_place_source(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     return None
 
 
-def _storage_span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-    return start, start + extent * t.element_size()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    (a0, a1), (b0, b1) = _storage_span(a), _storage_span(b)
-    return a0 < b1 and b0 < a1
-
-
 class _RotaryInPlace(torch.autograd.Function):
     """Rotates q/k in their sources' storage; returns the dirty sources and the [B, H, S, D] views of them.
 
@@ -765,7 +753,7 @@ def apply_rotary_pos_emb(
     if inplace and not torch.compiler.is_compiling():
         q_source = _in_place_source(q_bhsd)
         k_source = _in_place_source(k_bhsd)
-        if q_source is not None and k_source is not None and not _overlap(q_bhsd, k_bhsd):
+        if q_source is not None and k_source is not None and not storage_overlaps(q_bhsd, k_bhsd):
             (q_src, q_layout), (k_src, k_layout) = q_source, k_source
             _, _, q_embed, k_embed = _RotaryInPlace.apply(
                 q_src,

@@ -34,6 +34,7 @@ from torch import nn
 
 import fusetune.kernels.rms_norm as _rms_norm
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._tensors import storage_overlaps
 
 __all__ = [
     "FusedGeGLUMLP",
@@ -250,19 +251,6 @@ def _launch_gated_backward(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _storage_span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
-    return start, start + extent * t.element_size()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    (a0, a1), (b0, b1) = _storage_span(a), _storage_span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _has_internal_overlap(t: torch.Tensor) -> bool:
     extent = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1):
@@ -279,7 +267,7 @@ def _may_overwrite(a: torch.Tensor, b: torch.Tensor) -> bool:
         and b.grad_fn is not None
         and not _has_internal_overlap(a)
         and not _has_internal_overlap(b)
-        and not _overlap(a, b)
+        and not storage_overlaps(a, b)
     )
 
 
@@ -411,6 +399,7 @@ def _project_gate_up(
     return F.linear(x_rows, gate_weight, gate_bias), F.linear(x_rows, up_weight, up_bias)
 
 
+# gated_mlp's arguments on purpose: the autograd Functions pass theirs through to this on [rows, hidden].
 def _gated_mlp_rows_forward(
     x_rows: torch.Tensor,
     gate_weight: torch.Tensor,
