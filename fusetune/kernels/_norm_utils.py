@@ -16,12 +16,14 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import round_to_dtype
+from fusetune.kernels import _tensors
+from fusetune.kernels._interpreter import interpreted, round_to_dtype
 
 # Largest row held in registers, in elements, forward and backward (the kernels compute in fp32, so this does
 # not depend on the input dtype); wider rows loop over column blocks. H100, bf16, each kernel's GPU time alone
@@ -61,6 +63,28 @@ class NormLaunchSettings:
     def loop_columns(self, n_cols: int) -> bool:
         """True when a row is wider than one tile, so the kernel must loop over column blocks."""
         return self.block_n < n_cols
+
+    def forward_grid(self, n_rows: int) -> tuple[int]:
+        """One forward program per tile of rows."""
+        return ((n_rows + self.rows_per_tile - 1) // self.rows_per_tile,)
+
+    def forward_launch_arguments(self, n_cols: int) -> dict[str, Any]:
+        """The tiling and launch arguments every norm's forward kernel takes from these settings."""
+        return {
+            "BLOCK_ROWS": self.rows_per_tile,
+            "BLOCK_N": self.block_n,
+            "LOOP_COLUMNS": self.loop_columns(n_cols),
+            "SOFTWARE_BF16_ROUNDING": interpreted(),
+            "num_warps": self.num_warps,
+        }
+
+
+def dx_buffer(dy: torch.Tensor, x: torch.Tensor, inplace_backward: bool) -> torch.Tensor:
+    """Where a norm's eager backward writes dx: over dy itself when the caller promised dy is not needed after
+    (`inplace_backward`) and dy has x's contiguous layout and dtype, else a new tensor."""
+    if inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape:
+        return dy
+    return x.new_empty(x.shape)
 
 
 @contextlib.contextmanager
@@ -126,17 +150,9 @@ def _norm_launch_settings(n_cols: int, backward: bool, column_block_limit: int |
     )
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def multiprocessor_count(device: torch.device) -> int:
-    """SMs of a CUDA device; a small stand-in for CPU tensors run by the Triton interpreter."""
-    if device.type != "cuda":
-        return _INTERPRETER_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    """SMs of a CUDA device; _INTERPRETER_SM_COUNT for CPU tensors run by the Triton interpreter."""
+    return _tensors.multiprocessor_count(device, _INTERPRETER_SM_COUNT)
 
 
 # Rows a persistent backward program should walk at least, when there are few rows: each program writes one

@@ -15,11 +15,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._interpreter import round_to_dtype
 from fusetune.kernels._norm_row_tiles import launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
+    dx_buffer,
     norm_launch_settings,
 )
 
@@ -29,6 +30,34 @@ __all__ = ["FusedLayerNorm", "layer_norm", "layer_norm_reference"]
 # ------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scale_shift_and_store(
+    y,
+    weight_ptr,
+    bias_ptr,
+    y_rows,
+    cols,
+    col_mask,
+    mask,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Stores `y * weight + bias` of the normalised rows `y` (fp32) for the columns `cols`, in y's dtype: the
+    end of the forward both ways, a row held whole or walked block by block (inlined where it is called)."""
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+        y = y * w.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
+        y = y + b.to(tl.float32)[None, :]
+    tl.store(
+        y_rows + cols[None, :],
+        round_to_dtype(y, y_rows.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+        mask=mask,
+    )
 
 
 @triton.jit
@@ -73,17 +102,9 @@ def _layer_norm_fwd_kernel(
         centred = tl.where(col_mask[None, :], x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
         y = centred * rstd[:, None]
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-            y = y * w.to(tl.float32)[None, :]
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
-            y = y + b.to(tl.float32)[None, :]
-        tl.store(
-            y_rows + cols[None, :],
-            round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-            mask=mask,
-        )
+        _scale_shift_and_store(
+            y, weight_ptr, bias_ptr, y_rows, cols, col_mask, mask, HAS_WEIGHT, HAS_BIAS, SOFTWARE_BF16_ROUNDING
+        )  # fmt: skip
     else:
         mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
         m2 = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -108,17 +129,9 @@ def _layer_norm_fwd_kernel(
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             y = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + c, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                y = y * w.to(tl.float32)[None, :]
-            if HAS_BIAS:
-                b = tl.load(bias_ptr + c, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                y = y + b.to(tl.float32)[None, :]
-            tl.store(
-                y_rows + c[None, :],
-                round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-                mask=mask,
-            )
+            _scale_shift_and_store(
+                y, weight_ptr, bias_ptr, y_rows, c, col_mask, mask, HAS_WEIGHT, HAS_BIAS, SOFTWARE_BF16_ROUNDING
+            )  # fmt: skip
     tl.store(mean_ptr + rows, mean, mask=row_mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
@@ -151,9 +164,8 @@ def _launch_forward(
     rstd = x.new_empty(n_rows, dtype=torch.float32)
     if n_rows == 0:
         return y, mean, rstd
-    grid = ((n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile,)
     kernel = torch.library.wrap_triton(_layer_norm_fwd_kernel) if traced else _layer_norm_fwd_kernel
-    kernel[grid](
+    kernel[settings.forward_grid(n_rows)](
         x_rows,
         x_rows.stride(0),
         weight if weight is not None else x_rows,
@@ -167,11 +179,7 @@ def _launch_forward(
         eps,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
-        BLOCK_ROWS=settings.rows_per_tile,
-        BLOCK_N=settings.block_n,
-        LOOP_COLUMNS=settings.loop_columns(n_cols),
-        SOFTWARE_BF16_ROUNDING=interpreted(),
-        num_warps=settings.num_warps,
+        **settings.forward_launch_arguments(n_cols),
     )
     return y, mean, rstd
 
@@ -243,11 +251,7 @@ class LayerNormFunction(torch.autograd.Function):
             # functional under the compiler, which plans the buffers itself
             dx, dw, db = torch.ops.fusetune.layer_norm_bwd(dy, x, weight, bias, mean, rstd)
         else:
-            # the in-place condition of rms_norm.py; `inplace_backward` is the caller's promise
-            inplace = (
-                ctx.inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape
-            )
-            dx = dy if inplace else x.new_empty(x.shape)
+            dx = dx_buffer(dy, x, ctx.inplace_backward)
             dw, db = _launch_backward(dy, x, weight, bias is not None, mean, rstd, dx)
             dw = dw.to(weight.dtype) if weight is not None else None
             db = db.to(bias.dtype) if bias is not None else None

@@ -28,12 +28,13 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._interpreter import round_to_dtype
 from fusetune.kernels._norm_row_tiles import _effective_weight, launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     check_casting_mode,
+    dx_buffer,
     norm_launch_settings,
 )
 
@@ -66,6 +67,36 @@ def _scale_by_weight(
         # llama: the normalised row is rounded to the input dtype before the weight multiplies it
         xhat = round_to_dtype(xhat, INPUT_DTYPE, SOFTWARE_BF16_ROUNDING).to(tl.float32)
     return xhat * w_eff
+
+
+@triton.jit
+def _weigh_and_store(
+    xhat,
+    weight_ptr,
+    y_rows,
+    cols,
+    n_cols,
+    mask,
+    offset,
+    INPUT_DTYPE: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr,
+    SOFTWARE_BF16_ROUNDING: tl.constexpr,
+):
+    """Stores the normalised rows `xhat` (fp32) of the columns `cols`, times the weight if there is one, in y's
+    dtype: the end of the forward both ways, a row held whole or walked block by block (inlined where called)."""
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
+        y = _scale_by_weight(
+            xhat, w[None, :], offset, INPUT_DTYPE, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING
+        )
+    else:
+        y = xhat
+    tl.store(
+        y_rows + cols[None, :],
+        round_to_dtype(y, y_rows.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
+        mask=mask,
+    )
 
 
 @triton.jit
@@ -121,18 +152,10 @@ def _rms_norm_fwd_kernel(
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
         xhat = x * rstd[:, None]
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0, eviction_policy="evict_last")
-            y = _scale_by_weight(
-                xhat, w[None, :], offset, input_dtype, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING
-            )
-        else:
-            y = xhat
-        tl.store(
-            y_rows + cols[None, :],
-            round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-            mask=mask,
-        )
+        _weigh_and_store(
+            xhat, weight_ptr, y_rows, cols, n_cols, mask, offset, input_dtype,
+            HAS_WEIGHT, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING,
+        )  # fmt: skip
     else:
         # Pass 1: sum of squares (and the new residual); pass 2 re-reads the row, now in L2, and normalises.
         sum_sq = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -159,18 +182,10 @@ def _rms_norm_fwd_kernel(
             mask = row_mask[:, None] & (c[None, :] < n_cols)
             x = tl.load(source_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
             xhat = x.to(tl.float32) * rstd[:, None]
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + c, mask=c < n_cols, other=0.0, eviction_policy="evict_last")
-                y = _scale_by_weight(
-                    xhat, w[None, :], offset, input_dtype, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING
-                )
-            else:
-                y = xhat
-            tl.store(
-                y_rows + c[None, :],
-                round_to_dtype(y, y_ptr.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-                mask=mask,
-            )
+            _weigh_and_store(
+                xhat, weight_ptr, y_rows, c, n_cols, mask, offset, input_dtype,
+                HAS_WEIGHT, CAST_BEFORE_WEIGHT, SOFTWARE_BF16_ROUNDING,
+            )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -215,9 +230,8 @@ def _launch_forward(
         new_residual = None
     if n_rows == 0:
         return y, new_residual, rstd
-    grid = ((n_rows + settings.rows_per_tile - 1) // settings.rows_per_tile,)
     kernel = torch.library.wrap_triton(_rms_norm_fwd_kernel) if traced else _rms_norm_fwd_kernel
-    kernel[grid](
+    kernel[settings.forward_grid(n_rows)](
         x_rows,
         x_rows.stride(0),
         residual_rows,
@@ -235,11 +249,7 @@ def _launch_forward(
         HAS_RESIDUAL=residual is not None,
         HAS_WEIGHT=weight is not None,
         CAST_BEFORE_WEIGHT=casting_mode == "llama",
-        BLOCK_ROWS=settings.rows_per_tile,
-        BLOCK_N=settings.block_n,
-        LOOP_COLUMNS=settings.loop_columns(n_cols),
-        SOFTWARE_BF16_ROUNDING=interpreted(),
-        num_warps=settings.num_warps,
+        **settings.forward_launch_arguments(n_cols),
     )
     return y, new_residual, rstd
 
@@ -292,6 +302,7 @@ def _add_rms_norm_fwd_op(
     return y, new_residual, rstd
 
 
+# _launch_backward's arguments again on purpose: a torch.library op declares its own typed schema.
 @torch.library.triton_op("fusetune::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd_op(
     dy: torch.Tensor,
@@ -338,11 +349,8 @@ def _backward(
         # functional under the compiler, which plans the buffers itself
         dx, dw = torch.ops.fusetune.rms_norm_bwd(dy, x, weight, rstd, d_residual, offset, casting_mode)
         return dx, dw if weight is not None else None
-    # The in-place condition of the module docstring; `inplace_backward` is the caller's promise.
-    if inplace_backward and dy.is_contiguous() and dy.dtype == x.dtype and dy.shape == x.shape:
-        dx = dy
-    else:
-        dx = x.new_empty(x.shape)
+    # The in-place condition of the module docstring (dx_buffer); `inplace_backward` is the caller's promise.
+    dx = dx_buffer(dy, x, inplace_backward)
     return dx, _launch_backward(dy, x, weight, rstd, d_residual, offset, casting_mode, dx)
 
 
