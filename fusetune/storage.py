@@ -692,6 +692,7 @@ class ObjectStorage(Storage):
         os.replace(staging, target)
         return target
 
+    # Storage.checkpoint_archive_url's signature, overridden: an object store can presign where a disk cannot.
     def checkpoint_archive_url(
         self,
         tenant: str,

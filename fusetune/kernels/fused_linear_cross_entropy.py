@@ -1183,6 +1183,7 @@ def fused_linear_cross_entropy(
     return (loss, accuracy) if return_accuracy else loss
 
 
+# Mirrors fused_linear_cross_entropy argument for argument on purpose: tests call both with the same keywords.
 def fused_linear_cross_entropy_reference(
     hidden: Tensor,
     weight: Tensor,

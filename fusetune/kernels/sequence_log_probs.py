@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 
+# The signature is token_log_probs' (and fused_linear_cross_entropy's first arguments) on purpose: callers swap them.
 def sequence_log_probs(
     hidden: Tensor,
     weight: Tensor,

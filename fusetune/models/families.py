@@ -131,6 +131,7 @@ def _llama_like(model_type: str, family: str, *, prefix: str) -> FamilySpec:
     )
 
 
+# One row per family, alike in shape on purpose: adding a family is adding a row, not copying a function.
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (

@@ -29,7 +29,8 @@ import torch
 
 Tolerance = tuple[float, float]  # (atol, rtol)
 
-# (atol, rtol) per op and dtype: the kernel tests' own tables for the kernel against Hugging Face's code.
+# (atol, rtol) per op and dtype: the kernel tests' own tables for the kernel against Hugging Face's code (rows
+# alike in shape on purpose: each op's numbers are data, cited from the test that set them).
 PROBE_TOLERANCES: dict[str, dict[torch.dtype, Tolerance]] = {
     # tests/kernels/test_rms_norm.py HF_BACKWARD_TOLERANCES: HF's own bf16 backward rounds every intermediate
     # gradient, so forward and backward are held to the backward's table.

@@ -100,6 +100,7 @@ class PrecisionMode:
         return OPTIMIZERS[self.optimizer].state_bytes_per_parameter(self.weight_dtype)
 
 
+# One row per mode, alike in shape on purpose: a mode is data in this table, not code.
 PRECISIONS: dict[str, PrecisionMode] = {
     mode.name: mode
     for mode in (
