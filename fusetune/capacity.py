@@ -6,21 +6,26 @@ starts only on a worker it fits and while its tenant stays within the operator's
 as the job's status_details, with an event when the reason is new). A job that waits for its tenant's limit or
 a larger worker has no message in the queue any more; `release_waiting_jobs`, run by a worker when one of its
 jobs ends and on every reaper pass while it is idle, sends one for each that could start now. The API refuses,
-at creation, only what can never run: more GPUs than the largest worker up, or than the tenant may ever use.
+at creation, only what can never run: more GPUs than the largest worker up (with FUSETUNE_RAY_ADDRESS, than the
+Ray cluster's nodes hold: fusetune/ray_cluster.py), or than the tenant may ever use.
 
 Imported by the API and the worker alike (like fusetune/spec): SQL through fusetune.db, nothing of either.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
+from fusetune import ray_cluster
 from fusetune.config import Settings
 from fusetune.db import queries
 from fusetune.db.models import Job, JobStatus, now_s
+
+log = logging.getLogger(__name__)
 
 NO_WORKER = "no worker has registered yet; the job starts when one does"
 
@@ -115,9 +120,24 @@ def creation_problem(settings: Settings, session: Session, tenant: str, n_gpus: 
     limits = tenant_limits(settings, session, tenant)
     if limits.max_gpus is not None and n_gpus > limits.max_gpus:
         return f"n_gpus is {n_gpus}, but tenant '{tenant}' may use at most {limits.max_gpus} GPUs at once."
+    if settings.ray_address:
+        # The jobs run on the cluster, not on the workers' hosts: the cluster's nodes are what a job must fit.
+        return ray_cluster_problem(settings.ray_address, n_gpus)
     largest = queries.largest_worker_gpus(session, workers_alive_since(settings))
     if largest is not None and n_gpus > largest:
         return f"n_gpus is {n_gpus}, but the largest worker has {largest}: ask for at most {largest}."
+    return None
+
+
+def ray_cluster_problem(address: str, n_gpus: int) -> str | None:
+    """Why the Ray cluster at `address` can never hold a job of `n_gpus` ranks, or None. A cluster that cannot be
+    read now refuses nothing: the job waits for it as it would for a worker."""
+    try:
+        ray_cluster.plan_nodes(n_gpus, ray_cluster.read_cluster(address))
+    except ray_cluster.ClusterTooSmall as exc:
+        return str(exc)
+    except Exception:
+        log.warning("could not read the Ray cluster at %s; the job is accepted", address, exc_info=True)
     return None
 
 

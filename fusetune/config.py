@@ -109,6 +109,12 @@ class Settings(BaseSettings):
     storage_presigned_expiry_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)  # SigV4's longest: 7 days
     storage_public_endpoint: str = ""
 
+    # A Ray cluster's Job Submission address (its dashboard, e.g. http://head:8265). Set: every job trains there,
+    # one torchrun per node of a placement group (fusetune/worker/ray_engine.py); empty: on the worker's host.
+    # ray_python is the interpreter on the cluster's nodes that has fusetune and `ray[default]` installed.
+    ray_address: str = ""
+    ray_python: str = "python"
+
     # Chat completions (fusetune/serving): each worker runs a server of its own for them, which the API finds
     # through the worker's row and calls with a token it writes there. It listens on serving_host:serving_port (0:
     # a free port) and is reached at serving_public_host (empty: serving_host), which must be reachable from the
@@ -196,6 +202,8 @@ class Settings(BaseSettings):
             "FUSETUNE_STORAGE_PRESIGNED_DOWNLOADS": str(self.storage_presigned_downloads).lower(),
             "FUSETUNE_STORAGE_PRESIGNED_EXPIRY_S": str(self.storage_presigned_expiry_s),
             "FUSETUNE_STORAGE_PUBLIC_ENDPOINT": self.storage_public_endpoint,
+            "FUSETUNE_RAY_ADDRESS": self.ray_address,
+            "FUSETUNE_RAY_PYTHON": self.ray_python,
             "FUSETUNE_MLFLOW_TRACKING_URI": self.mlflow_tracking_uri,
             "FUSETUNE_SERVING": str(self.serving).lower(),
             "FUSETUNE_SERVING_HOST": self.serving_host,

@@ -28,7 +28,7 @@ from fusetune.db.models import AttemptEnd, Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
 from fusetune.spec.job import JobSpec
 from fusetune.storage import StorageError, open_storage
-from fusetune.worker import results, run_storage
+from fusetune.worker import ray_engine, results, run_storage
 from fusetune.worker.lifecycle import detect_gpus
 from fusetune.worker.locations import ModelLocations
 from fusetune.worker.redact import without_paths
@@ -88,7 +88,10 @@ class JobRunner:
         # Set when the worker is asked to stop: a job in training is handed back to the queue with a checkpoint.
         self.stopping = threading.Event()
         # What this worker advertises and takes jobs up to (fusetune.capacity).
-        self.gpus = settings.worker_gpus or detect_gpus()
+        # With a Ray cluster, the jobs this worker hands over may use the whole cluster.
+        self.gpus = settings.worker_gpus or (
+            ray_engine.cluster_gpus(settings) if settings.ray_address else detect_gpus()
+        )
         # The job this worker trains, if any: only an idle worker sends waiting jobs a message on its heartbeat
         # (a busy one could not take them, and would fill the queue with copies while they wait).
         self.training: str | None = None
@@ -276,18 +279,33 @@ class JobRunner:
         if self.stopping.is_set():
             message = f"Worker {self.worker_name} is stopping: the job goes back before its training started"
             return Outcome(JobStatus.QUEUED, {}, message, handed_over=True)
-        env = {**os.environ, **self.settings.subprocess_env(), "PYTHONUNBUFFERED": "1"}
-        env[checkpoint_store.TENANT_ENV] = job.tenant
+        job_env = {
+            **self.settings.subprocess_env(),
+            "PYTHONUNBUFFERED": "1",
+            checkpoint_store.TENANT_ENV: job.tenant,
+        }
+        env = {**os.environ, **job_env}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         log_path = run_dir / TRAIN_LOG_FILE
-        with open(log_path, "ab") as log_file:
-            # A session of its own, so cancel can signal torchrun and every rank it started, and nothing else.
-            process = subprocess.Popen(
-                self._launch_command(config_path, nproc), stdout=log_file, stderr=subprocess.STDOUT,
-                env=env, cwd=run_dir, start_new_session=True,
-                preexec_fn=functools.partial(prepare_training_process, self.settings.training_niceness),
-            )  # fmt: skip
+        if self.settings.ray_address:
+            # The job trains on the Ray cluster, one torchrun per node; the watch below is the same.
+            trainer_args = ["-m", "fusetune.worker.train", "--config", str(config_path)]
+            process = ray_engine.submit(
+                self.settings, job.id, job.attempts, nproc, trainer_args, job_env, run_dir, log_path
+            )
+            with self.session_factory() as session:
+                queries.add_event(session, job.id, process.describe())
+                session.commit()
             stopped_for = self._watch(job.id, process)
+        else:
+            with open(log_path, "ab") as log_file:
+                # A session of its own, so cancel can signal torchrun and every rank it started, and nothing else.
+                process = subprocess.Popen(
+                    self._launch_command(config_path, nproc), stdout=log_file, stderr=subprocess.STDOUT,
+                    env=env, cwd=run_dir, start_new_session=True,
+                    preexec_fn=functools.partial(prepare_training_process, self.settings.training_niceness),
+                )  # fmt: skip
+                stopped_for = self._watch(job.id, process)
         try:
             checkpoint_store.remove_unrecorded_checkpoints(
                 self.storage, self.session_factory, job, self.worker_name
@@ -307,7 +325,7 @@ class JobRunner:
             return Outcome(stopped_for, {}, f"Training processes stopped: the job was {stopped_for}")
         return self._read_outcome(job, run_dir, process.returncode, log_path)
 
-    def _watch(self, job_id: str, process: subprocess.Popen) -> str | None:
+    def _watch(self, job_id: str, process: subprocess.Popen | ray_engine.RayJob) -> str | None:
         """Waits for the trainer, renewing the job's lease. If the job leaves `running` meanwhile (cancel,
         pause) or stops being this worker's, stops the processes and returns the job's new status; returns
         None when the trainer exited by itself. When the worker is stopping, asks the trainer for a hand-over
@@ -341,12 +359,15 @@ class JobRunner:
                 )
                 return status if status != JobStatus.RUNNING else JobStatus.QUEUED
 
-    def _stop(self, process: subprocess.Popen, exit_grace_s: float = 0) -> None:
+    def _stop(self, process: subprocess.Popen | ray_engine.RayJob, exit_grace_s: float = 0) -> None:
         try:
             process.wait(timeout=exit_grace_s)
             return
         except subprocess.TimeoutExpired:
             pass
+        if isinstance(process, ray_engine.RayJob):
+            process.stop()  # the driver stops every node's torchrun, as the signals below stop the local one
+            return
         try:
             os.killpg(process.pid, signal.SIGTERM)
         except ProcessLookupError:

@@ -1,0 +1,180 @@
+"""The entrypoint of a fusetune job on a Ray cluster: one torchrun per node, on a placement group.
+
+`python -m fusetune.worker.ray_driver --nnodes N --nproc-per-node P --unit GPU|CPU -- <torchrun's arguments>`
+is what fusetune/worker/ray_engine.py submits. It reserves a STRICT_SPREAD placement group of N bundles (one per
+node, each the P GPUs, or P CPUs on a cluster without GPUs, of that node's ranks), starts one `NodeLauncher`
+actor in each bundle, and has each run `torchrun --nnodes N --nproc-per-node P --node-rank i --rdzv-backend
+static --rdzv-endpoint <node 0>:<port>` with the trainer's arguments. The static rendezvous keeps node i's ranks
+at i*P..i*P+P-1 and global rank 0 on node 0, as the worker expects (rank 0 writes the job's outcome file).
+
+It exits with the first non-zero exit status of a node's torchrun (node 0's when several), having stopped the
+other nodes' torchruns at once: torchrun tears down its own node's ranks when one of them fails, but the ranks
+of another node would wait in a collective until gloo's or NCCL's timeout. On SIGTERM (Ray's `stop_job`, which
+the worker calls on cancel, pause and hand-over) it stops every node's torchrun before it exits, so a stopped
+Ray job leaves no training process; each torchrun also dies with its actor (Linux's parent-death signal) if the
+actor is killed, and the trainer's ranks die with their torchrun as they do on one host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from fusetune.worker.train.process import die_with_parent
+
+# Seconds between two looks at a node's torchrun, and how long a stopped torchrun has to end its ranks before
+# SIGKILL (the worker passes its terminate_grace_s).
+POLL_S = 0.2
+DEFAULT_TERMINATE_GRACE_S = 5.0
+
+
+@ray.remote
+class NodeLauncher:
+    """Runs one node's torchrun. An async actor: `stop` runs while `run` waits, and every call runs on the
+    actor's one event-loop thread, which lives as long as the actor: the parent-death signal that torchrun
+    asks for fires when the thread that started it ends."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.stopped = False
+
+    async def rendezvous_endpoint(self) -> str:
+        """This node's address and a port free on it, for the static rendezvous's store (node 0's)."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    async def run(self, command: list[str], cwd: str, threads_per_rank: int) -> int:
+        if self.stopped:
+            return -signal.SIGTERM
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs, all of the node's ranks'; each rank gets its share, as
+        # torchrun on one host gives it.
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
+        # A session of its own, so `stop` signals torchrun and nothing of Ray's; the ranks follow torchrun.
+        self.process = subprocess.Popen(
+            command,
+            cwd=cwd if Path(cwd).is_dir() else None,
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        while self.process.poll() is None:
+            await asyncio.sleep(POLL_S)
+        return self.process.returncode
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM to torchrun (which passes it to its ranks), SIGKILL after `grace_s`; returns once it ended."""
+        self.stopped = True
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            waited = 0.0
+            while process.poll() is None and (wait_s is None or waited < wait_s):
+                await asyncio.sleep(POLL_S)
+                waited += POLL_S
+            if process.poll() is not None:
+                return
+
+
+def bundle(unit: str, nproc: int) -> dict[str, float]:
+    # A GPU rank also takes a CPU for its host work; a CPU rank is its CPU.
+    return {"GPU": nproc, "CPU": nproc} if unit == "GPU" else {"CPU": nproc}
+
+
+def torchrun_command(
+    nnodes: int, nproc: int, node_rank: int, endpoint: str, trainer_args: list[str]
+) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+        f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}", *trainer_args,
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusetune.worker.ray_driver", description=__doc__)
+    parser.add_argument("--nnodes", type=int, required=True)
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--unit", choices=("GPU", "CPU"), required=True)
+    parser.add_argument("--cwd", default=".", help="the ranks' working directory where a node has it")
+    parser.add_argument("--terminate-grace-s", type=float, default=DEFAULT_TERMINATE_GRACE_S)
+    parser.add_argument(
+        "trainer_args", nargs=argparse.REMAINDER, help="-- then torchrun's script and arguments"
+    )
+    args = parser.parse_args(argv)
+    trainer_args = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
+
+    ray.init()  # the cluster this Ray job runs on
+    launchers: list = []
+
+    def stop_all() -> None:
+        ray.get([launcher.stop.remote(args.terminate_grace_s) for launcher in launchers])
+
+    def on_sigterm(signum, frame) -> None:
+        stop_all()
+        print("fusetune: stopped every node's torchrun", flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    resources = bundle(args.unit, args.nproc_per_node)
+    group = placement_group([resources] * args.nnodes, strategy="STRICT_SPREAD")
+    print(
+        f"fusetune: waiting for {args.nnodes} node(s) with {args.nproc_per_node} free {args.unit}(s) each",
+        flush=True,
+    )
+    ray.get(group.ready())
+    launchers += [
+        NodeLauncher.options(
+            # The actor holds its bundle, so Ray hands it (and torchrun, and the ranks) that node's GPUs in
+            # CUDA_VISIBLE_DEVICES, as many as the node's ranks.
+            num_cpus=resources["CPU"],
+            num_gpus=resources.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+        ).remote()
+        for index in range(args.nnodes)
+    ]
+    endpoint = ray.get(launchers[0].rendezvous_endpoint.remote())
+    print(
+        f"fusetune: {args.nnodes} node(s) x {args.nproc_per_node} rank(s), rendezvous at {endpoint}",
+        flush=True,
+    )
+    pending = {
+        launcher.run.remote(
+            torchrun_command(args.nnodes, args.nproc_per_node, index, endpoint, trainer_args),
+            args.cwd,
+            max(1, int(resources["CPU"]) // args.nproc_per_node),
+        ): index
+        for index, launcher in enumerate(launchers)
+    }
+    # The first failure is the job's: the nodes stopped after it exit by the signal that stopped them.
+    first_failure = 0
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        node = pending.pop(done[0])
+        code = ray.get(done[0])
+        if code != 0 and first_failure == 0:
+            first_failure = code
+            if pending:
+                print(f"fusetune: node {node}'s torchrun exited with {code}; stopping the others", flush=True)
+                stop_all()
+    # A signal's negative status as a shell reports it, so the job's exit code stays in 0..255.
+    return first_failure if first_failure >= 0 else 128 - first_failure
+
+
+if __name__ == "__main__":
+    sys.exit(main())

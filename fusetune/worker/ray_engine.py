@@ -1,0 +1,163 @@
+"""Training a job on a Ray cluster, when FUSETUNE_RAY_ADDRESS names one.
+
+**What goes to Ray.** Every job, when the setting is set: one path to test and to reason about, and a job that
+fits one node runs there as one torchrun, the same process group as on the worker's host (the cost is Ray's job
+start, seconds, against minutes of training). Unset, nothing here runs and jobs train on the worker's host.
+
+**How.** One torchrun per node on a Ray placement group (one bundle per node, STRICT_SPREAD, each bundle the
+node's GPUs, or CPUs on a cluster without GPUs, for its ranks), started by a small driver
+(fusetune/worker/ray_driver.py), not Ray Train's TorchTrainer. The reasons: it reuses today's trainer
+unchanged, the same `python -m fusetune.worker.train` under torchrun with the same rendezvous, environment,
+exit codes and teardown of a node's ranks when one fails; the worker reads the same outcome files; and it adds
+no Ray Train dependency (`ray[default]`, for the Job Submission API and the dashboard that serves it, is all).
+
+**The worker's side.** The Celery worker stays where it is and hands the job to the cluster through Ray's Job
+Submission API (HTTP to the head's dashboard): `submit` sends the driver as the entrypoint, with the job's
+environment as the runtime environment's variables; `RayJob` answers the calls the worker's watch loop makes of
+a local torchrun (`wait`, `poll`, `returncode`) from the Ray job's status, streams the job's logs into the run's
+train.log (where a local torchrun's output goes, and whose tail a crash reports), and stops it with `stop_job`
+on cancel, pause and hand-over. The outcome is then read as for a local run: exit status 0 and result.json,
+or the trainer's error.json, or a crash, which is retryable through the job's attempts.
+
+**Not yet.** The driver and the trainer read the run's config and files at the worker's paths: the nodes must
+see the worker's data_dir (one host, as in the tests, or a shared disk). Staging a run through the object store
+onto nodes without a shared disk is the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from fusetune import ray_cluster
+from fusetune.config import Settings
+
+log = logging.getLogger(__name__)
+
+# How often the job's status is read while the worker waits on it.
+POLL_S = 1.0
+# How long, after the Ray job ended, its log stream may take to deliver its last lines.
+LOG_DRAIN_S = 30.0
+# Ray's job supervisor gives a stopped job's driver this long after SIGTERM before SIGKILL: the driver's
+# terminate_grace_s for the nodes' torchruns, plus time to reach the actors.
+STOP_MARGIN_S = 10.0
+
+
+def cluster_gpus(settings: Settings) -> int:
+    """What a worker that hands its jobs to the cluster advertises: all the cluster's GPUs (or CPUs)."""
+    return sum(ray_cluster.read_cluster(settings.ray_address).slots_per_node)
+
+
+class RayJob:
+    """A submitted Ray job, seen through the calls the worker makes of a local torchrun process."""
+
+    def __init__(self, client, submission_id: str, plan: ray_cluster.NodePlan, log_path: Path):
+        self.client = client
+        self.submission_id = submission_id
+        self.plan = plan
+        self.log_path = log_path
+        self.returncode: int | None = None
+        self.status_message = ""
+        self._log_thread = threading.Thread(
+            target=self._stream_logs, name=f"logs-{submission_id}", daemon=True
+        )
+        self._log_thread.start()
+
+    def describe(self) -> str:
+        return (
+            f"Submitted to the Ray cluster as Ray job {self.submission_id}: {self.plan.nnodes} node(s) x "
+            f"{self.plan.nproc_per_node} rank(s) ({self.plan.unit})"
+        )
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        from ray.job_submission import JobStatus
+
+        info = self.client.get_job_info(self.submission_id)
+        if not info.status.is_terminal():
+            return None
+        self._log_thread.join(LOG_DRAIN_S)
+        self.status_message = info.message or ""
+        if info.status == JobStatus.SUCCEEDED:
+            returncode = 0
+        elif info.status == JobStatus.STOPPED:
+            returncode = -15  # as a local torchrun stopped with SIGTERM
+        else:
+            # No exit code: the driver never ran (a runtime environment that failed, a node lost under it).
+            returncode = info.driver_exit_code if info.driver_exit_code not in (None, 0) else 1
+        if info.status != JobStatus.SUCCEEDED and self.status_message:
+            with open(self.log_path, "a", errors="replace") as log_file:
+                log_file.write(f"Ray job {self.submission_id} {info.status.value}: {self.status_message}\n")
+        self.returncode = returncode
+        return returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.submission_id, timeout)
+            time.sleep(POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - time.monotonic())))
+        return self.returncode
+
+    def stop(self) -> None:
+        """Ray's stop_job: SIGTERM to the driver, which stops every node's torchrun before it exits. Returns
+        once the Ray job has ended."""
+        if self.poll() is not None:
+            return
+        self.client.stop_job(self.submission_id)
+        self.wait()
+
+    def _stream_logs(self) -> None:
+        async def stream() -> None:
+            with open(self.log_path, "a", errors="replace") as log_file:
+                async for chunk in self.client.tail_job_logs(self.submission_id):
+                    log_file.write(chunk)
+                    log_file.flush()
+
+        try:
+            asyncio.run(stream())
+        except Exception:  # the job goes on; its log is what is lost
+            log.warning("Ray job %s: its log stream broke", self.submission_id, exc_info=True)
+
+
+def submit(
+    settings: Settings,
+    job_id: str,
+    attempt: int,
+    n_ranks: int,
+    trainer_args: list[str],
+    job_env: dict[str, str],
+    run_dir: Path,
+    log_path: Path,
+) -> RayJob:
+    """Submits one attempt of the job to the cluster: ray_driver as the entrypoint, the job's environment as
+    its runtime environment's variables. Raises ClusterTooSmall when the cluster cannot hold it now."""
+    from ray.job_submission import JobSubmissionClient
+
+    plan = ray_cluster.plan_nodes(n_ranks, ray_cluster.read_cluster(settings.ray_address))
+    client = JobSubmissionClient(settings.ray_address)
+    entrypoint = [
+        settings.ray_python, "-m", "fusetune.worker.ray_driver", f"--nnodes={plan.nnodes}",
+        f"--nproc-per-node={plan.nproc_per_node}", f"--unit={plan.unit}", f"--cwd={run_dir}",
+        f"--terminate-grace-s={settings.terminate_grace_s}", "--", *trainer_args,
+    ]  # fmt: skip
+    env_vars = {
+        **job_env,
+        "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.terminate_grace_s + STOP_MARGIN_S)),
+        # Every rank's lines in the log as they were printed: Ray would fold lines that repeat across processes.
+        "RAY_DEDUP_LOGS": "0",
+    }
+    # One submission id per attempt: a retry is a new Ray job, and a redelivered message cannot submit twice.
+    submission_id = client.submit_job(
+        entrypoint=shlex.join(entrypoint),
+        submission_id=f"fusetune-{job_id}-{attempt}",
+        runtime_env={"env_vars": env_vars},
+        metadata={"fusetune_job": job_id, "attempt": str(attempt)},
+    )
+    return RayJob(client, submission_id, plan, log_path)

@@ -1,0 +1,251 @@
+"""Jobs on a Ray cluster (FUSETUNE_RAY_ADDRESS): a real two-node cluster on localhost (`ray.cluster_utils`,
+two CPUs a node, so a 4-rank job is 2 nodes x 2 gloo ranks), the job created through the API and run by the
+worker's JobRunner, which submits it through Ray's Job Submission API.
+
+- The job trains, and its per-step loss, gradient norm and learning rate equal those of a single-host
+  `torchrun --standalone --nproc_per_node 4` run of the same config bit for bit: the arithmetic is the same.
+  The static rendezvous gives node i's ranks the global ranks 2i, 2i+1, so each rank reads the same examples;
+  each rank runs with one thread (OMP_NUM_THREADS=1 in both), so its matmuls sum in the same order; gloo's
+  all-reduce depends on the world size and the tensor, not on which host a rank sits on (all on loopback here).
+- Cancel stops the Ray job, and no process of the job (either node's torchrun, any rank) is left.
+- A job asking for more than the cluster has is refused at creation, naming what the cluster has.
+
+The layout rule (`plan_nodes`) is checked without a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fusetune import ray_cluster
+from fusetune.api.app import create_app
+from fusetune.config import Settings
+from fusetune.db.migrate import upgrade
+from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
+from fusetune.worker.tasks import CONFIG_FILE, JobRunner
+from fusetune.worker.train.config import TrainConfig
+from fusetune.worker.train.reporter import parse_console_records
+
+MODEL = "tiny-llama"
+NODE_CPUS = 2
+BATCH_SIZE = 16
+# 4 steps of 16 sequences: the fewest that show a curve (warm-up, then decay) on the 2-core CI machine.
+TRAIN_LINES = 64
+TIMEOUT_S = 300
+
+
+def test_plan_nodes_puts_a_job_on_the_fewest_nodes_with_as_many_ranks_on_each():
+    shape = ray_cluster.ClusterShape("GPU", (8, 8, 0))
+    assert ray_cluster.plan_nodes(8, shape) == ray_cluster.NodePlan(1, 8, "GPU")
+    assert ray_cluster.plan_nodes(12, shape) == ray_cluster.NodePlan(2, 6, "GPU")
+    assert ray_cluster.plan_nodes(16, shape) == ray_cluster.NodePlan(2, 8, "GPU")
+    with pytest.raises(
+        ray_cluster.ClusterTooSmall, match=r"n_gpus 24 exceeds the cluster's 16 GPUs on 2 nodes"
+    ):
+        ray_cluster.plan_nodes(24, shape)
+    with pytest.raises(ray_cluster.ClusterTooSmall, match="cannot be split evenly"):
+        ray_cluster.plan_nodes(9, shape)
+    # A cluster without GPUs: a rank is a CPU.
+    cpus = ray_cluster.shape_from_resources([{"CPU": 2.0, "memory": 1e9}, {"CPU": 2.0}])
+    assert cpus == ray_cluster.ClusterShape("CPU", (2, 2))
+    assert ray_cluster.plan_nodes(4, cpus) == ray_cluster.NodePlan(2, 2, "CPU")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_until(predicate, what: str, timeout_s: float = TIMEOUT_S, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(what)
+
+
+def _job_processes(marker: str) -> dict[int, str]:
+    """pid -> command line of every training process whose command line names `marker`: each node's torchrun
+    and its ranks (the driver, whose command line names it too, is not one)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in command and "fusetune.worker.ray_driver" not in command:
+                found[int(entry.name)] = command
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster_address():
+    """A head node and a second node, two CPUs each; shut down (its own processes, by pid) even on failure."""
+    from ray.cluster_utils import Cluster
+
+    small = {"num_cpus": NODE_CPUS, "object_store_memory": 80 * 1024 * 1024}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**small, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+                        "dashboard_port": _free_port()},
+    )  # fmt: skip
+    try:
+        cluster.add_node(**small)
+        cluster.wait_for_nodes()
+        address = f"http://{cluster.head_node.address_info['webui_url']}"
+
+        def both_nodes_seen():
+            try:
+                return len(ray_cluster.read_cluster(address).slots_per_node) == 2
+            except Exception:  # the dashboard is still starting
+                return False
+
+        _wait_until(both_nodes_seen, "the dashboard never listed both nodes", interval_s=1)
+        yield address
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def service(cluster_address, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-service")
+    settings = Settings(
+        data_dir=root / "data", ray_address=cluster_address, ray_python=sys.executable,
+        embedded_worker=False, checkpoint_every_epoch=False,
+    )  # fmt: skip
+    settings.ensure_dirs()
+    upgrade(settings.database_url)
+    build_tiny_model(settings.models_dir / MODEL)
+    train = root / "train.jsonl"
+    train.write_text("".join(TRAIN_FILE.read_text().splitlines(keepends=True)[:TRAIN_LINES]))
+    with TestClient(
+        create_app(settings), headers={"Authorization": f"Bearer {settings.dev_api_key}"}
+    ) as client:
+        file_id = client.post(
+            "/v1/files", files={"file": ("train.jsonl", train.read_bytes())}, data={"purpose": "fine-tune"}
+        ).json()["id"]
+        yield settings, client, file_id
+
+
+def _create_job(client, file_id: str, n_gpus: int, n_epochs: int = 1, batch_size: int = BATCH_SIZE):
+    return client.post("/v1/fine_tuning/jobs", json={
+        "model": MODEL, "training_file": file_id, "seed": 0,
+        "hyperparameters": {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate": 3e-3, "n_gpus": n_gpus},
+    })  # fmt: skip
+
+
+def _messages(client, job_id: str) -> list[str]:
+    events = client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 1000}).json()["data"]
+    return [event["message"] for event in reversed(events)]
+
+
+def _ray_job_status(address: str, job_id: str, attempt: int = 1) -> str:
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address).get_job_status(f"fusetune-{job_id}-{attempt}").value
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_two_nodes_train_on_the_single_host_curve(service, tmp_path):
+    settings, client, file_id = service
+    response = _create_job(client, file_id, n_gpus=4)
+    assert response.status_code == 200, response.text
+    job_id = response.json()["id"]
+    runner = JobRunner(settings, requeue=lambda job_id: None)
+    assert runner.gpus == 2 * NODE_CPUS  # the worker advertises the cluster's capacity
+    status = runner.run(job_id)
+    log_text = (settings.runs_dir / job_id / "train.log").read_text(errors="replace")
+    assert status == "succeeded", "\n".join(_messages(client, job_id)) + "\n" + log_text[-4000:]
+    assert _ray_job_status(settings.ray_address, job_id) == "SUCCEEDED"
+    assert any("2 node(s) x 2 rank(s) (CPU)" in message for message in _messages(client, job_id))
+    # The Ray job's log reached the run's train.log: both nodes' torchrun, and the driver.
+    assert "--node-rank=0" in log_text or "rendezvous at" in log_text
+    metrics = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+    assert [point["step"] for point in metrics] == list(range(1, TRAIN_LINES // BATCH_SIZE + 1))
+
+    # The same config on one host, four processes, reporting to the console.
+    config = TrainConfig.read(settings.runs_dir / job_id / CONFIG_FILE)
+    reference = config.model_copy(
+        update={"database_url": None, "job_id": None, "output_dir": str(tmp_path / "ref")}
+    )
+    reference_path = reference.write(tmp_path / "ref.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+         "-m", "fusetune.worker.train", "--config", str(reference_path)],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    records = parse_console_records(completed.stdout)
+    started = next(r for r in records if r["data"].get("event") == "started")
+    assert started["data"]["world_size"] == 4
+    expected = [r for r in records if r["kind"] == "metric"]
+    assert [r["step"] for r in expected] == [point["step"] for point in metrics]
+    for key in ("train_loss", "grad_norm", "learning_rate"):
+        assert [point["values"][key] for point in metrics] == [r["values"][key] for r in expected], key
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_cancel_stops_the_ray_job_and_leaves_no_process_on_either_node(service):
+    settings, client, file_id = service
+    # Long enough (16 steps) that the cancel, sent after the first step, lands mid-run.
+    response = _create_job(client, file_id, n_gpus=4, n_epochs=4)
+    assert response.status_code == 200, response.text
+    job_id = response.json()["id"]
+    runner = JobRunner(settings, requeue=lambda job_id: None)
+    outcome: list[str] = []
+    worker = threading.Thread(target=lambda: outcome.append(runner.run(job_id)))
+    worker.start()
+    try:
+        _wait_until(
+            lambda: client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"],
+            "the job never reported a step",
+        )
+        marker = str(settings.runs_dir / job_id / CONFIG_FILE)
+        processes = _job_processes(marker)
+        torchruns = [command for command in processes.values() if "torch.distributed.run" in command]
+        assert sorted("--node-rank=0" in command for command in torchruns) == [False, True], processes
+        assert len(processes) == 2 + 4, processes  # each node's torchrun and its two ranks
+        assert client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel").status_code == 200
+        worker.join(TIMEOUT_S)
+        assert not worker.is_alive()
+    finally:
+        if worker.is_alive():
+            client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+            worker.join(TIMEOUT_S)
+    assert outcome == ["cancelled"]
+    assert _ray_job_status(settings.ray_address, job_id) == "STOPPED"
+    # The Ray job is STOPPED only once its driver has exited, and the driver exits only once every node's
+    # torchrun has ended its ranks and itself.
+    left = {pid: command for pid, command in _job_processes(marker).items() if pid in processes}
+    assert left == {}
+    steps = len(client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"])
+    assert steps < 4 * TRAIN_LINES // BATCH_SIZE
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_job_larger_than_the_cluster_is_refused_naming_what_it_has(service):
+    _, client, file_id = service
+    response = _create_job(client, file_id, n_gpus=8)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "hyperparameters.n_gpus"
+    assert error["message"] == "n_gpus 8 exceeds the cluster's 4 CPUs on 2 nodes (2, 2 per node)."
+    # Three ranks fit in the cluster's four CPUs, but not with the same number on each node.
+    response = _create_job(client, file_id, n_gpus=3, batch_size=12)
+    assert response.status_code == 400 and "cannot be split evenly" in response.json()["error"]["message"]
