@@ -7,7 +7,9 @@ anywhere else (the pages work without internet access, and injected markup could
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -61,6 +63,8 @@ def dashboard_redirect(request: Request) -> RedirectResponse:
 # LICENSE), not from a CDN: self-hosted and air-gapped servers are the usual case, and /docs was a blank page there.
 SWAGGER_UI = f"{UI_PATH}/vendor/swagger-ui"
 REDOC = f"{UI_PATH}/vendor/redoc"
+# Both docs pages show swagger-ui's icon.
+FAVICON = f"{SWAGGER_UI}/favicon-32x32.png"
 # The pages' own inline start-up script and the libraries' inline styles; ReDoc parses in a worker it makes from a
 # blob. Nothing from another host: ReDoc's bundle would fetch its maker's logo from a CDN.
 DOCS_CONTENT_SECURITY_POLICY = (
@@ -70,42 +74,38 @@ DOCS_CONTENT_SECURITY_POLICY = (
 )
 
 
-def _docs_page_arguments(request: Request) -> dict[str, str]:
-    """What both docs pages are given alike: the OpenAPI document's URL under the proxy's root path, a title."""
+def _docs_page(
+    request: Request, render: Callable[..., HTMLResponse], assets: dict[str, str], **options: Any
+) -> HTMLResponse:
+    """A docs page as `render` builds it: the OpenAPI document and each of `assets` (argument name -> path)
+    under the proxy's root path, the API's title, the page's own `options`; served under the docs' CSP."""
     root = request.scope.get("root_path", "")
-    return {"openapi_url": f"{root}{request.app.openapi_url}", "title": f"{request.app.title} API"}
-
-
-def _docs_page(page: HTMLResponse) -> HTMLResponse:
+    page = render(
+        openapi_url=f"{root}{request.app.openapi_url}",
+        title=f"{request.app.title} API",
+        **{argument: f"{root}{path}" for argument, path in assets.items()},
+        **options,
+    )
     page.headers["Content-Security-Policy"] = DOCS_CONTENT_SECURITY_POLICY
     return page
 
 
 @router.get("/docs")
 def swagger_ui(request: Request) -> HTMLResponse:
-    root = request.scope.get("root_path", "")
-    page = get_swagger_ui_html(
-        **_docs_page_arguments(request),
-        swagger_js_url=f"{root}{SWAGGER_UI}/swagger-ui-bundle.js",
-        swagger_css_url=f"{root}{SWAGGER_UI}/swagger-ui.css",
-        swagger_favicon_url=f"{root}{SWAGGER_UI}/favicon-32x32.png",
-        oauth2_redirect_url=None,
-        # No badge that asks the public validator about the spec.
-        swagger_ui_parameters={"validatorUrl": None},
-    )
-    return _docs_page(page)
+    assets = {
+        "swagger_js_url": f"{SWAGGER_UI}/swagger-ui-bundle.js",
+        "swagger_css_url": f"{SWAGGER_UI}/swagger-ui.css",
+        "swagger_favicon_url": FAVICON,
+    }
+    # No badge that asks the public validator about the spec.
+    options = {"oauth2_redirect_url": None, "swagger_ui_parameters": {"validatorUrl": None}}
+    return _docs_page(request, get_swagger_ui_html, assets, **options)
 
 
 @router.get("/redoc")
 def redoc(request: Request) -> HTMLResponse:
-    root = request.scope.get("root_path", "")
-    page = get_redoc_html(
-        **_docs_page_arguments(request),
-        redoc_js_url=f"{root}{REDOC}/redoc.standalone.js",
-        redoc_favicon_url=f"{root}{SWAGGER_UI}/favicon-32x32.png",
-        with_google_fonts=False,
-    )
-    return _docs_page(page)
+    assets = {"redoc_js_url": f"{REDOC}/redoc.standalone.js", "redoc_favicon_url": FAVICON}
+    return _docs_page(request, get_redoc_html, assets, with_google_fonts=False)
 
 
 def install_dashboard(app: FastAPI) -> None:
