@@ -315,6 +315,10 @@ def test_the_recorder_finds_what_the_spec_rejects(client, recorded):
     paused_job = openai_conformance.Recorded("POST", "/v1/fine_tuning/jobs/j/pause",
                                              "/fine_tuning/jobs/{fine_tuning_job_id}/pause", 200, paused)  # fmt: skip
     assert not any("paused" in line for line in openai_conformance.problems(paused_job))
+    # A success answered with another status than the operation declares (creating an eval: 201).
+    created = openai_conformance.Recorded("POST", "/v1/evals", "/evals", 200, {})
+    assert openai_conformance.problems(created) == ["POST /v1/evals -> 200: the spec declares 201 for this "
+                                                    "operation's success"]  # fmt: skip
 
 
 def test_files_page_with_limit_after_order_and_purpose(client, recorded):
