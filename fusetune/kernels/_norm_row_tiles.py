@@ -161,6 +161,7 @@ def launch_row_tile_backward(
     return summed_partials(dw_partial, db_partial)
 
 
+# launch_row_tile_backward's arguments on [..., n] tensors on purpose: it hands them on to either launcher.
 def launch_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -78,6 +78,7 @@ def _row_terms_kernel(
         tl.store(terms_ptr + n_rows + row, tl.sum(sum_g, axis=0) / n_cols)
 
 
+# _row_terms_kernel's leading arguments on purpose: the second pass reads the same rows and the terms it wrote.
 @triton.jit
 def _columns_kernel(
     dy_ptr,
