@@ -345,29 +345,46 @@ class Engine:
             if sequence.request.cancelled.is_set():
                 self._release(sequence)
         self._running = [s for s in self._running if s.row is not None]
-        by_model: dict[str, list[Sequence]] = {}
-        for sequence in self._running:
-            by_model.setdefault(sequence.request.loaded.key, []).append(sequence)
-        for sequences in by_model.values():
-            self._decode(sequences)
+        models = {s.request.loaded.key: s.request.loaded for s in self._running}
+        for loaded in models.values():
+            self._decode(loaded)
         self._running = [s for s in self._running if s.finish_reason is None]
 
-    def _decode(self, sequences: list[Sequence]) -> None:
-        loaded = sequences[0].request.loaded
+    def _decode(self, loaded: LoadedModel) -> None:
+        """Take the tokens of the model's step in flight (launching one first if none is), after launching the next.
+
+        The next step goes to the device before this one's tokens are taken (detokenized, streamed, checked for an
+        end of turn or a stop string): it needs only the tokens, already on the device, so the host's work per
+        token runs while the device computes. A sequence that ends at this step had a row in the next one too: that
+        row's token is dropped (it is not the owner's any more), and its key and value went into a slot that is
+        free now and is cleared when reused. A request admitted meanwhile (prefilled between two reads) joins the
+        step after: its slot's writes are queued behind the step in flight, which computed the free row in vain.
+        """
         slots = loaded.slots
+        if slots.in_flight is None:
+            slots.in_flight = self._launch(slots)
+        tokens, owners = slots.in_flight
+        chosen = tokens.tolist()  # one read back per step, for all rows; waits for that step
+        slots.in_flight = self._launch(slots)
+        live = [(row, s) for row, s in owners if s.row == row and s.finish_reason is None]
+        if self.on_step is not None:
+            self.on_step(loaded.key, len(live), time.perf_counter())
+        for row, sequence in live:
+            self._take(sequence, chosen[row])
+        loaded.last_used = time.monotonic()
+
+    def _launch(self, slots: SlotBatch) -> tuple[torch.Tensor, list[tuple[int, Sequence]]]:
+        """Queue one decoding step of every slot and its sampling; the tokens (on the device, also written as the
+        next step's input) and the rows' owners at launch."""
+        owners = [(row, owner) for row, owner in enumerate(slots.owners) if owner is not None]
         with torch.no_grad():
             logits = slots.step()
             tokens = logits.argmax(-1)  # the greedy rows' (and the free rows', unused)
-            for sequence in sequences:
+            for row, sequence in owners:
                 if self._temperature(sequence) != 0:
-                    tokens[sequence.row] = self._draw(sequence, logits[sequence.row])
+                    tokens[row] = self._draw(sequence, logits[row])
             slots.input_ids[:, 0].copy_(tokens)
-        chosen = tokens.tolist()  # one read back per step, for all rows
-        if self.on_step is not None:
-            self.on_step(loaded.key, len(sequences), time.perf_counter())
-        for sequence in sequences:
-            self._take(sequence, chosen[sequence.row])
-        loaded.last_used = time.monotonic()
+        return tokens, owners
 
     @staticmethod
     def _temperature(sequence: Sequence) -> float:

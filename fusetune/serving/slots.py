@@ -71,6 +71,8 @@ class SlotBatch:
         self.owners: list[Any | None] = [None] * slots
         self.write_column = 0  # the next step's column, on the host
         self.cache: SlotCache | None = None  # allocated at the first prefill, from its keys' shapes and dtype
+        # The step queued on the device whose tokens the engine has not read yet: (tokens, [(row, owner)] at launch).
+        self.in_flight: tuple[torch.Tensor, list[tuple[int, Any]]] | None = None
         self.input_ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)
         self.position_ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)
         self.mask = torch.zeros((slots, 1, 1, columns), dtype=torch.bool, device=self.device)

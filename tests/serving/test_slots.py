@@ -142,7 +142,10 @@ def test_greedy_completions_through_the_slots_equal_generate(model_dir, monkeypa
     # the cache's columns (what the GPU kernel reads).
     layers = TINY_MODEL_SHAPE["num_hidden_layers"]
     heads, dim = TINY_MODEL_SHAPE["num_attention_heads"], TINY_MODEL_SHAPE["hidden_size"] // 4
-    assert len(decode_calls) == len(steps) * layers
+    # A step is launched before the previous one's tokens are taken, so launches outnumber reads by the times the
+    # last running sequence ended (at most once per request).
+    assert len(decode_calls) % layers == 0
+    assert len(steps) <= len(decode_calls) // layers <= len(steps) + len(PROMPTS)
     assert set(decode_calls) == {((SLOTS, heads, 1, dim), (SLOTS, 1, 1, COLUMNS), torch.bool)}
 
 
