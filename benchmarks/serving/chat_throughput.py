@@ -8,7 +8,9 @@ arrived and when it ended; the engine reports each decoding step (Engine.on_step
 
     total_tokens_per_s        all new tokens / (last request finished - first request sent)
     ttft_p50_ms, ttft_p95_ms  time to first token: request sent -> first chunk with content
-    all_busy_tokens_per_s     decode tokens/s over the steps that ran every slot busy (the steady state)
+    all_busy_tokens_per_s     decode tokens/s over consecutive steps that ran every slot busy (the steady state;
+                              if the first request ends before the last arrives, no step does, and this is over
+                              the steps at the most busy slots seen, peak_busy_slots)
     after_arrivals_tokens_per_s   new tokens decoded after the last request was sent / the time from then to the end
     arrival_bound_tokens_per_s    what the arrivals allow at best: the last request is sent at --arrival-s and needs
                               --new-tokens steps after its prefill, so the run lasts at least arrival-s + new-tokens
@@ -237,12 +239,16 @@ def measure_serving(args: argparse.Namespace, model: Any, tokenizer: _Tokenizer)
     last_end = max(r["end"] for r in records)
     new_tokens = sum(r["completion_tokens"] for r in records)
     ttft_ms = [1e3 * (r["first"] - r["sent"]) for r in records]
-    busy_steps = [at for busy, at in steps if busy == args.requests]
-    all_busy = None
-    step_ms = None
-    if len(busy_steps) > 1:
-        step_ms = 1e3 * (busy_steps[-1] - busy_steps[0]) / (len(busy_steps) - 1)
-        all_busy = round(args.requests * 1e3 / step_ms)
+    peak = max(busy for busy, _ in steps)
+    # The time from one step's tokens to the next's, where both ran the peak's rows: a prefill between two steps
+    # (a request joining) is not in it.
+    gaps = [
+        at - before_at
+        for (before, before_at), (busy, at) in zip(steps, steps[1:], strict=False)
+        if before == busy == peak
+    ]
+    step_ms = 1e3 * statistics.mean(gaps) if gaps else None
+    all_busy = round(peak * 1e3 / step_ms) if step_ms else None
     after = sum(busy for busy, at in steps if at > last_sent)
     row: dict[str, Any] = {
         "requests": args.requests, "new_tokens": args.new_tokens, "arrival_s": args.arrival_s,
@@ -253,7 +259,8 @@ def measure_serving(args: argparse.Namespace, model: Any, tokenizer: _Tokenizer)
         "ttft_p95_ms": round(_percentile(ttft_ms, 0.95), 1),
         "ttft_max_ms": round(max(ttft_ms), 1),
         "decode_steps": len(steps),
-        "all_busy_steps": len(busy_steps),
+        "peak_busy_slots": peak,
+        "all_busy_steps": len(gaps),
         "all_busy_step_ms": round(step_ms, 2) if step_ms else None,
         "all_busy_tokens_per_s": all_busy,
         "after_arrivals_s": round(last_end - last_sent, 3),
