@@ -12,7 +12,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["interpreted", "round_to_dtype", "round_to_float8"]
+__all__ = ["interpreted", "round_to_dtype", "round_to_float8", "store_rounded"]
 
 
 def interpreted() -> bool:
@@ -38,6 +38,12 @@ def round_to_dtype(value, dtype: tl.constexpr, SOFTWARE_BF16_ROUNDING: tl.conste
     else:
         converted = value.to(dtype)
     return converted
+
+
+@triton.jit
+def store_rounded(pointers, value, mask, SOFTWARE_BF16_ROUNDING: tl.constexpr):
+    """Stores float32 `value` at `pointers` in their element type, converted by round_to_dtype."""
+    tl.store(pointers, round_to_dtype(value, pointers.dtype.element_ty, SOFTWARE_BF16_ROUNDING), mask=mask)
 
 
 @triton.jit

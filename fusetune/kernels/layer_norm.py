@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import round_to_dtype
+from fusetune.kernels._interpreter import store_rounded
 from fusetune.kernels._norm_row_tiles import launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
@@ -53,11 +53,7 @@ def _scale_shift_and_store(
     if HAS_BIAS:
         b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last")
         y = y + b.to(tl.float32)[None, :]
-    tl.store(
-        y_rows + cols[None, :],
-        round_to_dtype(y, y_rows.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-        mask=mask,
-    )
+    store_rounded(y_rows + cols[None, :], y, mask, SOFTWARE_BF16_ROUNDING)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import round_to_dtype
+from fusetune.kernels._interpreter import round_to_dtype, store_rounded
 from fusetune.kernels._norm_row_tiles import _effective_weight, launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
@@ -92,11 +92,7 @@ def _weigh_and_store(
         )
     else:
         y = xhat
-    tl.store(
-        y_rows + cols[None, :],
-        round_to_dtype(y, y_rows.dtype.element_ty, SOFTWARE_BF16_ROUNDING),
-        mask=mask,
-    )
+    store_rounded(y_rows + cols[None, :], y, mask, SOFTWARE_BF16_ROUNDING)
 
 
 @triton.jit
