@@ -9,15 +9,24 @@ False and the helper is a plain ``.to(dtype)``: the branch is resolved at compil
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["interpreted", "round_to_dtype", "round_to_float8", "store_rounded"]
+__all__ = ["interpreted", "launchable", "round_to_dtype", "round_to_float8", "store_rounded"]
 
 
 def interpreted() -> bool:
     """True when Triton runs the kernels in its CPU interpreter rather than compiling them for a GPU."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launchable(kernel, traced: bool):
+    """`kernel` ready to launch from a torch.library op (`traced`: through wrap_triton, so that torch.compile
+    traces the launch) or from eager code (as is). Under the interpreter nothing is compiled (torch.compile of a
+    triton_op fails there), and torch 2.11 with Triton 3.6 (the GPU image's) refuses to wrap an interpreted
+    kernel ("wrap_triton only works on functions annotated with triton.jit"), so it is launched as is."""
+    return torch.library.wrap_triton(kernel) if traced and not interpreted() else kernel
 
 
 @triton.jit

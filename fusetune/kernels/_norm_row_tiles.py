@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._interpreter import interpreted, launchable, round_to_dtype
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
@@ -143,7 +143,7 @@ def launch_row_tile_backward(
     n_row_tiles = -(-n_rows // settings.rows_per_tile)
     num_programs = persistent_grid_size(n_row_tiles, settings, device)
     dw_partial, db_partial = partial_sum_buffers(num_programs, n_cols, weight is not None, has_bias, device)
-    kernel = torch.library.wrap_triton(_row_tiles_backward_kernel) if traced else _row_tiles_backward_kernel
+    kernel = launchable(_row_tiles_backward_kernel, traced)
     placeholder = rstd  # for pointers a configuration does not use
     d_residual = d_residual_rows if d_residual_rows is not None else dy_rows
     kernel[(num_programs,)](

@@ -20,11 +20,13 @@ pass over rows far wider than the L2's share of a program read HBM again anyway,
 too many for registers, were read and written in global memory once per row tile.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import interpreted
+from fusetune.kernels._interpreter import interpreted, launchable
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     load_normalized_tile,
@@ -175,7 +177,7 @@ def launch_wide_row_backward(
     )
     dw_partial, db_partial = partial_sum_buffers(groups, n_cols, w_eff is not None, has_bias, device)
     terms = torch.empty((2 if centered else 1, n_rows), dtype=torch.float32, device=device)
-    wrap = torch.library.wrap_triton if traced else (lambda kernel: kernel)
+    wrap = functools.partial(launchable, traced=traced)
     placeholder = rstd  # for pointers a configuration does not use
     wrap(_row_terms_kernel)[(n_rows,)](
         dy_rows, dy_rows.stride(0), x_rows, x_rows.stride(0),

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._interpreter import interpreted, launchable, round_to_dtype
 
 __all__ = ["grouped_decode_attention", "grouped_decode_attention_reference", "grouped_decode_kernel_applies"]
 
@@ -144,7 +144,7 @@ def _launch(query, key, value, mask, scale: float, traced: bool = False) -> torc
     else:
         mask_arg, mask_row_stride, mask_col_stride = query, 0, 0  # unused by the kernel
     block_d = max(_MIN_DOT_SIZE, triton.next_power_of_2(dim))  # head dims under 16 padded with zeros
-    kernel = torch.library.wrap_triton(_grouped_decode_kernel) if traced else _grouped_decode_kernel
+    kernel = launchable(_grouped_decode_kernel, traced)
     kernel[(batch, kv_heads)](
         query, key, value, mask_arg, out,
         query.stride(0), query.stride(1), query.stride(3),

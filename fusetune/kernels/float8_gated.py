@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype, round_to_float8
+from fusetune.kernels._interpreter import interpreted, launchable, round_to_dtype, round_to_float8
 from fusetune.kernels.swiglu import _ACTIVATION_CODES, _activation_and_slope
 
 __all__ = ["gated_float8_backward", "gated_float8_gradient_maxima"]
@@ -159,9 +159,7 @@ def _launch_maxima(grad, gate, up, activation: str, traced: bool, tile: Tile = M
     grid = _grid(rows, cols, tile)
     # Each program writes its own row, so nothing is filled first.
     partial = torch.empty(grid[0] * grid[1], 2, dtype=torch.float32, device=gate.device)
-    kernel = (
-        torch.library.wrap_triton(_gated_gradient_maxima_kernel) if traced else _gated_gradient_maxima_kernel
-    )
+    kernel = launchable(_gated_gradient_maxima_kernel, traced)
     kernel[grid](
         grad, gate, up, partial, rows, cols, ACTIVATION=_ACTIVATION_CODES[activation],
         BLOCK_ROWS=tile.rows, BLOCK_COLS=tile.cols, SOFTWARE_ROUNDING=interpreted(), num_warps=tile.warps,
@@ -177,9 +175,7 @@ def _launch_backward(
     hidden_t = torch.empty(cols, rows, dtype=hidden_dtype, device=gate.device)
     d_gate, d_up = (torch.empty(rows, cols, dtype=grad_dtype, device=gate.device) for _ in range(2))
     d_gate_t, d_up_t = (torch.empty(cols, rows, dtype=grad_dtype, device=gate.device) for _ in range(2))
-    kernel = (
-        torch.library.wrap_triton(_gated_float8_backward_kernel) if traced else _gated_float8_backward_kernel
-    )
+    kernel = launchable(_gated_float8_backward_kernel, traced)
     if gate.numel():
         kernel[_grid(rows, cols, tile)](
             grad, gate, up, scales, hidden_t, d_gate, d_gate_t, d_up, d_up_t, rows, cols,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import store_rounded
+from fusetune.kernels._interpreter import launchable, store_rounded
 from fusetune.kernels._norm_row_tiles import launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
@@ -160,7 +160,7 @@ def _launch_forward(
     rstd = x.new_empty(n_rows, dtype=torch.float32)
     if n_rows == 0:
         return y, mean, rstd
-    kernel = torch.library.wrap_triton(_layer_norm_fwd_kernel) if traced else _layer_norm_fwd_kernel
+    kernel = launchable(_layer_norm_fwd_kernel, traced)
     kernel[settings.forward_grid(n_rows)](
         x_rows,
         x_rows.stride(0),

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import round_to_dtype, store_rounded
+from fusetune.kernels._interpreter import launchable, round_to_dtype, store_rounded
 from fusetune.kernels._norm_row_tiles import _effective_weight, launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
@@ -226,7 +226,7 @@ def _launch_forward(
         new_residual = None
     if n_rows == 0:
         return y, new_residual, rstd
-    kernel = torch.library.wrap_triton(_rms_norm_fwd_kernel) if traced else _rms_norm_fwd_kernel
+    kernel = launchable(_rms_norm_fwd_kernel, traced)
     kernel[settings.forward_grid(n_rows)](
         x_rows,
         x_rows.stride(0),
