@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from fusetune.serving.errors import ServingError
-from fusetune.serving.slots import SlotBatch
+from fusetune.serving.slots import CUDA_STEP_COMPILE, SlotBatch
 from fusetune.spec.chat import ChatCompletionCreate
 from fusetune.worker.train.loading import load_model, load_tokenizer
 from fusetune.worker.train.outcome import TrainingFailure
@@ -136,12 +136,21 @@ class Engine:
     """Runs chat completions in one scheduler thread on the models it loaded, each known by a key (its location)."""
 
     def __init__(
-        self, idle_s: float, max_batch: int, device: torch.device | None = None, max_len: int = 4096
+        self,
+        idle_s: float,
+        max_batch: int,
+        device: torch.device | None = None,
+        max_len: int = 4096,
+        step_compile: dict[str, Any] | None | str = "auto",
     ):
         self.idle_s = idle_s
+        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.max_batch = max_batch  # each model's slots
         self.max_len = max_len  # each slot's cache columns (at most the model's context)
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # torch.compile's options for the decoding step, None for eager; "auto": CUDA graphs on a GPU, eager on CPU.
+        if step_compile == "auto":
+            step_compile = CUDA_STEP_COMPILE if self.device.type == "cuda" else None
+        self.step_compile = step_compile
         self._models: dict[str, LoadedModel] = {}
         self._load_locks: dict[str, threading.Lock] = {}
         self._waiting: list[Request] = []
@@ -258,7 +267,7 @@ class Engine:
             if generation_eos is not None:
                 eos |= set(generation_eos if isinstance(generation_eos, list) else [generation_eos])
             context = min(int(getattr(model.config, "max_position_embeddings", None) or 2048), self.max_len)
-            slots = SlotBatch(model, self.max_batch, context, compile_step=self.device.type == "cuda")
+            slots = SlotBatch(model, self.max_batch, context, self.step_compile)
             loaded = LoadedModel(key, model, tokenizer, eos, context, slots)
             with self._lock:
                 if self._paused:  # a training job started while this loaded

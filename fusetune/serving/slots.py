@@ -60,11 +60,19 @@ class SlotCache(Cache):
         self.column = column
 
 
+# How a GPU compiles the decoding step. CUDA graphs ("reduce-overhead"): a decoding step of a 1B model is hundreds
+# of small kernels whose launch time exceeds their run time at a few dozen rows; one graph replay launches them all.
+# The step's shape never changes and every input lives at a fixed address, which is what the graphs need. Not
+# fullgraph: a graph break costs a split graph, not the requests (tests/serving/test_slots.py checks on CPU that
+# the step traces as one graph and never recompiles).
+CUDA_STEP_COMPILE: dict[str, Any] = {"mode": "reduce-overhead", "dynamic": False}
+
+
 class SlotBatch:
     """The slots of one loaded model: the cache, the step's inputs (kept at fixed addresses and updated in place,
     so a compiled step reads them without a copy) and which sequence owns which row."""
 
-    def __init__(self, model: Any, slots: int, columns: int, compile_step: bool):
+    def __init__(self, model: Any, slots: int, columns: int, compile_options: dict[str, Any] | None):
         self.model = model
         self.slots, self.columns = slots, columns
         self.device = next(model.parameters()).device
@@ -81,12 +89,9 @@ class SlotBatch:
         for tensor in (self.input_ids, self.position_ids, self.mask, self.column):
             torch._dynamo.mark_static_address(tensor)
         self._step = self._forward
-        if compile_step:
-            # CUDA graphs ("reduce-overhead"): a decoding step of a 1B model is hundreds of small kernels whose launch
-            # time exceeds their run time at a few dozen rows; one graph replay launches them all. The step's shape
-            # never changes and every input lives at a fixed address, which is what the graphs need. Not fullgraph:
-            # a graph break costs a split graph, not the request.
-            self._step = torch.compile(self._forward, mode="reduce-overhead", dynamic=False)
+        self._cuda_graphs = compile_options is not None and compile_options.get("mode") == "reduce-overhead"
+        if compile_options is not None:
+            self._step = torch.compile(self._forward, **compile_options)
 
     @property
     def free_rows(self) -> list[int]:
@@ -147,7 +152,7 @@ class SlotBatch:
         self.mask.logical_and_(self.busy.view(-1, 1, 1, 1))
         self.mask[:, 0, 0, self.write_column] = True
         self.column.fill_(self.write_column)
-        if self._step is not self._forward:
+        if self._cuda_graphs:
             # Each replay may reuse the previous step's output memory: the caller reads the logits before the next.
             torch.compiler.cudagraph_mark_step_begin()
         logits = self._step()

@@ -100,16 +100,9 @@ class _Requests:
         return self.handles[name].sequences[0].tokens
 
 
-def test_greedy_completions_through_the_slots_equal_generate(model_dir, monkeypatch):
-    decode_calls = []
-    routed = attention.grouped_query_decode
-
-    def recording(query, key, value, attention_mask, scaling):
-        decode_calls.append((tuple(query.shape), tuple(attention_mask.shape), attention_mask.dtype))
-        return routed(query, key, value, attention_mask, scaling)
-
-    monkeypatch.setattr(attention, "grouped_query_decode", recording)
-    engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
+def _run_and_compare(engine: Engine, model_dir) -> list[int]:
+    """Requests joining while others decode, a slot reused, a request waiting for a free slot, more steps than
+    columns; each completion equal to `generate`'s. Returns the busy slots of each step."""
     steps = []
     engine.on_step = lambda key, busy, at: steps.append(busy)
     requests = _Requests(engine, model_dir)
@@ -138,6 +131,20 @@ def test_greedy_completions_through_the_slots_equal_generate(model_dir, monkeypa
         expected = _reference(model_dir, content, tokens)
         assert len(expected) >= 3, f"{name}: the reference ends at once; pick another prompt"
         assert got[name] == expected, name
+    return steps
+
+
+def test_greedy_completions_through_the_slots_equal_generate(model_dir, monkeypatch):
+    decode_calls = []
+    routed = attention.grouped_query_decode
+
+    def recording(query, key, value, attention_mask, scaling):
+        decode_calls.append((tuple(query.shape), tuple(attention_mask.shape), attention_mask.dtype))
+        return routed(query, key, value, attention_mask, scaling)
+
+    monkeypatch.setattr(attention, "grouped_query_decode", recording)
+    engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
+    steps = _run_and_compare(engine, model_dir)
     # Every decoding step went through the grouped-query decoding path, all slots at once, with a boolean mask over
     # the cache's columns (what the GPU kernel reads).
     layers = TINY_MODEL_SHAPE["num_hidden_layers"]
@@ -147,6 +154,19 @@ def test_greedy_completions_through_the_slots_equal_generate(model_dir, monkeypa
     assert len(decode_calls) % layers == 0
     assert len(steps) <= len(decode_calls) // layers <= len(steps) + len(PROMPTS)
     assert set(decode_calls) == {((SLOTS, heads, 1, dim), (SLOTS, 1, 1, COLUMNS), torch.bool)}
+
+
+def test_the_compiled_step_is_one_graph_compiled_once_and_gives_the_same_tokens(model_dir):
+    """The GPU compiles the step (slots.CUDA_STEP_COMPILE); here Dynamo traces it as the GPU's would, through
+    AOTAutograd without Inductor's code generation: in one graph (fullgraph), compiled once for every step of the
+    run (a recompilation fails the step), with the completions still equal to `generate`'s."""
+    options = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    engine = Engine(
+        idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS, step_compile=options
+    )
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _run_and_compare(engine, model_dir)
 
 
 def test_a_request_longer_than_the_slots_or_with_more_choices_than_slots_is_refused(model_dir):
