@@ -170,7 +170,8 @@ class JobObject(BaseModel):
     resolved: dict[str, Any] | None = Field(
         default=None,
         description="What the job's latest start ran with, as its trainer resolved it: precision, optimizer, "
-        "kernels, micro_batch_size, grad_accum_steps, gradient_checkpointing, distributed, world_size, device, "
+        "kernels, micro_batch_size, grad_accum_steps, gradient_checkpointing, distributed, world_size (nodes x "
+        "processes_per_node), device, "
         "memory_plan (and its description); null until training started. hyperparameters.precision, .kernels "
         "and the memory plan's parts then report the same values.",
     )

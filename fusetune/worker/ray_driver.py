@@ -36,6 +36,8 @@ from fusetune.worker.train.process import die_with_parent
 # SIGKILL (the worker passes its terminate_grace_s).
 POLL_S = 0.2
 DEFAULT_TERMINATE_GRACE_S = 5.0
+# The driver's exit status when a node's actor died under it (no torchrun exit status to pass on).
+NODE_LOST_EXIT = 1
 
 
 @ray.remote
@@ -74,22 +76,53 @@ class NodeLauncher:
         return self.process.returncode
 
     async def stop(self, grace_s: float) -> None:
-        """SIGTERM to torchrun (which passes it to its ranks), SIGKILL after `grace_s`; returns once it ended."""
+        """SIGTERM to torchrun (which passes it to its ranks and waits for them); after `grace_s`, SIGKILL to
+        torchrun and every process under it. Returns once torchrun has ended."""
         self.stopped = True
         process = self.process
         if process is None or process.poll() is not None:
             return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        waited = 0.0
+        while process.poll() is None and waited < grace_s:
+            await asyncio.sleep(POLL_S)
+            waited += POLL_S
+        if process.poll() is not None:
+            return
+        # The ranks run in sessions of their own, out of reach of torchrun's group, and one that had not yet
+        # asked to die with torchrun (it does so as it starts) would outlive it: each is killed by its pid,
+        # found before torchrun's death hands them to another parent.
+        for pid in [*descendants(process.pid), process.pid]:
             try:
-                os.killpg(process.pid, sig)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
-                return
-            waited = 0.0
-            while process.poll() is None and (wait_s is None or waited < wait_s):
-                await asyncio.sleep(POLL_S)
-                waited += POLL_S
-            if process.poll() is not None:
-                return
+                pass
+        while process.poll() is None:
+            await asyncio.sleep(POLL_S)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid`, children before their own children, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name, in parentheses, may hold spaces: the parent's pid is the second field after it.
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, pending = [], [pid]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            found.append(child)
+            pending.append(child)
+    return found
 
 
 def bundle(unit: str, nproc: int) -> dict[str, float]:
@@ -166,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         node = pending.pop(done[0])
-        code = ray.get(done[0])
+        try:
+            code = ray.get(done[0])
+        except ray.exceptions.RayError as exc:
+            # The node (or its actor) is gone: the job fails, and the worker's attempts retry it from its
+            # last checkpoint, as they do a torchrun that crashed on one host.
+            print(f"fusetune: node {node} was lost: {type(exc).__name__}: {exc}", flush=True)
+            code = NODE_LOST_EXIT
         if code != 0 and first_failure == 0:
             first_failure = code
             if pending:

@@ -50,7 +50,12 @@ STOP_MARGIN_S = 10.0
 
 def cluster_gpus(settings: Settings) -> int:
     """What a worker that hands its jobs to the cluster advertises: all the cluster's GPUs (or CPUs)."""
-    return sum(ray_cluster.read_cluster(settings.ray_address).slots_per_node)
+    try:
+        return sum(ray_cluster.read_cluster(settings.ray_address).slots_per_node)
+    except Exception as exc:
+        raise RuntimeError(
+            f"FUSETUNE_RAY_ADDRESS={settings.ray_address}: could not read the Ray cluster's nodes: {exc}"
+        ) from exc
 
 
 class RayJob:

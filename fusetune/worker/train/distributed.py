@@ -35,6 +35,8 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    # The ranks on this rank's node (torchrun's LOCAL_WORLD_SIZE): a job on several nodes runs as many on each.
+    local_world_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -60,7 +62,14 @@ def init_distributed() -> DistInfo:
             dist.init_process_group(backend="nccl", device_id=device)
         else:
             dist.init_process_group(backend="gloo")
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    return DistInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        device=device,
+        local_world_size=local_world_size,
+    )
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

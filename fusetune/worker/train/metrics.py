@@ -222,7 +222,8 @@ def share_step_state(
 # the job's hyperparameters, and how the run is split.
 RESOLVED_KEYS = (
     "precision", "optimizer", "kernels", "micro_batch_size", "micro_batch_reason", "grad_accum_steps",
-    "gradient_checkpointing", "distributed", "world_size", "device", "memory_plan", "memory_plan_description",
+    "gradient_checkpointing", "distributed", "world_size", "nodes", "processes_per_node", "device", "memory_plan",
+    "memory_plan_description",
 )  # fmt: skip
 
 
@@ -247,6 +248,9 @@ def run_summary(trainer: Any) -> tuple[str, dict[str, Any]]:
     return message, {
         "event": "started",
         "world_size": world_size,
+        # nodes x processes_per_node = world_size (several nodes: one torchrun per node, fusetune/worker/ray_driver.py)
+        "nodes": world_size // trainer.dist.local_world_size,
+        "processes_per_node": trainer.dist.local_world_size,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "distributed": "fsdp" if trainer.fsdp else "ddp" if world_size > 1 else "none",
         "model_parameters": n_params,
