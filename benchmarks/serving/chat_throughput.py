@@ -28,8 +28,9 @@ Sampling at temperature 1 over the whole vocabulary in both (the chat API's defa
     python3 -m benchmarks.serving.chat_throughput --out $OUT        # Llama-3.2-1B shape, 64 x 256, one GPU
     python3 -m benchmarks.serving.chat_throughput --tiny            # 4 requests of 8 tokens on CPU (a smoke run)
 
-Needs, beyond torch, transformers and triton: fastapi, starlette, uvicorn, pydantic, pydantic-settings and
-sqlalchemy (what fusetune/serving/server.py imports), all imported here at the start.
+Needs, beyond torch, transformers and triton (and what transformers imports): fastapi (with starlette, pydantic,
+anyio, annotated-doc, opentelemetry-api), uvicorn (with click, h11) and pydantic-settings (with python-dotenv), all
+imported here at the start.
 """
 
 from __future__ import annotations

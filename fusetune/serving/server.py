@@ -28,12 +28,15 @@ from starlette.concurrency import run_in_threadpool
 from fusetune.config import Settings
 from fusetune.serving.errors import ServingError
 from fusetune.spec.chat import TENANT_HEADER, ChatCompletionCreate
-from fusetune.worker.locations import ModelLocations
 from fusetune.worker.train.outcome import TrainingFailure
 
 if TYPE_CHECKING:
     from fusetune.serving.engine import Engine, Event
     from fusetune.serving.engine import Request as EngineRequest
+
+    # Annotations only: the worker hands its locations in, so the server itself imports no SQL package (a
+    # process that runs it without a database, as benchmarks/serving/chat_throughput.py does, needs none).
+    from fusetune.worker.locations import ModelLocations
 
 log = logging.getLogger(__name__)
 
