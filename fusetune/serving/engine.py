@@ -370,10 +370,22 @@ class Engine:
         step after: its slot's writes are queued behind the step in flight, which computed the free row in vain.
         """
         slots = loaded.slots
+        if self._models.get(loaded.key) is not loaded:  # unloaded by a pause while this thread waited
+            return
         if slots.in_flight is None:
             slots.in_flight = self._launch(slots)
         tokens, owners = slots.in_flight
-        chosen = tokens.tolist()  # one read back per step, for all rows; waits for that step
+        # The wait for the step (one read back for all rows) is made without the lock: a request thread waiting
+        # for it would otherwise wait until the engine runs dry, as this thread takes the lock back at once after
+        # each step, before a waiter wakes. Whatever changed meanwhile (a request queued, a pause) is seen below.
+        self._lock.release()
+        try:
+            chosen = tokens.tolist()
+        finally:
+            self._lock.acquire()
+        if self._stopped or self._models.get(loaded.key) is not loaded:
+            slots.in_flight = None
+            return
         slots.in_flight = self._launch(slots)
         live = [(row, s) for row, s in owners if s.row == row and s.finish_reason is None]
         if self.on_step is not None:
