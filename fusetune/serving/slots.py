@@ -17,7 +17,9 @@ the row still uses.
 
 Why not one write position per row (a [slots] cache_position): the cache write would become a scatter with a
 per-row index and Hugging Face's caches write one position range for the whole batch; the shared column needs
-nothing but transformers' own static layer with the column swapped in.
+nothing but transformers' own static layer with the column swapped in. Every layer is a full-attention layer
+over the slot: the step's mask is the one every layer reads, so a sliding-window layer attends beyond its window
+once a sequence outgrows it (the README's limits say so).
 
 A free row's mask keeps only the current column (its own throwaway token): a row that attends to nothing gives NaN
 in scaled_dot_product_attention's fallback (the CPU, float32), and a NaN value left in the cache would reach a later

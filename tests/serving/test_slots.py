@@ -9,6 +9,7 @@ the default scale its greedy completion is one token repeated, which a stale cac
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ class _Requests:
         self.handles: dict[str, object] = {}
         self.done: dict[str, threading.Event] = {}
         self.events: dict[str, list] = {}
-        self.on_usage: dict[str, callable] = {}
+        self.on_usage: dict[str, Callable[[], None]] = {}
 
     def submit(self, name: str, body: ChatCompletionCreate) -> None:
         self.done[name], self.events[name] = threading.Event(), []
