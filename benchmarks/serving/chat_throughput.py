@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import fusetune.models  # noqa: F401  (the kernels the engine patches the model with on a GPU)
 import fusetune.serving.engine  # noqa: F401  (imported by the server at its first request otherwise)
 from benchmarks import harness
-from benchmarks.harness import markdown_table
+from benchmarks.harness import free_device_memory, markdown_table
 from benchmarks.workloads import MODEL_SHAPES, build_config
 from fusetune.config import Settings
 from fusetune.demo.assets import build_tokenizer
@@ -343,31 +344,31 @@ def render_markdown(payload: dict[str, Any]) -> str:
     lines = [
         f"### Chat completions throughput ({payload.get('gpu', '?')}, {payload.get('date', '?')})",
         "",
-        f"{row['requests']} streaming requests x {row['new_tokens']} new tokens, sent over {row['arrival_s']} s, "
-        f"{payload['model']}; {row['slots']} slots of {row['max_len']} columns",
+        f"{row.get('requests')} streaming requests x {row.get('new_tokens')} new tokens, sent over "
+        f"{row.get('arrival_s')} s, {payload['model']}; {row.get('slots')} slots of {row.get('max_len')} columns",
         "",
     ]
     table = [
-        ["serving: total", row["total_tokens_per_s"], row["seconds"], ""],
-        ["serving: after the last arrival", row["after_arrivals_tokens_per_s"], row["after_arrivals_s"], ""],
-        ["serving: all slots busy", row["all_busy_tokens_per_s"], None, row["all_busy_step_ms"]],
+        ["serving: total", row.get("total_tokens_per_s"), row.get("seconds"), ""],
+        ["serving: after the last arrival", row.get("after_arrivals_tokens_per_s"), row.get("after_arrivals_s"), ""],
+        ["serving: all slots busy", row.get("all_busy_tokens_per_s"), None, row.get("all_busy_step_ms")],
         ["arrival bound (arrivals + new_tokens busy steps)", row.get("arrival_bound_tokens_per_s"),
          row.get("arrival_bound_s"), ""],
     ]  # fmt: skip
     for name, ceiling in payload["ceilings"].items():
         table.append(
-            [f"ceiling: generate, static, compiled ({name})", ceiling["tokens_per_s"], ceiling["seconds"],
-             ceiling["step_ms"]]
+            [f"ceiling: generate, static, compiled ({name})", ceiling.get("tokens_per_s"), ceiling.get("seconds"),
+             ceiling.get("step_ms")]
         )  # fmt: skip
     lines.append(markdown_table(["what", "new tokens/s", "seconds", "ms per step"], table))
-    lines += [
-        "",
-        f"time to first token: p50 {row['ttft_p50_ms']} ms, p95 {row['ttft_p95_ms']} ms, max {row['ttft_max_ms']} ms",
-    ]
+    if "ttft_p50_ms" in row:
+        lines += ["", f"time to first token: p50 {row['ttft_p50_ms']} ms, p95 {row['ttft_p95_ms']} ms, "
+                  f"max {row['ttft_max_ms']} ms"]  # fmt: skip
     for name, ceiling in payload["ceilings"].items():
-        lines.append(
-            f"serving total / ceiling ({name}): {row['total_tokens_per_s'] / ceiling['tokens_per_s']:.2f}"
-        )
+        if row.get("total_tokens_per_s") and ceiling.get("tokens_per_s"):
+            ratio = row["total_tokens_per_s"] / ceiling["tokens_per_s"]
+            lines.append(f"serving total / ceiling ({name}): {ratio:.2f}")
+    lines += [f"error: {error}" for error in payload.get("errors", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -409,21 +410,36 @@ def main(argv: list[str] | None = None) -> int:
         harness.smoke_out(args, "chat-throughput-")
     device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     tokenizer = _Tokenizer(build_tokenizer())
+    errors: list[str] = []
+
+    def measured(what: str, measure: Any) -> dict[str, Any]:
+        # A part that fails is written as its error; the parts measured still are.
+        try:
+            return measure()
+        except Exception as exc:
+            traceback.print_exc()
+            errors.append(f"{what}: {harness.short_error(exc)}")
+            return {"error": harness.short_error(exc)}
+
+    ceilings: dict[str, Any] = {}
+    if not args.no_hf_ceiling:  # first, on a model of its own, unpatched
+        ceilings["hf"] = measured(
+            "hf ceiling", lambda: measure_ceiling(args, build_model(args, device), tokenizer, device)
+        )
+        free_device_memory()
     model = build_model(args, device)
-    serving = measure_serving(args, model, tokenizer)
+    serving = measured("serving", lambda: measure_serving(args, model, tokenizer))
     # The same model object, as serving patched it (apply_fusetune on a GPU).
-    ceilings = {"fusetune": measure_ceiling(args, model, tokenizer, device)}
-    del model
-    if not args.no_hf_ceiling:
-        ceilings["hf"] = measure_ceiling(args, build_model(args, device), tokenizer, device)
+    ceilings = {"fusetune": measured("fusetune ceiling", lambda: measure_ceiling(args, model, tokenizer, device)),
+                **ceilings}  # fmt: skip
     payload = {
         **harness.run_meta(device_name), "model": args.model, "tiny": args.tiny,
-        "transformers": transformers.__version__, "serving": serving, "ceilings": ceilings,
+        "transformers": transformers.__version__, "serving": serving, "ceilings": ceilings, "errors": errors,
     }  # fmt: skip
     RESULTS.save(
         args, harness.results_slug(args, device_name, on_gpu=device.type == "cuda"), payload, render_markdown
     )
-    return 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
