@@ -30,14 +30,13 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from fusetune.worker.ray_engine import NODE_LOST_EXIT
 from fusetune.worker.train.process import die_with_parent
 
 # Seconds between two looks at a node's torchrun, and how long a stopped torchrun has to end its ranks before
 # SIGKILL (the worker passes its terminate_grace_s).
 POLL_S = 0.2
 DEFAULT_TERMINATE_GRACE_S = 5.0
-# The driver's exit status when a node's actor died under it (no torchrun exit status to pass on).
-NODE_LOST_EXIT = 1
 
 
 @ray.remote
@@ -156,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     launchers: list = []
 
     def stop_all() -> None:
-        ray.get([launcher.stop.remote(args.terminate_grace_s) for launcher in launchers])
+        for stopped in [launcher.stop.remote(args.terminate_grace_s) for launcher in launchers]:
+            try:
+                ray.get(stopped)
+            except ray.exceptions.RayError:
+                pass  # a node that is gone has nothing left to stop
 
     def on_sigterm(signum, frame) -> None:
         stop_all()
@@ -194,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         ): index
         for index, launcher in enumerate(launchers)
     }
-    # The first failure is the job's: the nodes stopped after it exit by the signal that stopped them.
+    # The first failure is the job's: the nodes stopped after it exit by the signal that stopped them. A lost
+    # node is the job's failure whenever it is seen: the ranks of the other nodes fail after it, on a collective
+    # whose peer vanished, and may well be seen first.
     first_failure = 0
+    lost_nodes: list[int] = []
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
         node = pending.pop(done[0])
@@ -205,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
             # The node (or its actor) is gone: the job fails, and the worker's attempts retry it from its
             # last checkpoint, as they do a torchrun that crashed on one host.
             print(f"fusetune: node {node} was lost: {type(exc).__name__}: {exc}", flush=True)
+            lost_nodes.append(node)
             code = NODE_LOST_EXIT
         if code != 0 and first_failure == 0:
             first_failure = code
             if pending:
                 print(f"fusetune: node {node}'s torchrun exited with {code}; stopping the others", flush=True)
                 stop_all()
+    if lost_nodes:
+        return NODE_LOST_EXIT
     # A signal's negative status as a shell reports it, so the job's exit code stays in 0..255.
     return first_failure if first_failure >= 0 else 128 - first_failure
 

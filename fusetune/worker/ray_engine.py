@@ -46,6 +46,10 @@ LOG_DRAIN_S = 30.0
 # Ray's job supervisor gives a stopped job's driver this long after SIGTERM before SIGKILL: the driver's
 # terminate_grace_s for the nodes' torchruns, plus time to reach the actors.
 STOP_MARGIN_S = 10.0
+# The driver's exit status when a node (its actor) was lost under the job: EX_TEMPFAIL, which neither torchrun
+# nor the trainer uses. The surviving ranks fail on a collective and rank 0 may write error.json meanwhile, but
+# the job is retried through its attempts, from its last checkpoint, as a crash on one host is.
+NODE_LOST_EXIT = 75
 
 
 def cluster_gpus(settings: Settings) -> int:
@@ -101,6 +105,10 @@ class RayJob:
                 log_file.write(f"Ray job {self.submission_id} {info.status.value}: {self.status_message}\n")
         self.returncode = returncode
         return returncode
+
+    @property
+    def node_lost(self) -> bool:
+        return self.returncode == NODE_LOST_EXIT
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

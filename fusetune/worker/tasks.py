@@ -323,6 +323,12 @@ class JobRunner:
         if stopped_for is not None:
             # The job already left `running` (cancelled or paused by the user); finish_job will leave it so.
             return Outcome(stopped_for, {}, f"Training processes stopped: the job was {stopped_for}")
+        if isinstance(process, ray_engine.RayJob) and process.node_lost:
+            message = (
+                f"A node of the Ray cluster was lost mid-run. Last lines of the job's log:\n{_tail(log_path)}"
+            )
+            error = {"code": "node_lost", "message": message}
+            return Outcome(JobStatus.FAILED, {"error": error}, message, "error", retryable=True)
         return self._read_outcome(job, run_dir, process.returncode, log_path)
 
     def _watch(self, job_id: str, process: subprocess.Popen | ray_engine.RayJob) -> str | None:

@@ -9,6 +9,8 @@ worker's JobRunner, which submits it through Ray's Job Submission API.
   all-reduce depends on the world size and the tensor, not on which host a rank sits on (all on loopback here).
 - Cancel stops the Ray job, and no process of the job (either node's torchrun, any rank) is left.
 - A job asking for more than the cluster has is refused at creation, naming what the cluster has.
+- A node killed mid-run (all its Ray processes) fails the job over through its attempts: once a node takes
+  its place, the retry resumes from the job's last checkpoint and ends the run.
 
 The layout rule (`plan_nodes`) is checked without a cluster.
 """
@@ -43,6 +45,7 @@ BATCH_SIZE = 16
 # and optimizer update; every rank's start costs tens of seconds on the 2-core CI machine.
 TRAIN_LINES = 32
 TIMEOUT_S = 300
+NODE = {"num_cpus": NODE_CPUS, "object_store_memory": 80 * 1024 * 1024}
 
 
 def test_plan_nodes_puts_a_job_on_the_fewest_nodes_with_as_many_ranks_on_each():
@@ -93,21 +96,20 @@ def _job_processes(marker: str) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def cluster_address():
+def ray_test_cluster():
     """A head node and a second node, two CPUs each; shut down (its own processes, by pid) even on failure."""
     from ray.cluster_utils import Cluster
 
-    small = {"num_cpus": NODE_CPUS, "object_store_memory": 80 * 1024 * 1024}
     cluster = Cluster(
         initialize_head=True,
         # Ray starts its workers (here the actors, so torchrun and the ranks) at nice 15 so that its own daemons
         # stay responsive; on a machine that the rest of the suite shares at nice 0, the ranks would then wait
         # behind every other test. At 0 they share the cores as a local torchrun does.
-        head_node_args={**small, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        head_node_args={**NODE, "include_dashboard": True, "dashboard_host": "127.0.0.1",
                         "dashboard_port": _free_port(), "_system_config": {"worker_niceness": 0}},
     )  # fmt: skip
     try:
-        cluster.add_node(**small)
+        cluster.add_node(**NODE)
         cluster.wait_for_nodes()
         address = f"http://{cluster.head_node.address_info['webui_url']}"
 
@@ -118,13 +120,14 @@ def cluster_address():
                 return False
 
         _wait_until(both_nodes_seen, "the dashboard never listed both nodes", interval_s=1)
-        yield address
+        yield cluster, address
     finally:
         cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
-def service(cluster_address, tmp_path_factory):
+def service(ray_test_cluster, tmp_path_factory):
+    _, cluster_address = ray_test_cluster
     root = tmp_path_factory.mktemp("ray-service")
     settings = Settings(
         data_dir=root / "data", ray_address=cluster_address, ray_python=sys.executable,
@@ -257,3 +260,59 @@ def test_a_job_larger_than_the_cluster_is_refused_naming_what_it_has(service):
     # Three ranks fit in the cluster's four CPUs, but not with the same number on each node.
     response = _create_job(client, file_id, n_gpus=3, batch_size=12)
     assert response.status_code == 400 and "cannot be split evenly" in response.json()["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_lost_node_fails_the_job_over_and_the_retry_resumes_from_its_last_checkpoint(
+    ray_test_cluster, service
+):
+    cluster, _ = ray_test_cluster
+    settings, client, file_id = service
+    response = _create_job(client, file_id, n_gpus=4, n_epochs=3)  # 6 steps
+    assert response.status_code == 200, response.text
+    job_id = response.json()["id"]
+    requeued: list[str] = []
+    # A checkpoint at every step: the node is killed once the first is recorded.
+    runner = JobRunner(settings.model_copy(update={"checkpoint_every_steps": 1}), requeue=requeued.append)
+    outcome: list[str] = []
+    worker = threading.Thread(target=lambda: outcome.append(runner.run(job_id)))
+    worker.start()
+    run_dir = settings.runs_dir / job_id
+    try:
+        # Recorded in SQL, not only on disk: an attempt's unrecorded checkpoints are removed when it ends.
+        _wait_until(
+            lambda: client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"],
+            "no checkpoint was recorded",
+            interval_s=0.05,
+        )
+        # Frozen where they stand, the ranks cannot end the run first however fast the machine.
+        for pid, command in _job_processes(str(run_dir / CONFIG_FILE)).items():
+            if "torch.distributed.run" not in command:
+                os.kill(pid, signal.SIGSTOP)
+        (lost,) = cluster.worker_nodes  # the node that is not the head, where the driver runs
+        cluster.remove_node(lost, allow_graceful=False)
+        worker.join(TIMEOUT_S)
+        assert not worker.is_alive()
+    finally:
+        if worker.is_alive():
+            client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+            worker.join(TIMEOUT_S)
+    assert outcome == ["queued"] and requeued == [job_id], "\n".join(_messages(client, job_id))
+    assert not _job_processes(str(run_dir / CONFIG_FILE))
+    saved = max(
+        c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    )
+
+    cluster.add_node(**NODE)  # a node takes the lost one's place
+    cluster.wait_for_nodes()
+    assert runner.run(job_id) == "succeeded", "\n".join(_messages(client, job_id))
+    messages = _messages(client, job_id)
+    assert [m for m in messages if m.startswith("Resumed from the checkpoint")] == [
+        f"Resumed from the checkpoint of step {saved}"
+    ]
+    job = client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+    assert [(a["cause"], a["fault"]) for a in job["attempts"]] == [("crashed", True), ("succeeded", False)]
+    assert job["error"] is None
+    metrics = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"]
+    assert [point["step"] for point in metrics] == list(range(1, 3 * TRAIN_LINES // BATCH_SIZE + 1))
