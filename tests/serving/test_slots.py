@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fusetune.demo.assets import TINY_MODEL_SHAPE, build_tiny_model
+from fusetune.kernels._interpreter import interpreted
 from fusetune.models import attention
 from fusetune.serving.engine import Engine
 from fusetune.serving.errors import ServingError
@@ -182,3 +183,45 @@ def test_a_request_longer_than_the_slots_or_with_more_choices_than_slots_is_refu
         assert error.value.param == "n"
     finally:
         engine.stop()
+
+
+@pytest.mark.skipif(
+    not interpreted(), reason="the decode kernel runs on CPU tensors only under TRITON_INTERPRET=1"
+)
+def test_in_bfloat16_the_steps_run_the_decode_attention_kernel_over_the_slots_mask(model_dir, monkeypatch):
+    """What a GPU runs: a bfloat16 model's one-token steps reach fusetune's decode-attention kernel (here through
+    the Triton interpreter) with every slot's row and the boolean mask over the columns."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kernel_calls = []
+    kernel = attention.grouped_decode_attention
+
+    def recording(query, key, value, mask, scale):
+        kernel_calls.append((tuple(query.shape), query.dtype, tuple(mask.shape), mask.dtype))
+        return kernel(query, key, value, mask, scale)
+
+    monkeypatch.setattr(attention, "grouped_decode_attention", recording)
+
+    def load():
+        return (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16),
+            AutoTokenizer.from_pretrained(model_dir),
+        )
+
+    engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
+    done, events = threading.Event(), []
+
+    def emit(event) -> None:
+        events.append(event)
+        if event[0] in ("usage", "error"):
+            done.set()
+
+    try:
+        engine.submit("tiny-bf16", load, _body("hi", 6, n=SLOTS), emit)
+        assert done.wait(300)
+    finally:
+        engine.stop()
+    assert events[-1][0] == "usage", events[-1]
+    heads, dim = TINY_MODEL_SHAPE["num_attention_heads"], TINY_MODEL_SHAPE["hidden_size"] // 4
+    assert kernel_calls, "no decoding step reached the kernel"
+    assert set(kernel_calls) == {((SLOTS, heads, 1, dim), torch.bfloat16, (SLOTS, 1, 1, COLUMNS), torch.bool)}
