@@ -7,7 +7,7 @@ actor in each bundle, and has each run `torchrun --nnodes N --nproc-per-node P -
 static --rdzv-endpoint <node 0>:<port>` with the trainer's arguments. The static rendezvous keeps node i's ranks
 at i*P..i*P+P-1 and global rank 0 on node 0, as the worker expects (rank 0 writes the job's outcome file).
 
-It exits with the first non-zero exit status of a node's torchrun (node 0's when several), having stopped the
+It exits with the first non-zero exit status of a node's torchrun (75 when a node was lost), having stopped the
 other nodes' torchruns at once: torchrun tears down its own node's ranks when one of them fails, but the ranks
 of another node would wait in a collective until gloo's or NCCL's timeout. On SIGTERM (Ray's `stop_job`, which
 the worker calls on cancel, pause and hand-over) it stops every node's torchrun before it exits, so a stopped
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0 and first_failure == 0:
             first_failure = code
             if pending:
-                print(f"fusetune: node {node}'s torchrun exited with {code}; stopping the others", flush=True)
+                print(f"fusetune: node {node} failed ({code}); stopping the others", flush=True)
                 stop_all()
     if lost_nodes:
         return NODE_LOST_EXIT

@@ -92,7 +92,8 @@ class RayJob:
         if not info.status.is_terminal():
             return None
         self._log_thread.join(LOG_DRAIN_S)
-        self.status_message = info.message or ""
+        # Ray's message repeats the log's last lines after its first, which the stream has already written.
+        self.status_message = (info.message or "").split("\n", 1)[0]
         if info.status == JobStatus.SUCCEEDED:
             returncode = 0
         elif info.status == JobStatus.STOPPED:
