@@ -58,10 +58,11 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import fusetune.models  # noqa: F401  (the kernels the engine patches the model with on a GPU)
 import fusetune.serving.engine  # noqa: F401  (imported by the server at its first request otherwise)
 from benchmarks import harness
-from benchmarks.harness import free_device_memory, markdown_table
+from benchmarks.harness import markdown_table
 from benchmarks.workloads import MODEL_SHAPES, build_config
 from fusetune.config import Settings
 from fusetune.demo.assets import build_tokenizer
+from fusetune.serving.engine import patch_for_decoding
 from fusetune.serving.server import ServingServer
 from fusetune.spec.chat import TENANT_HEADER
 
@@ -290,6 +291,27 @@ def _check(records: list[dict[str, Any]], new_tokens: int) -> None:
 # ---------------------------------------------------------------------------------------------------- ceiling
 
 
+def run_ceiling(args: argparse.Namespace, which: str) -> dict[str, Any]:
+    """measure_ceiling in a child process: `fusetune`, the model patched as serving patches it; `hf`, unpatched."""
+    argv = ["--model", args.model, "--requests", str(args.requests), "--new-tokens", str(args.new_tokens),
+            "--temperature", str(args.temperature), *(["--tiny"] if args.tiny else [])]  # fmt: skip
+    completed = subprocess.run(
+        [sys.executable, "-m", __spec__.name, *argv, "--_ceiling", which],
+        capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    if completed.returncode != 0:
+        raise RuntimeError(f"the {which} ceiling failed: {completed.stderr[-2000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _ceiling_process(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(args, device)
+    if args._ceiling == "fusetune":
+        patch_for_decoding(model)  # what the engine does to a model it loads
+    return measure_ceiling(args, model, _Tokenizer(build_tokenizer()), device)
+
+
 def measure_ceiling(
     args: argparse.Namespace, model: Any, tokenizer: _Tokenizer, device: torch.device
 ) -> dict:
@@ -386,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-hf-ceiling", action="store_true", help="skip the unpatched model's ceiling")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run)")
     parser.add_argument("--_client", help=argparse.SUPPRESS)
+    parser.add_argument("--_ceiling", choices=("fusetune", "hf"), help=argparse.SUPPRESS)
     return parser
 
 
@@ -394,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args._client:
         print(json.dumps(_client(json.loads(args._client))))
+        return 0
+    if args._ceiling:
+        print(json.dumps(_ceiling_process(args)))
         return 0
     defaults = (4, 8, 0.2) if args.tiny else (64, 256, 2.0)
     args.requests = args.requests or defaults[0]
@@ -421,17 +447,14 @@ def main(argv: list[str] | None = None) -> int:
             errors.append(f"{what}: {harness.short_error(exc)}")
             return {"error": harness.short_error(exc)}
 
-    ceilings: dict[str, Any] = {}
-    if not args.no_hf_ceiling:  # first, on a model of its own, unpatched
-        ceilings["hf"] = measured(
-            "hf ceiling", lambda: measure_ceiling(args, build_model(args, device), tokenizer, device)
-        )
-        free_device_memory()
+    # Each ceiling in a process of its own: CUDA graph trees keep their state per thread, and a `generate` in
+    # this thread after the engine's thread had captured the same model's graphs failed on the H200 (an
+    # AssertionError in cudagraph_trees.get_obj), so the serving run's process never compiles anything else.
+    ceilings = {"fusetune": measured("fusetune ceiling", lambda: run_ceiling(args, "fusetune"))}
+    if not args.no_hf_ceiling:
+        ceilings["hf"] = measured("hf ceiling", lambda: run_ceiling(args, "hf"))
     model = build_model(args, device)
     serving = measured("serving", lambda: measure_serving(args, model, tokenizer))
-    # The same model object, as serving patched it (apply_fusetune on a GPU).
-    ceilings = {"fusetune": measured("fusetune ceiling", lambda: measure_ceiling(args, model, tokenizer, device)),
-                **ceilings}  # fmt: skip
     payload = {
         **harness.run_meta(device_name), "model": args.model, "tiny": args.tiny,
         "transformers": transformers.__version__, "serving": serving, "ceilings": ceilings, "errors": errors,

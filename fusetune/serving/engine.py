@@ -118,7 +118,7 @@ def draw_token(
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
-def _patch_for_decoding(model: Any) -> None:
+def patch_for_decoding(model: Any) -> None:
     """On a GPU, fusetune's kernels (the decoding step's attention among them); on CPU only the attention routing
     (fusetune_varlen: one-token steps through grouped_query_decode), so CPU tests run the GPU's code path."""
     if next(model.parameters()).device.type == "cuda":
@@ -261,7 +261,7 @@ class Engine:
                     return self._models[key]
             model, tokenizer = load()
             model = model.to(self.device).eval().requires_grad_(False)
-            _patch_for_decoding(model)
+            patch_for_decoding(model)
             eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
             generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             if generation_eos is not None:

@@ -121,8 +121,12 @@ def _run_and_compare(engine: Engine, model_dir) -> list[int]:
     # One more once "joins" ends, into its slot, so the steps outnumber the columns.
     requests.on_usage["joins"] = lambda: requests.submit("last", _body(*PROMPTS["last"]))
     try:
-        requests.submit("long", _body(*PROMPTS["long"]))
-        requests.submit("short", _body(*PROMPTS["short"]))
+        # Both admitted in the same pass, whatever the machine's speed: the scheduler admits under the engine's
+        # lock (a re-entrant Condition), held here across the two submissions. Submitted one after the other
+        # without it, a fast CPU decoded all of "long" before "short" arrived (the GPU host's 16-core Xeon).
+        with engine._lock:
+            requests.submit("long", _body(*PROMPTS["long"]))
+            requests.submit("short", _body(*PROMPTS["short"]))
         got = {name: requests.tokens(name) for name in ("short", "long", "joins", "waits", "last")}
     finally:
         engine.stop()
