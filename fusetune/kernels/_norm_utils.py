@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels import _tensors
 from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._tensors import multiprocessor_count as device_multiprocessor_count
 
 # Largest row held in registers, in elements, forward and backward (the kernels compute in fp32, so this does
 # not depend on the input dtype); wider rows loop over column blocks. H100, bf16, each kernel's GPU time alone
@@ -152,7 +152,7 @@ def _norm_launch_settings(n_cols: int, backward: bool, column_block_limit: int |
 
 def multiprocessor_count(device: torch.device) -> int:
     """SMs of a CUDA device; _INTERPRETER_SM_COUNT for CPU tensors run by the Triton interpreter."""
-    return _tensors.multiprocessor_count(device, _INTERPRETER_SM_COUNT)
+    return device_multiprocessor_count(device, _INTERPRETER_SM_COUNT)
 
 
 # Rows a persistent backward program should walk at least, when there are few rows: each program writes one
