@@ -14,6 +14,7 @@ committed markdown is what this module makes of the committed JSON.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -54,6 +55,11 @@ RENDERERS: dict[str, Callable[[Payload], str]] = {
     precision.RESULTS.name: precision.render_markdown,
     float8_quality.RESULTS.name: float8_quality.render_markdown,
     families_share.RESULTS.name: families_share.render_markdown,
+    # Imported when rendered: the serving benchmark imports the service's web stack (fastapi, uvicorn) at its top,
+    # which a GPU machine without those wheels need not have to render the other sections.
+    "chat-throughput": lambda section: importlib.import_module(
+        "benchmarks.serving.chat_throughput"
+    ).render_markdown(section),
 }
 TOPIC_TITLES = {
     "kernels": "kernels, each op's implementations side by side",
@@ -399,6 +405,19 @@ def float8_quality_headlines(payload: Payload) -> list[Headline]:
     return _eval_loss_headlines(payload, lambda means: "fp8")
 
 
+def chat_throughput_headlines(payload: Payload) -> list[Headline]:
+    serving, ceilings = payload.get("serving") or {}, payload.get("ceilings") or {}
+    if not serving.get("total_tokens_per_s"):
+        return []
+    setting = (
+        f"{payload.get('model')}, {serving['requests']} streaming chats x {serving['new_tokens']} tokens "
+        f"over {serving['arrival_s']} s; p50 first token {serving.get('ttft_p50_ms')} ms"
+    )
+    others = [(f"generate ceiling ({name})", str(row["tokens_per_s"])) for name, row in ceilings.items()
+              if row.get("tokens_per_s")]  # fmt: skip
+    return [("chat completions new tokens/s", setting, str(serving["total_tokens_per_s"]), _others(others))]
+
+
 HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
     ops.RESULTS.name: ops_headlines,
     sustained.RESULTS.name: sustained_headlines,
@@ -419,6 +438,7 @@ HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
     precision.RESULTS.name: precision_headlines,
     float8_quality.RESULTS.name: float8_quality_headlines,
     families_share.RESULTS.name: families_share.headlines,
+    "chat-throughput": chat_throughput_headlines,
 }
 
 
