@@ -17,10 +17,12 @@ transformers 5.24): that one runs on CPU, but it takes one generation config for
 per-request temperature, top_p or seed, which OpenAI's API has) and it sized a paged cache that took 43 s for
 8 tokens of two requests of the tiny model on the 2-core CPU machine.
 
-Sampling: temperature 0 is greedy; otherwise softmax(logits / temperature), cut to the smallest set of tokens
-whose probability reaches top_p, drawn with a generator per completion seeded from the request's `seed` and the
-completion's index, so a seeded request gives the same completions streamed or not (when it runs in the same
-batch: a padded batch computes in another order, which can move the last bits of a logit).
+Sampling (fusetune/serving/sampling.py): temperature 0 is greedy; otherwise softmax(logits / temperature), cut to
+the smallest set of tokens whose probability reaches top_p, every row of a step drawn at once on the device by a
+counter-based draw keyed on (the completion's seed, its token's index). The seed comes from the request's `seed`
+and the completion's index, so a seeded request gives the same completions streamed or not and whatever else is
+in the batch (its logits permitting: the step runs every slot at one shape, so a row's logits do not depend on
+the other rows; a prompt is prefilled alone).
 A completion ends at one of the model's end-of-turn tokens (the tokenizer's eos and the generation config's),
 at a stop string (left out of the text), or at its token limit, or the end of the model's context.
 """
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 
 from fusetune.serving.errors import ServingError
+from fusetune.serving.sampling import sample_rows, uniforms
 from fusetune.serving.slots import CUDA_STEP_COMPILE, SlotBatch
 from fusetune.spec.chat import ChatCompletionCreate
 from fusetune.worker.train.loading import load_model, load_tokenizer
@@ -70,7 +73,9 @@ class LoadedModel:
 class Sequence:
     request: Request
     index: int  # the choice's index
-    generator: torch.Generator
+    seed: int  # the draws' key with the token's index (fusetune/serving/sampling.py)
+    temperature: float  # 0: greedy
+    top_p: float
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
     row: int | None = None  # the slot it owns while it decodes
@@ -95,27 +100,6 @@ def _overlap(text: str, stop: str) -> int:
         if text.endswith(stop[:size]):
             return size
     return 0
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """One token from a row of logits: greedy at temperature 0, else nucleus sampling at the temperature."""
-    return int(draw_token(logits, temperature, top_p, generator))
-
-
-def draw_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> torch.Tensor:
-    """`sample_token` left on the logits' device (a decoding step reads all its rows' tokens back at once)."""
-    if temperature == 0:
-        return logits.argmax()
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep a token while the mass before it is below top_p: the smallest set that reaches it, at least one.
-        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
-        keep[0] = True
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def patch_for_decoding(model: Any) -> None:
@@ -195,10 +179,11 @@ class Engine:
         request = Request(loaded, prompt_ids, body, emit)
         max_tokens = min(body.completion_token_limit, loaded.context_tokens - len(prompt_ids))
         base_seed = body.seed if body.seed is not None else secrets.randbits(62)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
         for index in range(body.choices):
-            generator = torch.Generator(device=loaded.device)
-            generator.manual_seed((base_seed * 1_000_003 + index) % (1 << 63))
-            request.sequences.append(Sequence(request, index, generator, max_tokens))
+            seed = (base_seed * 1_000_003 + index) % (1 << 63)
+            request.sequences.append(Sequence(request, index, seed, temperature, top_p, max_tokens))
         with self._lock:
             if self._paused:
                 raise ServingError(503, "The worker is training a job; chat completions resume after it.",
@@ -341,11 +326,14 @@ class Engine:
             with torch.no_grad():
                 output = loaded.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
             layers = [(layer.keys, layer.values) for layer in output.past_key_values.layers]
-            for sequence in request.sequences:
-                self._take(sequence, self._draw(sequence, output.logits[0, -1]).item())
+            sequences = request.sequences
+            first = self._draw_first(sequences, output.logits[0, -1]).tolist()
+            for sequence, token in zip(sequences, first, strict=True):
+                self._take(sequence, token)
                 if sequence.finish_reason is None:
                     sequence.row = free_rows.pop(0)
-                    loaded.slots.place(sequence.row, sequence, layers, sequence.tokens[-1])
+                    sampling = (sequence.temperature, sequence.top_p, sequence.seed)
+                    loaded.slots.place(sequence.row, sequence, layers, sequence.tokens[-1], sampling)
                     self._running.append(sequence)
 
     def _step(self) -> None:
@@ -398,24 +386,34 @@ class Engine:
         """Queue one decoding step of every slot and its sampling; the tokens (on the device, also written as the
         next step's input) and the rows' owners at launch."""
         owners = [(row, owner) for row, owner in enumerate(slots.owners) if owner is not None]
+        sampled = [s for _, s in owners if s.temperature != 0]
         with torch.no_grad():
             logits = slots.step()
-            tokens = logits.argmax(-1)  # the greedy rows' (and the free rows', unused)
-            for row, sequence in owners:
-                if self._temperature(sequence) != 0:
-                    tokens[row] = self._draw(sequence, logits[row])
+            if sampled:  # every row at once (a free row draws too; its token is unused)
+                cut = any(s.top_p < 1 for s in sampled)
+                tokens = sample_rows(logits, slots.temperature, slots.top_p, slots.draws(), cut)
+            else:
+                tokens = logits.argmax(-1)
+                slots.counter.add_(1)
             slots.input_ids[:, 0].copy_(tokens)
         return tokens, owners
 
     @staticmethod
-    def _temperature(sequence: Sequence) -> float:
-        temperature = sequence.request.body.temperature
-        return 1.0 if temperature is None else temperature
-
-    def _draw(self, sequence: Sequence, logits: torch.Tensor) -> torch.Tensor:
-        top_p = sequence.request.body.top_p
-        return draw_token(
-            logits, self._temperature(sequence), 1.0 if top_p is None else top_p, sequence.generator
+    def _draw_first(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The first token (index 0) of each of a request's completions, from its prompt's last logits."""
+        first = sequences[0]
+        if first.temperature == 0:
+            return logits.argmax(-1).expand(len(sequences))
+        device = logits.device
+        return sample_rows(
+            logits.expand(len(sequences), -1),
+            torch.full((len(sequences),), first.temperature, device=device),
+            torch.full((len(sequences),), first.top_p, device=device),
+            uniforms(
+                torch.tensor([s.seed for s in sequences], device=device),
+                torch.zeros(len(sequences), dtype=torch.long, device=device),
+            ),
+            cut=first.top_p < 1,
         )
 
     def _take(self, sequence: Sequence, token: int) -> None:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from fusetune.serving.sampling import uniforms
+
 
 class _SlotLayer(StaticLayer):
     """One layer's slot tensors, written at the shared column (a 1-element tensor of a fixed address)."""
@@ -88,6 +90,15 @@ class SlotBatch:
         self.mask = torch.zeros((slots, 1, 1, columns), dtype=torch.bool, device=self.device)
         self.busy = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.column = torch.zeros(1, dtype=torch.long, device=self.device)
+        # Each row's sampling (fusetune/serving/sampling.py), on the device so a step draws every row's token without
+        # a copy from the host: temperature (0: greedy), top_p, the uniform number of each of its completion's token
+        # indices (at most the columns: the engine caps prompt plus completion at them), computed from the seed when
+        # the row is placed (the hash is some 80 small operations, once per completion rather than once per step),
+        # and its next token's index.
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=self.device)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=self.device)
+        self.uniforms = torch.zeros((slots, columns), dtype=torch.float64, device=self.device)
+        self.counter = torch.zeros(slots, dtype=torch.long, device=self.device)
         for tensor in (self.input_ids, self.position_ids, self.mask, self.column):
             torch._dynamo.mark_static_address(tensor)
         self._step = self._forward
@@ -121,10 +132,16 @@ class SlotBatch:
         self.cache = SlotCache(cache_layers, self.column)
 
     def place(
-        self, row: int, owner: Any, layers: list[tuple[torch.Tensor, torch.Tensor]], first_token: int
+        self,
+        row: int,
+        owner: Any,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        first_token: int,
+        sampling: tuple[float, float, int] = (0.0, 1.0, 0),
     ) -> None:
         """Give `row` to `owner`: its prompt's keys and values (per layer [1, kv_heads, length, head_dim], from its
-        prefill) at the columns just before the write column, the mask over them, and the token the next step reads."""
+        prefill) at the columns just before the write column, the mask over them, the token the next step reads,
+        and its sampling (temperature, top_p, seed); its first token, index 0, was drawn at the prefill."""
         if self.cache is None:
             self._allocate(layers)
         length = layers[0][0].shape[2]
@@ -138,6 +155,12 @@ class SlotBatch:
         self.mask[row, 0, 0, columns] = True
         self.position_ids[row, 0] = length
         self.input_ids[row, 0] = first_token
+        temperature, top_p, seed = sampling
+        self.temperature[row], self.top_p[row] = temperature, top_p
+        if temperature != 0:
+            indices = torch.arange(self.columns, device=self.device)
+            self.uniforms[row] = uniforms(torch.full_like(indices, seed), indices)
+        self.counter[row] = 1
         self.busy[row] = True
         self.owners[row] = owner
 
@@ -146,6 +169,13 @@ class SlotBatch:
         self.owners[row] = None
         self.busy[row] = False
         self.position_ids[row, 0] = 0
+
+    def draws(self) -> torch.Tensor:
+        """Each row's uniform for its next token ([slots], float64); advances the rows' token indices. A free row's
+        index may run past the columns: it reads column 0 (its token is unused)."""
+        u = self.uniforms.gather(1, (self.counter % self.columns)[:, None])[:, 0]
+        self.counter.add_(1)
+        return u
 
     def step(self) -> torch.Tensor:
         """One decoding step of every row: the logits of each row's next token, [slots, vocab] (valid until the next

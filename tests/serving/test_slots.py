@@ -229,3 +229,31 @@ def test_in_bfloat16_the_steps_run_the_decode_attention_kernel_over_the_slots_ma
     heads, dim = TINY_MODEL_SHAPE["num_attention_heads"], TINY_MODEL_SHAPE["hidden_size"] // 4
     assert kernel_calls, "no decoding step reached the kernel"
     assert set(kernel_calls) == {((SLOTS, heads, 1, dim), torch.bfloat16, (SLOTS, 1, 1, COLUMNS), torch.bool)}
+
+
+def test_a_seeded_completion_is_the_same_alone_and_beside_another_request(model_dir):
+    """Sampled at temperature 1 with top_p 0.9 and a seed: the same tokens alone in row 0, and in row 1 beside a
+    request sampled over its whole distribution (whose top_p 1 leaves the step's cut on for one row only)."""
+
+    def body(seed: int, top_p: float) -> ChatCompletionCreate:
+        return ChatCompletionCreate(
+            model="tiny", messages=[{"role": "user", "content": "hi there"}], temperature=1.0, top_p=top_p,
+            seed=seed, max_completion_tokens=12,
+        )  # fmt: skip
+
+    runs = []
+    for companion in (False, True):
+        engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
+        requests = _Requests(engine, model_dir)
+        try:
+            with engine._lock:  # both admitted in one pass: the companion takes row 0
+                if companion:
+                    requests.submit("companion", body(9, 1.0))
+                requests.submit("seeded", body(5, 0.9))
+            runs.append(requests.tokens("seeded"))
+            if companion:
+                assert requests.tokens("companion") != runs[-1]
+        finally:
+            engine.stop()
+    assert len(runs[0]) >= 3, "the completion ends at once; pick another seed"
+    assert runs[0] == runs[1]
