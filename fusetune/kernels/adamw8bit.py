@@ -52,12 +52,25 @@ Random bits: FusedAdamW's (adamw.py's docstring), drawn from (seed, step, the el
 the weight uses the low 16 bits of the first hash, m's code its high 16, r's code the low 16 of the second.
 The same seed and inputs give the same weights and state whatever the blocking, on every data-parallel rank.
 
-fp32 parameters get the same 8-bit moments and an fp32 weight, stored as computed. FSDP2 (DTensor)
-parameters are refused for now: a shard's blocks would not line up with another world size's.
+fp32 parameters get the same 8-bit moments and an fp32 weight, stored as computed.
+
+FSDP2 parameters (DTensors sharded on dim 0 over a 1-D mesh) are updated through their local shards, each
+quantized in blocks of its own: blocks restart at every shard, as at every tensor, and a shard's tail block is
+masked like any tensor's, so a rank keeps the codes of its shard's elements and the scales of its shard's
+blocks only. The state is kept as DTensors, so that torch's distributed state-dict helpers gather and split it:
+the codes shaped and placed like the parameter; the scales as a (world size, blocks of the largest shard)
+tensor sharded on dim 0, one row per rank (a smaller shard's row ends in unused zeros). The blocks differ from
+one process's (a block that straddles two shards there is two blocks here), so the same run on another number
+of ranks rounds its moments differently: the curves agree within the codes' quantization step, not bit for bit.
+A checkpoint's scales are those of its world size's shards: `load_state_dict` refuses, naming both, a state
+saved on another number of ranks or by an unsharded optimizer (and an unsharded one a sharded state). Resuming
+on another world size would need the blocks requantized, which is not done; resume on the same one, or drop the
+optimizer state.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +86,7 @@ from fusetune.kernels.adamw import (
     _adamw_update,
     _back_to_back_offsets,
     _div_rn,
+    _local,
     _random_bits,
     _random_bits_reference,
     _round_stochastic,
@@ -397,6 +411,66 @@ def adamw8bit_state_bytes_per_parameter(block_size: int = DEFAULT_BLOCK_SIZE) ->
     return 2 + 2 * 4 / block_size
 
 
+def _check_sharding(param: torch.Tensor, index: int, state_on_host: bool) -> None:
+    """Refuse a DTensor parameter whose shards the 8-bit state cannot follow: only FSDP2's (dim 0 over a
+    1-D mesh), and not with the state in host memory (FSDP2 already shards it over the GPUs)."""
+    from torch.distributed.tensor import Shard
+
+    if state_on_host:
+        raise TypeError(
+            f"FusedAdamW8bit: parameter {index} of its group is an FSDP2 DTensor; state_on_host keeps whole "
+            "tensors in host memory, FSDP2 already shards the state over the GPUs"
+        )
+    if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise TypeError(
+            f"FusedAdamW8bit: parameter {index} of its group is a DTensor placed {tuple(param.placements)} on "
+            f"a {param.device_mesh.ndim}-D mesh; the 8-bit state follows FSDP2's sharding only (Shard(0) on "
+            "a 1-D mesh)"
+        )
+
+
+def _largest_shard_numel(param: torch.Tensor) -> int:
+    """Elements of the largest local shard of a DTensor sharded on dim 0 (the first rank's: torch.chunk's
+    split, which FSDP2 and DTensor use, gives the leading ranks ceil(rows / world size) rows)."""
+    world = param.device_mesh.size()
+    rows = param.shape[0] if param.ndim else 1
+    return triton.cdiv(rows, world) * (param.numel() // rows if rows else 0)
+
+
+def _scales_shape(param: torch.Tensor, block_size: int) -> tuple[int, ...]:
+    """The (global) shape of a parameter's scales: one per block, or one row per rank under FSDP2."""
+    if hasattr(param, "to_local"):
+        return (param.device_mesh.size(), triton.cdiv(_largest_shard_numel(param), block_size))
+    return (triton.cdiv(param.numel(), block_size),)
+
+
+def _sharded_zero_state(param: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+    """Zero moments of an FSDP2 parameter (the module docstring's layout): codes a uint8 DTensor placed like
+    it, scales a (world size, blocks of the largest shard) DTensor, one row per rank."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = param.to_local()
+    mesh = param.device_mesh
+    shape = _scales_shape(param, block_size)
+    codes = {"dtype": torch.uint8, "memory_format": torch.contiguous_format}
+
+    def sharded(local_tensor: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+        stride = torch.empty(global_shape, device="meta").stride()
+        return DTensor.from_local(
+            local_tensor, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape), stride=stride
+        )
+
+    def scales() -> torch.Tensor:
+        return sharded(torch.zeros((1, shape[1]), dtype=torch.float32, device=local.device), shape)
+
+    return {
+        "exp_avg_codes": sharded(torch.zeros_like(local, **codes), tuple(param.shape)),
+        "exp_avg_scales": scales(),
+        "exp_avg_sq_codes": sharded(torch.zeros_like(local, **codes), tuple(param.shape)),
+        "exp_avg_sq_scales": scales(),
+    }
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Optimizer
 # ------------------------------------------------------------------------------------------------------------
@@ -444,11 +518,7 @@ class FusedAdamW8bit(FusedOptimizerState):
                         f"FusedAdamW8bit: parameters must be bfloat16 or float32, got {param.dtype}"
                     )
                 if hasattr(param, "to_local"):
-                    raise TypeError(
-                        f"FusedAdamW8bit: parameter {index} of its group is an FSDP2 DTensor, which the 8-bit "
-                        "state does not support yet (its blocks would not line up across world sizes); "
-                        "use FusedAdamW"
-                    )
+                    _check_sharding(param, index, state_on_host)
 
     def _launch_settings(self) -> AdamW8bitLaunchSettings:
         settings = adamw8bit_launch_settings(self.block_size)
@@ -460,7 +530,10 @@ class FusedAdamW8bit(FusedOptimizerState):
         return settings
 
     def _new_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        zeros = adamw8bit_zero_state(param, self.block_size)
+        if hasattr(param, "to_local"):
+            zeros = _sharded_zero_state(param, self.block_size)
+        else:
+            zeros = adamw8bit_zero_state(param, self.block_size)
         return {"step": torch.tensor(0.0, dtype=torch.float32), **zeros}
 
     def _launch(
@@ -477,7 +550,7 @@ class FusedAdamW8bit(FusedOptimizerState):
             _adamw8bit_kernel,
             params,
             grads,
-            [[state[name].data_ptr() for name in _STATE_KEYS] for state in states],
+            [[_local(state[name]).data_ptr() for name in _STATE_KEYS] for state in states],
             offsets,
             constants,
             step_key,
@@ -493,14 +566,25 @@ class FusedAdamW8bit(FusedOptimizerState):
         )
 
     def _check_saved(self, param_id: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
-        """The saved scales must be of this block size: the state's layout depends on it."""
-        blocks = triton.cdiv(param.numel(), self.block_size)
-        if saved["exp_avg_scales"].numel() != blocks:
+        """The saved scales must be of this block size and of this parameter's sharding (the world size under
+        FSDP2): the state's layout depends on both. (A DTensor's shape is its global one.)"""
+        expected = _scales_shape(param, self.block_size)
+        shape = tuple(saved["exp_avg_scales"].shape)
+        if shape == expected:
+            return
+        prefix = f"FusedAdamW8bit: the saved state of parameter {param_id}"
+        if len(shape) != len(expected) or (len(shape) == 2 and shape[0] != expected[0]):
+            saved_by = f"sharded over {shape[0]} FSDP2 ranks" if len(shape) == 2 else "unsharded"
+            here = f"sharded over {expected[0]} FSDP2 ranks" if len(expected) == 2 else "unsharded"
             raise ValueError(
-                f"FusedAdamW8bit: the saved state of parameter {param_id} has "
-                f"{saved['exp_avg_scales'].numel()} scales, block_size {self.block_size} needs {blocks}: "
-                "load it with the block_size it was saved with"
+                f"{prefix} was saved {saved_by}, and this run is {here}: the 8-bit blocks lie within each "
+                "rank's shard and are not requantized for another sharding; resume on the world size it was "
+                "saved on, or without the optimizer state"
             )
+        raise ValueError(
+            f"{prefix} has {saved['exp_avg_scales'].numel()} scales, block_size {self.block_size} needs "
+            f"{math.prod(expected)}: load it with the block_size it was saved with"
+        )
 
     def _loaded(self, param: torch.Tensor, saved: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Codes and scales as saved, exactly (uint8 and fp32)."""

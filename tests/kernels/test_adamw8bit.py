@@ -391,13 +391,36 @@ def test_bad_arguments_are_refused_with_the_field(device):
         FusedAdamW8bit([torch.nn.Parameter(torch.ones(3))], block_size=100)
 
 
-def test_fsdp2_parameters_are_refused_with_the_reason(one_process_group):
+def test_fsdp2_state_on_host_is_refused_with_the_reason(one_process_group):
     from torch.distributed.fsdp import fully_shard
 
     model = torch.nn.Linear(4, 4)
     fully_shard(model, mesh=one_process_group)
-    with pytest.raises(TypeError, match="FSDP2 DTensor, which the 8-bit state does not support yet"):
-        FusedAdamW8bit(model.parameters())
+    with pytest.raises(TypeError, match="FSDP2 DTensor; state_on_host keeps whole tensors"):
+        FusedAdamW8bit(model.parameters(), state_on_host=True)
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_update_their_shards_exactly_and_checkpoint(device):
+    """Two gloo ranks under torchrun (tests/kernels/fsdp_adamw8bit_ranks.py): each rank's shard, its tail
+    block masked, stepped bit for bit as the reference steps that shard alone; the state is the shard's; the
+    full-state-dict helpers round-trip it; an unsharded optimizer refuses it, naming both shardings."""
+    if device != "cpu":
+        pytest.skip("gloo ranks on CPU tensors, which the kernel runs on only under the interpreter")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    completed = subprocess.run(
+        [*command, str(root / "tests" / "kernels" / "fsdp_adamw8bit_ranks.py")],
+        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert "rank 0: ok" in output and "rank 1: ok" in output
 
 
 # ----------------------------------------------------------------------------------------------------------
