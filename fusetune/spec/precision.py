@@ -50,7 +50,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
             "adamw-8bit", 2,
             "fusetune.kernels.FusedAdamW8bit: FusedAdamW's update with both moments in 8-bit codes and one fp32 "
             "scale per 256-element block, requantized in the same launch",
-            state_dtype="uint8", scale_bytes_per_state=4 / 256, supports_fsdp=False, supports_host_state=True,
+            state_dtype="uint8", scale_bytes_per_state=4 / 256, supports_host_state=True,
         ),
     )
 }  # fmt: skip
@@ -132,7 +132,7 @@ PRECISIONS: dict[str, PrecisionMode] = {
             "bf16-sr-8bit", "bfloat16", "bfloat16", "adamw-8bit", needs_gpu=True,
             description="bf16-sr with the AdamW moments in 8 bits (fusetune.kernels.FusedAdamW8bit): about 2 "
             "bytes of optimizer state per parameter instead of 4, within 0.2% of fp32 master weights' eval "
-            "loss in tests/kernels/test_adamw_quality.py; not with FSDP",
+            "loss in tests/kernels/test_adamw_quality.py; under FSDP each rank quantizes its own shard",
             # "auto" on a GPU when only its smaller state fits (slower by the 8-bit step's overhead).
             auto_on=("gpu",),
         ),
@@ -147,7 +147,7 @@ PRECISIONS: dict[str, PrecisionMode] = {
         PrecisionMode(
             "fp8-8bit", "bfloat16", "bfloat16", "adamw-8bit", needs_gpu=True,
             description="fp8's float8 linear layers with bf16-sr-8bit's optimizer (the AdamW moments in 8 "
-            "bits): the fastest matmuls and the smallest optimizer state together; not with FSDP",
+            "bits): the fastest matmuls and the smallest optimizer state together",
             float8_linears=True, min_compute_capability=(8, 9),
         ),
     )

@@ -208,7 +208,9 @@ def test_nothing_is_coerced_and_a_non_finite_number_is_refused_as_such(client):
     assert error["param"] == "method.dpo.hyperparameters.beta", error
 
 
-def test_the_8bit_optimizer_state_is_refused_under_fsdp(client):
+def test_the_8bit_optimizer_state_runs_under_fsdp_but_not_in_host_memory_there(client):
+    """FusedAdamW8bit quantizes each rank's shard (tests/kernels/test_adamw8bit.py's two-rank test), so a job
+    may pin bf16-sr-8bit under FSDP; the state in host memory stays refused there (FSDP shards it already)."""
     uploaded = client.post(
         "/v1/files",
         files={"file": ("t.jsonl", ("\n".join([LINE] * 4)).encode())},
@@ -216,10 +218,12 @@ def test_the_8bit_optimizer_state_is_refused_under_fsdp(client):
     )
     hyperparameters = {"precision": "bf16-sr-8bit", "distributed": "fsdp", "n_gpus": 2, "batch_size": 4}
     body = {"model": "tiny", "training_file": uploaded.json()["id"], "hyperparameters": hyperparameters}
-    error = client.post("/v1/fine_tuning/jobs", json=body).json()["error"]
-    assert error["param"] == "hyperparameters.precision" and "FSDP" in error["message"], error
-    ddp = {**body, "hyperparameters": {**hyperparameters, "distributed": "ddp"}}
-    assert client.post("/v1/fine_tuning/jobs", json=ddp).status_code == 200
+    accepted = client.post("/v1/fine_tuning/jobs", json=body)
+    assert accepted.status_code == 200, accepted.json()
+    assert accepted.json()["hyperparameters"]["precision"] == "bf16-sr-8bit"
+    on_host = {**body, "hyperparameters": {**hyperparameters, "optimizer_state_on_host": True}}
+    error = client.post("/v1/fine_tuning/jobs", json=on_host).json()["error"]
+    assert error["param"] == "hyperparameters.optimizer_state_on_host" and "fsdp" in error["message"], error
 
 
 def test_a_method_setting_without_bounds_is_checked_by_its_type(client):

@@ -23,6 +23,7 @@ from fusetune.spec.planner import (
     PLANNABLE_FRACTION,
     TIME_COSTS,
     PlanError,
+    _choices,
     checkpoint_disk,
     plan_job,
     step_time_s,
@@ -212,7 +213,15 @@ def test_when_nothing_fits_the_refusal_names_plans_that_fit():
         assert again.fits and again.plan == alternative.plan
         assert again.estimate.peak_memory_bytes_per_gpu == alternative.peak_memory_bytes_per_gpu <= memory
     fsdp = changes["n_gpus 2 and distributed fsdp"].plan
-    assert fsdp.precision == "bf16-sr"  # the 8-bit optimizer does not run under FSDP
+    # The 8-bit state runs under FSDP: its smaller shards leave room to recompute fewer layers (19 of 32 against
+    # bf16-sr's 30 at the same micro-batch), which the time model ranks faster.
+    assert fsdp.precision == "bf16-sr-8bit"
+    same_gpus = {
+        **job.hyperparameters.model_dump(),
+        **changes["n_gpus 2 and distributed fsdp"].hyperparameters,
+    }
+    bf16_sr = JobSpec(hyperparameters=JobHyperparameters(**{**same_gpus, "precision": "bf16-sr"}))
+    assert plan_job(LLAMA_8B, bf16_sr, data, memory).plan.recompute_layers > fsdp.recompute_layers
     message = planned.refusal()
     assert "even with its smallest plan" in message and "more than the 40.0 GiB" in message
     assert (
@@ -223,7 +232,10 @@ def test_when_nothing_fits_the_refusal_names_plans_that_fit():
     tight = plan_job(
         LLAMA_8B, _job(max_seq_length=2048, optimizer_state_on_host=False), _data(2048), 16 * GIB
     )
-    assert [a.change for a in tight.alternatives] == ["n_gpus 8 and distributed fsdp"]
+    # The fewest GPUs that fit: 4, with the 8-bit state sharded (bf16-sr's 4-byte state needs 8).
+    assert [(a.change, a.plan.precision) for a in tight.alternatives] == [
+        ("n_gpus 4 and distributed fsdp", "bf16-sr-8bit")
+    ]
     assert not plan_job(LLAMA_8B, _job(optimizer_state_on_host=False), _data(), 4 * GIB).alternatives
 
 
@@ -270,10 +282,10 @@ def test_a_run_that_saves_nothing_before_its_end_needs_the_disk_of_its_final_che
     assert saves_before_the_end(_job(n_epochs=1, early_stopping={"patience": 2}), None, False, None)
 
 
-def test_a_pinned_precision_is_offered_its_smaller_optimizer_state_and_keeps_its_compute_under_fsdp():
+def test_a_pinned_precision_is_offered_its_smaller_optimizer_state_and_keeps_it_under_fsdp():
     """An 8B fp8 job at 8 x 8192 on a 64 GiB GPU: fp8's bf16 AdamW state leaves no plan that fits, fp8-8bit's
     8-bit state does, and the refusal names it (not bf16-sr-8bit, which would drop the float8 matmuls). A
-    pinned fp8-8bit job's FSDP alternative keeps float8 with the optimizer FSDP runs (fp8), not "auto"."""
+    pinned fp8-8bit job's FSDP alternative keeps fp8-8bit (its 8-bit optimizer runs under FSDP), not "auto"."""
     job, data, memory = _job(precision="fp8", optimizer_state_on_host=False), _data(), 64 * GIB
     planned = plan_job(LLAMA_8B, job, data, memory)
     assert planned.fits is False
@@ -284,7 +296,8 @@ def test_a_pinned_precision_is_offered_its_smaller_optimizer_state_and_keeps_its
 
     pinned = plan_job(LLAMA_8B, _job(precision="fp8-8bit", optimizer_state_on_host=False), data, 40 * GIB)
     fsdp = next(a for a in pinned.alternatives if a.change.startswith("n_gpus"))
-    assert fsdp.hyperparameters["precision"] == "fp8" and fsdp.plan.precision == "fp8"
+    # Its 8-bit optimizer runs under FSDP, so the alternative keeps the pinned precision as it is.
+    assert "precision" not in fsdp.hyperparameters and fsdp.plan.precision == "fp8-8bit"
     # "auto" plans over the state's precision itself: no precision alternative.
     on_gpu = _job(optimizer_state_on_host=False)
     assert not any(
@@ -326,3 +339,31 @@ def test_a_state_too_large_for_the_gpu_goes_to_host_memory():
     with pytest.raises(SpecError, match="cannot keep its state in host memory") as refused:
         JobSpec.from_request(None, request, example_count=8, base_learning_rate=1e-4)
     assert refused.value.field == "hyperparameters.optimizer_state_on_host"
+
+
+@pytest.mark.parametrize("n_gpus", [2, 4, 8])
+def test_the_8bit_modes_are_planned_under_fsdp_with_their_state_sharded(n_gpus):
+    """Under FSDP "auto" considers the 8-bit optimizer's modes (each rank quantizes its own shard), and a
+    rank's optimizer state is the whole state divided by the world size: the 8-bit modes' per-rank saving over
+    bf16-sr (2.03 bytes of state per parameter against 4) is the one-GPU saving divided by n_gpus."""
+    fsdp = {
+        "distributed": "fsdp",
+        "n_gpus": n_gpus,
+        "batch_size": 8 * n_gpus,
+        "optimizer_state_on_host": False,
+    }
+    precisions = _choices(LLAMA_8B, _job(**fsdp), on_gpu=True, memory_known=True)[0]
+    assert "bf16-sr-8bit" in precisions
+    assert precisions == _choices(LLAMA_8B, _job(), on_gpu=True, memory_known=True)[0]  # FSDP leaves none out
+
+    def weights_grads_optimizer(precision: str, **hyperparameters) -> int:
+        job = _job(precision=precision, **hyperparameters)
+        plan = MemoryPlan(1, LLAMA_8B.num_layers, 0, precision, False, False)
+        return estimate_job(LLAMA_8B, job, _data(), plan=plan).memory_breakdown["weights_grads_optimizer"]
+
+    one = {"optimizer_state_on_host": False}
+    saving_on_one = weights_grads_optimizer("bf16-sr", **one) - weights_grads_optimizer("bf16-sr-8bit", **one)
+    saving = weights_grads_optimizer("bf16-sr", **fsdp) - weights_grads_optimizer("bf16-sr-8bit", **fsdp)
+    # (4 - 2.03125) bytes per parameter over the 8B shape's parameters, on one GPU and on each of n_gpus.
+    assert saving_on_one == int(LLAMA_8B.parameter_count() * (4 - (2 + 2 * 4 / 256)))
+    assert abs(saving - saving_on_one / n_gpus) <= 1  # each estimate rounds its division down
