@@ -13,7 +13,8 @@ the mean time between two steps (Engine.on_step) is split into:
     rest       the scheduler's loop, admission checks and the read of the step's tokens
 
 The model never gives an end-of-turn token (the table's column for it is -inf), so every completion runs its
-length. The tokenizer is the demo's (byte-level BPE, 512 tokens; --vocab folds a larger vocabulary onto it).
+length. The tokenizer is the demo's (byte-level BPE, 512 tokens; --vocab folds a larger vocabulary onto it, through
+a wrapper whose decode is transformers' rather than the fast tokenizer's own).
 
     python3 -m benchmarks.serving.engine_host_step                       # 64 slots x 256 tokens, temperature 1
     python3 -m benchmarks.serving.engine_host_step --top-p 0.9
@@ -71,18 +72,13 @@ class _FoldedTokenizer:
     def decode(self, ids: list[int], **kwargs: Any) -> str:
         return self._tokenizer.decode([i % self._size for i in ids], **kwargs)
 
-    def convert_ids_to_tokens(self, ids: list[int], **kwargs: Any) -> Any:
-        return self._tokenizer.convert_ids_to_tokens([i % self._size for i in ids], **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tokenizer, name)
-
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
-    tokenizer = _FoldedTokenizer(build_tokenizer())
-    vocab = max(args.vocab, len(tokenizer._tokenizer))
-    size = len(tokenizer._tokenizer)
-    specials = set(tokenizer._tokenizer.all_special_ids)
+    demo = build_tokenizer()
+    size, specials = len(demo), set(demo.all_special_ids)
+    vocab = max(args.vocab, size)
+    # The demo tokenizer itself at its own vocabulary (what a real model's fast tokenizer is); folded beyond it.
+    tokenizer = demo if vocab == size else _FoldedTokenizer(demo)
     banned = {i for i in range(vocab) if i % size in specials}  # no end of turn, no text-less special token
     model = TableModel(vocab, banned, args.max_len)
     engine = Engine(idle_s=600, max_batch=args.requests, device=torch.device("cpu"), max_len=args.max_len)

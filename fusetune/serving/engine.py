@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fusetune.serving.detokenize import IncrementalDecoder
 from fusetune.serving.errors import ServingError
 from fusetune.serving.sampling import sample_rows, uniforms
 from fusetune.serving.slots import CUDA_STEP_COMPILE, SlotBatch
@@ -79,7 +80,8 @@ class Sequence:
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
     row: int | None = None  # the slot it owns while it decodes
-    text: str = ""
+    decoder: IncrementalDecoder | None = None
+    text: str = ""  # whole characters only: an unfinished one's tokens wait in the decoder
     sent_chars: int = 0
     finish_reason: str | None = None
 
@@ -183,7 +185,10 @@ class Engine:
         top_p = 1.0 if body.top_p is None else body.top_p
         for index in range(body.choices):
             seed = (base_seed * 1_000_003 + index) % (1 << 63)
-            request.sequences.append(Sequence(request, index, seed, temperature, top_p, max_tokens))
+            decoder = IncrementalDecoder(loaded.tokenizer)
+            request.sequences.append(
+                Sequence(request, index, seed, temperature, top_p, max_tokens, decoder=decoder)
+            )
         with self._lock:
             if self._paused:
                 raise ServingError(503, "The worker is training a job; chat completions resume after it.",
@@ -421,10 +426,12 @@ class Engine:
         body = sequence.request.body
         loaded = sequence.request.loaded
         if token in loaded.eos_token_ids:
-            self._finish(sequence, "stop", sequence.text)
+            self._finish(sequence, "stop", sequence.text + sequence.decoder.rest(sequence.tokens))
             return
         sequence.tokens.append(token)
-        text = loaded.tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+        # Only what the new token adds is decoded (fusetune/serving/detokenize.py): the text equals the whole
+        # list's decoding, less an unfinished character's tokens, which wait.
+        text = sequence.text + sequence.decoder.add(sequence.tokens)
         stops = body.stop_sequences
         # A stop string may have begun in text already sent only if it is longer than what came after it.
         search_from = max(0, sequence.sent_chars - max((len(s) for s in stops), default=0))
@@ -433,13 +440,12 @@ class Engine:
             self._finish(sequence, "stop", text[: min(found)])
             return
         if len(sequence.tokens) >= sequence.max_tokens:
-            self._finish(sequence, "length", text)
+            self._finish(sequence, "length", text + sequence.decoder.rest(sequence.tokens))
             return
         sequence.text = text
-        # Held back: an unfinished character (a token that ends mid UTF-8 sequence), and any end of the text that
-        # could be the start of a stop string.
-        safe = len(text.rstrip("\ufffd"))
-        safe -= max((_overlap(text[:safe], stop) for stop in stops), default=0)
+        # Held back (besides an unfinished character, not in the text yet): any end of the text that could be the
+        # start of a stop string.
+        safe = len(text) - max((_overlap(text, stop) for stop in stops), default=0)
         if safe > sequence.sent_chars:
             sequence.request.emit(("delta", sequence.index, text[sequence.sent_chars : safe]))
             sequence.sent_chars = safe
