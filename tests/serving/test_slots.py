@@ -257,3 +257,39 @@ def test_a_seeded_completion_is_the_same_alone_and_beside_another_request(model_
             engine.stop()
     assert len(runs[0]) >= 3, "the completion ends at once; pick another seed"
     assert runs[0] == runs[1]
+
+
+def test_each_sampled_token_is_the_draw_keyed_on_the_completions_seed_and_its_index(model_dir):
+    """The engine's sampled tokens (the prefill's first, then the slot steps') are sample_rows over the model's
+    next-token logits with the uniform of (the completion's seed, the token's index): recomputed here from a plain
+    forward over the prompt and the tokens so far."""
+    from fusetune.serving.sampling import sample_rows, uniforms
+
+    body = ChatCompletionCreate(
+        model="tiny", messages=[{"role": "user", "content": "hi there"}], temperature=0.8, top_p=0.9,
+        seed=21, max_completion_tokens=10, n=2,
+    )  # fmt: skip
+    engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
+    requests = _Requests(engine, model_dir)
+    try:
+        requests.submit("seeded", body)
+        requests.tokens("seeded")
+    finally:
+        engine.stop()
+    model, tokenizer = _load(model_dir)
+    prompt = requests.handles["seeded"].prompt_ids
+    eos = {tokenizer.eos_token_id, model.generation_config.eos_token_id}
+    completions = []
+    for sequence in requests.handles["seeded"].sequences:
+        expected: list[int] = []
+        while len(expected) < 10:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + expected])).logits[:, -1]
+            u = uniforms(torch.tensor([sequence.seed]), torch.tensor([len(expected)]))
+            token = int(sample_rows(logits, torch.tensor([0.8]), torch.tensor([0.9]), u)[0])
+            if token in eos:
+                break
+            expected.append(token)
+        assert sequence.tokens == expected
+        completions.append(expected)
+    assert completions[0] != completions[1]  # the two completions have seeds of their own
