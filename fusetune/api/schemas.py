@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from fusetune.spec.hyperparameters import HyperparametersRequest
 from fusetune.spec.integrations import Integrations
 from fusetune.spec.methods import DEFAULT_METHOD, MethodRequest
+from fusetune.spec.plan import MemoryPlan
 
 
 class _Request(BaseModel):
@@ -339,21 +340,10 @@ class DataCheckObject(BaseModel):
     )
 
 
-class MemoryPlanObject(BaseModel):
-    """A memory plan (fusetune/spec/plan.py); each part may be pinned by the job's hyperparameter of its name."""
-
-    micro_batch_size: int
-    recompute_layers: int
-    offload_layers: int
-    precision: str
-    optimizer_in_backward: bool
-    optimizer_state_on_host: bool = False
-
-
 class PlanAlternative(BaseModel):
     change: str = Field(description='what to change, e.g. "n_gpus 2 and distributed fsdp"')
     hyperparameters: dict[str, Any] = Field(description="the changed hyperparameters, as a request sends")
-    plan: MemoryPlanObject
+    plan: MemoryPlan
     plan_description: str
     peak_memory_bytes_per_gpu: int
 
@@ -368,7 +358,7 @@ class EstimateObject(BaseModel):
         description="sequences per forward on one GPU: the plan's (the worker plans again from the memory free "
         "when the job starts)"
     )
-    plan: MemoryPlanObject = Field(
+    plan: MemoryPlan = Field(
         description="the memory plan: the fastest that fits gpu_memory_bytes when the server knows it (its pins "
         "kept), else the job's settings and the defaults; when nothing fits, the plan of least memory"
     )
