@@ -45,6 +45,8 @@ SCRIPT_OPTIONS = {
     "benchmarks.quality.precision": ("--tiny", "--lrs", "--out"),
     "benchmarks.quality.float8": ("--tiny", "--lrs", "--impls", "--out"),
     "benchmarks.models.families_share": ("--model-types", "--out"),
+    "benchmarks.serving.chat_throughput": ("--requests", "--new-tokens", "--arrival-s", "--tiny", "--out"),
+    "benchmarks.serving.engine_host_step": ("--temperature", "--top-p"),
     "benchmarks.summary": ("--results", "--merge-in"),
 }
 
