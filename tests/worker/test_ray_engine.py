@@ -17,6 +17,7 @@ The layout rule (`plan_nodes`) is checked without a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,29 @@ def service(ray_test_cluster, tmp_path_factory):
         yield settings, client, file_id
 
 
+def _freeze_ranks(processes: dict[int, str]) -> None:
+    """SIGSTOP every rank (not the torchruns): frozen where they stand, the ranks cannot end the run first,
+    however fast the machine; torchrun's SIGTERM waits in a stopped rank, and SIGKILL still ends it."""
+    for pid, command in processes.items():
+        if "torch.distributed.run" not in command:
+            os.kill(pid, signal.SIGSTOP)
+
+
+@contextlib.contextmanager
+def _running(runner: JobRunner, client, job_id: str) -> Iterator[tuple[threading.Thread, list[str]]]:
+    """The job run by `runner` in a thread (its outcome appended to the list); a test that fails with the job
+    still running cancels it and waits, so that no training outlives the test."""
+    outcome: list[str] = []
+    worker = threading.Thread(target=lambda: outcome.append(runner.run(job_id)))
+    worker.start()
+    try:
+        yield worker, outcome
+    finally:
+        if worker.is_alive():
+            client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
+            worker.join(TIMEOUT_S)
+
+
 def _create_job(client, file_id: str, n_gpus: int, n_epochs: int = 1, batch_size: int = BATCH_SIZE):
     return client.post("/v1/fine_tuning/jobs", json={
         "model": MODEL, "training_file": file_id, "seed": 0,
@@ -216,13 +241,9 @@ def test_cancel_stops_the_ray_job_and_leaves_no_process_on_either_node(service):
     assert response.status_code == 200, response.text
     job_id = response.json()["id"]
     runner = JobRunner(settings, requeue=lambda job_id: None)
-    outcome: list[str] = []
-    worker = threading.Thread(target=lambda: outcome.append(runner.run(job_id)))
-    worker.start()
-    try:
-        # Cancelled once both nodes' torchruns have started their ranks, the ranks frozen where they stand so
-        # that the job cannot end by itself first, however fast the machine: torchrun's SIGTERM waits in a
-        # stopped rank, and the SIGKILL that follows the grace period ends it all the same.
+    with _running(runner, client, job_id) as (worker, outcome):
+        # Cancelled once both nodes' torchruns have started their ranks, the ranks frozen so that the job cannot
+        # end by itself first.
         marker = str(settings.runs_dir / job_id / CONFIG_FILE)
         processes = _wait_until(
             lambda: found if len(found := _job_processes(marker)) == 2 + 4 else None,
@@ -230,16 +251,10 @@ def test_cancel_stops_the_ray_job_and_leaves_no_process_on_either_node(service):
         )
         torchruns = [command for command in processes.values() if "torch.distributed.run" in command]
         assert sorted("--node-rank=0" in command for command in torchruns) == [False, True], processes
-        for pid, command in processes.items():
-            if "torch.distributed.run" not in command:
-                os.kill(pid, signal.SIGSTOP)
+        _freeze_ranks(processes)
         assert client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel").status_code == 200
         worker.join(TIMEOUT_S)
         assert not worker.is_alive()
-    finally:
-        if worker.is_alive():
-            client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
-            worker.join(TIMEOUT_S)
     assert outcome == ["cancelled"]
     assert _ray_job_status(settings.ray_address, job_id) == "STOPPED"
     # The Ray job is STOPPED only once its driver has exited, and the driver exits only once every node's
@@ -275,29 +290,19 @@ def test_a_lost_node_fails_the_job_over_and_the_retry_resumes_from_its_last_chec
     requeued: list[str] = []
     # A checkpoint at every step: the node is killed once the first is recorded.
     runner = JobRunner(settings.model_copy(update={"checkpoint_every_steps": 1}), requeue=requeued.append)
-    outcome: list[str] = []
-    worker = threading.Thread(target=lambda: outcome.append(runner.run(job_id)))
-    worker.start()
     run_dir = settings.runs_dir / job_id
-    try:
+    with _running(runner, client, job_id) as (worker, outcome):
         # Recorded in SQL, not only on disk: an attempt's unrecorded checkpoints are removed when it ends.
         _wait_until(
             lambda: client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"],
             "no checkpoint was recorded",
             interval_s=0.05,
         )
-        # Frozen where they stand, the ranks cannot end the run first however fast the machine.
-        for pid, command in _job_processes(str(run_dir / CONFIG_FILE)).items():
-            if "torch.distributed.run" not in command:
-                os.kill(pid, signal.SIGSTOP)
+        _freeze_ranks(_job_processes(str(run_dir / CONFIG_FILE)))
         (lost,) = cluster.worker_nodes  # the node that is not the head, where the driver runs
         cluster.remove_node(lost, allow_graceful=False)
         worker.join(TIMEOUT_S)
         assert not worker.is_alive()
-    finally:
-        if worker.is_alive():
-            client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel")
-            worker.join(TIMEOUT_S)
     assert outcome == ["queued"] and requeued == [job_id], "\n".join(_messages(client, job_id))
     assert not _job_processes(str(run_dir / CONFIG_FILE))
     saved = max(
