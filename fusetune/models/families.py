@@ -15,7 +15,7 @@ import dataclasses
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 CastingMode = Literal["llama", "gemma"]
 MlpLayout = Literal["split", "fused_gate_up"]
@@ -118,9 +118,11 @@ class FamilySpec:
             ) from error
 
 
-def _llama_like(model_type: str, family: str, *, prefix: str) -> FamilySpec:
-    """Row of a family that copies Llama's layout under its own class prefix (Mistral, Qwen2, Qwen3)."""
-    return FamilySpec(
+def _family(model_type: str, family: str, *, prefix: str, **differences: Any) -> FamilySpec:
+    """Row of a family whose classes are transformers.models.<family>.modeling_<family>'s `<prefix>ForCausalLM`,
+    `<prefix>RMSNorm`, `<prefix>MLP` and `<prefix>DecoderLayer`, laid out as Llama's (a prenorm decoder layer);
+    `differences` are the fields in which the family departs from Llama."""
+    llama_layout = FamilySpec(
         model_type=model_type,
         modeling_module=f"transformers.models.{family}.modeling_{family}",
         causal_lm_class=f"{prefix}ForCausalLM",
@@ -129,79 +131,39 @@ def _llama_like(model_type: str, family: str, *, prefix: str) -> FamilySpec:
         decoder_layer_class=f"{prefix}DecoderLayer",
         decoder_layout="prenorm",
     )
+    return dataclasses.replace(llama_layout, **differences)
 
 
-# One row per family, alike in shape on purpose: adding a family is adding a row, not copying a function.
+# Gemma's RMSNorm: computed in fp32 with the weight stored as an offset from 1, epsilon in `eps`.
+_GEMMA_NORM: dict[str, Any] = {"norm_casting_mode": "gemma", "norm_offset": 1.0, "norm_eps_attribute": "eps"}
+# Gemma 2 and 3 over Gemma: the sandwich layer, the activation under its other config name, soft-capped logits.
+_GEMMA2_LAYER: dict[str, Any] = {
+    "activation_config_attribute": "hidden_activation",
+    "decoder_layout": "sandwich",
+    "logit_softcap_config_attribute": "final_logit_softcapping",
+}
+
+# One row per family: adding a family is adding a row, not copying a function.
 FAMILIES: dict[str, FamilySpec] = {
     spec.model_type: spec
     for spec in (
-        _llama_like("llama", "llama", prefix="Llama"),
-        _llama_like("mistral", "mistral", prefix="Mistral"),
-        _llama_like("qwen2", "qwen2", prefix="Qwen2"),
-        _llama_like("qwen3", "qwen3", prefix="Qwen3"),
-        FamilySpec(
-            model_type="mixtral",
-            modeling_module="transformers.models.mixtral.modeling_mixtral",
-            causal_lm_class="MixtralForCausalLM",
-            norm_classes=("MixtralRMSNorm",),
-            experts_class="MixtralExperts",
-            decoder_layer_class="MixtralDecoderLayer",
-            decoder_layout="prenorm",
-            router_aux_loss=True,
+        _family("llama", "llama", prefix="Llama"),
+        _family("mistral", "mistral", prefix="Mistral"),
+        _family("qwen2", "qwen2", prefix="Qwen2"),
+        _family("qwen3", "qwen3", prefix="Qwen3"),
+        _family(
+            "mixtral", "mixtral", prefix="Mixtral",
+            mlp_class=None, experts_class="MixtralExperts", router_aux_loss=True,
         ),
-        FamilySpec(
-            model_type="phi3",
-            modeling_module="transformers.models.phi3.modeling_phi3",
-            causal_lm_class="Phi3ForCausalLM",
-            norm_classes=("Phi3RMSNorm",),
-            mlp_class="Phi3MLP",
-            mlp_layout="fused_gate_up",
-            decoder_layer_class="Phi3DecoderLayer",
-            decoder_layout="prenorm",
-            residual_dropout_attributes=("resid_attn_dropout", "resid_mlp_dropout"),
+        _family(
+            "phi3", "phi3", prefix="Phi3",
+            mlp_layout="fused_gate_up", residual_dropout_attributes=("resid_attn_dropout", "resid_mlp_dropout"),
         ),
-        FamilySpec(
-            model_type="gemma",
-            modeling_module="transformers.models.gemma.modeling_gemma",
-            causal_lm_class="GemmaForCausalLM",
-            norm_classes=("GemmaRMSNorm",),
-            norm_casting_mode="gemma",
-            norm_offset=1.0,
-            norm_eps_attribute="eps",
-            mlp_class="GemmaMLP",
-            decoder_layer_class="GemmaDecoderLayer",
-            decoder_layout="prenorm",
-        ),
-        FamilySpec(
-            model_type="gemma2",
-            modeling_module="transformers.models.gemma2.modeling_gemma2",
-            causal_lm_class="Gemma2ForCausalLM",
-            norm_classes=("Gemma2RMSNorm",),
-            norm_casting_mode="gemma",
-            norm_offset=1.0,
-            norm_eps_attribute="eps",
-            mlp_class="Gemma2MLP",
-            activation_config_attribute="hidden_activation",
-            decoder_layer_class="Gemma2DecoderLayer",
-            decoder_layout="sandwich",
-            logit_softcap_config_attribute="final_logit_softcapping",
-        ),
-        FamilySpec(
-            model_type="gemma3_text",
-            modeling_module="transformers.models.gemma3.modeling_gemma3",
-            causal_lm_class="Gemma3ForCausalLM",
-            norm_classes=("Gemma3RMSNorm",),
-            norm_casting_mode="gemma",
-            norm_offset=1.0,
-            norm_eps_attribute="eps",
-            mlp_class="Gemma3MLP",
-            activation_config_attribute="hidden_activation",
-            decoder_layer_class="Gemma3DecoderLayer",
-            decoder_layout="sandwich",
-            logit_softcap_config_attribute="final_logit_softcapping",
-        ),
+        _family("gemma", "gemma", prefix="Gemma", **_GEMMA_NORM),
+        _family("gemma2", "gemma2", prefix="Gemma2", **_GEMMA_NORM, **_GEMMA2_LAYER),
+        _family("gemma3_text", "gemma3", prefix="Gemma3", **_GEMMA_NORM, **_GEMMA2_LAYER),
     )
-}
+}  # fmt: skip
 
 
 def supported_model_types() -> list[str]:
