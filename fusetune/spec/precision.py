@@ -10,7 +10,7 @@ Adding a mode is one entry in `PRECISIONS`; adding an optimizer is one entry in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 AUTO = "auto"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "uint8": 1}
@@ -100,7 +100,36 @@ class PrecisionMode:
         return OPTIMIZERS[self.optimizer].state_bytes_per_parameter(self.weight_dtype)
 
 
-# One row per mode, alike in shape on purpose: a mode is data in this table, not code.
+def _with_float8_linears(mode: PrecisionMode, name: str, description: str) -> PrecisionMode:
+    """`mode` with the decoder's linear layers computing in float8: its weights, gradients and optimizer as they
+    are (`same_compute` pairs the float8 modes by this), on the GPUs with float8 tensor cores, never "auto"."""
+    return replace(
+        mode,
+        name=name,
+        description=description,
+        float8_linears=True,
+        min_compute_capability=(8, 9),
+        auto_on=(),
+    )
+
+
+_BF16_SR = PrecisionMode(
+    "bf16-sr", "bfloat16", "bfloat16", "adamw-stochastic-rounding", needs_gpu=True,
+    description="bf16 weights, gradients and AdamW state, the update stochastically rounded "
+    "(fusetune.kernels.FusedAdamW): the quality of fp32 master weights at half their memory "
+    "(tests/kernels/test_adamw_quality.py)",
+    # "auto"'s default on GPUs: it fine-tuned to the eval loss of fp32 master weights where plain bf16
+    # did not (tests/kernels/test_adamw_quality.py).
+    auto_on=("gpu",),
+)  # fmt: skip
+# Also "auto" on a GPU, when only its smaller state fits (slower by the 8-bit step's overhead).
+_BF16_SR_8BIT = replace(
+    _BF16_SR, name="bf16-sr-8bit", optimizer="adamw-8bit",
+    description="bf16-sr with the AdamW moments in 8 bits (fusetune.kernels.FusedAdamW8bit): about 2 "
+    "bytes of optimizer state per parameter instead of 4, within 0.2% of fp32 master weights' eval "
+    "loss in tests/kernels/test_adamw_quality.py; under FSDP each rank quantizes its own shard",
+)  # fmt: skip
+
 PRECISIONS: dict[str, PrecisionMode] = {
     mode.name: mode
     for mode in (
@@ -119,36 +148,19 @@ PRECISIONS: dict[str, PrecisionMode] = {
             description="bf16 weights and AdamW state, rounded to nearest: updates under about 2^-9 of a weight "
             "are lost, so fine-tuning at small learning rates barely moves many weights",
         ),
-        PrecisionMode(
-            "bf16-sr", "bfloat16", "bfloat16", "adamw-stochastic-rounding", needs_gpu=True,
-            description="bf16 weights, gradients and AdamW state, the update stochastically rounded "
-            "(fusetune.kernels.FusedAdamW): the quality of fp32 master weights at half their memory "
-            "(tests/kernels/test_adamw_quality.py)",
-            # "auto"'s default on GPUs: it fine-tuned to the eval loss of fp32 master weights where plain bf16
-            # did not (tests/kernels/test_adamw_quality.py).
-            auto_on=("gpu",),
-        ),
-        PrecisionMode(
-            "bf16-sr-8bit", "bfloat16", "bfloat16", "adamw-8bit", needs_gpu=True,
-            description="bf16-sr with the AdamW moments in 8 bits (fusetune.kernels.FusedAdamW8bit): about 2 "
-            "bytes of optimizer state per parameter instead of 4, within 0.2% of fp32 master weights' eval "
-            "loss in tests/kernels/test_adamw_quality.py; under FSDP each rank quantizes its own shard",
-            # "auto" on a GPU when only its smaller state fits (slower by the 8-bit step's overhead).
-            auto_on=("gpu",),
-        ),
-        PrecisionMode(
-            "fp8", "bfloat16", "bfloat16", "adamw-stochastic-rounding", needs_gpu=True,
-            description="bf16-sr's weights, gradients and AdamW state, with the decoder's linear layers "
+        _BF16_SR,
+        _BF16_SR_8BIT,
+        _with_float8_linears(
+            _BF16_SR, "fp8",
+            "bf16-sr's weights, gradients and AdamW state, with the decoder's linear layers "
             "computing in float8 (e4m3, dynamic scales; torchao's float8 training) and the output layer in "
             "bf16: float8 tensor cores run twice the bf16 rate; needs compute capability 8.9 or newer "
             "(H100, H200, L40S)",
-            float8_linears=True, min_compute_capability=(8, 9),
         ),
-        PrecisionMode(
-            "fp8-8bit", "bfloat16", "bfloat16", "adamw-8bit", needs_gpu=True,
-            description="fp8's float8 linear layers with bf16-sr-8bit's optimizer (the AdamW moments in 8 "
+        _with_float8_linears(
+            _BF16_SR_8BIT, "fp8-8bit",
+            "fp8's float8 linear layers with bf16-sr-8bit's optimizer (the AdamW moments in 8 "
             "bits): the fastest matmuls and the smallest optimizer state together",
-            float8_linears=True, min_compute_capability=(8, 9),
         ),
     )
 }  # fmt: skip
