@@ -28,6 +28,28 @@ app = typer.Typer(help="fusetune: a self-hosted fine-tuning service.", no_args_i
 log = logging.getLogger(__name__)
 
 
+def _command_group(name: str, help: str) -> typer.Typer:
+    """A `fusetune <name> ...` group of subcommands, registered on the app."""
+    group = typer.Typer(help=help)
+    app.add_typer(group, name=name)
+    return group
+
+
+# The command groups (`fusetune keys ...`); each group's subcommands follow its helpers below.
+keys_app = _command_group("keys", "Create, list and revoke API keys (each key belongs to one tenant).")
+families_app = _command_group(
+    "families", "The model families fusetune patches: its table, and families it recognises."
+)
+tenants_app = _command_group(
+    "tenants", "Operate on a tenant's data (the API has no route for this: it is an operator's act)."
+)
+models_app = _command_group(
+    "models", "The base models this host's server offers (folders in its models directory)."
+)
+files_app = _command_group("files", "Upload files to a server's API (as `POST /v1/files`).")
+jobs_app = _command_group("jobs", "Create, list, follow and cancel fine-tuning jobs through a server's API.")
+
+
 def _settings(data_dir: Path | None) -> Settings:
     overrides = {"data_dir": data_dir} if data_dir is not None else {}
     settings = Settings(**overrides)
@@ -235,10 +257,6 @@ class EmbeddedWorker:
         self._thread.join(timeout=5)
 
 
-keys_app = typer.Typer(help="Create, list and revoke API keys (each key belongs to one tenant).")
-app.add_typer(keys_app, name="keys")
-
-
 def _key_session(data_dir: Path | None):
     from fusetune.db.session import make_engine, make_session_factory
 
@@ -287,10 +305,6 @@ def keys_revoke(key_id: str, data_dir: DataDirOption = None) -> None:
         typer.echo(f"revoked {key_id}")
 
 
-families_app = typer.Typer(help="The model families fusetune patches: its table, and families it recognises.")
-app.add_typer(families_app, name="families")
-
-
 @families_app.command("propose")
 def families_propose(
     source: Annotated[
@@ -330,12 +344,6 @@ def families_propose(
     if recognition.spec is None:
         raise typer.Exit(1)
     typer.echo(proposed_row(recognition.spec))
-
-
-tenants_app = typer.Typer(
-    help="Operate on a tenant's data (the API has no route for this: it is an operator's act)."
-)
-app.add_typer(tenants_app, name="tenants")
 
 
 @tenants_app.command("limit")
@@ -415,10 +423,6 @@ def tenants_delete(
         f"deleted tenant '{tenant}': {deleted.files} files, {deleted.jobs} jobs, {deleted.checkpoints} "
         f"checkpoints, {deleted.api_keys} API keys"
     )
-
-
-models_app = typer.Typer(help="The base models this host's server offers (folders in its models directory).")
-app.add_typer(models_app, name="models")
 
 
 @models_app.command("add")
@@ -501,10 +505,6 @@ def _api(base_url: str | None, api_key: str | None) -> Iterator[client.Client]:
         raise typer.Exit(1) from error
 
 
-files_app = typer.Typer(help="Upload files to a server's API (as `POST /v1/files`).")
-app.add_typer(files_app, name="files")
-
-
 @files_app.command("upload")
 def files_upload(
     path: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="A JSON Lines file")],
@@ -517,10 +517,6 @@ def files_upload(
         uploaded = api.upload_file(path, purpose)
     typer.echo(f"{uploaded['filename']}: {uploaded.get('example_count')} examples", err=True)
     typer.echo(uploaded["id"])
-
-
-jobs_app = typer.Typer(help="Create, list, follow and cancel fine-tuning jobs through a server's API.")
-app.add_typer(jobs_app, name="jobs")
 
 
 @jobs_app.command("create")
