@@ -21,8 +21,8 @@ arrived and when it ended; the engine reports each decoding step (Engine.on_step
 
 Every completion must have exactly --new-tokens tokens: the model has no end-of-turn token (its generation config
 names none and the tokenizer is wrapped to name none), and the run fails if a completion's usage says otherwise.
-Random weights (seed 0), built on the GPU in bf16; the demo's tokenizer, its ids folded onto the tokens that decode
-to printable text (the model's vocabulary is the 1B shape's, the tokenizer's 512), so streamed chunks carry text.
+Random weights (seed 0), built on the GPU in bf16; the prompts written by the demo tokenizer's chat template and
+the completions decoded by a fast tokenizer of the model's vocabulary (benchmarks/workloads.py, BenchTokenizer).
 Sampling at temperature 1 over the whole vocabulary in both (the chat API's default), or --temperature.
 
     python3 -m benchmarks.serving.chat_throughput --out $OUT        # Llama-3.2-1B shape, 64 x 256, one GPU
@@ -59,7 +59,7 @@ import fusetune.models  # noqa: F401  (the kernels the engine patches the model 
 import fusetune.serving.engine  # noqa: F401  (imported by the server at its first request otherwise)
 from benchmarks import harness
 from benchmarks.harness import markdown_table
-from benchmarks.workloads import MODEL_SHAPES, build_config
+from benchmarks.workloads import MODEL_SHAPES, BenchTokenizer, build_config
 from fusetune.config import Settings
 from fusetune.demo.assets import build_tokenizer
 from fusetune.serving.engine import patch_for_decoding
@@ -68,30 +68,6 @@ from fusetune.spec.chat import TENANT_HEADER
 
 RESULTS = harness.Benchmark("chat-throughput", topic="service")
 MODEL_NAME = "bench-model"
-
-
-class _Tokenizer:
-    """The demo tokenizer with no end-of-turn token, whose decode folds the model's ids onto its printable tokens."""
-
-    eos_token_id = None
-
-    def __init__(self, tokenizer: Any):
-        self._tokenizer = tokenizer
-        specials = set(tokenizer.all_special_ids)
-        self._printable = [
-            i
-            for i in range(len(tokenizer))
-            if i not in specials and (text := tokenizer.decode([i])).isascii() and text.isprintable() and text
-        ]
-
-    def fold(self, ids: list[int]) -> list[int]:
-        return [self._printable[i % len(self._printable)] for i in ids]
-
-    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        return self._tokenizer.apply_chat_template(*args, **kwargs)
-
-    def decode(self, ids: list[int], **kwargs: Any) -> str:
-        return self._tokenizer.decode(self.fold(ids), **kwargs)
 
 
 class _OneModel:
@@ -116,6 +92,10 @@ def _prompts(count: int) -> list[list[dict[str, str]]]:
         ]
         for i in range(count)
     ]
+
+
+def bench_tokenizer(model: Any) -> BenchTokenizer:
+    return BenchTokenizer(build_tokenizer(), model.config.vocab_size)
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> Any:
@@ -203,7 +183,7 @@ def _percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
 
 
-def measure_serving(args: argparse.Namespace, model: Any, tokenizer: _Tokenizer) -> dict[str, Any]:
+def measure_serving(args: argparse.Namespace, model: Any, tokenizer: BenchTokenizer) -> dict[str, Any]:
     settings = Settings(
         serving_host="127.0.0.1", serving_port=0, serving_max_batch=args.requests, serving_max_len=args.max_len,
         serving_idle_s=3600,
@@ -309,11 +289,11 @@ def _ceiling_process(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args, device)
     if args._ceiling == "fusetune":
         patch_for_decoding(model)  # what the engine does to a model it loads
-    return measure_ceiling(args, model, _Tokenizer(build_tokenizer()), device)
+    return measure_ceiling(args, model, bench_tokenizer(model), device)
 
 
 def measure_ceiling(
-    args: argparse.Namespace, model: Any, tokenizer: _Tokenizer, device: torch.device
+    args: argparse.Namespace, model: Any, tokenizer: BenchTokenizer, device: torch.device
 ) -> dict:
     """`generate` over all prompts as one batch: static cache, decoding step compiled (on a GPU)."""
     ids = [
@@ -435,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         harness.smoke_out(args, "chat-throughput-")
     device_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    tokenizer = _Tokenizer(build_tokenizer())
     errors: list[str] = []
 
     def measured(what: str, measure: Any) -> dict[str, Any]:
@@ -454,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_hf_ceiling:
         ceilings["hf"] = measured("hf ceiling", lambda: run_ceiling(args, "hf"))
     model = build_model(args, device)
-    serving = measured("serving", lambda: measure_serving(args, model, tokenizer))
+    serving = measured("serving", lambda: measure_serving(args, model, bench_tokenizer(model)))
     payload = {
         **harness.run_meta(device_name), "model": args.model, "tiny": args.tiny,
         "transformers": transformers.__version__, "serving": serving, "ceilings": ceilings, "errors": errors,

@@ -16,17 +16,31 @@ The model never gives an end-of-turn token (the table's column for it is -inf), 
 length. The tokenizer is the demo's (byte-level BPE, 512 tokens; --vocab folds a larger vocabulary onto it, through
 a wrapper whose decode is transformers' rather than the fast tokenizer's own).
 
+With --model (a shape of benchmarks/workloads.py) the engine runs that model instead, random weights in bf16 on a
+GPU, patched and its step compiled as serving does (after an untimed round of 4-token requests that compiles it),
+and each launch is also timed on the device by CUDA events:
+
+    device_step       SlotBatch.step on the device (the one-shape step, replayed as CUDA graphs)
+    device_sampling   the sampling kernels after it
+
+so a step whose time is the device's shows `rest` (the wait for the step's tokens) near device_step +
+device_sampling, and one whose time is the host's shows them far below `step`. It also prints what dynamo counted:
+graphs compiled, graph breaks, and CUDA graphs skipped.
+
     python3 -m benchmarks.serving.engine_host_step                       # 64 slots x 256 tokens, temperature 1
     python3 -m benchmarks.serving.engine_host_step --top-p 0.9
+    python3 -m benchmarks.serving.engine_host_step --model llama-3.2-1b-shape --json $OUT/host-step.json   # GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -73,47 +87,36 @@ class _FoldedTokenizer:
         return self._tokenizer.decode([i % self._size for i in ids], **kwargs)
 
 
-def measure(args: argparse.Namespace) -> dict[str, float]:
+def _table_model(args: argparse.Namespace) -> tuple[Any, Any]:
     demo = build_tokenizer()
     size, specials = len(demo), set(demo.all_special_ids)
     vocab = max(args.vocab, size)
     # The demo tokenizer itself at its own vocabulary (what a real model's fast tokenizer is); folded beyond it.
     tokenizer = demo if vocab == size else _FoldedTokenizer(demo)
     banned = {i for i in range(vocab) if i % size in specials}  # no end of turn, no text-less special token
-    model = TableModel(vocab, banned, args.max_len)
-    engine = Engine(idle_s=600, max_batch=args.requests, device=torch.device("cpu"), max_len=args.max_len)
+    return TableModel(vocab, banned, args.max_len), tokenizer
 
-    spent = {"model": 0.0, "sampling": 0.0, "take": 0.0}
-    step, launch, take = SlotBatch.step, Engine._launch, Engine._take
 
-    def timed_step(self: SlotBatch) -> torch.Tensor:
-        start = time.perf_counter()
-        try:
-            return step(self)
-        finally:
-            spent["model"] += time.perf_counter() - start
+def _real_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A model of --model's shape, random weights in bf16 on the GPU, no end of turn (the engine patches it)."""
+    from transformers import AutoModelForCausalLM
 
-    def timed_launch(self: Engine, slots: SlotBatch) -> Any:
-        start, model_before = time.perf_counter(), spent["model"]
-        try:
-            return launch(self, slots)
-        finally:
-            spent["sampling"] += time.perf_counter() - start - (spent["model"] - model_before)
+    from benchmarks.workloads import BenchTokenizer, build_config
 
-    def timed_take(self: Engine, sequence: Any, token: int) -> None:
-        start = time.perf_counter()
-        try:
-            take(self, sequence, token)
-        finally:
-            spent["take"] += time.perf_counter() - start
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(build_config(args.model, tiny=False), dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    return model.eval(), BenchTokenizer(build_tokenizer(), model.config.vocab_size)
 
-    SlotBatch.step, Engine._launch, Engine._take = timed_step, timed_launch, timed_take
-    marks: list[tuple[int, float, dict[str, float]]] = []
-    engine.on_step = lambda key, busy, at: marks.append((busy, at, dict(spent)))
 
+def _run(
+    engine: Engine, model: Any, tokenizer: Any, args: argparse.Namespace, requests: int, tokens: int
+) -> None:
+    """`requests` chats of `tokens` tokens, all admitted in one pass: every step after the first runs them all."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    done = [threading.Event() for _ in range(args.requests)]
+    done = [threading.Event() for _ in range(requests)]
 
     def emitter(i: int) -> Any:
         queue: asyncio.Queue = asyncio.Queue()
@@ -127,30 +130,96 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     try:
         with engine._lock:  # all admitted in one pass: every step after the first runs every slot busy
-            for i in range(args.requests):
+            for i in range(requests):
                 body = ChatCompletionCreate(
-                    model="table", messages=[{"role": "user", "content": f"Request {i}: say something."}],
-                    max_completion_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    seed=i,
+                    model="bench", messages=[{"role": "user", "content": f"Request {i}: say something."}],
+                    max_completion_tokens=tokens, temperature=args.temperature, top_p=args.top_p, seed=i,
                 )  # fmt: skip
-                engine.submit("table", lambda: (model, tokenizer), body, emitter(i))
+                engine.submit("bench", lambda: (model, tokenizer), body, emitter(i))
         for event in done:
-            assert event.wait(600), "a request did not finish"
+            assert event.wait(900), "a request did not finish"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    on_gpu = args.model is not None
+    model, tokenizer = _real_model(args) if on_gpu else _table_model(args)
+    device = torch.device("cuda" if on_gpu else "cpu")
+    engine = Engine(idle_s=600, max_batch=args.requests, device=device, max_len=args.max_len)
+    if on_gpu:  # the step compiled and its CUDA graphs recorded, before anything is timed
+        _run(engine, model, tokenizer, args, args.requests, 4)
+
+    spent = {"model": 0.0, "sampling": 0.0, "take": 0.0}
+    # On a GPU, CUDA events around each launch: (start, the step's end, the sampling's end) on the device.
+    launches: list[tuple[Any, Any, Any]] = []
+    step_ends: list[Any] = []
+    step, launch, take = SlotBatch.step, Engine._launch, Engine._take
+
+    def event() -> Any:
+        recorded = torch.cuda.Event(enable_timing=True)
+        recorded.record()
+        return recorded
+
+    def timed_step(self: SlotBatch) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            spent["model"] += time.perf_counter() - start
+            if on_gpu:
+                step_ends.append(event())
+
+    def timed_launch(self: Engine, slots: SlotBatch) -> Any:
+        start, model_before = time.perf_counter(), spent["model"]
+        began = event() if on_gpu else None
+        try:
+            return launch(self, slots)
+        finally:
+            spent["sampling"] += time.perf_counter() - start - (spent["model"] - model_before)
+            if on_gpu:
+                launches.append((began, step_ends[-1], event()))
+
+    def timed_take(self: Engine, sequence: Any, token: int) -> None:
+        start = time.perf_counter()
+        try:
+            take(self, sequence, token)
+        finally:
+            spent["take"] += time.perf_counter() - start
+
+    SlotBatch.step, Engine._launch, Engine._take = timed_step, timed_launch, timed_take
+    marks: list[tuple[int, float, dict[str, float], int]] = []
+    engine.on_step = lambda key, busy, at: marks.append((busy, at, dict(spent), len(launches)))
+    try:
+        _run(engine, model, tokenizer, args, args.requests, args.new_tokens)
     finally:
         engine.stop()
         SlotBatch.step, Engine._launch, Engine._take = step, launch, take
-        loop.call_soon_threadsafe(loop.stop)
 
-    busy = [(at, counters) for slots_busy, at, counters in marks if slots_busy == args.requests]
-    gaps = {name: [] for name in ("step", "model", "sampling", "take")}
-    for (at0, c0), (at1, c1) in zip(busy, busy[1:], strict=False):
+    busy = [(at, counters, n) for slots_busy, at, counters, n in marks if slots_busy == args.requests]
+    gaps: dict[str, list[float]] = {name: [] for name in ("step", "model", "sampling", "take")}
+    device_step, device_sampling = [], []
+    for (at0, c0, n0), (at1, c1, n1) in zip(busy, busy[1:], strict=False):
         gaps["step"].append(at1 - at0)
         for name in ("model", "sampling", "take"):
             gaps[name].append(c1[name] - c0[name])
+        if on_gpu and n1 == n0 + 1:  # one launch between the two marks: that step's device times
+            began, stepped, ended = launches[n1 - 1]
+            ended.synchronize()
+            device_step.append(began.elapsed_time(stepped) / 1e3)
+            device_sampling.append(stepped.elapsed_time(ended) / 1e3)
     # Means, so the parts add up to the step (the rest is the difference).
-    result = {name: 1000 * statistics.fmean(values) for name, values in gaps.items()}
+    result: dict[str, Any] = {name: 1000 * statistics.fmean(values) for name, values in gaps.items()}
     result["rest"] = result["step"] - result["model"] - result["sampling"] - result["take"]
     result["all_busy_steps"] = len(gaps["step"])
+    if on_gpu:
+        from torch._dynamo.utils import counters
+
+        result["device_step"] = 1000 * statistics.fmean(device_step)
+        result["device_sampling"] = 1000 * statistics.fmean(device_sampling)
+        result["graphs_compiled"] = counters["stats"]["unique_graphs"]
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["cudagraph_skips"] = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k}
     return result
 
 
@@ -169,17 +238,26 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch's CPU threads (the host's work is serial)"
     )
+    parser.add_argument(
+        "--model", default=None,
+        help="a shape of benchmarks/workloads.py (llama-3.2-1b-shape): the real model on the GPU, instead of the table",
+    )  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result = measure(args)
+    what = args.model or f"vocab {args.vocab}"
     print(
         f"{args.requests} slots x {args.new_tokens} tokens, temperature {args.temperature}, top_p {args.top_p}, "
-        f"vocab {args.vocab}: mean over {result['all_busy_steps']} all-busy steps, ms per step"
+        f"{what}: mean over {result['all_busy_steps']} all-busy steps, ms per step"
     )
-    print(
-        "  "
-        + "  ".join(f"{name} {result[name]:.2f}" for name in ("step", "model", "sampling", "take", "rest"))
-    )
+    parts = ("step", "model", "sampling", "take", "rest", "device_step", "device_sampling")
+    print("  " + "  ".join(f"{name} {result[name]:.2f}" for name in parts if name in result))
+    if args.model:
+        print(f"  graphs compiled {result['graphs_compiled']}, graph breaks {result['graph_breaks']}, "
+              f"CUDA graph counters {result['cudagraph_skips']}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, **result}, indent=1))
 
 
 if __name__ == "__main__":
