@@ -9,9 +9,10 @@ appear when it ends.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
@@ -45,6 +46,23 @@ job_runs_router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["evals"])
 MAX_PAGE = 100
 Order = Annotated[Literal["asc", "desc"], Query(description="By creation time")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
+
+
+@dataclass(frozen=True)
+class Page:
+    """Which page of a list: the items after the id `after` (from the start when None), at most `limit`, by
+    creation time in `order`; as OpenAI pages evals, runs and output items alike."""
+
+    after: str | None
+    limit: int
+    order: Literal["asc", "desc"]
+
+
+def _page(after: str | None = None, limit: Limit = 20, order: Order = "asc") -> Page:
+    return Page(after, limit, order)
+
+
+PageDep = Annotated[Page, Depends(_page)]
 
 
 # ---- objects as OpenAI returns them -------------------------------------------------------------------------
@@ -227,11 +245,9 @@ def create_eval(body: EvalCreate, session: SessionDep, settings: SettingsDep, te
 
 
 @router.get("")
-def list_evals(
-    session: SessionDep, tenant: TenantDep, after: str | None = None, limit: Limit = 20, order: Order = "asc"
-) -> dict:
-    cursor = _get_eval(session, after, tenant) if after else None
-    rows, has_more = queries.page_evals(session, tenant, after=cursor, limit=limit, order=order)
+def list_evals(session: SessionDep, tenant: TenantDep, page: PageDep) -> dict:
+    cursor = _get_eval(session, page.after, tenant) if page.after else None
+    rows, has_more = queries.page_evals(session, tenant, after=cursor, limit=page.limit, order=page.order)
     return _list([eval_object(row) for row in rows], has_more)
 
 
@@ -301,17 +317,15 @@ def list_runs(
     eval_id: str,
     session: SessionDep,
     tenant: TenantDep,
-    after: str | None = None,
-    limit: Limit = 20,
-    order: Order = "asc",
+    page: PageDep,
     status: Annotated[
         str | None, Query(description="queued, in_progress, completed, canceled or failed")
     ] = None,
 ) -> dict:
     _get_eval(session, eval_id, tenant)
-    cursor = _get_run(session, eval_id, after, tenant) if after else None
-    rows, has_more = queries.page_eval_runs(session, eval_id, status=status, after=cursor, limit=limit,
-                                            order=order)  # fmt: skip
+    cursor = _get_run(session, eval_id, page.after, tenant) if page.after else None
+    rows, has_more = queries.page_eval_runs(session, eval_id, status=status, after=cursor, limit=page.limit,
+                                            order=page.order)  # fmt: skip
     return _list([run_object(row) for row in rows], has_more)
 
 
@@ -344,20 +358,18 @@ def list_output_items(
     run_id: str,
     session: SessionDep,
     tenant: TenantDep,
-    after: str | None = None,
-    limit: Limit = 20,
-    order: Order = "asc",
+    page: PageDep,
     status: Annotated[str | None, Query(description="pass, fail or error")] = None,
 ) -> dict:
     run = _get_run(session, eval_id, run_id, tenant)
     cursor = None
-    if after:
-        cursor = queries.get_output_item(session, run_id, after)
+    if page.after:
+        cursor = queries.get_output_item(session, run_id, page.after)
         if cursor is None:
-            raise not_found("output item", after, param="after")
+            raise not_found("output item", page.after, param="after")
     # OpenAI's `fail` filter names the items that did not pass.
-    rows, has_more = queries.page_output_items(session, run_id, status=status, after=cursor, limit=limit,
-                                               order=order)  # fmt: skip
+    rows, has_more = queries.page_output_items(session, run_id, status=status, after=cursor, limit=page.limit,
+                                               order=page.order)  # fmt: skip
     return _list([output_item_object(row, run) for row in rows], has_more)
 
 
