@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
+from sqlalchemy.orm import Session, sessionmaker
 
 from fusetune.capacity import workers_alive_since
 from fusetune.config import Settings
@@ -95,28 +96,21 @@ def _seed(data_source: CompletionsDataSource) -> int:
     return params.seed if params is not None and params.seed is not None else DEFAULT_SEED
 
 
+@dataclass(eq=False)
 class EvalRunner:
-    def __init__(
-        self,
-        settings: Settings,
-        session_factory,
-        storage: Storage,
-        locations: ModelLocations,
-        worker_name: str,
-        serving_engine: Callable[[], LazyEngine | None],
-    ):
-        self.settings = settings
-        self.session_factory = session_factory
-        self.storage = storage
-        self.locations = locations
-        self.worker_name = worker_name
-        self._serving_engine = serving_engine
-        self._own_engine: LazyEngine | None = None
+    settings: Settings
+    session_factory: sessionmaker[Session]
+    storage: Storage
+    locations: ModelLocations
+    worker_name: str
+    # The worker's chat engine, asked at each run: None on a worker that serves no chat.
+    serving_engine: Callable[[], LazyEngine | None]
+    _own_engine: LazyEngine | None = field(default=None, init=False)
 
     def engine(self) -> LazyEngine:
         """The worker's chat completions engine (its models stay warm for chat), or, on a worker that serves
         none, one of the runner's own, built (torch imported) at its first run."""
-        engine = self._serving_engine()
+        engine = self.serving_engine()
         if engine is not None:
             return engine
         if self._own_engine is None:
