@@ -643,8 +643,12 @@ class FusedOptimizerState(torch.optim.Optimizer):
         """One kernel launch over `members` (non-empty, one dtype combination, device and step)."""
         raise NotImplementedError
 
-    def _check_saved(self, param_id: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
-        """Refuse a saved state this optimizer cannot take (before anything is loaded)."""
+    def _saved_in_this_layout(
+        self, param_id: int, param: torch.Tensor, saved: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`param`'s saved state as this optimizer lays it out (before anything is loaded): the saved dict itself
+        when its layout is this one's, converted when it can be, refused when it cannot."""
+        return saved
 
     def _loaded(self, param: torch.Tensor, saved: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A copy of one saved state tensor of `param`, on `device`, as this optimizer keeps it."""
@@ -733,7 +737,9 @@ class FusedOptimizerState(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, each state tensor copied from the saved one by the subclass's `_loaded`.
+        """Load a state dict: each parameter's saved state put in this optimizer's layout by the subclass's
+        `_saved_in_this_layout` (FusedAdamW8bit requantizes a state saved on another sharding), then each state
+        tensor copied from it by the subclass's `_loaded`.
 
         torch.optim.Optimizer casts floating state to the parameter's dtype on load, which would round an fp32
         state of bf16 parameters to bf16, or turn codes and fp32 scales into bf16; the state tensors are made
@@ -746,6 +752,7 @@ class FusedOptimizerState(torch.optim.Optimizer):
         params = [param for group in self.param_groups for param in group["params"]]
         # Not strict: torch's load refuses groups of other sizes, with its own message.
         saved_states = []
+        converted: dict[Any, dict[str, Any]] = {}
         for param_id, param in zip(saved_ids, params, strict=False):
             saved = state_dict["state"].get(param_id)
             if not saved:
@@ -756,8 +763,12 @@ class FusedOptimizerState(torch.optim.Optimizer):
                     f"{name}: the saved state of parameter {param_id} has no {missing} (a checkpoint of "
                     "another optimizer?)"
                 )
-            self._check_saved(param_id, param, saved)
-            saved_states.append((param, saved))
+            in_this_layout = self._saved_in_this_layout(param_id, param, saved)
+            if in_this_layout is not saved:
+                converted[param_id] = in_this_layout
+            saved_states.append((param, in_this_layout))
+        if converted:
+            state_dict = {**state_dict, "state": {**state_dict["state"], **converted}}
         super().load_state_dict(state_dict if self.host_state is None else {**state_dict, "state": {}})
         for param, saved in saved_states:
             state = self.state[param]

@@ -62,15 +62,21 @@ the codes shaped and placed like the parameter; the scales as a (world size, blo
 tensor sharded on dim 0, one row per rank (a smaller shard's row ends in unused zeros). The blocks differ from
 one process's (a block that straddles two shards there is two blocks here), so the same run on another number
 of ranks rounds its moments differently: the curves agree within the codes' quantization step, not bit for bit.
-A checkpoint's scales are those of its world size's shards: `load_state_dict` refuses, naming both, a state
-saved on another number of ranks or by an unsharded optimizer (and an unsharded one a sharded state). Resuming
-on another world size would need the blocks requantized, which is not done; resume on the same one, or drop the
-optimizer state.
+A checkpoint's scales are those of its world size's shards, the (world size, blocks) shape says which, and the
+parameter's shape and the number of blocks say the block size (two block sizes give the same number of blocks
+only when each holds a whole shard, where their blocks are the same). `load_state_dict` loads a state saved in
+this optimizer's layout as it is, and converts one saved in another (another number of ranks, unsharded or
+sharded, another block size): each element's moments are decoded against its block's scale in the saved layout
+(codes x scale, the full tensor's fp32 values) and encoded again in this layout's blocks, per shard under FSDP2,
+per tensor unsharded, with fresh scales. Those codes are rounded to nearest, not stochastically: the conversion
+happens once per resume, so the bias that keeps nearest codes from following a falling gradient (above) has no
+steps to build up in, and its error is at most half a code step of the new block (the step's own rounding leaves
+up to one). What cannot be converted is refused naming both: a state of a parameter of another shape, or
+scales that no sharding and block size of this parameter give.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -323,9 +329,10 @@ def dequantize_moments(
 
 
 def _quantize_reference(
-    values: torch.Tensor, random16: torch.Tensor, mantissa_bits: int, block_size: int, signed: bool
+    values: torch.Tensor, random16: torch.Tensor | int, mantissa_bits: int, block_size: int, signed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 codes and fp32 block scales of fp32 `values` (the kernel's requantization)."""
+    """uint8 codes and fp32 block scales of fp32 `values` (the kernel's requantization; `random16` an int
+    gives every element the same bits, as _NEAREST does)."""
     magnitude = values.abs()
     scales = _block_max(magnitude, block_size)
     divisor = _per_element(torch.where(scales > 0, scales, 1.0), values.shape, block_size)
@@ -429,46 +436,193 @@ def _check_sharding(param: torch.Tensor, index: int, state_on_host: bool) -> Non
         )
 
 
-def _largest_shard_numel(param: torch.Tensor) -> int:
-    """Elements of the largest local shard of a DTensor sharded on dim 0 (the first rank's: torch.chunk's
-    split, which FSDP2 and DTensor use, gives the leading ranks ceil(rows / world size) rows)."""
-    world = param.device_mesh.size()
-    rows = param.shape[0] if param.ndim else 1
-    return triton.cdiv(rows, world) * (param.numel() // rows if rows else 0)
+def _shard_bounds(shape: torch.Size, world_size: int) -> list[tuple[int, int]]:
+    """The [start, end) elements of each rank's shard of a tensor of `shape` sharded on dim 0 over `world_size`
+    ranks: torch.chunk's split, which FSDP2 and DTensor use, gives the leading ranks ceil(rows / world size)
+    rows each, the last ones what is left (possibly nothing). A 0-d tensor is one row."""
+    rows = shape[0] if len(shape) else 1
+    row_numel = shape.numel() // rows if rows else 0
+    rows_per_shard = triton.cdiv(rows, world_size)
+    return [
+        (min(rank * rows_per_shard, rows) * row_numel, min((rank + 1) * rows_per_shard, rows) * row_numel)
+        for rank in range(world_size)
+    ]
+
+
+@dataclass(frozen=True)
+class _QuantizationLayout:
+    """Where a parameter's quantization blocks lie: `block_size` elements each, from the first element of each
+    of `world_size` FSDP2 shards (the module docstring's layout), or of the whole tensor when `world_size` is
+    None (an unsharded optimizer)."""
+
+    world_size: int | None
+    block_size: int
+
+    def shards(self, shape: torch.Size) -> list[tuple[int, int]]:
+        """The [start, end) elements of each run of blocks: each rank's shard, or the whole tensor."""
+        if self.world_size is None:
+            return [(0, shape.numel())]
+        return _shard_bounds(shape, self.world_size)
+
+    def scales_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        """The (global) shape of the scales: one per block, or one row per rank of the largest shard's."""
+        if self.world_size is None:
+            return (triton.cdiv(shape.numel(), self.block_size),)
+        largest = max(end - start for start, end in self.shards(shape))
+        return (self.world_size, triton.cdiv(largest, self.block_size))
+
+    def describe(self) -> str:
+        where = "unsharded" if self.world_size is None else f"sharded over {self.world_size} FSDP2 ranks"
+        return f"{where}, blocks of {self.block_size}"
+
+
+def _layout_of(param: torch.Tensor, block_size: int) -> _QuantizationLayout:
+    """The layout an optimizer of `block_size` keeps `param`'s state in."""
+    return _QuantizationLayout(param.device_mesh.size() if hasattr(param, "to_local") else None, block_size)
 
 
 def _scales_shape(param: torch.Tensor, block_size: int) -> tuple[int, ...]:
     """The (global) shape of a parameter's scales: one per block, or one row per rank under FSDP2."""
-    if hasattr(param, "to_local"):
-        return (param.device_mesh.size(), triton.cdiv(_largest_shard_numel(param), block_size))
-    return (triton.cdiv(param.numel(), block_size),)
+    return _layout_of(param, block_size).scales_shape(param.shape)
+
+
+def _sharded(local: torch.Tensor, param: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """`local` as this rank's part of a DTensor of `global_shape`, sharded on dim 0 over `param`'s mesh."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    stride = torch.empty(global_shape, device="meta").stride()
+    return DTensor.from_local(
+        local, param.device_mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape), stride=stride
+    )
 
 
 def _sharded_zero_state(param: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
     """Zero moments of an FSDP2 parameter (the module docstring's layout): codes a uint8 DTensor placed like
     it, scales a (world size, blocks of the largest shard) DTensor, one row per rank."""
-    from torch.distributed.tensor import DTensor, Shard
-
     local = param.to_local()
-    mesh = param.device_mesh
     shape = _scales_shape(param, block_size)
     codes = {"dtype": torch.uint8, "memory_format": torch.contiguous_format}
 
-    def sharded(local_tensor: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
-        stride = torch.empty(global_shape, device="meta").stride()
-        return DTensor.from_local(
-            local_tensor, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape), stride=stride
-        )
-
     def scales() -> torch.Tensor:
-        return sharded(torch.zeros((1, shape[1]), dtype=torch.float32, device=local.device), shape)
+        return _sharded(torch.zeros((1, shape[1]), dtype=torch.float32, device=local.device), param, shape)
 
     return {
-        "exp_avg_codes": sharded(torch.zeros_like(local, **codes), tuple(param.shape)),
+        "exp_avg_codes": _sharded(torch.zeros_like(local, **codes), param, tuple(param.shape)),
         "exp_avg_scales": scales(),
-        "exp_avg_sq_codes": sharded(torch.zeros_like(local, **codes), tuple(param.shape)),
+        "exp_avg_sq_codes": _sharded(torch.zeros_like(local, **codes), param, tuple(param.shape)),
         "exp_avg_sq_scales": scales(),
     }
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Conversion of a state saved in another layout (the module docstring's last paragraph)
+# ------------------------------------------------------------------------------------------------------------
+
+# The block sizes FusedAdamW8bit takes (powers of two from 32 to 4096): those a saved state may have used.
+_BLOCK_SIZES = tuple(2**exponent for exponent in range(5, 13))
+# 16 "random" bits at half their range: the codes' rounding becomes round to nearest (ties up).
+_NEAREST = 0x8000
+
+
+def _saved_layout(
+    shape: torch.Size, scales_shape: tuple[int, ...], preferred_block_size: int
+) -> _QuantizationLayout | None:
+    """The layout whose scales a parameter of `shape` has in `scales_shape`, or None if no layout gives it.
+    Where several block sizes do (each block then holds a whole shard), their blocks are the same; the
+    preferred one is taken."""
+    if len(scales_shape) == 1:
+        world_size = None
+    elif len(scales_shape) == 2 and scales_shape[0] >= 1:
+        world_size = scales_shape[0]
+    else:
+        return None
+    for block_size in (preferred_block_size, *_BLOCK_SIZES):
+        layout = _QuantizationLayout(world_size, block_size)
+        if layout.scales_shape(shape) == scales_shape:
+            return layout
+    return None
+
+
+def _element_range(param: torch.Tensor) -> tuple[int, int]:
+    """The [start, end) elements of the whole tensor that this rank keeps of `param`: its shard's, or all."""
+    if not hasattr(param, "to_local"):
+        return 0, param.numel()
+    return _shard_bounds(param.shape, param.device_mesh.size())[param.device_mesh.get_local_rank()]
+
+
+def _saved_elements(saved: torch.Tensor, param: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of a saved tensor shaped like `param`, flat: the local part of a DTensor placed
+    like `param` (torch's full-state-dict loader splits the saved tensor so), else cut from the whole one."""
+    if hasattr(saved, "to_local"):
+        if (
+            hasattr(param, "to_local")
+            and saved.device_mesh == param.device_mesh
+            and tuple(saved.placements) == tuple(param.placements)
+        ):
+            return saved.to_local().reshape(-1)
+        saved = saved.full_tensor()
+    return saved.reshape(-1)[start:end]
+
+
+def _saved_element_scales(
+    scales: torch.Tensor, layout: _QuantizationLayout, shape: torch.Size, start: int, end: int
+) -> torch.Tensor:
+    """The fp32 scale of each element [start, end) of a tensor of `shape`: its block's in `layout`, whose
+    scales are `scales` (the whole (shards, blocks) tensor, or (1, blocks) unsharded)."""
+    pieces = []
+    for shard, (shard_start, shard_end) in enumerate(layout.shards(shape)):
+        first, last = max(shard_start, start), min(shard_end, end)
+        if first >= last:
+            continue
+        first_block = (first - shard_start) // layout.block_size
+        end_block = triton.cdiv(last - shard_start, layout.block_size)
+        per_element = scales[shard, first_block:end_block].repeat_interleave(layout.block_size)
+        skipped = first - shard_start - first_block * layout.block_size
+        pieces.append(per_element[skipped : skipped + last - first])
+    if not pieces:
+        return torch.zeros(0, dtype=torch.float32, device=scales.device)
+    return torch.cat(pieces)
+
+
+def _decoded(codes: torch.Tensor, scales: torch.Tensor, mantissa_bits: int, signed: bool) -> torch.Tensor:
+    """fp32 values of uint8 `codes` against their elements' `scales` (codes x scale, the sign bit for m)."""
+    code = codes.to(torch.int64)
+    magnitude = _decode_reference(code & 0x7F if signed else code, mantissa_bits) * scales
+    return torch.where(code >= _SIGN_BIT, -magnitude, magnitude) if signed else magnitude
+
+
+def _requantized(
+    param: torch.Tensor, saved: dict[str, torch.Tensor], there: _QuantizationLayout, here: _QuantizationLayout
+) -> dict[str, torch.Tensor]:
+    """`param`'s saved codes and scales, laid out in `there`, decoded and encoded again (rounded to nearest)
+    in `here`: this rank's part, as _new_state keeps it. Collective under FSDP2 (every rank gathers the saved
+    scales whole: a rank's elements may lie in blocks another rank's row holds)."""
+    shape = param.shape
+    start, end = _element_range(param)
+    moments = {}
+    for name, mantissa_bits, signed in (
+        ("exp_avg", EXP_AVG_MANTISSA_BITS, True),
+        ("exp_avg_sq", EXP_AVG_SQ_MANTISSA_BITS, False),
+    ):
+        scales = saved[f"{name}_scales"]
+        scales = (scales.full_tensor() if hasattr(scales, "to_local") else scales).to(torch.float32)
+        codes = _saved_elements(saved[f"{name}_codes"], param, start, end)
+        element_scales = _saved_element_scales(
+            scales.reshape(len(there.shards(shape)), -1), there, shape, start, end
+        )
+        values = _decoded(codes, element_scales.to(codes.device), mantissa_bits, signed)
+        new_codes, new_scales = _quantize_reference(values, _NEAREST, mantissa_bits, here.block_size, signed)
+        if here.world_size is None:
+            moments[f"{name}_codes"] = new_codes.view(shape)
+            moments[f"{name}_scales"] = new_scales
+        else:
+            local_shape = param.to_local().shape
+            scales_shape = here.scales_shape(shape)
+            row = torch.zeros((1, scales_shape[1]), dtype=torch.float32, device=new_scales.device)
+            row[0, : new_scales.numel()] = new_scales
+            moments[f"{name}_codes"] = _sharded(new_codes.view(local_shape), param, tuple(shape))
+            moments[f"{name}_scales"] = _sharded(row, param, scales_shape)
+    return moments
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -565,26 +719,34 @@ class FusedAdamW8bit(FusedOptimizerState):
             R_MANTISSA_BITS=EXP_AVG_SQ_MANTISSA_BITS,
         )
 
-    def _check_saved(self, param_id: int, param: torch.Tensor, saved: dict[str, Any]) -> None:
-        """The saved scales must be of this block size and of this parameter's sharding (the world size under
-        FSDP2): the state's layout depends on both. (A DTensor's shape is its global one.)"""
-        expected = _scales_shape(param, self.block_size)
-        shape = tuple(saved["exp_avg_scales"].shape)
-        if shape == expected:
-            return
+    def _saved_in_this_layout(
+        self, param_id: int, param: torch.Tensor, saved: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The saved state as it is when its scales are of this optimizer's layout (this block size, this
+        parameter's sharding: a DTensor's shape is its global one); else converted from the layout its scales'
+        shape says (the module docstring's last paragraph), or refused if none does."""
+        here = _layout_of(param, self.block_size)
+        shape = param.shape
+        scales_shape = tuple(saved["exp_avg_scales"].shape)
+        if scales_shape == here.scales_shape(shape) and tuple(saved["exp_avg_codes"].shape) == tuple(shape):
+            return saved
         prefix = f"FusedAdamW8bit: the saved state of parameter {param_id}"
-        if len(shape) != len(expected) or (len(shape) == 2 and shape[0] != expected[0]):
-            saved_by = f"sharded over {shape[0]} FSDP2 ranks" if len(shape) == 2 else "unsharded"
-            here = f"sharded over {expected[0]} FSDP2 ranks" if len(expected) == 2 else "unsharded"
+        codes_shape = tuple(saved["exp_avg_codes"].shape)
+        if codes_shape != tuple(shape) or tuple(saved["exp_avg_sq_codes"].shape) != tuple(shape):
             raise ValueError(
-                f"{prefix} was saved {saved_by}, and this run is {here}: the 8-bit blocks lie within each "
-                "rank's shard and are not requantized for another sharding; resume on the world size it was "
-                "saved on, or without the optimizer state"
+                f"{prefix} has codes shaped {codes_shape}, and this parameter is shaped {tuple(shape)}: a state "
+                "of another parameter cannot be converted (a checkpoint of another model, or of its parameters "
+                "in another order?)"
             )
-        raise ValueError(
-            f"{prefix} has {saved['exp_avg_scales'].numel()} scales, block_size {self.block_size} needs "
-            f"{math.prod(expected)}: load it with the block_size it was saved with"
-        )
+        there = _saved_layout(shape, scales_shape, self.block_size)
+        if there is None or tuple(saved["exp_avg_sq_scales"].shape) != scales_shape:
+            raise ValueError(
+                f"{prefix} has scales shaped {scales_shape} (exp_avg) and "
+                f"{tuple(saved['exp_avg_sq_scales'].shape)} (exp_avg_sq), which no sharding and block size "
+                f"(32 to 4096) of a parameter shaped {tuple(shape)} give: it cannot be converted to this "
+                f"run's layout ({here.describe()})"
+            )
+        return {**saved, **_requantized(param, saved, there, here)}
 
     def _loaded(self, param: torch.Tensor, saved: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Codes and scales as saved, exactly (uint8 and fp32)."""

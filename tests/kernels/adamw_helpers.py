@@ -2,8 +2,9 @@
 (fixed random parameters and gradients), the step loops of an optimizer and of its reference, the exact
 comparison of weights and state, the hyperparameters and the tolerances against torch.optim.AdamW (the update is
 the same in both), and the checks both optimizers must pass the same way (a zero learning rate, a non-finite
-norm, a resumed state dict, refused arguments, the real-size comparison on a GPU). Each test file keeps its
-shapes and what is its kernel's alone."""
+norm, a resumed state dict, refused arguments, the real-size comparison on a GPU), and the one-code-step bound of
+FusedAdamW8bit's moments (its tests and their torchrun ranks). Each test file keeps its shapes and what is its
+kernel's alone."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ TOLERANCES = {
 }
 HYPERPARAMETERS = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
 STEPS = 3
+
+
+def assert_within_one_code_step(stored, exact, scales, mantissa_bits, block_size=256) -> None:
+    """Each stored 8-bit moment is within one code step of the exact one: 2^-mantissa_bits of the exact value's
+    magnitude, or of 2^-14 of its block's scale (the subnormal codes' step) if that is larger. `scales`: one
+    per block of `block_size` consecutive elements of the flattened tensors."""
+    block_scale = scales.repeat_interleave(block_size)[: exact.numel()].view(exact.shape)
+    step = torch.maximum(exact.abs(), block_scale * 2.0**-14) * 2.0**-mantissa_bits
+    error = (stored - exact).abs()
+    assert torch.all(error <= step * (1 + 2.0**-12)), (
+        f"largest error / code step {(error / step).max().item()}"
+    )
 
 
 def random_tensors(shapes, dtype, device, seed, scale=1.0) -> list[torch.Tensor]:

@@ -1,10 +1,12 @@
-"""Mutation tests' one tool: a copy of a Triton kernel with one source edit, to show that a test fails a
-wrong kernel."""
+"""Mutation tests' tools: a copy of a Triton kernel, or of a plain Python function, with one source edit, to show
+that a test fails a wrong kernel or function."""
 
 from __future__ import annotations
+import __future__
 
 import inspect
 import re
+import textwrap
 import uuid
 
 
@@ -54,3 +56,18 @@ def _helper_paths(function, seen: frozenset = frozenset()) -> list[list]:
 def _is_jit_function(value) -> bool:
     """A @triton.jit function: a JITFunction on the GPU, an InterpretedFunction under TRITON_INTERPRET=1."""
     return inspect.isfunction(getattr(value, "fn", None)) and hasattr(value, "arg_names")
+
+
+def mutated_function(function, old: str, new: str, *, count: int = 1):
+    """A copy of the module-level Python function ``function`` with ``old`` replaced by ``new`` (``count``
+    times), run with its module's globals: monkeypatched over the original, it is what the module's callers
+    call."""
+    source = textwrap.dedent(inspect.getsource(function))
+    assert source.count(old) == count, f"mutation anchor found {source.count(old)} times: {old!r}"
+    namespace = dict(function.__globals__)
+    # Annotations stay strings, as in the module (which has `from __future__ import annotations`).
+    flags = __future__.annotations.compiler_flag
+    exec(
+        compile(source.replace(old, new), f"<mutant of {function.__name__}>", "exec", flags=flags), namespace
+    )
+    return namespace[function.__name__]

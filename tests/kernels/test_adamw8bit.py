@@ -34,20 +34,21 @@ from tests.kernels.adamw_helpers import (
     assert_a_non_finite_norm_changes_nothing,
     assert_bad_arguments_are_refused_with_the_field,
     assert_same_weights_and_state,
+    assert_within_one_code_step,
     random_tensors,
     resume_on_copies,
     run_optimizer,
     run_reference,
     step_on,
 )
-from tests.kernels.mutation import mutated_kernel
+from tests.kernels.mutation import mutated_function, mutated_kernel
 
 # TOLERANCES: one step of the reference against torch.optim.AdamW run on fp32 copies of the same weights and of
 # the same (dequantized) moments, per parameter dtype; the update itself is FusedAdamW's, so the table, the
 # HYPERPARAMETERS and the STEPS are test_adamw.py's (adamw_helpers.py).
 # The stored moments against the exact ones: each code is one of the two codes around its value, so the error
 # is under one code step, 2^-mantissa_bits of the value's binade, or of 2^-14 of the block's scale below that
-# (subnormal codes). Checked element by element in _assert_within_one_code_step.
+# (subnormal codes). Checked element by element in assert_within_one_code_step.
 SHAPES = [(1,), (5,), (4095,), (33, 17), (256,), (257,)]
 
 
@@ -172,17 +173,6 @@ def test_first_step_weights_are_fused_adamws_with_fp32_state(device):
         torch.testing.assert_close(param.detach(), expected, atol=0.0, rtol=0.0)
 
 
-def _assert_within_one_code_step(stored, exact, scales, mantissa_bits, block_size=256):
-    """Each stored value is within one code step of the exact one: 2^-mantissa_bits of the exact value's
-    magnitude, or of 2^-14 of its block's scale (the subnormal codes' step) if that is larger."""
-    block_scale = scales.repeat_interleave(block_size)[: exact.numel()].view(exact.shape)
-    step = torch.maximum(exact.abs(), block_scale * 2.0**-14) * 2.0**-mantissa_bits
-    error = (stored - exact).abs()
-    assert torch.all(error <= step * (1 + 2.0**-12)), (
-        f"largest error / code step {(error / step).max().item()}"
-    )
-
-
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_reference_follows_torch_adamw(param_dtype, device):
     """Each step of the reference is torch.optim.AdamW's from the same weights and the same (dequantized)
@@ -210,10 +200,10 @@ def test_reference_follows_torch_adamw(param_dtype, device):
             torch.testing.assert_close(param.float(), torch_param.detach(), atol=atol, rtol=rtol)
             exp_avg, exp_avg_sq = dequantize_moments(state)
             torch_state = torch_optimizer.state[torch_param]
-            _assert_within_one_code_step(
+            assert_within_one_code_step(
                 exp_avg, torch_state["exp_avg"], state["exp_avg_scales"], EXP_AVG_MANTISSA_BITS
             )
-            _assert_within_one_code_step(
+            assert_within_one_code_step(
                 exp_avg_sq.sqrt(), torch_state["exp_avg_sq"].sqrt(), state["exp_avg_sq_scales"],
                 EXP_AVG_SQ_MANTISSA_BITS,
             )  # fmt: skip
@@ -357,12 +347,45 @@ def test_the_trainers_full_state_dict_helpers_round_trip_the_state(device):
             torch.testing.assert_close(resumed.state[copy][name], value, atol=0, rtol=0)
 
 
-def test_loading_another_layout_is_refused_with_the_reason(device):
+def test_another_block_size_is_converted_within_one_code_step(device):
+    """A state saved with 256-element blocks, loaded by an optimizer of 64: every moment decoded against its new
+    block lies within one code step of the saved one (the blocks of 64 see other maxima, so the codes change)."""
+    params, optimizer = _run_fused([torch.bfloat16] * len(SHAPES), device, steps=2)
+    resumed = FusedAdamW8bit(params, block_size=64)
+    resumed.load_state_dict(optimizer.state_dict())
+    changed = False
+    for param in params:
+        saved_exp_avg, saved_exp_avg_sq = dequantize_moments(optimizer.state[param])
+        state = resumed.state[param]
+        assert state["exp_avg_scales"].shape == (-(-param.numel() // 64),) and state["step"].item() == 2
+        exp_avg, exp_avg_sq = dequantize_moments(state, block_size=64)
+        assert_within_one_code_step(
+            exp_avg, saved_exp_avg, state["exp_avg_scales"], EXP_AVG_MANTISSA_BITS, 64
+        )
+        assert_within_one_code_step(
+            exp_avg_sq.sqrt(),
+            saved_exp_avg_sq.sqrt(),
+            state["exp_avg_sq_scales"],
+            EXP_AVG_SQ_MANTISSA_BITS,
+            64,
+        )
+        changed |= not torch.equal(state["exp_avg_codes"], optimizer.state[param]["exp_avg_codes"])
+    assert changed
+
+
+def test_a_state_that_cannot_be_converted_is_refused_with_the_reason(device):
     params, optimizer = _run_fused([torch.bfloat16] * len(SHAPES), device, steps=1)
-    with pytest.raises(
-        ValueError, match="block_size 64 needs 64: load it with the block_size it was saved with"
-    ):
-        FusedAdamW8bit(params, block_size=64).load_state_dict(optimizer.state_dict())
+    saved = optimizer.state_dict()
+    other_shapes = [
+        torch.nn.Parameter(torch.zeros(p.numel() + 1, dtype=p.dtype, device=device)) for p in params
+    ]
+    with pytest.raises(ValueError, match=r"has codes shaped \(1,\), and this parameter is shaped \(2,\)"):
+        FusedAdamW8bit(other_shapes).load_state_dict(saved)
+    # Scales that no block size of the 4095-element tensor gives (16 blocks of 256: 15 is none's).
+    bad_scales = {**saved, "state": {**saved["state"], 2: {**saved["state"][2]}}}
+    bad_scales["state"][2]["exp_avg_scales"] = bad_scales["state"][2]["exp_avg_scales"][:15]
+    with pytest.raises(ValueError, match=r"scales shaped \(15,\) \(exp_avg\) and \(16,\) \(exp_avg_sq\)"):
+        FusedAdamW8bit(params).load_state_dict(bad_scales)
     fused = FusedAdamW(params)
     for param in params:
         param.grad = torch.ones_like(param)
@@ -404,7 +427,7 @@ def test_fsdp2_state_on_host_is_refused_with_the_reason(one_process_group):
 def test_two_fsdp2_ranks_update_their_shards_exactly_and_checkpoint(device):
     """Two gloo ranks under torchrun (tests/kernels/fsdp_adamw8bit_ranks.py): each rank's shard, its tail
     block masked, stepped bit for bit as the reference steps that shard alone; the state is the shard's; the
-    full-state-dict helpers round-trip it; an unsharded optimizer refuses it, naming both shardings."""
+    full-state-dict helpers round-trip it exactly."""
     if device != "cpu":
         pytest.skip("gloo ranks on CPU tensors, which the kernel runs on only under the interpreter")
     import os
@@ -421,6 +444,124 @@ def test_two_fsdp2_ranks_update_their_shards_exactly_and_checkpoint(device):
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
     assert "rank 0: ok" in output and "rank 1: ok" in output
+
+
+def _torchrun(nproc: int, *arguments: str) -> None:
+    """tests/kernels/fsdp_adamw8bit_reshard_ranks.py on `nproc` gloo ranks; every rank must report ok."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    completed = subprocess.run(
+        [*command, "-m", "tests.kernels.fsdp_adamw8bit_reshard_ranks", *arguments],
+        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert all(f"rank {rank}: ok" in output for rank in range(nproc)), output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def saved_by_two_fsdp2_ranks(tmp_path_factory):
+    """The full state dict of FusedAdamW8bit after 3 steps on two FSDP2 ranks (blocks of 32 within each shard),
+    as the trainer's checkpoints gather it, and the moments it holds, each rank's shard decoded against its own
+    blocks (fsdp_adamw8bit_reshard_ranks.py's docstring)."""
+    path = tmp_path_factory.mktemp("reshard") / "two_ranks.pt"
+    _torchrun(2, "save", str(path))
+    return torch.load(path, weights_only=True)
+
+
+def _load_unsharded(saved, block_size: int) -> tuple[torch.nn.Module, FusedAdamW8bit]:
+    """The two-rank state loaded by one unsharded optimizer through the trainer's full-state-dict helpers."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from tests.kernels.fsdp_adamw8bit_reshard_ranks import HYPERPARAMETERS, build_model
+
+    model = build_model()
+    optimizer = FusedAdamW8bit(model.parameters(), **HYPERPARAMETERS, block_size=block_size)
+    optimizer.initialize_state()  # as the trainer's restore does
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=options)
+    return model, optimizer
+
+
+def _assert_unsharded_load_within_one_code_step(saved, block_size: int) -> None:
+    """Every moment of the loaded state, decoded against its new block, within one code step of the saved
+    one (the moments two ranks saved, decoded against their own shards' blocks)."""
+    model, optimizer = _load_unsharded(saved, block_size)
+    for name, param in model.named_parameters():
+        state = optimizer.state[param]
+        assert state["step"].item() == 3 and state["exp_avg_scales"].shape == (
+            -(-param.numel() // block_size),
+        )
+        exp_avg, exp_avg_sq = dequantize_moments(state, block_size)
+        saved_exp_avg, saved_root = saved["moments"][name]
+        assert saved_root.abs().max() > 0, name
+        assert_within_one_code_step(
+            exp_avg, saved_exp_avg, state["exp_avg_scales"], EXP_AVG_MANTISSA_BITS, block_size
+        )
+        assert_within_one_code_step(
+            exp_avg_sq.sqrt(), saved_root, state["exp_avg_sq_scales"], EXP_AVG_SQ_MANTISSA_BITS, block_size
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [32, 64], ids=["same-blocks", "other-blocks"])
+def test_a_two_rank_state_loads_unsharded_within_one_code_step(saved_by_two_fsdp2_ranks, block_size, device):
+    """Two FSDP2 ranks' state resumed by one unsharded optimizer: the blocks of the whole tensor straddle the
+    shards' (the (7, 37) weight's shard boundary at element 148, inside a 32-element block), so each moment is
+    decoded in the saved blocks and encoded again in the tensor's; with blocks of 64, in another block size
+    too. A step then runs on it."""
+    if device != "cpu":
+        pytest.skip("the saved state is the CPU ranks'")
+    _assert_unsharded_load_within_one_code_step(saved_by_two_fsdp2_ranks, block_size)
+    model, optimizer = _load_unsharded(saved_by_two_fsdp2_ranks, block_size)
+    model(torch.randn(4, 37, dtype=torch.bfloat16)).float().square().sum().backward()
+    optimizer.step()
+    assert all(optimizer.state[p]["step"].item() == 4 for p in model.parameters())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_a_two_rank_state_loads_on_three_ranks_within_one_code_step(
+    saved_by_two_fsdp2_ranks, tmp_path, device
+):
+    """The same state resumed on three FSDP2 ranks (uneven shards: 3, 3 and 1 of the 7 rows), each rank checking
+    its own shard's moments against the saved ones (fsdp_adamw8bit_reshard_ranks.py's load)."""
+    if device != "cpu":
+        pytest.skip("gloo ranks on CPU tensors, which the kernel runs on only under the interpreter")
+    path = tmp_path / "two_ranks.pt"
+    torch.save(saved_by_two_fsdp2_ranks, path)
+    _torchrun(3, "load", str(path))
+
+
+# A wrong conversion must fail the check above: m decoded without its sign, every element read against the
+# neighbouring block's scale, and the saved shards' rows of scales read in the wrong order.
+CONVERSION_MUTATIONS = [
+    pytest.param("_decoded", "-magnitude, magnitude)", "magnitude, magnitude)", "m-sign-lost"),
+    pytest.param("_saved_element_scales", "scales[shard, first_block:end_block]",
+                 "scales[shard, first_block:end_block].roll(1)", "shifted-block"),
+    pytest.param("_saved_element_scales", "scales[shard, first_block:end_block]",
+                 "scales[-1 - shard, first_block:end_block]", "other-shards-row"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("function", "old", "new", "what"), CONVERSION_MUTATIONS, ids=[m.values[3] for m in CONVERSION_MUTATIONS]
+)
+def test_a_wrong_conversion_fails_the_one_code_step_check(
+    saved_by_two_fsdp2_ranks, function, old, new, what, monkeypatch, device
+):
+    if device != "cpu":
+        pytest.skip("the saved state is the CPU ranks'")
+    mutant = mutated_function(getattr(adamw8bit_module, function), old, new)
+    monkeypatch.setattr(adamw8bit_module, function, mutant)
+    with pytest.raises(AssertionError, match="largest error / code step"):
+        _assert_unsharded_load_within_one_code_step(saved_by_two_fsdp2_ranks, 32)
 
 
 # ----------------------------------------------------------------------------------------------------------
