@@ -17,6 +17,9 @@ from fusetune.db.migrate import upgrade
 GIB = 2**30
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}  # fmt: skip
+# Llama-3.1-70B's shape (its config.json's fields the estimate reads).
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}  # fmt: skip
 LINE = json.dumps(
     {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
 )
@@ -35,6 +38,8 @@ def data_dir(tmp_path_factory):
     upgrade(settings.database_url)
     (settings.models_dir / "llama-8b").mkdir()
     (settings.models_dir / "llama-8b" / "config.json").write_text(json.dumps(LLAMA_8B))
+    (settings.models_dir / "llama-70b").mkdir()
+    (settings.models_dir / "llama-70b" / "config.json").write_text(json.dumps(LLAMA_70B))
     return settings.data_dir
 
 
@@ -212,3 +217,53 @@ def test_the_dry_run_and_the_worker_plan_by_one_function(data_dir, tmp_path, mon
     api = _dry_run(client, file_id, max_seq_length=128).json()
     worker = _worker_plan(data_dir, tmp_path, 24 * GIB, [128] * 8)
     assert api["checkpoints_on_disk"] == 1 and worker.disk.checkpoints_on_disk == 1
+
+
+def test_a_70b_full_fine_tune_on_eight_80_gb_gpus_plans_the_8bit_state_and_fits(data_dir):
+    """Llama-3.1-70B's shape, fully fine-tuned under FSDP2 on 8 GPUs of 80 GB (80e9 bytes: less than any
+    80 GB card reports, so a plan that fits here fits there) on rows of 4096 tokens, one per GPU a step. bf16-sr
+    cannot fit: its bf16 weights, gradients and two bf16 moments (8 bytes a parameter) alone take 74.0e9 bytes
+    a GPU once sharded. The planner's own rules pick the 8-bit state (6.03 bytes a parameter, sharded as the
+    rest: 56.6e9) and recompute and offload layers until the activations of a 4096-token row fit beside it.
+    Pinned to bf16-sr, the same job is refused, naming the 8-bit state as what would fit."""
+    memory = 80 * 10**9
+    client, _ = _client(data_dir, memory)
+    long_line = json.dumps({"messages": [{"role": "user", "content": "word " * 5000},
+                                         {"role": "assistant", "content": "Hello"}]})  # fmt: skip
+    upload = {"file": ("long.jsonl", "\n".join([long_line] * 64).encode())}
+    file_id = client.post("/v1/files", files=upload, data={"purpose": "fine-tune"}).json()["id"]
+    job = {"n_gpus": 8, "distributed": "fsdp", "batch_size": 8, "max_seq_length": 4096}
+    body = {"model": "llama-70b", "training_file": file_id, "dry_run": True, "hyperparameters": job}
+    estimate = client.post("/v1/fine_tuning/jobs", json=body).json()
+
+    assert estimate["parameters"] == 70_553_706_496  # Llama-3.1-70B's published count
+    assert estimate["fits"] is True and estimate["refusal"] is None, estimate
+    plan = estimate["plan"]
+    assert plan["precision"] == "bf16-sr-8bit" and plan["micro_batch_size"] == 1
+    assert (
+        plan["recompute_layers"] + plan["offload_layers"] > 0
+    )  # a 4096-token row's 80 layers do not fit whole
+    assert not plan["optimizer_state_on_host"]
+    breakdown = estimate["memory_breakdown"]
+    assert estimate["peak_memory_bytes_per_gpu"] == sum(breakdown.values()) <= memory
+    # Per GPU: bf16 weights and gradients (2 bytes a parameter each) and the 8-bit state (two codes and two fp32
+    # scales per 256-element block), all divided by the 8 ranks, plus two decoder layers gathered in bf16 (the
+    # one computing and the one prefetched).
+    parameters, layer_parameters = estimate["parameters"], 855_654_400
+    weights, gradients = parameters * 2 // 8, parameters * 2 // 8
+    optimizer_state = int(parameters * (2 + 2 * 4 / 256)) // 8
+    assert (weights, gradients, optimizer_state) == (17_638_426_624, 17_638_426_624, 17_914_027_040)
+    assert (
+        breakdown["weights_grads_optimizer"]
+        == weights + gradients + optimizer_state + 2 * layer_parameters * 2
+    )
+    assert (
+        0 < breakdown["activations"] < memory - breakdown["weights_grads_optimizer"] - breakdown["overhead"]
+    )
+
+    pinned = client.post(
+        "/v1/fine_tuning/jobs", json={**body, "hyperparameters": {**job, "precision": "bf16-sr"}}
+    ).json()
+    assert pinned["fits"] is False and pinned["peak_memory_bytes_per_gpu"] > memory
+    changes = {alternative["change"]: alternative for alternative in pinned["alternatives"]}
+    assert changes["precision bf16-sr-8bit"]["plan"] == plan
