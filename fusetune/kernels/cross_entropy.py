@@ -29,6 +29,7 @@ loss 0 and gradient 0.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -1374,21 +1375,15 @@ class FusedCrossEntropyLoss(nn.Module):
         self.inplace_backward = inplace_backward
 
     def forward(self, logits: Tensor, labels: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        return cross_entropy(
-            logits,
-            labels,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            z_loss_scale=self.z_loss_scale,
-            softcap=self.softcap,
-            weight=self.weight,
-            return_accuracy=self.return_accuracy,
-            inplace_backward=self.inplace_backward,
-        )
+        return cross_entropy(logits, labels, **{name: getattr(self, name) for name in _LOSS_MODULE_OPTIONS})
 
     def extra_repr(self) -> str:
         return (
             f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
             f"label_smoothing={self.label_smoothing}, z_loss_scale={self.z_loss_scale}, softcap={self.softcap}"
         )
+
+
+# The module's constructor arguments, each kept under its own name (weight as a buffer), are cross_entropy's
+# keyword arguments: forward passes them all on, so an option added to __init__ needs no second line there.
+_LOSS_MODULE_OPTIONS = tuple(inspect.signature(FusedCrossEntropyLoss.__init__).parameters)[1:]

@@ -51,6 +51,7 @@ kernels 1.1-1.4x slower over columns than over rows, against the dW re-reads sav
 
 from __future__ import annotations
 
+import inspect
 import itertools
 
 import torch
@@ -1266,23 +1267,15 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         bias: Tensor | None = None,
         num_items_in_batch: int | float | Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        options = {name: getattr(self, name) for name in _LOSS_MODULE_OPTIONS}
         return fused_linear_cross_entropy(
-            hidden,
-            weight,
-            labels,
-            bias,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            num_items_in_batch=num_items_in_batch,
-            softcap=self.softcap,
-            label_smoothing=self.label_smoothing,
-            z_loss_scale=self.z_loss_scale,
-            accumulate_dw_in_fp32=self.accumulate_dw_in_fp32,
-            return_accuracy=self.return_accuracy,
-            logits_chunk_bytes=self.logits_chunk_bytes,
-            skip_small_gradients=self.skip_small_gradients,
-            skip_threshold=self.skip_threshold,
+            hidden, weight, labels, bias, num_items_in_batch=num_items_in_batch, **options
         )
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, softcap={self.softcap}"
+
+
+# The module's constructor arguments, each kept under its own name, are fused_linear_cross_entropy's keyword
+# arguments: forward passes them all on, so an option added to __init__ needs no second line there.
+_LOSS_MODULE_OPTIONS = tuple(inspect.signature(FusedLinearCrossEntropyLoss.__init__).parameters)[1:]
