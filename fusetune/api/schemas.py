@@ -268,11 +268,24 @@ METRIC_VALUES_DESCRIPTION = """The step's metrics by name. Counts are over all o
 """
 
 
+class RankMemory(BaseModel):
+    """One rank's memory peaks of a step (the step's values hold the maximum over ranks)."""
+
+    rank: int
+    node: int = Field(description="The node's index in the job (0 holds rank 0)")
+    host: str
+    peak_memory_allocated_bytes: float
+    peak_memory_reserved_bytes: float
+
+
 class MetricPoint(BaseModel):
     step: int
     created_at: int
     train_loss: float | None = None
     values: dict[str, Any] = Field(description=METRIC_VALUES_DESCRIPTION)
+    rank_memory: list[RankMemory] | None = Field(
+        None, description="Each rank's memory peaks of the step, with its node and host; null in older steps"
+    )
 
 
 class MetricList(BaseModel):

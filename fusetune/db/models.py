@@ -171,6 +171,9 @@ class JobMetric(Base):
     train_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     # Everything else the trainer reports (learning rate, tokens/s, memory, MFU, ...), by name.
     values: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Each rank's memory peaks of the step, with its node and host; values holds their maximum. None: a step
+    # reported before they were kept.
+    rank_memory: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
 
 
 class Checkpoint(Base):

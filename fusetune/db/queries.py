@@ -440,7 +440,13 @@ def add_event(
     return event
 
 
-def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any]) -> JobMetric:
+def add_metric(
+    session: Session,
+    job_id: str,
+    step: int,
+    values: dict[str, Any],
+    rank_memory: list[dict[str, Any]] | None = None,
+) -> JobMetric:
     """One row per (job, step); a step reported again (a resumed run) replaces the earlier values."""
     metric = session.scalar(select(JobMetric).where(JobMetric.job_id == job_id, JobMetric.step == step))
     if metric is None:
@@ -450,6 +456,7 @@ def add_metric(session: Session, job_id: str, step: int, values: dict[str, Any])
     values = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()}
     metric.train_loss = values.get("train_loss")
     metric.values = values
+    metric.rank_memory = rank_memory
     metric.created_at = now_s()
     # Clients of the OpenAI API read training progress from "metrics" events; they mirror the metric row.
     data = {"step": step, **{k: v for k, v in values.items() if isinstance(v, int | float)}}
@@ -696,6 +703,7 @@ _METRICS = (
         JobMetric.created_at,
         JobMetric.train_loss,
         cast(JobMetric.values, Text).label("values_json"),
+        cast(JobMetric.rank_memory, Text).label("rank_memory_json"),
     )
     .where(JobMetric.job_id == bindparam("job_id"), JobMetric.step.between(bindparam("lo"), bindparam("hi")))
     .order_by(JobMetric.step)
@@ -753,7 +761,8 @@ def list_metrics(
     max_step: int | None = None,
     limit: int = 1000,
 ) -> tuple[list[Row], bool]:
-    """Oldest step first within [min_step, max_step], as rows (step, created_at, train_loss, values_json);
+    """Oldest step first within [min_step, max_step], as rows (step, created_at, train_loss, values_json,
+    rank_memory_json);
     (page, has_more). The next page starts at the last step + 1."""
     params = {"job_id": job_id, "lo": min_step or 0, "hi": MAX_STEP if max_step is None else max_step,
               "limit": limit + 1}  # fmt: skip

@@ -19,6 +19,11 @@ from fusetune.db.models import File, Job, JobStatus
 from fusetune.db.session import make_engine, make_session_factory
 
 JOB_ID = "ftjob-reads"
+RANK_MEMORY = [
+    {"rank": rank, "node": 0, "host": "gpu-host-0", "peak_memory_allocated_bytes": 1e9 + rank,
+     "peak_memory_reserved_bytes": 2e9 + rank}
+    for rank in (0, 1)
+]  # fmt: skip
 
 
 @pytest.fixture
@@ -32,7 +37,9 @@ def settings(tmp_path) -> Settings:
         session.add(Job(id=JOB_ID, tenant="acme", model="tiny", training_file_id="file-reads",
                         status=JobStatus.RUNNING, hyperparameters={"n_epochs": 1}))  # fmt: skip
         session.flush()
-        for step in (1, 2, 3):
+        # Step 1 as a run of two ranks reports it, with each rank's memory; 2 and 3 as older runs did, without.
+        queries.add_metric(session, JOB_ID, 1, {"train_loss": 1.0, "grad_norm": float("nan")}, RANK_MEMORY)
+        for step in (2, 3):
             queries.add_metric(session, JOB_ID, step, {"train_loss": 1.0 / step, "grad_norm": float("nan")})
         session.commit()
     return settings
@@ -109,6 +116,8 @@ def test_polled_routes_answer_the_owner_and_nobody_else(settings, inline):
     assert [p["step"] for p in owner.get(f"{base}/metrics", params={"min_step": 2}).json()["data"]] == [2, 3]
     first_page = MetricList.model_validate_json(owner.get(f"{base}/metrics", params={"limit": 2}).content)
     assert first_page.data[0].values == {"train_loss": 1.0, "grad_norm": None}
+    assert [rank.model_dump() for rank in first_page.data[0].rank_memory] == RANK_MEMORY
+    assert first_page.data[1].rank_memory is None
     first_page = first_page.model_dump()
     assert first_page == owner.get(f"{base}/metrics", params={"limit": 2}).json()
     assert [p["step"] for p in first_page["data"]] == [1, 2] and first_page["has_more"]

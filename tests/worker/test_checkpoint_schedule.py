@@ -97,8 +97,8 @@ class ClockReporter(RecordingReporter):
         super().__init__()
         self.clock, self.step_s = clock, step_s
 
-    def metric(self, step, values):
-        super().metric(step, values)
+    def metric(self, step, values, rank_memory=None):
+        super().metric(step, values, rank_memory)
         self.clock.now_s += self.step_s
 
 

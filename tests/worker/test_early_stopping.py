@@ -32,7 +32,7 @@ class Recorder(NullReporter):
     def event(self, message, *, level="info", type="message", data=None):
         self.events.append((message, data or {}))
 
-    def metric(self, step, values):
+    def metric(self, step, values, rank_memory=None):
         self.metrics.append((step, values))
 
     def checkpoint(self, step, path, metrics):

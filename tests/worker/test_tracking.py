@@ -34,7 +34,7 @@ class RecordingReporter:
     def event(self, message, *, level="info", type="message", data=None):
         self.events.append({"message": message, "level": level, "data": data or {}})
 
-    def metric(self, step, values):
+    def metric(self, step, values, rank_memory=None):
         self.metrics.append((step, values))
 
     def checkpoint(self, step, path, metrics): ...

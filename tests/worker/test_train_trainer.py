@@ -94,7 +94,7 @@ class RecordingReporter(NullReporter):
     def event(self, message, *, level="info", type="message", data=None):
         self.events.append((message, data or {}))
 
-    def metric(self, step, values):
+    def metric(self, step, values, rank_memory=None):
         self.metrics.append((step, values))
 
     def checkpoint(self, step, path, metrics):
@@ -432,8 +432,8 @@ class WeightRecordingReporter(RecordingReporter):
         self.model = None
         self.weights = []
 
-    def metric(self, step, values):
-        super().metric(step, values)
+    def metric(self, step, values, rank_memory=None):
+        super().metric(step, values, rank_memory)
         self.weights.append([p.detach().clone() for p in self.model.parameters()])
 
 

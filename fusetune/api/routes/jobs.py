@@ -227,8 +227,9 @@ async def list_metrics(
                 "created_at": created_at,
                 "train_loss": train_loss,
                 "values": _stored_json(values_json),
+                "rank_memory": _stored_json(rank_memory_json),
             }
-            for step, created_at, train_loss, values_json in rows
+            for step, created_at, train_loss, values_json, rank_memory_json in rows
         ]
         return _json_response({"object": "list", "job_id": job_id, "data": points, "has_more": has_more})
 

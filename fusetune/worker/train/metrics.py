@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fusetune.worker.train.distributed import all_reduce
+from fusetune.worker.train.distributed import DistInfo, all_reduce
 from fusetune.worker.train.outcome import ErrorCode, TrainingFailure
 from fusetune.worker.train.reporter import Reporter, StopRequest
 
@@ -203,19 +203,35 @@ _STOP_CODES = {None: 0, StopRequest.PAUSE: 1, StopRequest.HANDOVER: 2, StopReque
 
 
 def share_step_state(
-    device: torch.device, reporter: Reporter, checkpoint_due: bool
-) -> tuple[tuple[float, float], StopRequest | None, bool]:
-    """This step's memory peaks, max over ranks, the stop request every rank acts on, and whether any rank's
-    checkpoint schedule is due (the save is collective): one collective (only rank 0 reads the job's status)."""
-    allocated, reserved = peak_memory_bytes(device)
-    reset_peak_memory(device)
+    dist_info: DistInfo, reporter: Reporter, checkpoint_due: bool
+) -> tuple[list[tuple[float, float]], StopRequest | None, bool]:
+    """Every rank's (allocated, reserved) memory peaks of this step, in rank order, the stop request every rank
+    acts on, and whether any rank's checkpoint schedule is due (the save is collective): one collective (only
+    rank 0 reads the job's status). Each rank fills its own slots of the peaks and leaves the others 0, so the
+    MAX that settles the stop request also gathers the peaks."""
+    allocated, reserved = peak_memory_bytes(dist_info.device)
+    reset_peak_memory(dist_info.device)
     stop_code = _STOP_CODES[reporter.stop_request()]
-    shared = all_reduce(
-        torch.tensor([allocated, reserved, stop_code, checkpoint_due], dtype=torch.long, device=device),
-        op=torch.distributed.ReduceOp.MAX,
-    ).tolist()
-    stop = next(request for request, code in _STOP_CODES.items() if code == shared[2])
-    return (float(shared[0]), float(shared[1])), stop, bool(shared[3])
+    shared = torch.zeros(2 + 2 * dist_info.world_size, dtype=torch.long, device=dist_info.device)
+    shared[0], shared[1] = stop_code, checkpoint_due
+    shared[2 + 2 * dist_info.rank], shared[3 + 2 * dist_info.rank] = allocated, reserved
+    shared = all_reduce(shared, op=torch.distributed.ReduceOp.MAX).tolist()
+    stop = next(request for request, code in _STOP_CODES.items() if code == shared[0])
+    peaks = [(float(shared[i]), float(shared[i + 1])) for i in range(2, len(shared), 2)]
+    return peaks, stop, bool(shared[1])
+
+
+def rank_memory(
+    peaks: list[tuple[float, float]], hosts: list[str], local_world_size: int
+) -> list[dict[str, Any]]:
+    """Each rank's peaks with its node (torchrun numbers a node's ranks consecutively: node i holds ranks
+    i * local_world_size onwards) and host: what the job's metrics keep per step (`rank_memory`), so that a
+    node short of memory shows, where the step's maximum over ranks hides which one it was."""
+    return [
+        {"rank": rank, "node": rank // local_world_size, "host": hosts[rank],
+         "peak_memory_allocated_bytes": allocated, "peak_memory_reserved_bytes": reserved}
+        for rank, (allocated, reserved) in enumerate(peaks)
+    ]  # fmt: skip
 
 
 # What the job object reports of its run (`resolved`), from the `started` event: what "auto" and the device made of

@@ -45,7 +45,10 @@ class Reporter(Protocol):
         self, message: str, *, level: str = "info", type: str = "message", data: dict[str, Any] | None = None
     ) -> None: ...
 
-    def metric(self, step: int, values: dict[str, float]) -> None: ...
+    def metric(
+        self, step: int, values: dict[str, float], rank_memory: list[dict[str, Any]] | None = None
+    ) -> None:
+        """`rank_memory`: each rank's memory peaks of the step, with its node and host (metrics.rank_memory)."""
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None: ...
 
@@ -66,7 +69,9 @@ class NullReporter:
     def event(self, message: str, *, level: str = "info", type: str = "message", data=None) -> None:
         pass
 
-    def metric(self, step: int, values: dict[str, float]) -> None:
+    def metric(
+        self, step: int, values: dict[str, float], rank_memory: list[dict[str, Any]] | None = None
+    ) -> None:
         pass
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
@@ -102,8 +107,10 @@ class ConsoleReporter:
     def event(self, message: str, *, level: str = "info", type: str = "message", data=None) -> None:
         self._print({"kind": "event", "level": level, "type": type, "message": message, "data": data or {}})
 
-    def metric(self, step: int, values: dict[str, float]) -> None:
-        self._print({"kind": "metric", "step": step, "values": values})
+    def metric(
+        self, step: int, values: dict[str, float], rank_memory: list[dict[str, Any]] | None = None
+    ) -> None:
+        self._print({"kind": "metric", "step": step, "values": values, "rank_memory": rank_memory})
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
         self._print({"kind": "checkpoint", "step": step, "path": path, "metrics": metrics})
@@ -180,11 +187,13 @@ class SqlReporter:
             lambda s: queries.add_event(s, self._job_id, message, level=level, type=type, data=data),
         )
 
-    def metric(self, step: int, values: dict[str, float]) -> None:
+    def metric(
+        self, step: int, values: dict[str, float], rank_memory: list[dict[str, Any]] | None = None
+    ) -> None:
         from fusetune.db import queries
 
         def write(session) -> None:
-            queries.add_metric(session, self._job_id, step, values)
+            queries.add_metric(session, self._job_id, step, values, rank_memory)
             # The job object's trained_tokens and estimated_finish follow the run (OpenAI's fields).
             tokens, eta_s = values.get("trained_tokens"), values.get("eta_s")
             finish = int(time.time() + eta_s) if eta_s is not None and math.isfinite(eta_s) else None

@@ -331,8 +331,10 @@ class TrackingReporter:
         elif kind == "stopped":
             self.outcome = "stopped"
 
-    def metric(self, step: int, values: dict[str, float]) -> None:
-        self.inner.metric(step, values)
+    def metric(
+        self, step: int, values: dict[str, float], rank_memory: list[dict[str, Any]] | None = None
+    ) -> None:
+        self.inner.metric(step, values, rank_memory)
         self._each(f"logging step {step}", lambda t: t.log_metrics(step, values))
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,13 @@ from fusetune.worker.train.checkpoints.state import (
 )
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.data import LoadedData, epoch_order
-from fusetune.worker.train.distributed import DistInfo, all_reduce, parallelize, synchronize
+from fusetune.worker.train.distributed import (
+    DistInfo,
+    all_gather_object,
+    all_reduce,
+    parallelize,
+    synchronize,
+)
 from fusetune.worker.train.early_stopping import RESUME_EARLY_STOPPING, EarlyStopping
 from fusetune.worker.train.evaluation import evaluate
 from fusetune.worker.train.loading import (
@@ -67,6 +74,7 @@ from fusetune.worker.train.metrics import (
     StepMeter,
     StepStats,
     non_finite_failure,
+    rank_memory,
     resolved_plan,
     run_summary,
     share_step_state,
@@ -97,6 +105,8 @@ class Trainer:
         self.dist = dist_info
         self.device = dist_info.device
         self.reporter = reporter
+        # Every rank's host, in rank order, once: each step's memory peaks are reported with them.
+        self.hosts: list[str] = all_gather_object(socket.gethostname())
         self.fsdp = config.distributed == "fsdp" and dist_info.world_size > 1
         try:
             # A mode this device cannot run, or a batch the processes cannot split, fails before anything loads;
@@ -450,9 +460,10 @@ class Trainer:
     def _after_step(
         self, read: dict[str, float], stats: StepStats, step_time: float, epoch_done: bool
     ) -> None:
-        peaks, stop, periodic = share_step_state(
-            self.device, self.reporter, self.checkpoint_schedule.due(self.step, epoch_done)
+        rank_peaks, stop, periodic = share_step_state(
+            self.dist, self.reporter, self.checkpoint_schedule.due(self.step, epoch_done)
         )
+        peaks = (max(peak[0] for peak in rank_peaks), max(peak[1] for peak in rank_peaks))
         values = self.meter.step_values(read, stats, step_time, peaks, self.step, self.trained_tokens)
         every = self.method.eval_every_steps
         periodic = periodic and self.step < self.total_steps  # the final checkpoint is saved after the loop
@@ -468,7 +479,9 @@ class Trainer:
         )
         if evaluate_now:
             values.update(self.evaluate())
-        self.reporter.metric(self.step, values)
+        self.reporter.metric(
+            self.step, values, rank_memory(rank_peaks, self.hosts, self.dist.local_world_size)
+        )
         if stop == StopRequest.CANCEL:
             raise JobStopped("cancelled", f"stopped at step {self.step}: the job was cancelled", self.step)
         best = evaluate_now and self.early_stopping.observe(self.step, values.get("valid_loss"))
