@@ -1,6 +1,7 @@
 """The trainer as the worker runs it: torchrun subprocesses (gloo on CPU) on the bundled demo data: one process,
 two under DDP, two under FSDP2, and an FSDP run killed with SIGKILL mid-training that resumes from its last
-checkpoint, also with bf16-sr-8bit's sharded 8-bit optimizer state."""
+checkpoint, also with bf16-sr-8bit's sharded 8-bit optimizer state; and two-rank FSDP2 checkpoints resumed by one
+process (another world size), plain AdamW state and the 8-bit one."""
 
 import os
 import signal
@@ -331,19 +332,105 @@ def test_reinforcement_under_ddp_and_fsdp_follows_one_curve(model_dir, tmp_path)
     assert_same_curves(runs["fsdp"], runs["ddp"], rtol=1e-5, keys=keys)
 
 
-def test_fsdp_with_8bit_state_killed_mid_training_resumes_exactly(model_dir, tmp_path):
-    """bf16-sr-8bit under FSDP2 on 2 processes: each rank's 8-bit codes and block scales go into the checkpoint
-    (gathered whole by rank 0) and come back to the same ranks' shards, and the rounding bits follow (seed,
-    step), so the run killed at its first checkpoint and resumed on the same world size continues the
-    uninterrupted curve exactly (8 steps, checkpoints every 4: the optimizer's interpreted kernel is slow here)."""
-    whole_config = fsdp_config(
-        demo_config(model_dir, tmp_path / "whole" / "out", precision="bf16-sr-8bit", max_steps=8),
-        tmp_path / "whole" / "out",
+@pytest.fixture(scope="module")
+def fsdp_8bit_run(model_dir, tmp_path_factory):
+    """bf16-sr-8bit under FSDP2 on 2 processes, 8 steps with checkpoints every 4 (the optimizer's interpreted
+    kernel is slow here)."""
+    output_dir = tmp_path_factory.mktemp("fsdp-8bit") / "out"
+    config = fsdp_config(
+        demo_config(model_dir, output_dir, precision="bf16-sr-8bit", max_steps=8), output_dir
     )
-    whole = torchrun(whole_config, nproc=2, module=TRAINER_WITH_BF16_SR)
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
-    started = next(r for r in parse_console_records(whole.stdout) if r["data"].get("event") == "started")
+    completed = torchrun(config, nproc=2, module=TRAINER_WITH_BF16_SR)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    started = next(r for r in parse_console_records(completed.stdout) if r["data"].get("event") == "started")
     data = started["data"]
     assert (data["distributed"], data["world_size"], data["optimizer"]) == ("fsdp", 2, "adamw-8bit")
-    assert len(step_metrics(whole)) == 8
-    assert_killed_run_resumes_on_the_same_curve(whole_config, whole, tmp_path, TRAINER_WITH_BF16_SR, rtol=0)
+    assert len(step_metrics(completed)) == 8
+    return config, completed
+
+
+def test_fsdp_with_8bit_state_killed_mid_training_resumes_exactly(fsdp_8bit_run, tmp_path):
+    """Each rank's 8-bit codes and block scales go into the checkpoint (gathered whole by rank 0) and come back
+    to the same ranks' shards, and the rounding bits follow (seed, step), so the run killed at its first
+    checkpoint and resumed on the same world size continues the uninterrupted curve exactly."""
+    assert_killed_run_resumes_on_the_same_curve(*fsdp_8bit_run, tmp_path, TRAINER_WITH_BF16_SR, rtol=0)
+
+
+def resume_from_a_copy(
+    config: TrainConfig,
+    checkpoint: Path,
+    output_dir: Path,
+    nproc: int,
+    module: str = TRAINER,
+    edit_optimizer_state=None,
+) -> subprocess.CompletedProcess:
+    """`config` resumed on `nproc` processes from a copy of `checkpoint` alone, in a fresh output folder
+    (`edit_optimizer_state(state)`, if given, changes the copy's optimizer state in place first)."""
+    import shutil
+
+    from fusetune.worker.train.checkpoints import layout
+
+    step = int(checkpoint.name.removeprefix(layout.CHECKPOINT_PREFIX))
+    shutil.copytree(checkpoint, layout.checkpoint_path(output_dir, step))
+    if edit_optimizer_state is not None:
+        path = layout.training_state_dir(layout.checkpoint_path(output_dir, step)) / layout.OPTIMIZER_FILENAME
+        state = torch.load(path, weights_only=True)
+        edit_optimizer_state(state)
+        torch.save(state, path)
+    resumed = torchrun(config.model_copy(update={"output_dir": str(output_dir)}), nproc=nproc, module=module)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    events = [r["data"] for r in parse_console_records(resumed.stdout) if r["kind"] == "event"]
+    started = next(data for data in events if data.get("event") == "started")
+    assert started["world_size"] == nproc
+    assert next(data["step"] for data in events if data.get("event") == "resumed") == step
+    return resumed
+
+
+def test_fsdp_run_resumes_on_one_process(fsdp_run, tmp_path):
+    """Plain AdamW state under FSDP2 (a full state dict keyed by parameter name in the checkpoint): the 2-rank
+    run's next-to-last checkpoint resumed by one process continues its curve, the same sums in another order
+    (one process's four micro-batches instead of two ranks' two), within test_fsdp_matches_ddp's tolerance."""
+    from fusetune.worker.train.checkpoints import layout
+
+    config, whole = fsdp_run
+    (step, checkpoint), _ = layout.list_checkpoints(config.output_dir)  # keep_last_checkpoints: 2
+    resumed = resume_from_a_copy(config, checkpoint, tmp_path / "out", nproc=1)
+    whole_metrics = step_metrics(whole)
+    assert 0 < step < len(whole_metrics)
+    assert_same_curves(step_metrics(resumed, first_step=step + 1), whole_metrics[step:], rtol=1e-5)
+
+
+def test_fsdp_with_8bit_state_resumes_on_one_process_within_the_rounding_spread(
+    fsdp_8bit_run, model_dir, tmp_path
+):
+    """The 2-rank bf16-sr-8bit run's step-4 checkpoint (scales of 2 shards' blocks) resumed by one process: the
+    8-bit moments are decoded in the saved blocks and encoded again in the whole tensors' (FusedAdamW8bit's
+    docstring), so the curve is not bit-equal; it continues the 2-rank one no farther than the same job run
+    start to end on one process lies from it (the optimizer's own spread under another sharding: its blocks and
+    rounding bits differ from the first step). A resume that lost the moments (the copy's codes and scales
+    zeroed, the step count kept) falls outside it."""
+    config, whole = fsdp_8bit_run
+    whole_losses = [m["train_loss"] for m in step_metrics(whole)]
+    one = torchrun(config.model_copy(update={"output_dir": str(tmp_path / "one")}), 1, TRAINER_WITH_BF16_SR)
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    one_losses = [m["train_loss"] for m in step_metrics(one)]
+
+    def distance(losses: list[float]) -> float:
+        return max(abs(a - b) for a, b in zip(losses, whole_losses[4:], strict=True))
+
+    spread = distance(one_losses[4:])
+    checkpoint = Path(config.output_dir) / "checkpoints" / "step-4"
+    resumed = resume_from_a_copy(config, checkpoint, tmp_path / "resumed", 1, TRAINER_WITH_BF16_SR)
+    resumed_losses = [m["train_loss"] for m in step_metrics(resumed, first_step=5)]
+
+    def without_moments(state: dict) -> None:
+        for parameter_state in state["state"].values():
+            for name in ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"):
+                parameter_state[name].zero_()
+
+    lost = resume_from_a_copy(
+        config, checkpoint, tmp_path / "lost", 1, TRAINER_WITH_BF16_SR, edit_optimizer_state=without_moments
+    )
+    lost_losses = [m["train_loss"] for m in step_metrics(lost, first_step=5)]
+    assert 0 < distance(resumed_losses) <= spread, (resumed_losses, whole_losses, one_losses)
+    assert distance(lost_losses) > spread, (lost_losses, whole_losses, one_losses)
