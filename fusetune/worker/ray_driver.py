@@ -13,6 +13,13 @@ of another node would wait in a collective until gloo's or NCCL's timeout. On SI
 the worker calls on cancel, pause and hand-over) it stops every node's torchrun before it exits, so a stopped
 Ray job leaves no training process; each torchrun also dies with its actor (Linux's parent-death signal) if the
 actor is killed, and the trainer's ranks die with their torchrun as they do on one host.
+
+With `--stage-from-store` (files and checkpoints in the object store, no disk shared with the worker), each
+node's launcher first stages the run into the node's own data directory (`run_storage.stage_on_node`, from the
+config in the environment), every node at once, and its torchrun reads the config written there; once rank 0's
+torchrun has ended, its node publishes the outcome files to the store for the worker. A node that cannot stage
+the run (a base model it lacks, a store that fails) fails the job with the reason in its log, before any
+torchrun starts.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from fusetune.worker.ray_engine import NODE_LOST_EXIT
+from fusetune.worker import run_storage
+from fusetune.worker.ray_engine import NODE_LOST_EXIT, STAGED_CONFIG_ENV
+from fusetune.worker.train.checkpoints.store import TENANT_ENV
+from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.process import die_with_parent
 
 # Seconds between two looks at a node's torchrun, and how long a stopped torchrun has to end its ranks before
@@ -56,9 +66,30 @@ class NodeLauncher:
             port = probe.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    async def run(self, command: list[str], cwd: str, threads_per_rank: int) -> int:
+    async def stage(self, config_json: str) -> str:
+        """Stages the run on this node (in a thread: `stop` stays answerable); the path of its config here."""
+        config = TrainConfig.from_json(config_json)
+        return str(await asyncio.to_thread(run_storage.stage_on_node, config))
+
+    async def run(
+        self, command: list[str], cwd: str, threads_per_rank: int, staged: tuple[str, int, bool] | None = None
+    ) -> int:
+        """Runs the node's torchrun to its end. `staged`: (job id, attempt, whether this is rank 0's node) of a
+        run staged on the node, whose folder `cwd` is then cleared of its scratch, rank 0's node having first
+        published the outcome files to the store."""
         if self.stopped:
             return -signal.SIGTERM
+        try:
+            return await self._run_torchrun(command, cwd, threads_per_rank)
+        finally:
+            if staged is not None:
+                job_id, attempt, publishes_outcome = staged
+                await asyncio.to_thread(
+                    run_storage.finish_on_node, Path(cwd), os.environ[TENANT_ENV], job_id, attempt,
+                    publishes_outcome,
+                )  # fmt: skip
+
+    async def _run_torchrun(self, command: list[str], cwd: str, threads_per_rank: int) -> int:
         # Ray sets OMP_NUM_THREADS to the actor's CPUs, all of the node's ranks'; each rank gets its share, as
         # torchrun on one host gives it.
         env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank)}
@@ -138,6 +169,12 @@ def torchrun_command(
     ]  # fmt: skip
 
 
+def with_config(trainer_args: list[str], config_path: str) -> list[str]:
+    """The trainer's arguments with its `--config` replaced by `config_path` (a node's own copy)."""
+    index = trainer_args.index("--config")
+    return [*trainer_args[: index + 1], config_path, *trainer_args[index + 2 :]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fusetune.worker.ray_driver", description=__doc__)
     parser.add_argument("--nnodes", type=int, required=True)
@@ -145,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unit", choices=("GPU", "CPU"), required=True)
     parser.add_argument("--cwd", default=".", help="the ranks' working directory where a node has it")
     parser.add_argument("--terminate-grace-s", type=float, default=DEFAULT_TERMINATE_GRACE_S)
+    parser.add_argument("--attempt", type=int, default=1, help="the job's attempt this Ray job runs")
+    parser.add_argument(
+        "--stage-from-store", action="store_true",
+        help=f"each node stages the run from the object store, its config JSON in ${STAGED_CONFIG_ENV}",
+    )  # fmt: skip
     parser.add_argument(
         "trainer_args", nargs=argparse.REMAINDER, help="-- then torchrun's script and arguments"
     )
@@ -189,13 +231,37 @@ def main(argv: list[str] | None = None) -> int:
         f"fusetune: {args.nnodes} node(s) x {args.nproc_per_node} rank(s), rendezvous at {endpoint}",
         flush=True,
     )
+    threads_per_rank = max(1, int(resources["CPU"]) // args.nproc_per_node)
+    node_args = [(trainer_args, args.cwd, None)] * args.nnodes
+    if args.stage_from_store:
+        config_json = os.environ[STAGED_CONFIG_ENV]
+        job_id = TrainConfig.from_json(config_json).job_id
+        staging = [launcher.stage.remote(config_json) for launcher in launchers]
+        node_args = []
+        for index, staged in enumerate(staging):
+            try:
+                config_path = ray.get(staged)
+            except ray.exceptions.RayTaskError as exc:
+                print(f"fusetune: node {index} could not stage the run: {exc.cause}", flush=True)
+                return 1
+            except ray.exceptions.RayError as exc:
+                print(f"fusetune: node {index} was lost: {type(exc).__name__}: {exc}", flush=True)
+                return NODE_LOST_EXIT
+            staged_run = (job_id, args.attempt, index == 0)
+            node_args.append(
+                (with_config(trainer_args, config_path), str(Path(config_path).parent), staged_run)
+            )
+        print(f"fusetune: {args.nnodes} node(s) staged the run from the store", flush=True)
     pending = {
         launcher.run.remote(
-            torchrun_command(args.nnodes, args.nproc_per_node, index, endpoint, trainer_args),
-            args.cwd,
-            max(1, int(resources["CPU"]) // args.nproc_per_node),
+            torchrun_command(args.nnodes, args.nproc_per_node, index, endpoint, node_trainer_args),
+            cwd,
+            threads_per_rank,
+            staged_run,
         ): index
-        for index, launcher in enumerate(launchers)
+        for index, (launcher, (node_trainer_args, cwd, staged_run)) in enumerate(
+            zip(launchers, node_args, strict=True)
+        )
     }
     # The first failure is the job's: the nodes stopped after it exit by the signal that stopped them. A lost
     # node is the job's failure whenever it is seen: the ranks of the other nodes fail after it, on a collective
@@ -207,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         node = pending.pop(done[0])
         try:
             code = ray.get(done[0])
+        except ray.exceptions.RayTaskError as exc:
+            # The actor is there but its call failed (publishing the outcome, say): the job's failure, not a lost
+            # node's.
+            print(f"fusetune: node {node} failed: {exc.cause}", flush=True)
+            code = 1
         except ray.exceptions.RayError as exc:
             # The node (or its actor) is gone: the job fails, and the worker's attempts retry it from its
             # last checkpoint, as they do a torchrun that crashed on one host.

@@ -19,9 +19,21 @@ train.log (where a local torchrun's output goes, and whose tail a crash reports)
 on cancel, pause and hand-over. The outcome is then read as for a local run: exit status 0 and result.json,
 or the trainer's error.json, or a crash, which is retryable through the job's attempts.
 
-**Not yet.** The driver and the trainer read the run's config and files at the worker's paths: the nodes must
-see the worker's data_dir (one host, as in the tests, or a shared disk). Staging a run through the object store
-onto nodes without a shared disk is the next step.
+**Without a shared disk.** With the files and checkpoints in the S3-compatible store (FUSETUNE_STORAGE_URL),
+no node reads the worker's disk: the worker sends the run's config itself (in the job's environment, as it
+decided it), and each node stages the run from the store into its own data directory before its torchrun
+starts (fusetune/worker/run_storage.py: the job's files, a fine-tuned base model, the recorded checkpoints to
+resume from; a base model from the node's own models folder, as each worker host has its own). Rank 0 publishes
+its checkpoints to the store as on one host, and rank 0's node publishes the outcome files there once its
+torchrun ends, which the worker fetches into the run's folder before it reads them. Staging on each node, not
+once by the worker into the store, keeps one path: what the worker does for a run on its own host is what each
+node does for its ranks, the same function (`run_storage.local_paths`) with the node's settings. The nodes still
+reach the job's database, as the trainer's reporter always does. With local storage nothing changes: the nodes
+read the worker's paths, so they must see its data_dir (one host, as in most tests, or a shared disk).
+
+**Not yet.** A stopping worker's hand-over request is a file in its run folder, which a node without the
+shared disk does not see: the worker stops the job after handover_grace_s, and the job resumes from its last
+checkpoint rather than one saved for the hand-over.
 """
 
 from __future__ import annotations
@@ -46,6 +58,10 @@ LOG_DRAIN_S = 30.0
 # Ray's job supervisor gives a stopped job's driver this long after SIGTERM before SIGKILL: the driver's
 # terminate_grace_s for the nodes' torchruns, plus time to reach the actors.
 STOP_MARGIN_S = 10.0
+# The run's config, as JSON, in the driver's environment when each node stages the run from the store.
+STAGED_CONFIG_ENV = "FUSETUNE_RAY_STAGED_CONFIG"
+# What a node has of its own when it stages the run (its data directory and models), not the worker's.
+NODE_OWN_ENV = ("FUSETUNE_DATA_DIR", "FUSETUNE_MODELS_DIR")
 # The driver's exit status when a node (its actor) was lost under the job: EX_TEMPFAIL, which neither torchrun
 # nor the trainer uses. The surviving ranks fail on a collective and rank 0 may write error.json meanwhile, but
 # the job is retried through its attempts, from its last checkpoint, as a crash on one host is.
@@ -149,9 +165,12 @@ def submit(
     job_env: dict[str, str],
     run_dir: Path,
     log_path: Path,
+    staged_config_json: str | None = None,
 ) -> RayJob:
     """Submits one attempt of the job to the cluster: ray_driver as the entrypoint, the job's environment as
-    its runtime environment's variables. Raises ClusterTooSmall when the cluster cannot hold it now."""
+    its runtime environment's variables. `staged_config_json`: the run's config, which each node then stages
+    from the store (see the module's docstring); None: the nodes read the worker's paths. Raises
+    ClusterTooSmall when the cluster cannot hold it now."""
     from ray.job_submission import JobSubmissionClient
 
     plan = ray_cluster.plan_nodes(n_ranks, ray_cluster.read_cluster(settings.ray_address))
@@ -159,8 +178,14 @@ def submit(
     entrypoint = [
         settings.ray_python, "-m", "fusetune.worker.ray_driver", f"--nnodes={plan.nnodes}",
         f"--nproc-per-node={plan.nproc_per_node}", f"--unit={plan.unit}", f"--cwd={run_dir}",
-        f"--terminate-grace-s={settings.terminate_grace_s}", "--", *trainer_args,
+        f"--terminate-grace-s={settings.terminate_grace_s}", f"--attempt={attempt}",
+        *(["--stage-from-store"] if staged_config_json is not None else []), "--", *trainer_args,
     ]  # fmt: skip
+    if staged_config_json is not None:
+        job_env = {
+            **{name: value for name, value in job_env.items() if name not in NODE_OWN_ENV},
+            STAGED_CONFIG_ENV: staged_config_json,
+        }
     env_vars = {
         **job_env,
         "RAY_JOB_STOP_WAIT_TIME_S": str(int(settings.terminate_grace_s + STOP_MARGIN_S)),

@@ -49,7 +49,7 @@ from fusetune.worker.train.reporter import HANDOVER_FILENAME
 log = logging.getLogger(__name__)
 
 TRAIN_LOG_FILE = "train.log"
-CONFIG_FILE = "train_config.json"
+CONFIG_FILE = run_storage.CONFIG_FILENAME
 LOG_TAIL_LINES = 20
 WATCH_INTERVAL_S = 1.0
 # The trainer's stopped.json reason, and _watch's answer, when a stopping worker gave its job back.
@@ -212,12 +212,7 @@ class JobRunner:
 
     def _write_config(self, job: Job, run_dir: Path, model_location: str) -> Path:
         with self.session_factory() as session:
-            training = queries.get_file(session, job.training_file_id, job.tenant)
-            validation = (
-                queries.get_file(session, job.validation_file_id, job.tenant)
-                if job.validation_file_id
-                else None
-            )
+            inputs = run_storage.RunInputs.of_job(session, job)
         spec = JobSpec.from_row(job.hyperparameters)
         config = TrainConfig(
             **spec.hyperparameters.training_fields(),
@@ -226,25 +221,14 @@ class JobRunner:
             database_url=self.settings.database_url,
             integrations=job.integrations or [],
             mlflow_tracking_uri=self.settings.mlflow_tracking_uri or None,
-            model_path=model_location,
             model_name=job.model,
-            adapter_base_models=self._adapter_base_models(job.tenant, model_location),
-            training_file=str(
-                run_storage.stage_input(self.storage, job.tenant, training.storage_name, run_dir)
-            ),
-            validation_file=(
-                str(run_storage.stage_input(self.storage, job.tenant, validation.storage_name, run_dir))
-                if validation
-                else None
-            ),
-            output_dir=str(run_dir),
             seed=job.seed,
             checkpoint_every_steps=self.settings.checkpoint_every_steps or None,
             checkpoint_every_epoch=self.settings.checkpoint_every_epoch,
             checkpoint_every_minutes=self.settings.checkpoint_every_minutes or None,
             keep_last_checkpoints=self.settings.keep_last_checkpoints,
             gpu_memory_bytes=self.settings.gpu_memory_bytes,
-            checkpoint_paths_relative_to=str(self.settings.runs_dir),
+            **run_storage.local_paths(inputs, self.settings, self.storage, self.locations, model_location),
         )
         return config.write(run_dir / CONFIG_FILE)
 
@@ -273,8 +257,13 @@ class JobRunner:
                 "error",
             )
         config_path = self._write_config(job, run_dir, model_location)
-        # A retry on this host or any other resumes from the newest checkpoint SQL records.
-        checkpoint_store.restore_checkpoints(self.storage, self.session_factory, job, self.settings.runs_dir)
+        # With a remote store a Ray job's nodes stage the run themselves, each on its own disk (ray_engine.py).
+        staged_on_nodes = bool(self.settings.ray_address) and self.storage.remote
+        if not staged_on_nodes:
+            # A retry on this host or any other resumes from the newest checkpoint SQL records.
+            checkpoint_store.restore_checkpoints(
+                self.storage, self.session_factory, job, self.settings.runs_dir
+            )
         nproc = JobSpec.from_row(job.hyperparameters).hyperparameters.n_gpus
         if self.stopping.is_set():
             message = f"Worker {self.worker_name} is stopping: the job goes back before its training started"
@@ -290,9 +279,11 @@ class JobRunner:
         if self.settings.ray_address:
             # The job trains on the Ray cluster, one torchrun per node; the watch below is the same.
             trainer_args = ["-m", "fusetune.worker.train", "--config", str(config_path)]
+            staged_config_json = config_path.read_text() if staged_on_nodes else None
             process = ray_engine.submit(
-                self.settings, job.id, job.attempts, nproc, trainer_args, job_env, run_dir, log_path
-            )
+                self.settings, job.id, job.attempts, nproc, trainer_args, job_env, run_dir, log_path,
+                staged_config_json,
+            )  # fmt: skip
             with self.session_factory() as session:
                 queries.add_event(session, job.id, process.describe())
                 session.commit()
@@ -329,6 +320,8 @@ class JobRunner:
             )
             error = {"code": "node_lost", "message": message}
             return Outcome(JobStatus.FAILED, {"error": error}, message, "error", retryable=True)
+        if staged_on_nodes:
+            run_storage.fetch_outcome(self.storage, job.tenant, job.id, job.attempts, run_dir)
         return self._read_outcome(job, run_dir, process.returncode, log_path)
 
     def _watch(self, job_id: str, process: subprocess.Popen | ray_engine.RayJob) -> str | None:

@@ -11,6 +11,9 @@ worker's JobRunner, which submits it through Ray's Job Submission API.
 - A job asking for more than the cluster has is refused at creation, naming what the cluster has.
 - A node killed mid-run (all its Ray processes) fails the job over through its attempts: once a node takes
   its place, the retry resumes from the job's last checkpoint and ends the run.
+- With the files and checkpoints in an S3 store (moto's server), each node stages the run into a data
+  directory of its own, none of it read from the worker's: the worker's copies of the inputs and of the base
+  model are moved away once it has written the config, and the job still succeeds, its checkpoint in the store.
 
 The layout rule (`plan_nodes`) is checked without a cluster.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,9 +40,11 @@ from fusetune.api.app import create_app
 from fusetune.config import Settings
 from fusetune.db.migrate import upgrade
 from fusetune.demo.assets import TRAIN_FILE, build_tiny_model
+from fusetune.worker import run_storage
 from fusetune.worker.tasks import CONFIG_FILE, JobRunner
 from fusetune.worker.train.config import TrainConfig
 from fusetune.worker.train.reporter import parse_console_records
+from tests.services import moto_s3_server
 
 MODEL = "tiny-llama"
 NODE_CPUS = 2
@@ -97,21 +103,31 @@ def _job_processes(marker: str) -> dict[int, str]:
     return found
 
 
+def _node(nodes_root: Path, name: str) -> dict:
+    """A node's arguments: its data directory of its own, holding its own copy of the base model, as a worker
+    host has (a run staged from the store reads only that; a run on local storage reads the worker's paths)."""
+    data_dir = nodes_root / name
+    build_tiny_model(data_dir / "models" / MODEL)
+    return {**NODE, "env_vars": {"FUSETUNE_DATA_DIR": str(data_dir)}}
+
+
 @pytest.fixture(scope="module")
-def ray_test_cluster():
-    """A head node and a second node, two CPUs each; shut down (its own processes, by pid) even on failure."""
+def ray_test_cluster(tmp_path_factory):
+    """A head node and a second node, two CPUs each; shut down (its own processes, by pid) even on failure.
+    Yields the cluster, its address and the folder of the nodes' data directories."""
     from ray.cluster_utils import Cluster
 
+    nodes_root = tmp_path_factory.mktemp("ray-nodes")
     cluster = Cluster(
         initialize_head=True,
         # Ray starts its workers (here the actors, so torchrun and the ranks) at nice 15 so that its own daemons
         # stay responsive; on a machine that the rest of the suite shares at nice 0, the ranks would then wait
         # behind every other test. At 0 they share the cores as a local torchrun does.
-        head_node_args={**NODE, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        head_node_args={**_node(nodes_root, "head"), "include_dashboard": True, "dashboard_host": "127.0.0.1",
                         "dashboard_port": _free_port(), "_system_config": {"worker_niceness": 0}},
     )  # fmt: skip
     try:
-        cluster.add_node(**NODE)
+        cluster.add_node(**_node(nodes_root, "second"))
         cluster.wait_for_nodes()
         address = f"http://{cluster.head_node.address_info['webui_url']}"
 
@@ -122,14 +138,14 @@ def ray_test_cluster():
                 return False
 
         _wait_until(both_nodes_seen, "the dashboard never listed both nodes", interval_s=1)
-        yield cluster, address
+        yield cluster, address, nodes_root
     finally:
         cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
 def service(ray_test_cluster, tmp_path_factory):
-    _, cluster_address = ray_test_cluster
+    _, cluster_address, _ = ray_test_cluster
     root = tmp_path_factory.mktemp("ray-service")
     settings = Settings(
         data_dir=root / "data", ray_address=cluster_address, ray_python=sys.executable,
@@ -210,6 +226,14 @@ def test_two_nodes_train_on_the_single_host_curve(service, tmp_path):
     assert "--node-rank=0" in log_text or "rendezvous at" in log_text
     metrics = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"]
     assert [point["step"] for point in metrics] == list(range(1, TRAIN_LINES // BATCH_SIZE + 1))
+    # Every rank's memory peaks, with its node: node i holds ranks 2i and 2i + 1.
+    for point in metrics:
+        ranks = point["rank_memory"]
+        assert [(r["rank"], r["node"]) for r in ranks] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+        assert (
+            max(r["peak_memory_allocated_bytes"] for r in ranks)
+            == point["values"]["peak_memory_allocated_bytes"]
+        )
 
     # The same config on one host, four processes, reporting to the console.
     config = TrainConfig.read(settings.runs_dir / job_id / CONFIG_FILE)
@@ -282,7 +306,7 @@ def test_a_job_larger_than_the_cluster_is_refused_naming_what_it_has(service):
 def test_a_lost_node_fails_the_job_over_and_the_retry_resumes_from_its_last_checkpoint(
     ray_test_cluster, service
 ):
-    cluster, _ = ray_test_cluster
+    cluster, _, nodes_root = ray_test_cluster
     settings, client, file_id = service
     response = _create_job(client, file_id, n_gpus=4, n_epochs=3)  # 6 steps
     assert response.status_code == 200, response.text
@@ -309,7 +333,7 @@ def test_a_lost_node_fails_the_job_over_and_the_retry_resumes_from_its_last_chec
         c["step_number"] for c in client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
     )
 
-    cluster.add_node(**NODE)  # a node takes the lost one's place
+    cluster.add_node(**_node(nodes_root, "replacement"))  # a node takes the lost one's place
     cluster.wait_for_nodes()
     assert runner.run(job_id) == "succeeded", "\n".join(_messages(client, job_id))
     messages = _messages(client, job_id)
@@ -321,3 +345,65 @@ def test_a_lost_node_fails_the_job_over_and_the_retry_resumes_from_its_last_chec
     assert job["error"] is None
     metrics = client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"]
     assert [point["step"] for point in metrics] == list(range(1, 3 * TRAIN_LINES // BATCH_SIZE + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_nodes_without_the_workers_disk_stage_the_run_from_the_store(ray_test_cluster, tmp_path):
+    _, cluster_address, nodes_root = ray_test_cluster
+    with moto_s3_server(tmp_path) as s3:
+        env = s3.storage_env()
+        settings = Settings(
+            # The database apart from the worker's data directory: the nodes reach it, as they must.
+            data_dir=tmp_path / "worker", database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+            ray_address=cluster_address, ray_python=sys.executable,
+            embedded_worker=False, checkpoint_every_epoch=False, storage_url=env["FUSETUNE_STORAGE_URL"],
+            storage_endpoint=s3.endpoint, storage_access_key_id=env["FUSETUNE_STORAGE_ACCESS_KEY_ID"],
+            storage_secret_access_key=env["FUSETUNE_STORAGE_SECRET_ACCESS_KEY"],
+        )  # fmt: skip
+        settings.ensure_dirs()
+        upgrade(settings.database_url)
+        build_tiny_model(settings.models_dir / MODEL)
+        lines = TRAIN_FILE.read_text().splitlines(keepends=True)[:TRAIN_LINES]
+        with TestClient(
+            create_app(settings), headers={"Authorization": f"Bearer {settings.dev_api_key}"}
+        ) as client:
+            file_id = client.post(
+                "/v1/files",
+                files={"file": ("train.jsonl", "".join(lines).encode())},
+                data={"purpose": "fine-tune"},
+            ).json()["id"]
+            job_id = _create_job(client, file_id, n_gpus=4).json()["id"]
+            runner = JobRunner(settings, requeue=lambda job_id: None)
+            write_config = runner._write_config
+
+            def write_config_then_hide_the_workers_copies(job, run_dir, model_location):
+                # Once the config is written the worker needs neither: a node that read the worker's paths
+                # would find nothing there.
+                path = write_config(job, run_dir, model_location)
+                shutil.rmtree(run_dir / run_storage.INPUTS_DIRNAME)
+                settings.models_dir.rename(tmp_path / "hidden-models")
+                return path
+
+            runner._write_config = write_config_then_hide_the_workers_copies
+            status = runner.run(job_id)
+            log_text = (settings.runs_dir / job_id / "train.log").read_text(errors="replace")
+            assert status == "succeeded", "\n".join(_messages(client, job_id)) + "\n" + log_text[-4000:]
+            assert "2 node(s) staged the run from the store" in log_text
+            checkpoints = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+        assert [c["step_number"] for c in checkpoints] == [TRAIN_LINES // BATCH_SIZE]
+        # Each node trained from its own data directory: the config its ranks read names only paths there.
+        staged = sorted(nodes_root.resolve().glob(f"*/runs/{job_id}/{CONFIG_FILE}"))
+        assert len(staged) == 2, staged
+        for config_path in staged:
+            node_dir, config = config_path.parents[2], TrainConfig.read(config_path)
+            assert config.model_path == str(node_dir / "models" / MODEL)
+            assert (
+                Path(config.training_file).parent == node_dir / "runs" / job_id / run_storage.INPUTS_DIRNAME
+            )
+            assert config.output_dir == str(node_dir / "runs" / job_id)
+        # The checkpoint is whole in the store; the outcome the worker fetched is gone from it.
+        stored = s3.keys()
+        run_prefix = f"fusetune/tenants/default/runs/{job_id}/"
+        assert f"{run_prefix}checkpoints/step-2/fusetune-manifest.json" in stored
+        assert not [key for key in stored if key.startswith(f"{run_prefix}outcomes/")]
