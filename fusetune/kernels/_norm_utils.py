@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusetune.kernels._interpreter import interpreted, round_to_dtype
+from fusetune.kernels._interpreter import interpreted, launchable, round_to_dtype
 from fusetune.kernels._tensors import multiprocessor_count as device_multiprocessor_count
 
 # Largest row held in registers, in elements, forward and backward (the kernels compute in fp32, so this does
@@ -178,6 +178,35 @@ def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     if n_cols > 1 and rows.stride(1) != 1:
         rows = rows.contiguous()
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# The forward's launch preparation and tile rows, shared by rms_norm.py and layer_norm.py
+# --------------------------------------------------------------------------------------------------
+
+
+def forward_rows(
+    x: torch.Tensor, settings: NormLaunchSettings | None
+) -> tuple[torch.Tensor, NormLaunchSettings]:
+    """A norm forward's input as [rows, n] (`as_rows`), and its launch settings: those given, else the
+    forward's for that width."""
+    n_cols = x.shape[-1]
+    if settings is None:
+        settings = norm_launch_settings(n_cols, backward=False)
+    return as_rows(x, n_cols), settings
+
+
+def forward_launcher(kernel: Any, settings: NormLaunchSettings, n_rows: int, traced: bool) -> Any:
+    """A norm's forward `kernel`, `launchable` as `traced` says, over one program per tile of `n_rows` rows."""
+    return launchable(kernel, traced)[settings.forward_grid(n_rows)]
+
+
+@triton.jit
+def forward_tile_rows(n_rows, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows of this forward program's tile, which of them exist, the rows as int64 (for offsets that may
+    pass 2**31) and the columns of the first block. A jit function: inlined into each kernel, it costs nothing."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    return rows, rows < n_rows, rows.to(tl.int64), tl.arange(0, BLOCK_N)
 
 
 def check_casting_mode(casting_mode: str) -> None:

@@ -15,13 +15,14 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import launchable, store_rounded
+from fusetune.kernels._interpreter import store_rounded
 from fusetune.kernels._norm_row_tiles import launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
-    as_rows,
     dx_buffer,
-    norm_launch_settings,
+    forward_launcher,
+    forward_rows,
+    forward_tile_rows,
 )
 
 __all__ = ["FusedLayerNorm", "layer_norm", "layer_norm_reference"]
@@ -82,10 +83,7 @@ def _layer_norm_fwd_kernel(
     exact within the block and merged into the running ones (Chan et al.), so the variance never comes from
     the cancelling E[x^2] - E[x]^2.
     """
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
+    rows, row_mask, rows64, cols = forward_tile_rows(n_rows, BLOCK_ROWS, BLOCK_N)
     x_rows = x_ptr + rows64[:, None] * x_row_stride
     y_rows = y_ptr + rows64[:, None] * y_row_stride
 
@@ -149,19 +147,15 @@ def _launch_forward(
 
     `traced`: called from the torch.library op, so the launch goes through wrap_triton for the compiler.
     """
-    n_cols = x.shape[-1]
-    x_rows = as_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
-    if settings is None:
-        settings = norm_launch_settings(n_cols, backward=False)
+    x_rows, settings = forward_rows(x, settings)
+    n_rows, n_cols = x_rows.shape
     y = x.new_empty(x.shape)
     y_rows = y.view(-1, n_cols)
     mean = x.new_empty(n_rows, dtype=torch.float32)
     rstd = x.new_empty(n_rows, dtype=torch.float32)
     if n_rows == 0:
         return y, mean, rstd
-    kernel = launchable(_layer_norm_fwd_kernel, traced)
-    kernel[settings.forward_grid(n_rows)](
+    forward_launcher(_layer_norm_fwd_kernel, settings, n_rows, traced)(
         x_rows,
         x_rows.stride(0),
         weight if weight is not None else x_rows,

@@ -28,14 +28,16 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from fusetune.kernels._interpreter import launchable, round_to_dtype, store_rounded
+from fusetune.kernels._interpreter import round_to_dtype, store_rounded
 from fusetune.kernels._norm_row_tiles import _effective_weight, launch_norm_backward
 from fusetune.kernels._norm_utils import (
     NormLaunchSettings,
     as_rows,
     check_casting_mode,
     dx_buffer,
-    norm_launch_settings,
+    forward_launcher,
+    forward_rows,
+    forward_tile_rows,
 )
 
 __all__ = [
@@ -125,10 +127,7 @@ def _rms_norm_fwd_kernel(
     Saves rstd (fp32, one per row) for the backward.
     """
     input_dtype = x_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
+    rows, row_mask, rows64, cols = forward_tile_rows(n_rows, BLOCK_ROWS, BLOCK_N)
     x_rows = x_ptr + rows64[:, None] * x_row_stride
     y_rows = y_ptr + rows64[:, None] * y_row_stride
     residual_rows = residual_ptr + rows64[:, None] * residual_row_stride
@@ -209,11 +208,8 @@ def _launch_forward(
 
     `traced`: called from the torch.library op, so the launch goes through wrap_triton for the compiler.
     """
-    n_cols = x.shape[-1]
-    x_rows = as_rows(x, n_cols)
-    n_rows = x_rows.shape[0]
-    if settings is None:
-        settings = norm_launch_settings(n_cols, backward=False)
+    x_rows, settings = forward_rows(x, settings)
+    n_rows, n_cols = x_rows.shape
     y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
     y_rows = y.view(-1, n_cols)
     rstd = x.new_empty(n_rows, dtype=torch.float32)
@@ -226,8 +222,7 @@ def _launch_forward(
         new_residual = None
     if n_rows == 0:
         return y, new_residual, rstd
-    kernel = launchable(_rms_norm_fwd_kernel, traced)
-    kernel[settings.forward_grid(n_rows)](
+    forward_launcher(_rms_norm_fwd_kernel, settings, n_rows, traced)(
         x_rows,
         x_rows.stride(0),
         residual_rows,

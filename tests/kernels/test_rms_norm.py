@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fusetune.kernels import _norm_row_tiles as norm_row_tiles_module
+from fusetune.kernels import _norm_utils as norm_utils_module
 from fusetune.kernels import _norm_wide_rows as norm_wide_rows_module
 from fusetune.kernels import rms_norm as rms_norm_module
 from fusetune.kernels._norm_utils import NormLaunchSettings, force_column_block
@@ -404,7 +405,8 @@ def test_kernel_that_drops_columns_fails_the_comparison(device, dtype, monkeypat
     x, dy = _make((3, 40), dtype, device), _make((3, 40), dtype, device, seed=2)
     weight = _weight(40, dtype, device)
     _check_rms_norm(x, weight, dy, 1e-6, 0.0, "llama", dtype)  # the same check passes on the real settings
-    monkeypatch.setattr(rms_norm_module, "norm_launch_settings", broken_settings)
+    # The forward takes its settings through _norm_utils.forward_rows (the backward through its own import).
+    monkeypatch.setattr(norm_utils_module, "norm_launch_settings", broken_settings)
     with pytest.raises(AssertionError):
         _check_rms_norm(x, weight, dy, 1e-6, 0.0, "llama", dtype)
 
