@@ -301,6 +301,19 @@ class RopeLaunchSettings:
     block_half: int  # next power of two of the rotated half width
     block_pass: int  # next power of two of the pass-through width (1 when there is none)
 
+    def launch_arguments(self) -> dict[str, int]:
+        """The tiling and launch arguments _rope_kernel takes from these settings (as the norms'
+        `NormLaunchSettings.forward_launch_arguments`)."""
+        return {
+            "BLOCK_HALF": self.block_half,
+            "BLOCK_PASS": self.block_pass,
+            "BLOCK_Q_HEADS": self.block_q_heads,
+            "BLOCK_K_HEADS": self.block_k_heads,
+            "HEAD_BLOCKS": self.head_blocks,
+            "TOKENS_PER_PROGRAM": self.tokens_per_program,
+            "num_warps": self.num_warps,
+        }
+
 
 def _previous_power_of_2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
@@ -422,18 +435,12 @@ def _launch_rope(
         N_K_HEADS=n_k_heads,
         HALF=half,
         PASS=pass_width,
-        BLOCK_HALF=settings.block_half,
-        BLOCK_PASS=settings.block_pass,
-        BLOCK_Q_HEADS=settings.block_q_heads,
-        BLOCK_K_HEADS=settings.block_k_heads,
-        HEAD_BLOCKS=settings.head_blocks,
-        TOKENS_PER_PROGRAM=settings.tokens_per_program,
         HAS_POSITIONS=position_ids is not None,
         COPY_PASS=copy_pass and pass_width > 0,
         BACKWARD=backward,
         INDEX_64=index_64,
         SOFTWARE_BF16_ROUNDING=interpreted(),
-        num_warps=settings.num_warps,
+        **settings.launch_arguments(),
     )  # fmt: skip
 
 
