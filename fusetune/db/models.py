@@ -36,6 +36,8 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
+# Alike in shape to spec/evals.RunStatus on purpose: OpenAI's eval runs have their own vocabulary ("canceled",
+# "in_progress"), so each API's statuses stay a class of their own.
 class JobStatus:
     """The job statuses of the OpenAI fine-tuning API, plus ``paused``."""
 

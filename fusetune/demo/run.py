@@ -39,6 +39,7 @@ SERVING_NOT_YET = ("no_serving_worker", "worker_training")
 console = Console()
 
 
+# Plain records of what the demo saw: alike in shape to frozen records elsewhere, with nothing to share.
 @dataclass(frozen=True)
 class ChatReply:
     """One held-out prompt asked of the fine-tuned model through POST /v1/chat/completions."""

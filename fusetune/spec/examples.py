@@ -29,6 +29,7 @@ OUTPUT_KEYS = ("preferred_output", "non_preferred_output")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+# One frozen record per form of a supervised line, each only its fields: alike in shape to others, sharing nothing.
 @dataclass(frozen=True)
 class ChatExample:
     messages: list[dict[str, Any]]
