@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -118,7 +119,8 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
     with running_service(data_dir) as service:
         training = service.upload(_subset(TRAIN_FILE, TRAIN_EXAMPLES, root / "train.jsonl")).json()["id"]
         validation = service.upload(_subset(VALID_FILE, 8, root / "valid.jsonl")).json()["id"]
-        finished = _create_job(service, training, validation, n_epochs=EPOCHS)
+        # Two ranks (gloo), so that the page has two ranks' memory to show.
+        finished = _create_job(service, training, validation, n_epochs=EPOCHS, n_gpus=2)
         finished = service.wait_for_job(finished["id"], timeout_s=WAIT_S)
         assert finished["status"] == "succeeded", finished
         # The worker takes one job at a time, so this one starts once the first is done. 100 epochs of the whole
@@ -289,6 +291,29 @@ def test_finished_job_page_plots_every_step_and_downloads_a_checkpoint(dashboard
     assert plotted_loss == pytest.approx([point["train_loss"] for point in metrics])
     for chart in ("throughput", "memory", "accuracy"):
         assert _chart_steps(browser, chart) == steps
+    # Each rank's memory peaks of the newest step, one line per node: both ranks ran on this host, node 0.
+    ranks = metrics[-1]["rank_memory"]
+    assert [(r["rank"], r["node"], r["host"]) for r in ranks] == [
+        (0, 0, socket.gethostname()),
+        (1, 0, socket.gethostname()),
+    ]
+    assert (
+        max(r["peak_memory_allocated_bytes"] for r in ranks)
+        == metrics[-1]["values"]["peak_memory_allocated_bytes"]
+    )
+    assert _text(browser, "#job-node-memory-step") == f"Step {steps[-1]}."
+    node = "#job-node-memory tr[data-node='0']"
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#job-node-memory tbody tr")) == 1
+    assert (_text(browser, f"{node} td.host"), _text(browser, f"{node} td.ranks")) == (
+        socket.gethostname(),
+        "0, 1",
+    )
+    shown = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "import(arguments[1]).then(dom => done(arguments[0].map(dom.formatBytes)));",
+        [r["peak_memory_allocated_bytes"] for r in ranks], f"{service.base_url}/ui/js/dom.js",
+    )  # fmt: skip
+    assert _text(browser, f"{node} td.per-rank") == f"0: {shown[0]} · 1: {shown[1]}"
     # Validation beside training: the whole validation file's loss and token accuracy at each epoch's end, as
     # points on the loss and accuracy charts, the same values the API reports.
     evaluated = [p["values"].get("valid_loss") is not None for p in metrics]

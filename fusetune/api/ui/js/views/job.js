@@ -1,5 +1,5 @@
-// Job page: live per-step curves (from the metrics endpoint's pages), hyperparameters and precision, the event
-// log, checkpoints with downloads, cancel / pause / resume, and the error of a failed job.
+// Job page: live per-step curves (from the metrics endpoint's pages), each node's memory peaks, hyperparameters and
+// precision, the event log, checkpoints with downloads, cancel / pause / resume, and the error of a failed job.
 
 import { MetricsStream, downloadCheckpoint, jobs } from "../api.js";
 import { METRIC_CHARTS, PALETTE, StepChart, isValidation, valueOf } from "../charts.js";
@@ -45,6 +45,8 @@ export function render(main, [jobId]) {
   const summary = h("dl", { id: "job-summary", class: "facts" });
   const hyper = h("tbody");
   const chartGrid = h("div", { class: "chart-grid", id: "job-charts" });
+  const nodeMemory = h("tbody");
+  const nodeMemoryStep = h("p", { class: "muted", id: "job-node-memory-step" });
   const events = h("tbody");
   const checkpoints = h("tbody");
   const evalRuns = h("tbody");
@@ -64,6 +66,11 @@ export function render(main, [jobId]) {
         h("table", { class: "data compact", id: "job-hyperparameters" }, h("thead", {}, h("tr", {}, h("th", {}, "name"), h("th", {}, "value"))), hyper))),
     h("h2", {}, "Metrics per step"),
     chartGrid,
+    h("h2", {}, "Memory per node"),
+    nodeMemoryStep,
+    h("table", { class: "data compact", id: "job-node-memory" },
+      h("thead", {}, h("tr", {}, ["Node", "Host", "Ranks", "Peak allocated", "Peak reserved", "Allocated per rank"].map((c) => h("th", {}, c)))),
+      nodeMemory),
     h("h2", {}, "Checkpoints"),
     h("table", { class: "data", id: "job-checkpoints" },
       h("thead", {}, h("tr", {}, ["Step", "Saved", "Train loss", "Valid loss", "Valid accuracy", "Model", "Download"].map((c) => h("th", {}, c)))),
@@ -107,6 +114,26 @@ export function render(main, [jobId]) {
         ? spec.name === "mfu" ? "Not reported: the device's peak FLOP/s is unknown (CPU)." : "Not reported."
         : "";
     }
+  }
+
+  // The newest step's peaks, one line per node: its ranks' largest (the one that runs out first) and each rank's.
+  function drawNodeMemory() {
+    const last = [...stream.points].reverse().find((p) => p.rank_memory && p.rank_memory.length);
+    nodeMemoryStep.textContent = last ? `Step ${last.step}.` : "Not reported yet.";
+    const nodes = new Map();
+    for (const entry of last ? last.rank_memory : []) {
+      if (!nodes.has(entry.node)) nodes.set(entry.node, []);
+      nodes.get(entry.node).push(entry);
+    }
+    const largest = (ranks, name) => Math.max(...ranks.map((r) => r[name]));
+    replaceChildren(nodeMemory, [...nodes.entries()].map(([node, ranks]) =>
+      h("tr", { dataset: { node: String(node) } },
+        h("td", {}, String(node)),
+        h("td", { class: "host" }, ranks[0].host),
+        h("td", { class: "ranks" }, ranks.map((r) => r.rank).join(", ")),
+        h("td", { class: "allocated" }, formatBytes(largest(ranks, "peak_memory_allocated_bytes"))),
+        h("td", { class: "reserved" }, formatBytes(largest(ranks, "peak_memory_reserved_bytes"))),
+        h("td", { class: "per-rank" }, ranks.map((r) => `${r.rank}: ${formatBytes(r.peak_memory_allocated_bytes)}`).join(" · ")))));
   }
 
   function drawJob(started) {
@@ -246,6 +273,7 @@ export function render(main, [jobId]) {
     ]);
     const startedEvent = eventPage.data.find((e) => e.data && e.data.event === "started");
     drawCharts();
+    drawNodeMemory();
     drawJob(startedEvent ? startedEvent.data : null);
     drawEvents(eventPage.data);
     drawCheckpoints(checkpointPage.data);
