@@ -135,7 +135,7 @@ def _worker_main(spec_json: str) -> int:
         def __init__(self) -> None:
             self.metrics: list[dict[str, float]] = []
 
-        def metric(self, step: int, values: dict[str, float]) -> None:
+        def metric(self, step: int, values: dict[str, float], rank_memory: list | None = None) -> None:
             self.metrics.append(values)
 
     dist_info = init_distributed()

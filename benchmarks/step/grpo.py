@@ -83,7 +83,7 @@ def run_fusetune(spec: dict[str, Any]) -> dict[str, Any]:
         def __init__(self) -> None:
             self.metrics: list[dict[str, float]] = []
 
-        def metric(self, step: int, values: dict[str, float]) -> None:
+        def metric(self, step: int, values: dict[str, float], rank_memory: list | None = None) -> None:
             self.metrics.append(values)
 
     class BuiltOnTheDevice(Trainer):

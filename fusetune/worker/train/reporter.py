@@ -110,7 +110,10 @@ class ConsoleReporter:
     def metric(
         self, step: int, values: dict[str, float], rank_memory: list[dict[str, Any]] | None = None
     ) -> None:
-        self._print({"kind": "metric", "step": step, "values": values, "rank_memory": rank_memory})
+        record: dict[str, Any] = {"kind": "metric", "step": step, "values": values}
+        if rank_memory is not None:
+            record["rank_memory"] = rank_memory
+        self._print(record)
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, float]) -> None:
         self._print({"kind": "checkpoint", "step": step, "path": path, "metrics": metrics})
