@@ -144,6 +144,8 @@ def _gated_backward_kernel(
     act(a) and act'(a) are recomputed from a. grad_a/grad_b may be a/b themselves and hidden may be grad:
     every element is read before it is written, by the same program.
     """
+    # The forward kernel's row and column setup on purpose: four lines each kernel keeps in view, its own mask
+    # the one tests/kernels/test_swiglu.py mutates.
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -746,7 +748,21 @@ class _GatedMLP(nn.Module):
         return self.down_proj(_gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
 
 
-class FusedSwiGLUMLP(_GatedMLP):
+class _ConfiguredGatedMLP(_GatedMLP):
+    """A _GatedMLP sized as a transformers config's MLP (`intermediate_size` overriding the config's, as a
+    model's shared experts do), keeping the config as transformers' MLPs keep theirs."""
+
+    def __init__(self, config, intermediate_size: int | None, activation: str) -> None:
+        super().__init__(
+            config.hidden_size,
+            config.intermediate_size if intermediate_size is None else intermediate_size,
+            bool(getattr(config, "mlp_bias", False)),
+            activation,
+        )
+        self.config = config
+
+
+class FusedSwiGLUMLP(_ConfiguredGatedMLP):
     """Drop-in for transformers' LlamaMLP (and the same MLP of Mistral, Qwen2/3, ...)."""
 
     def __init__(self, config, intermediate_size: int | None = None) -> None:
@@ -755,13 +771,7 @@ class FusedSwiGLUMLP(_GatedMLP):
             raise ValueError(
                 f"FusedSwiGLUMLP needs config.hidden_act 'silu' (or 'swish'), got {hidden_act!r}"
             )
-        super().__init__(
-            config.hidden_size,
-            config.intermediate_size if intermediate_size is None else intermediate_size,
-            bool(getattr(config, "mlp_bias", False)),
-            "silu",
-        )
-        self.config = config
+        super().__init__(config, intermediate_size, "silu")
 
 
 _GELU_NAMES = {
@@ -774,7 +784,7 @@ _GELU_NAMES = {
 }
 
 
-class FusedGeGLUMLP(_GatedMLP):
+class FusedGeGLUMLP(_ConfiguredGatedMLP):
     """Drop-in for transformers' GemmaMLP / Gemma2MLP / Gemma3MLP.
 
     The activation comes from ``config.hidden_activation`` (Gemma 2 and later) or else ``config.hidden_act``
@@ -788,10 +798,4 @@ class FusedGeGLUMLP(_GatedMLP):
             raise ValueError(
                 f"FusedGeGLUMLP needs a gelu activation ({', '.join(sorted(_GELU_NAMES))}), got {name!r}"
             )
-        super().__init__(
-            config.hidden_size,
-            config.intermediate_size if intermediate_size is None else intermediate_size,
-            bool(getattr(config, "mlp_bias", False)),
-            _GELU_NAMES[name],
-        )
-        self.config = config
+        super().__init__(config, intermediate_size, _GELU_NAMES[name])
