@@ -120,6 +120,8 @@ def _columns_kernel(
         w_eff = tl.full([BLOCK_N], 1.0, dtype=tl.float32)  # unused: g = dy
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # The row-tile walk of _row_tiles_backward_kernel on purpose: its steps are _norm_utils' shared @triton.jit
+    # helpers, and only the glue between them stands in both kernels.
     for tile in range(group, tl.cdiv(n_rows, BLOCK_ROWS), n_groups):
         rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows

@@ -204,6 +204,7 @@ def _layer_norm_fwd_op(
     return _launch_forward(x, weight, bias, eps, traced=True)
 
 
+# Arguments alike in shape to the backward launchers' on purpose: a torch.library op declares its own typed schema.
 @torch.library.triton_op("fusetune::layer_norm_bwd", mutates_args=())
 def _layer_norm_bwd_op(
     dy: torch.Tensor,

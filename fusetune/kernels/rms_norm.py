@@ -310,6 +310,8 @@ def _rms_norm_bwd_op(
     return dx, dw if dw is not None else x.new_empty(0)
 
 
+# _forward and _backward take the launchers' arguments on purpose: each calls the op under the compiler and the
+# launcher in eager code.
 def _forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -426,6 +428,7 @@ def rms_norm(
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, inplace_backward)
 
 
+# rms_norm's arguments and the residual on purpose: the same norm with the residual add fused in front of it.
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -447,6 +450,7 @@ def add_rms_norm(
     )
 
 
+# Mirrors rms_norm argument for argument on purpose: tests call both with the same arguments.
 def rms_norm_reference(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -480,6 +484,7 @@ def rms_norm_reference(
     return ((offset + weight).to(torch.float32) * normed).to(output_dtype)
 
 
+# Mirrors add_rms_norm argument for argument on purpose: tests call both with the same arguments.
 def add_rms_norm_reference(
     x: torch.Tensor,
     residual: torch.Tensor,
