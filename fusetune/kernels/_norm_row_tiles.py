@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted, launchable, round_to_dtype
 from fusetune.kernels._norm_utils import (
+    BackwardRows,
     NormLaunchSettings,
     as_rows,
     load_normalized_tile,
@@ -117,13 +118,8 @@ def _row_tiles_backward_kernel(
 
 
 def launch_row_tile_backward(
-    dy_rows: torch.Tensor,
-    x_rows: torch.Tensor,
+    rows: BackwardRows,
     weight: torch.Tensor | None,
-    mean: torch.Tensor | None,
-    rstd: torch.Tensor,
-    d_residual_rows: torch.Tensor | None,
-    dx_rows: torch.Tensor,
     settings: NormLaunchSettings,
     *,
     has_bias: bool = False,
@@ -131,13 +127,13 @@ def launch_row_tile_backward(
     cast_before_weight: bool = False,
     traced: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The kernel over [rows, n] views (at least one row) with unit column stride (dx_rows may be dy_rows: each
-    element is read before it is written, by the same program); returns (dw, db) in fp32, each None when absent.
+    """The kernel over `rows`; returns (dw, db) in fp32, each None when absent.
 
     `weight`: the norm's weight as stored (the kernel adds `offset` and, with `cast_before_weight`, rounds as
-    the forward did). `mean`: LayerNorm's row means, None for RMSNorm. `traced`: the launch goes through
-    wrap_triton, for the torch.library ops that torch.compile traces.
+    the forward did). `traced`: the launch goes through wrap_triton, for the torch.library ops that
+    torch.compile traces.
     """
+    dy_rows, x_rows, mean, rstd, d_residual_rows, dx_rows = rows
     n_rows, n_cols = x_rows.shape
     device = x_rows.device
     n_row_tiles = -(-n_rows // settings.rows_per_tile)
@@ -161,7 +157,6 @@ def launch_row_tile_backward(
     return summed_partials(dw_partial, db_partial)
 
 
-# launch_row_tile_backward's arguments on [..., n] tensors on purpose: it hands them on to either launcher.
 def launch_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -179,21 +174,22 @@ def launch_norm_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward of either norm over [..., n] tensors, writing dx (which may be dy itself): the row-tile kernel,
     or the wide-row kernels where `settings` loop over columns. Returns (dw, db) in fp32, each None when absent.
-    Arguments as for :func:`launch_row_tile_backward`; `mean` None for RMSNorm."""
+    The tensors as :class:`BackwardRows` says, over [..., n]; the options as for
+    :func:`launch_row_tile_backward`."""
     n_cols = x.shape[-1]
-    x_rows = as_rows(x, n_cols)
-    dy_rows = as_rows(dy, n_cols)
-    dx_rows = dx.view(-1, n_cols)
     d_residual_rows = as_rows(d_residual, n_cols) if d_residual is not None else None
-    if x_rows.shape[0] == 0:  # no rows: zero sums, no launch
+    rows = BackwardRows(
+        as_rows(dy, n_cols), as_rows(x, n_cols), mean, rstd, d_residual_rows, dx.view(-1, n_cols)
+    )
+    if rows.x.shape[0] == 0:  # no rows: zero sums, no launch
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=x.device)
         return (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
     if settings is None:
         settings = norm_launch_settings(n_cols, backward=True)
     if not settings.loop_columns(n_cols):
         return launch_row_tile_backward(
-            dy_rows, x_rows, weight, mean, rstd, d_residual_rows, dx_rows, settings, has_bias=has_bias,
-            offset=offset, cast_before_weight=cast_before_weight, traced=traced,
+            rows, weight, settings, has_bias=has_bias, offset=offset, cast_before_weight=cast_before_weight,
+            traced=traced,
         )  # fmt: skip
     w_eff = None
     if weight is not None:
@@ -204,6 +200,5 @@ def launch_norm_backward(
         if cast_before_weight:
             w_eff = w_eff.to(weight.dtype).float()
     return launch_wide_row_backward(
-        dy_rows, x_rows, w_eff, mean, rstd, d_residual_rows, dx_rows, settings, has_bias=has_bias,
-        round_xhat_for_dw=cast_before_weight, traced=traced,
-    )  # fmt: skip
+        rows, w_eff, settings, has_bias=has_bias, round_xhat_for_dw=cast_before_weight, traced=traced
+    )

@@ -16,7 +16,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -207,6 +207,19 @@ def forward_tile_rows(n_rows, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     pass 2**31) and the columns of the first block. A jit function: inlined into each kernel, it costs nothing."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     return rows, rows < n_rows, rows.to(tl.int64), tl.arange(0, BLOCK_N)
+
+
+class BackwardRows(NamedTuple):
+    """A norm backward's tensors as [rows, n] views (at least one row) with unit column stride, as
+    launch_norm_backward hands them to either backward launcher. dx may be dy itself: each element is read
+    before it is written, by the same program."""
+
+    dy: torch.Tensor
+    x: torch.Tensor
+    mean: torch.Tensor | None  # LayerNorm's row means, None for RMSNorm
+    rstd: torch.Tensor
+    d_residual: torch.Tensor | None
+    dx: torch.Tensor
 
 
 def check_casting_mode(casting_mode: str) -> None:

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted, launchable
 from fusetune.kernels._norm_utils import (
+    BackwardRows,
     NormLaunchSettings,
     load_normalized_tile,
     multiprocessor_count,
@@ -147,27 +148,21 @@ def _columns_kernel(
 
 
 def launch_wide_row_backward(
-    dy_rows: torch.Tensor,
-    x_rows: torch.Tensor,
+    rows: BackwardRows,
     w_eff: torch.Tensor | None,
-    mean: torch.Tensor | None,
-    rstd: torch.Tensor,
-    d_residual_rows: torch.Tensor | None,
-    dx_rows: torch.Tensor,
     settings: NormLaunchSettings,
     has_bias: bool = False,
     round_xhat_for_dw: bool = False,
     traced: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The two kernels over [rows, n] views (at least one row) with unit column stride (dx_rows may be dy_rows:
-    each element is read before it is written, by the same program); returns (dw, db) in fp32, each None when
-    absent.
+    """The two kernels over `rows`; returns (dw, db) in fp32, each None when absent.
 
     `w_eff`: the weight as the forward applied it, fp32 [n] (RMSNorm's offset added, rounded in llama mode).
-    `mean`: LayerNorm's row means, None for RMSNorm. `settings`: the column block of both kernels, the rows
-    of a tile of the second, its warps, and programs per SM (how many row groups share a column block).
-    `traced`: launches go through wrap_triton, for the torch.library ops that torch.compile traces.
+    `settings`: the column block of both kernels, the rows of a tile of the second, its warps, and programs
+    per SM (how many row groups share a column block). `traced`: launches go through wrap_triton, for the
+    torch.library ops that torch.compile traces.
     """
+    dy_rows, x_rows, mean, rstd, d_residual_rows, dx_rows = rows
     n_rows, n_cols = x_rows.shape
     device = x_rows.device
     centered = mean is not None
