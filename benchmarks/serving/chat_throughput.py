@@ -12,6 +12,8 @@ arrived and when it ended; the engine reports each decoding step (Engine.on_step
                               if the first request ends before the last arrives, no step does, and this is over
                               the steps at the most busy slots seen, peak_busy_slots)
     after_arrivals_tokens_per_s   new tokens decoded after the last request was sent / the time from then to the end
+    prefills, prefill_ms_*    the engine's prefills (Engine.on_prefill): how many, how many requests each packed,
+                              their time from the forward to the first tokens on the host
     arrival_bound_tokens_per_s    what the arrivals allow at best: the last request is sent at --arrival-s and needs
                               --new-tokens steps after its prefill, so the run lasts at least arrival-s + new-tokens
                               x (the all-busy step time)
@@ -203,8 +205,12 @@ def measure_serving(args: argparse.Namespace, model: Any, tokenizer: BenchTokeni
             _check(warm, 8)
         warmup_s = time.perf_counter() - started
         steps: list[tuple[int, float]] = []
+        prefills: list[tuple[int, int, float]] = []
         engine = server.engine.get()
         engine.on_step = lambda key, busy, at: steps.append((busy, at))
+        engine.on_prefill = lambda key, requests, tokens, seconds: prefills.append(
+            (requests, tokens, seconds)
+        )
         offsets = [args.arrival_s * i / max(1, args.requests - 1) for i in range(args.requests)]
         spec = {
             **base,
@@ -213,7 +219,7 @@ def measure_serving(args: argparse.Namespace, model: Any, tokenizer: BenchTokeni
             "new_tokens": args.new_tokens,
         }
         records = run_clients(spec)
-        engine.on_step = None
+        engine.on_step = engine.on_prefill = None
     finally:
         server.stop()
     _check(records, args.new_tokens)
@@ -248,6 +254,11 @@ def measure_serving(args: argparse.Namespace, model: Any, tokenizer: BenchTokeni
         "all_busy_tokens_per_s": all_busy,
         "after_arrivals_s": round(last_end - last_sent, 3),
         "after_arrivals_tokens_per_s": round(after / (last_end - last_sent)),
+        "prefills": len(prefills),
+        "prefill_requests_mean": round(statistics.mean(r for r, _, _ in prefills), 2),
+        "prefill_ms_mean": round(1e3 * statistics.mean(t for _, _, t in prefills), 2),
+        "prefill_ms_max": round(1e3 * max(t for _, _, t in prefills), 2),
+        "prefill_ms_first": [round(1e3 * t, 1) for _, _, t in prefills[:3]],
     }  # fmt: skip
     if step_ms:
         bound_s = (last_sent - first_sent) + args.new_tokens * step_ms / 1e3
@@ -366,6 +377,10 @@ def render_markdown(payload: dict[str, Any]) -> str:
     if "ttft_p50_ms" in row:
         lines += ["", f"time to first token: p50 {row['ttft_p50_ms']} ms, p95 {row['ttft_p95_ms']} ms, "
                   f"max {row['ttft_max_ms']} ms"]  # fmt: skip
+    if "prefills" in row:
+        lines.append(f"prefills: {row['prefills']}, {row['prefill_requests_mean']} requests each on average, "
+                     f"{row['prefill_ms_mean']} ms mean, {row['prefill_ms_max']} ms max (the first: "
+                     f"{row['prefill_ms_first']})")  # fmt: skip
     for name, ceiling in payload["ceilings"].items():
         if row.get("total_tokens_per_s") and ceiling.get("tokens_per_s"):
             ratio = row["total_tokens_per_s"] / ceiling["tokens_per_s"]

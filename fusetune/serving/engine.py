@@ -1,8 +1,8 @@
 """The serving engine: chat completions on a worker, with the models it loaded kept warm until they idle.
 
-Iteration-level batching: one scheduler thread runs every sequence in flight; a request that arrives is
-prefilled (its prompt, alone) between two decoding steps and joins the next step, and a sequence that ends
-leaves the batch at once. Each loaded model has a fixed number of slots (FUSETUNE_SERVING_MAX_BATCH) of a KV cache
+Iteration-level batching: one scheduler thread runs every sequence in flight; the requests that arrive are
+prefilled between two decoding steps (all that arrived during a step, their prompts packed into one forward,
+each attending only to itself) and join the next step, and a sequence that ends leaves the batch at once. Each loaded model has a fixed number of slots (FUSETUNE_SERVING_MAX_BATCH) of a KV cache
 of fixed length (FUSETUNE_SERVING_MAX_LEN, or the model's context if shorter); a sequence in flight owns one, a
 request whose completions find too few free slots waits for them, and a decoding step runs all of a model's slots
 at once, at one shape (fusetune/serving/slots.py says how the cache is laid out and why). That is the sampling
@@ -22,7 +22,8 @@ the smallest set of tokens whose probability reaches top_p, every row of a step 
 counter-based draw keyed on (the completion's seed, its token's index). The seed comes from the request's `seed`
 and the completion's index, so a seeded request gives the same completions streamed or not and whatever else is
 in the batch (its logits permitting: the step runs every slot at one shape, so a row's logits do not depend on
-the other rows; a prompt is prefilled alone).
+the other rows; a prompt's prefill, packed with the prompts that arrived with it, attends only to itself, but its
+matmuls run over the packed row, whose length may change their last bits).
 A completion ends at one of the model's end-of-turn tokens (the tokenizer's eos and the generation config's),
 at a stop string (left out of the text), or at its token limit, or the end of the model's context.
 """
@@ -49,6 +50,10 @@ from fusetune.worker.train.loading import load_model, load_tokenizer
 from fusetune.worker.train.outcome import TrainingFailure
 
 log = logging.getLogger(__name__)
+
+# The most prompt tokens one prefill packs (the requests beyond wait for the next): a bound on one prefill's
+# activations and on how long it holds up the decoding steps of the sequences already running.
+PREFILL_TOKENS = 8192
 
 # What a request hears about, from the scheduler's thread: ("delta", choice, text), ("finish", choice, reason),
 # ("usage", prompt_tokens, completion_tokens) once all its choices ended, or ("error", status, message).
@@ -147,6 +152,9 @@ class Engine:
         # Called after every decoding step with (the model's key, its busy slots, time.perf_counter()); benchmarks
         # read the steady state from it.
         self.on_step: Callable[[str, int, float], None] | None = None
+        # Called after every prefill with (the model's key, the requests it packed, their prompt tokens, its
+        # seconds from the forward to the first tokens on the host).
+        self.on_prefill: Callable[[str, int, int, float], None] | None = None
         self._thread = threading.Thread(target=self._schedule, name="fusetune-serving", daemon=True)
         self._thread.start()
 
@@ -259,6 +267,7 @@ class Engine:
             context = min(int(getattr(model.config, "max_position_embeddings", None) or 2048), self.max_len)
             slots = SlotBatch(model, self.max_batch, context, self.step_compile)
             loaded = LoadedModel(key, model, tokenizer, eos, context, slots)
+            self._warm_prefill(loaded)
             with self._lock:
                 if self._paused:  # a training job started while this loaded
                     raise ServingError(503, "The worker is training a job; chat completions resume after it.",
@@ -315,31 +324,107 @@ class Engine:
 
     def _admit(self) -> None:
         """Prefill waiting requests, in order of arrival, while their model has a free slot for each completion:
-        each prompt alone, its first tokens sampled, its keys and values copied into its completions' slots."""
+        their prompts packed into one row (see `_prefill`), each one's first tokens sampled, its keys and values
+        copied into its completions' slots."""
         while self._waiting:
-            request = self._waiting[0]
-            if request.cancelled.is_set():
-                self._waiting.pop(0)
-                continue
-            loaded = request.loaded
-            free_rows = loaded.slots.free_rows
-            if len(free_rows) < len(request.sequences):
-                return  # it waits for slots; later requests wait behind it
-            self._waiting.pop(0)
+            batch: list[Request] = []
+            free_rows: list[int] = []
+            tokens = 0
+            while self._waiting:
+                request = self._waiting[0]
+                if request.cancelled.is_set():
+                    self._waiting.pop(0)
+                    continue
+                if batch and (request.loaded is not batch[0].loaded or
+                              tokens + len(request.prompt_ids) > PREFILL_TOKENS):  # fmt: skip
+                    break  # the next pass takes it
+                if not batch:
+                    free_rows = request.loaded.slots.free_rows
+                if len(free_rows) < len(request.sequences) + sum(len(r.sequences) for r in batch):
+                    break  # it waits for slots; later requests wait behind it
+                batch.append(self._waiting.pop(0))
+                tokens += len(request.prompt_ids)
+            if not batch:
+                return
+            loaded = batch[0].loaded
             loaded.last_used = time.monotonic()
-            input_ids = torch.tensor([request.prompt_ids], device=loaded.device)
-            with torch.no_grad():
-                output = loaded.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-            layers = [(layer.keys, layer.values) for layer in output.past_key_values.layers]
-            sequences = request.sequences
-            first = self._draw_first(sequences, output.logits[0, -1]).tolist()
-            for sequence, token in zip(sequences, first, strict=True):
-                self._take(sequence, token)
-                if sequence.finish_reason is None:
-                    sequence.row = free_rows.pop(0)
-                    sampling = (sequence.temperature, sequence.top_p, sequence.seed)
-                    loaded.slots.place(sequence.row, sequence, layers, sequence.tokens[-1], sampling)
-                    self._running.append(sequence)
+            started = time.perf_counter()
+            prefilled = self._prefill(loaded, [request.prompt_ids for request in batch])
+            # The first tokens on the host (the read waits for the prefill): what the prefill's time ends with.
+            firsts = [
+                self._draw_first(request.sequences, logits).tolist()
+                for request, (logits, _) in zip(batch, prefilled, strict=True)
+            ]
+            if self.on_prefill is not None:
+                self.on_prefill(loaded.key, len(batch), tokens, time.perf_counter() - started)
+            for request, (_, layers), first in zip(batch, prefilled, firsts, strict=True):
+                sequences = request.sequences
+                for sequence, token in zip(sequences, first, strict=True):
+                    self._take(sequence, token)
+                    if sequence.finish_reason is None:
+                        sequence.row = free_rows.pop(0)
+                        sampling = (sequence.temperature, sequence.top_p, sequence.seed)
+                        loaded.slots.place(sequence.row, sequence, layers, sequence.tokens[-1], sampling)
+                        self._running.append(sequence)
+
+    @staticmethod
+    def _prefill(
+        loaded: LoadedModel, prompts: list[list[int]]
+    ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """One forward over the batch's prompts packed into one row, each prompt its own sequence (its positions
+        from 0, attending only to itself: the variable-length attention's packed-sequence keywords, which the
+        model's attention takes on a GPU, and from which transformers builds a block-diagonal mask on CPU); for
+        each prompt, the logits after its last token and its keys and values per layer ([1, kv_heads, length,
+        head_dim] views of the row's cache).
+
+        Why packed: a prefill is an eager forward, whose time for a short prompt is the host's (launching every
+        layer's kernels) more than the device's, and each arriving request had one of its own, between two
+        decoding steps: on one H200, of 64 chat requests sent over 2 s, the median waited 1.6 s for its first
+        token, and all 64 were decoding within some 20 steps of the first (benchmarks/results/h200-service.json,
+        chat-throughput, 2026-12-02): the prefills, one after another, held the steps up. Packed, the requests
+        that arrived during one step share the next prefill, whose cost grows with their tokens, not their
+        number."""
+        from fusetune.models.attention import packed_sequence_kwargs
+
+        lengths = [len(prompt) for prompt in prompts]
+        ids = [token for prompt in prompts for token in prompt]
+        positions = torch.cat([torch.arange(length) for length in lengths])[None]
+        ends = torch.tensor(lengths).cumsum(0)
+        device = loaded.device
+        mask = None
+        if len(prompts) > 1:
+            # Block-diagonal and causal, for attention that does not take the packed-sequence keywords (on CPU,
+            # float32, a head dim or soft-capping the kernel does not take): transformers derives this mask from
+            # packed position ids only without a cache. A sliding-window layer gets it too, so a prompt longer than
+            # its window attends beyond it at prefill (the README's serving limits).
+            sequence = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths)).to(device)
+            order = torch.arange(len(ids), device=device)
+            mask = (sequence[:, None] == sequence[None, :]) & (order[:, None] >= order[None, :])
+            mask = mask[None, None]
+        with torch.no_grad():
+            output = loaded.model(
+                input_ids=torch.tensor([ids], device=device), position_ids=positions.to(device),
+                attention_mask=mask, use_cache=True, logits_to_keep=(ends - 1).to(device),
+                **packed_sequence_kwargs(positions),
+            )  # fmt: skip
+        layers = [(layer.keys, layer.values) for layer in output.past_key_values.layers]
+        return [
+            (
+                output.logits[0, i],
+                [(k[:, :, end - length : end], v[:, :, end - length : end]) for k, v in layers],
+            )
+            for i, (length, end) in enumerate(zip(lengths, ends.tolist(), strict=True))
+        ]
+
+    def _warm_prefill(self, loaded: LoadedModel) -> None:
+        """Prefills of the token counts whose kernels differ, before the model serves: Triton compiles a kernel
+        anew for each specialization of its integer arguments (a count that is a multiple of 16 or not), some
+        seconds each on a GPU, which the first requests of each kind would otherwise wait for."""
+        if loaded.device.type != "cuda":
+            return
+        for prompts in ([[0] * 16], [[0] * 17], [[0] * 8, [0] * 9]):
+            self._prefill(loaded, prompts)
+        torch.cuda.synchronize()
 
     def _step(self) -> None:
         """One token of every running sequence: one decoding step of each model with a busy slot."""

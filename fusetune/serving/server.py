@@ -137,8 +137,47 @@ class LazyEngine:
         return engine.loaded_models if engine is not None else []
 
 
+class _Outbox:
+    """Events from the engine's thread to the requests' queues in one event loop, with one wake-up of the loop for
+    all the events that arrive before it runs. The engine emits an event per new token of every sequence in a
+    step (64 at 64 busy slots) and a call_soon_threadsafe per event woke the loop as often, a write to its
+    self-pipe each, from the thread that must get back to launching the next step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Event]] = []
+
+    def put(self, queue: asyncio.Queue, event: Event) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            if len(self._pending) > 1:  # a delivery is scheduled and has not run yet: it takes this one too
+                return
+        self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
+class _Outboxes:
+    """One outbox per event loop (the app runs in one, uvicorn's; a test's client may run another)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}
+
+    def get(self, loop: asyncio.AbstractEventLoop) -> _Outbox:
+        with self._lock:
+            return self._outboxes.setdefault(loop, _Outbox(loop))
+
+
 def create_serving_app(engine: LazyEngine, locations: ModelLocations, token: str) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    outboxes = _Outboxes()
 
     def resolve(model: str, tenant: str) -> tuple[str, Any]:
         return resolve_model(engine, locations, model, tenant)
@@ -156,11 +195,11 @@ def create_serving_app(engine: LazyEngine, locations: ModelLocations, token: str
             body = ChatCompletionCreate.model_validate_json(await request.body())
         except ValidationError as error:
             return _error(400, str(error), code="invalid_request")
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        outbox = outboxes.get(asyncio.get_running_loop())
 
         def emit(event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            outbox.put(events, event)
 
         try:
             key, load = await run_in_threadpool(resolve, body.model, tenant)
@@ -220,37 +259,72 @@ async def _complete(events: asyncio.Queue, body: ChatCompletionCreate, reply_id:
 async def _stream(
     events: asyncio.Queue, body: ChatCompletionCreate, reply_id: str, created: int
 ) -> AsyncIterator[bytes]:
+    """The reply's chunks. The events that queued up while the last write went out are sent together, one write,
+    with each choice's text deltas among them joined into one chunk: while the server keeps up, every token is a
+    chunk of its own, as soon as it is decoded; when it falls behind (many streams at once, each sending one
+    chunk per decoding step), its writes per step stop growing with its backlog. Clients read a delta of several
+    tokens as they read one (OpenAI's own streams have them)."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     head = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": body.model}
     if include_usage:
         head["usage"] = None
+    # A text delta's chunk, the most frequent by far, rendered from this prefix rather than a dict per chunk: the
+    # same JSON as json.dumps of {**head, "choices": [choice]}.
+    content_prefix = b"data: " + json.dumps(head)[:-1].encode() + b', "choices": [{"index": '
 
     def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         return _sse({**head, "choices": [choice]})
 
-    for index in range(body.choices):
-        yield chunk(index, {"role": "assistant", "content": ""})
+    def content_chunk(index: int, text: str) -> bytes:
+        return b'%s%d, "delta": {"content": %s}, "finish_reason": null, "logprobs": null}]}\n\n' % (
+            content_prefix,
+            index,
+            json.dumps(text).encode(),
+        )
+
+    def render(batch: list[Event]) -> tuple[bytes, bool]:
+        """The batch's chunks, and whether the reply ended with them."""
+        out: list[bytes] = []
+        texts: dict[int, str] = {}  # each choice's deltas not yet rendered, joined
+
+        def flush_texts() -> None:
+            out.extend(content_chunk(index, text) for index, text in texts.items())
+            texts.clear()
+
+        for kind, first, second in batch:
+            if kind == "delta":
+                texts[first] = texts.get(first, "") + second
+                continue
+            flush_texts()  # a choice's finish comes after its text
+            if kind == "finish":
+                out.append(chunk(first, {}, second))
+            elif kind == "error":
+                body_error = {"message": second, "type": "server_error", "param": None,
+                              "code": "generation_failed"}  # fmt: skip
+                out.append(_sse({"error": body_error}))
+                return b"".join(out), True
+            elif kind == "usage":
+                if include_usage:
+                    usage = {
+                        "prompt_tokens": first,
+                        "completion_tokens": second,
+                        "total_tokens": first + second,
+                    }
+                    out.append(_sse({**head, "choices": [], "usage": usage}))
+                out.append(_sse("[DONE]"))
+                return b"".join(out), True
+        flush_texts()
+        return b"".join(out), False
+
+    yield b"".join(chunk(index, {"role": "assistant", "content": ""}) for index in range(body.choices))
     while True:
-        kind, first, second = await events.get()
-        if kind == "delta":
-            yield chunk(first, {"content": second})
-        elif kind == "finish":
-            yield chunk(first, {}, second)
-        elif kind == "error":
-            body_error = {
-                "message": second,
-                "type": "server_error",
-                "param": None,
-                "code": "generation_failed",
-            }
-            yield _sse({"error": body_error})
-            return
-        elif kind == "usage":
-            if include_usage:
-                usage = {"prompt_tokens": first, "completion_tokens": second, "total_tokens": first + second}
-                yield _sse({**head, "choices": [], "usage": usage})
-            yield _sse("[DONE]")
+        batch = [await events.get()]
+        while not events.empty():
+            batch.append(events.get_nowait())
+        data, ended = render(batch)
+        yield data
+        if ended:
             return
 
 
