@@ -1019,6 +1019,8 @@ def launch_scale_rows_(x: Tensor, factor: Tensor) -> None:
 # --------------------------------------------------------------------------------------------------
 # torch.library custom ops (opaque to torch.compile, which sees them through their fake impls)
 # --------------------------------------------------------------------------------------------------
+# The impl, the eager functions, the ops and their fakes list the same flat arguments on purpose: a torch.library
+# op's schema takes no structures, so each layer states them.
 
 
 def _forward_impl(
@@ -1220,6 +1222,18 @@ class _CrossEntropyFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------
 
 
+def loss_result(
+    loss: Tensor, accuracy: Tensor, reduction: str, return_accuracy: bool, leading_shape: torch.Size
+) -> Tensor | tuple[Tensor, Tensor]:
+    """What the public loss functions return: the loss (and the accuracy with `return_accuracy`), per token in
+    the labels' shape for reduction "none"."""
+    if reduction == "none":
+        loss = loss.view(leading_shape)
+        if return_accuracy:
+            accuracy = accuracy.view(leading_shape)
+    return (loss, accuracy) if return_accuracy else loss
+
+
 def _validate(logits: Tensor, labels: Tensor, weight: Tensor | None, reduction: str, softcap: float | None):
     _check_reduction(reduction)
     if not logits.is_floating_point():
@@ -1282,11 +1296,7 @@ def cross_entropy(
             logits2d, labels1d, class_weight, ignore_index, reduction, float(label_smoothing),
             float(z_loss_scale), cap, return_accuracy, False,
         )  # fmt: skip
-    if reduction == "none":
-        loss = loss.view(leading_shape)
-        if return_accuracy:
-            accuracy = accuracy.view(leading_shape)
-    return (loss, accuracy) if return_accuracy else loss
+    return loss_result(loss, accuracy, reduction, return_accuracy, leading_shape)
 
 
 # Mirrors cross_entropy argument for argument on purpose: tests call both with the same keywords.

@@ -68,6 +68,7 @@ from fusetune.kernels.cross_entropy import (
     launch_cross_entropy_forward,
     launch_scale_rows_,
     live_count_columns,
+    loss_result,
 )
 
 __all__ = [
@@ -852,6 +853,8 @@ def _chunk_bytes(logits_chunk_bytes: int) -> int | None:
     return logits_chunk_bytes if logits_chunk_bytes > 0 else None
 
 
+# _forward_eager, _backward_eager, the ops' fakes and the autograd Function list the same flat arguments on purpose:
+# a torch.library op's schema takes no structures, so each layer states them.
 def _forward_eager(
     hidden: Tensor,
     weight: Tensor,
@@ -1144,6 +1147,8 @@ def fused_linear_cross_entropy(
         above it), see the module docstring. Off by default (exact). Not with label smoothing, whose
         gradient is spread over every vocabulary entry.
     """
+    # Alike in shape to cross_entropy's entry point and module on purpose: the same options, checked and passed
+    # on the same way, over hidden states instead of logits.
     _validate(hidden, weight, labels, bias, reduction)
     _validate_skipping(skip_small_gradients, skip_threshold, label_smoothing)
     hidden_size = hidden.shape[-1]
@@ -1177,11 +1182,7 @@ def fused_linear_cross_entropy(
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    if reduction == "none":
-        loss = loss.view(leading_shape)
-        if return_accuracy:
-            accuracy = accuracy.view(leading_shape)
-    return (loss, accuracy) if return_accuracy else loss
+    return loss_result(loss, accuracy, reduction, return_accuracy, leading_shape)
 
 
 # Mirrors fused_linear_cross_entropy argument for argument on purpose: tests call both with the same keywords.
