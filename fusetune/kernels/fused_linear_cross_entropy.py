@@ -1229,6 +1229,8 @@ def fused_linear_cross_entropy_reference(
     return loss, accuracy
 
 
+# Alike in shape to FusedCrossEntropyLoss on purpose: a loss's nn.Module form keeps each option as an attribute,
+# as torch's own losses do.
 class FusedLinearCrossEntropyLoss(nn.Module):
     """nn.Module form of :func:`fused_linear_cross_entropy`; the projection weight is passed to forward
     (it belongs to the model's lm_head or tied embedding)."""
