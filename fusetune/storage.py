@@ -86,6 +86,17 @@ class StoredFile:
     sha256: str
 
 
+@dataclass(frozen=True)
+class ArchiveDownload:
+    """A checkpoint's tar as a download offers it: the `size` bytes that `content()` yields, identified by
+    `etag` (the same bytes on every request), saved under `download_name`."""
+
+    etag: str
+    size: int
+    content: Callable[[], Iterable[bytes]]
+    download_name: str
+
+
 def _checked_relative(path: str) -> str:
     segments = path.split("/")
     for segment in segments:
@@ -195,17 +206,9 @@ class Storage:
         """The whole content of one small file of a checkpoint (its config.json), or None if it has none."""
         raise NotImplementedError
 
-    def checkpoint_archive_url(
-        self,
-        tenant: str,
-        storage_path: str,
-        archive_etag: str,
-        size: int,
-        content: Callable[[], Iterable[bytes]],
-        download_name: str,
-    ) -> str | None:
-        """A presigned URL of the checkpoint's archive (the `size` bytes `content()` yields, identified by
-        `archive_etag`), written to the store first if it is not there; None: stream the archive."""
+    def checkpoint_archive_url(self, tenant: str, storage_path: str, archive: ArchiveDownload) -> str | None:
+        """A presigned URL of the checkpoint's archive, written to the store first if it is not there; None:
+        stream the archive."""
         return None
 
     def restore_checkpoint(
@@ -692,32 +695,24 @@ class ObjectStorage(Storage):
         os.replace(staging, target)
         return target
 
-    # Storage.checkpoint_archive_url's signature, overridden: an object store can presign where a disk cannot.
-    def checkpoint_archive_url(
-        self,
-        tenant: str,
-        storage_path: str,
-        archive_etag: str,
-        size: int,
-        content: Callable[[], Iterable[bytes]],
-        download_name: str,
-    ) -> str | None:
+    # Overrides Storage's: an object store can presign where a disk cannot.
+    def checkpoint_archive_url(self, tenant: str, storage_path: str, archive: ArchiveDownload) -> str | None:
         if not self.settings.storage_presigned_downloads:
             return None
-        name = _checked_relative(ARCHIVE_OBJECT_PREFIX + archive_etag.strip('"') + ".tar")
+        name = _checked_relative(ARCHIVE_OBJECT_PREFIX + archive.etag.strip('"') + ".tar")
         key = f"{run_key(tenant, storage_path)}/{name}"
         # Named by its ETag (the members' names, sizes, modes and times; a recorded checkpoint never changes), so
         # an archive already there at the full size is this one. Two first requests at once write the same
         # bytes; either upload is the object.
-        if self._size(key) != size:
+        if self._size(key) != archive.size:
             attributes = {
                 "Content-Type": "application/x-tar",
-                "Content-Disposition": _attachment(download_name),
+                "Content-Disposition": _attachment(archive.download_name),
             }
             # Fed from this thread: the archive's bytes are themselves read from the store, which obstore cannot
             # do from inside its own upload of an iterator.
             with _ObjectFileWriter(self, key, attributes) as writer:
-                for chunk in content():
+                for chunk in archive.content():
                     writer.write(chunk)
                 writer.commit()
         return self._presigned_url(key)

@@ -33,7 +33,7 @@ from fusetune.catalog import (
 )
 from fusetune.db import queries
 from fusetune.db.models import Checkpoint, Job, JobStatus
-from fusetune.storage import StorageError
+from fusetune.storage import ArchiveDownload, StorageError
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
@@ -331,9 +331,12 @@ def download_checkpoint(
     filename = f"{job.id}-step-{checkpoint.step}{variant}.tar"
     try:
         url = storage.checkpoint_archive_url(
-            tenant, storage_path, archive.etag, archive.size,
-            lambda: iter_archive_bytes(archive, 0, archive.size), filename,
-        )  # fmt: skip
+            tenant,
+            storage_path,
+            ArchiveDownload(
+                archive.etag, archive.size, lambda: iter_archive_bytes(archive, 0, archive.size), filename
+            ),
+        )
     except StorageError as error:
         raise ApiError(503, f"The checkpoint store failed: {error}", code="storage_error") from error
     if url is not None:
