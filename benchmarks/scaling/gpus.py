@@ -16,6 +16,8 @@ with `n_gpus`).
     python3 -m benchmarks.scaling.gpus                               # 1 and 2 GPUs, both impls
     python3 -m benchmarks.scaling.gpus --nproc 2 --impls fusetune --ddp-bucket-cap-mb 50
     python3 -m benchmarks.scaling.gpus --cpu-smoke                   # tiny shape, gloo, < 1 minute
+    python3 -m benchmarks.scaling.gpus --model llama-3.1-8b-shape --nproc 1 --impls fusetune --precision bf16-sr-8bit \
+        --distributed fsdp --fsdp-one-gpu                            # FSDP2's cost on one GPU (and without it: ddp)
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ METHOD = (
     "the trainer (fusetune.worker.train.trainer.Trainer, as the worker runs it) under torchrun --standalone, one "
     "process per GPU; model built from the architecture's config with random weights (seed 0), sdpa attention; "
     "random token ids, every next token trained; batch = --batch sequences of --seq tokens per GPU and step (one "
-    "micro-batch); precision 'bf16' (bf16 weights, AdamW state in bf16, torch.optim.AdamW(fused=True)); "
+    "micro-batch); precision --precision, 'bf16' unless given (bf16 weights, AdamW state in bf16, "
+    "torch.optim.AdamW(fused=True)); with --fsdp-one-gpu the 1-GPU row is sharded by FSDP2 over a world of one; "
     "gradient clipping at 1.0; step time = the trainer's step_time_s (micro-batches, all-reduce, clipping, "
     "optimizer step, then a device synchronize), median of the timed steps after the warm-up steps; "
     "tokens_per_s = n_gpus * batch * seq / median step time; peak_alloc_gb = the trainer's "
@@ -69,8 +72,10 @@ def _row_base(spec: dict[str, Any], n_gpus: int) -> dict[str, Any]:
         "n_gpus": n_gpus,
         "batch": spec["batch"],
         "seq": spec["seq"],
-        # The series a row belongs to: its 1-GPU row runs no data parallelism at all, whichever is asked.
-        "series_distributed": spec["distributed"],
+        # The series a row belongs to: its 1-GPU row runs no data parallelism at all, whichever is asked, except
+        # FSDP2 forced onto one GPU (--fsdp-one-gpu), a series of its own.
+        "series_distributed": "fsdp-one-gpu" if spec.get("fsdp_one_gpu") else spec["distributed"],
+        "series_precision": spec.get("precision", "bf16"),
     }
 
 
@@ -90,9 +95,17 @@ def _synthetic_trainer_class():
     from fusetune.worker.train.trainer import Trainer
 
     class SyntheticTrainer(Trainer):
+        shard_one_process = False  # --fsdp-one-gpu: FSDP2 over a world of one, to measure its own cost
+
         def __init__(self, config, dist_info, reporter, model_config) -> None:
             self._model_config = model_config
             super().__init__(config, dist_info, reporter)
+
+        @classmethod
+        def _shards(cls, config, dist_info) -> bool:
+            return Trainer._shards(config, dist_info) or (
+                cls.shard_one_process and config.distributed == "fsdp"
+            )
 
         def _load_tokenizer(self):
             return SimpleNamespace(pad_token_id=0, eos_token_id=None)  # ids are drawn directly, never decoded
@@ -162,9 +175,9 @@ def _worker_main(spec_json: str) -> int:
                 resume=False,
             )
             reporter = Collector()
-            trainer = _synthetic_trainer_class()(
-                config, dist_info, reporter, build_config(spec["model"], spec["tiny"])
-            )
+            trainer_class = _synthetic_trainer_class()
+            trainer_class.shard_one_process = bool(spec.get("fsdp_one_gpu"))
+            trainer = trainer_class(config, dist_info, reporter, build_config(spec["model"], spec["tiny"]))
             trainer.train()
             flops_per_token = training_flops_per_token(trainer.model, spec["seq"])
             timed = reporter.metrics[spec["warmup_steps"] :]
@@ -185,7 +198,7 @@ def _worker_main(spec_json: str) -> int:
                 first_loss=round(reporter.metrics[0]["train_loss"], 4),
                 last_loss=round(reporter.metrics[-1]["train_loss"], 4),
                 kernels_applied=trainer.kernels_applied,
-                distributed=spec["distributed"] if n_gpus > 1 else "none",
+                distributed="fsdp" if trainer.fsdp else (spec["distributed"] if n_gpus > 1 else "none"),
                 ddp_bucket_cap_mb=config.ddp_bucket_cap_mb or DEFAULT_DDP_BUCKET_CAP_MB,
                 precision=trainer.precision.name,
                 steps=spec["steps"],
@@ -223,7 +236,8 @@ def run_torchrun(spec: dict[str, Any], nproc: int, timeout_s: float, cpu: bool) 
 
 
 def _series_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return row["model"], row["impl"], row["batch"], row["seq"], row.get("series_distributed", "ddp")
+    return (row["model"], row["impl"], row["batch"], row["seq"], row.get("series_distributed", "ddp"),
+            row.get("series_precision", "bf16"))  # fmt: skip
 
 
 def scaling_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -287,7 +301,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
     for row in payload["rows"]:
         table.append(
             [
-                row["model"], row["impl"], row.get("distributed", row.get("series_distributed", "ddp")), row["n_gpus"],
+                row["model"], row["impl"], row.get("distributed", row.get("series_distributed", "ddp")),
+                row.get("precision", row.get("series_precision", "bf16")), row["n_gpus"],
                 f"{row['batch']} x {row['seq']}", row.get("tokens_per_s"),
                 row.get("tokens_per_s_per_gpu"), row.get("scaling_efficiency"), row.get("peak_alloc_gb"),
                 row.get("mfu"), row.get("step_ms"), row.get("kernels_applied"),
@@ -295,7 +310,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         )  # fmt: skip
         if "error" in row:
             notes.append(f"- {row['impl']} on {row['n_gpus']} GPU(s): {row['error']}")
-    header = ["model", "impl", "parallelism", "GPUs", "batch per GPU", "tokens/s", "tokens/s per GPU", "scaling efficiency",
+    header = ["model", "impl", "parallelism", "precision", "GPUs", "batch per GPU", "tokens/s", "tokens/s per GPU", "scaling efficiency",
               "peak alloc GB", "MFU", "step ms", "kernels"]  # fmt: skip
     lines.append(markdown_table(header, table))
     if notes:
@@ -322,6 +337,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ddp-bucket-cap-mb", type=int, default=None, help="DDP bucket size (default: the trainer's)"
     )
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument(
+        "--precision", default="bf16", help="the trainer's precision mode (spec/precision.py)"
+    )
+    parser.add_argument(
+        "--fsdp-one-gpu", action="store_true",
+        help="with --distributed fsdp, shard with FSDP2 on one GPU too (a world of one: FSDP2's own cost)",
+    )  # fmt: skip
     harness.add_results_arguments(parser, RESULTS, merge="the rows this run does not measure again")
     parser.add_argument("--run-timeout-s", type=float, default=540, help="limit of one torchrun launch")
     parser.add_argument(
@@ -362,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model": args.model, "impl": impl, "batch": args.batch, "seq": args.seq, "steps": args.steps,
                 "warmup_steps": args.warmup_steps, "tiny": args.cpu_smoke, "distributed": args.distributed,
                 "ddp_bucket_cap_mb": args.ddp_bucket_cap_mb, "gradient_checkpointing": args.gradient_checkpointing,
+                "precision": args.precision, "fsdp_one_gpu": args.fsdp_one_gpu and args.distributed == "fsdp",
                 "peak_tflops": (meta["ceilings"] or {}).get("bf16_matmul_TFLOPs"),
             }  # fmt: skip
             started = time.monotonic()

@@ -100,6 +100,13 @@ class Trainer:
     so that a benchmark can feed synthetic data or a randomly initialised model through the same loop.
     """
 
+    @staticmethod
+    def _shards(config: TrainConfig, dist_info: DistInfo) -> bool:
+        """Whether the model is sharded with FSDP2: asked for, over more than one process (one process has nothing
+        to shard across: it trains the model whole, as without data parallelism). A benchmark overrides this to
+        measure FSDP2's own cost on one GPU."""
+        return config.distributed == "fsdp" and dist_info.world_size > 1
+
     def __init__(self, config: TrainConfig, dist_info: DistInfo, reporter: Reporter) -> None:
         self.config = config
         self.dist = dist_info
@@ -107,7 +114,7 @@ class Trainer:
         self.reporter = reporter
         # Every rank's host, in rank order, once: each step's memory peaks are reported with them.
         self.hosts: list[str] = all_gather_object(socket.gethostname())
-        self.fsdp = config.distributed == "fsdp" and dist_info.world_size > 1
+        self.fsdp = self._shards(config, dist_info)
         try:
             # A mode this device cannot run, or a batch the processes cannot split, fails before anything loads;
             # the precision is resolved once the plan has decided it (_plan_run).
