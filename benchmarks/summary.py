@@ -415,7 +415,24 @@ def chat_throughput_headlines(payload: Payload) -> list[Headline]:
     )
     others = [(f"generate ceiling ({name})", str(row["tokens_per_s"])) for name, row in ceilings.items()
               if row.get("tokens_per_s")]  # fmt: skip
-    return [("chat completions new tokens/s", setting, str(serving["total_tokens_per_s"]), _others(others))]
+    total_others = others
+    if serving.get("arrival_bound_tokens_per_s"):
+        # What the arrivals allow at the serving run's own busy step: the total can be no higher.
+        total_others = [*others, ("arrival bound", str(serving["arrival_bound_tokens_per_s"]))]
+    headlines = [
+        ("chat completions new tokens/s", setting, str(serving["total_tokens_per_s"]), _others(total_others))
+    ]
+    if serving.get("all_busy_tokens_per_s"):
+        busy = f"{setting}; steps with all {serving.get('peak_busy_slots')} slots busy"
+        headlines.append(
+            (
+                "chat completions new tokens/s, every slot busy",
+                busy,
+                str(serving["all_busy_tokens_per_s"]),
+                _others(others),
+            )
+        )
+    return headlines
 
 
 HEADLINES: dict[str, Callable[[Payload], list[Headline]]] = {
