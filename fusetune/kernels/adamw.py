@@ -40,9 +40,9 @@ the distributed checkpoint helpers see the usual AdamW state (`step`, `exp_avg`,
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import astuple, dataclass
+from typing import Any, NamedTuple, Required, TypedDict, Unpack
 
 import torch
 import triton
@@ -52,7 +52,9 @@ from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.host_state import HostState
 
 __all__ = [
+    "AdamWHyperparameters",
     "AdamWLaunchSettings",
+    "AdamWStepOptions",
     "FusedAdamW",
     "adamw_launch_settings",
     "adamw_state_bytes_per_parameter",
@@ -180,22 +182,12 @@ def _round_stochastic(value, random16):
 
 
 @triton.jit
-def _adamw_update(
-    grad,
-    exp_avg,
-    exp_avg_sq,
-    param,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    inv_sqrt_bias_correction2,
-    eps,
-    weight_decay_factor,
-    step_size,
-):
+def _adamw_update(grad, exp_avg, exp_avg_sq, param, constants):
     """The update of the module docstring on fp32 values, both optimizers' (the 8-bit one after decoding its
-    moments): the new exp_avg, exp_avg_sq, sqrt(exp_avg_sq) (the 8-bit state stores it) and parameter."""
+    moments): the new exp_avg, exp_avg_sq, sqrt(exp_avg_sq) (the 8-bit state stores it) and parameter.
+    `constants`: the step's _StepConstants as a tuple, in the order of its fields (launch_over_table's)."""
+    (beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias_correction2, eps, weight_decay_factor,
+     step_size) = constants  # fmt: skip
     exp_avg = exp_avg * beta1 + grad * one_minus_beta1
     exp_avg_sq = exp_avg_sq * beta2 + (grad * grad) * one_minus_beta2
     root = tl.sqrt_rn(exp_avg_sq)
@@ -216,6 +208,37 @@ def _random_bits(index, step_key):
 
 
 @triton.jit
+def _table_row(
+    table_ptr, program_tensor_ptr, param_proto_ptr, grad_proto_ptr, TABLE_COLUMNS: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """Both optimizers' kernels: this program's index, its tensor's row of launch_over_table's table, and the
+    tensor's param and grad pointers, typed as the *_proto ones (every tensor of a launch has their dtypes)
+    and, if ALIGNED, marked multiples of 16 bytes here: the mark is lost on a pointer a helper returns."""
+    pid = tl.program_id(0)
+    tensor = tl.load(program_tensor_ptr + pid).to(tl.int64)
+    row = table_ptr + tensor * TABLE_COLUMNS
+    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_proto_ptr.dtype.element_ty))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
+    if ALIGNED:
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+    return pid, row, param_ptr, grad_ptr
+
+
+@triton.jit
+def _grad_scale_or_skip(grad_scale_ptr, numel, HAS_GRAD_SCALE: tl.constexpr):
+    """Both optimizers' kernels: the gradients' scale (1.0 without one) and the number of elements to update,
+    0 when the scale is NaN."""
+    grad_scale = 1.0
+    if HAS_GRAD_SCALE:
+        grad_scale = tl.load(grad_scale_ptr)
+        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
+        numel = tl.where(grad_scale == grad_scale, numel, 0)
+    return grad_scale, numel
+
+
+@triton.jit
 def _adamw_block(
     param_ptr,
     grad_ptr,
@@ -225,14 +248,7 @@ def _adamw_block(
     mask,
     group_offset,
     grad_scale,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    inv_sqrt_bias_correction2,
-    eps,
-    weight_decay_factor,
-    step_size,
+    constants,
     step_key,
     HAS_GRAD_SCALE: tl.constexpr,
     MASKED: tl.constexpr,
@@ -257,10 +273,7 @@ def _adamw_block(
     if HAS_GRAD_SCALE:
         grad = grad * grad_scale
 
-    exp_avg, exp_avg_sq, _, param = _adamw_update(
-        grad, exp_avg, exp_avg_sq, param, beta1, one_minus_beta1, beta2, one_minus_beta2,
-        inv_sqrt_bias_correction2, eps, weight_decay_factor, step_size,
-    )  # fmt: skip
+    exp_avg, exp_avg_sq, _, param = _adamw_update(grad, exp_avg, exp_avg_sq, param, constants)
 
     if param_dtype == tl.bfloat16 or state_dtype == tl.bfloat16:
         first, second = _random_bits(group_offset + offsets, step_key)
@@ -299,14 +312,7 @@ def _adamw_kernel(
     grad_proto_ptr,
     state_proto_ptr,
     grad_scale_ptr,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    inv_sqrt_bias_correction2,
-    eps,
-    weight_decay_factor,
-    step_size,
+    constants,
     step_key,
     HAS_GRAD_SCALE: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -324,13 +330,10 @@ def _adamw_kernel(
     loads). KEEPS_MAXIMA: some tensor of the launch keeps its block maxima; without, no block reduces its
     magnitudes (a bf16-sr job's launches).
     """
-    param_dtype = param_proto_ptr.dtype.element_ty
     state_dtype = state_proto_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    tensor = tl.load(block_tensor_ptr + pid).to(tl.int64)
-    row = table_ptr + tensor * TABLE_COLUMNS
-    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_dtype))
-    grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
+    pid, row, param_ptr, grad_ptr = _table_row(
+        table_ptr, block_tensor_ptr, param_proto_ptr, grad_proto_ptr, TABLE_COLUMNS, ALIGNED
+    )
     exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(state_dtype))
     exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(state_dtype))
     numel = tl.load(row + 4)
@@ -338,32 +341,22 @@ def _adamw_kernel(
     first_block = tl.load(row + 6)
     block_maxima = tl.load(row + 7)
     if ALIGNED:
-        param_ptr = tl.multiple_of(param_ptr, 16)
-        grad_ptr = tl.multiple_of(grad_ptr, 16)
         exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
         exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
 
-    grad_scale = 1.0
-    if HAS_GRAD_SCALE:
-        grad_scale = tl.load(grad_scale_ptr)
-        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
-        numel = tl.where(grad_scale == grad_scale, numel, 0)
+    grad_scale, numel = _grad_scale_or_skip(grad_scale_ptr, numel, HAS_GRAD_SCALE)
     start = (pid - first_block) * BLOCK
     offsets = start + tl.arange(0, BLOCK)
     mask = offsets < numel
     if ALIGNED and start + BLOCK <= numel:
         block_max = _adamw_block(
-            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale,
-            beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias_correction2, eps,
-            weight_decay_factor, step_size, step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=False,
-            BLOCK_MAX=KEEPS_MAXIMA,
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale, constants,
+            step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=False, BLOCK_MAX=KEEPS_MAXIMA,
         )  # fmt: skip
     else:
         block_max = _adamw_block(
-            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale,
-            beta1, one_minus_beta1, beta2, one_minus_beta2, inv_sqrt_bias_correction2, eps,
-            weight_decay_factor, step_size, step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=True,
-            BLOCK_MAX=KEEPS_MAXIMA,
+            param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, offsets, mask, group_offset, grad_scale, constants,
+            step_key, HAS_GRAD_SCALE=HAS_GRAD_SCALE, MASKED=True, BLOCK_MAX=KEEPS_MAXIMA,
         )  # fmt: skip
     # The block's largest stored magnitude, where the tensor keeps them (float8's weight scales: what its casts
     # would otherwise read the whole weight for). A skipped step (numel 0) wrote nothing and leaves them as well.
@@ -379,7 +372,8 @@ def _adamw_kernel(
 
 @dataclass(frozen=True)
 class _StepConstants:
-    """The scalars of one step, as Python floats that both the kernel and the reference round to fp32."""
+    """The scalars of one step, as Python floats that both the kernel and the reference round to fp32. The
+    kernels take them as one tuple in the order of these fields, which _adamw_update unpacks."""
 
     beta1: float
     one_minus_beta1: float
@@ -426,37 +420,49 @@ def _block_map(numels: tuple[int, ...], block_size: int, device: torch.device) -
     return block_tensor.to(device), tuple(first_blocks)
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """What an optimizer brings to launch_over_table: its kernel and launch settings, each tensor's
+    `state_addresses` (the table's columns after param and grad), the state tensors whose element types the
+    kernel reads (`state_prototypes`), columns after the shared ones (`trailing_columns`), whether the kernel
+    is told that every address is a multiple of VECTOR_BYTES (`tells_alignment`, its ALIGNED), and the
+    kernel's own `constexprs`."""
+
+    kernel: Any
+    state_addresses: Sequence[Sequence[int]]
+    elements_per_program: int
+    num_warps: int
+    constexprs: dict[str, Any]
+    state_prototypes: Sequence[torch.Tensor] = ()
+    trailing_columns: Sequence[Sequence[int]] | None = None
+    tells_alignment: bool = False
+
+
 def launch_over_table(
-    kernel: Any,
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    state_addresses: Sequence[Sequence[int]],
-    element_offsets: Sequence[int],
+    launch: KernelLaunch,
+    members: Sequence[LaunchMember],
     constants: _StepConstants,
     step_key: int,
     grad_scale: torch.Tensor | None,
     *,
     owner: str,
-    elements_per_program: int,
-    num_warps: int,
-    state_prototypes: Sequence[torch.Tensor] = (),
-    trailing_columns: Sequence[Sequence[int]] | None = None,
-    tells_alignment: bool = False,
-    **constexprs: Any,
 ) -> None:
-    """One launch of an AdamW kernel over local, contiguous tensors that share their dtypes and step, which it
-    finds through a table of addresses: the launch preparation both fused optimizers share.
+    """One launch of an AdamW kernel over the local, contiguous tensors of `members`, which share their dtypes
+    and step and which it finds through a table of addresses: the launch both fused optimizers share.
 
-    Row of a tensor (int64): param and grad addresses, its `state_addresses`, numel, element offset in the
-    group, first program of the tensor in the launch, then its `trailing_columns`. The kernel receives the
-    table, the tensor of each program, the first param, grad and `state_prototypes` (for their element types),
-    the grad scale (the table in its place when there is none), the step's constants, the signed step key,
-    HAS_GRAD_SCALE, ALIGNED if `tells_alignment` (every address column a multiple of VECTOR_BYTES), then
-    `constexprs`. `owner` names the optimizer in errors.
+    Row of a tensor (int64): param and grad addresses, its state addresses, numel, element offset in the
+    group, first program of the tensor in the launch, then its trailing columns. The kernel receives the
+    table, the tensor of each program, the first param, grad and state prototypes (for their element types),
+    the grad scale (the table in its place when there is none), the step's constants as one tuple, the signed
+    step key, HAS_GRAD_SCALE, ALIGNED if the launch tells alignment, then its constexprs. `owner` names the
+    optimizer in errors.
     """
+    _, params, grads, _, element_offsets = zip(*members, strict=True)
+    state_addresses, trailing_columns = launch.state_addresses, launch.trailing_columns
+    constexprs = dict(launch.constexprs)
     device = params[0].device
     numels = tuple(p.numel() for p in params)
-    program_tensor, first_programs = _block_map(numels, elements_per_program, device)
+    program_tensor, first_programs = _block_map(numels, launch.elements_per_program, device)
     if trailing_columns is None:
         trailing_columns = [()] * len(params)
     rows = [
@@ -472,7 +478,7 @@ def launch_over_table(
             strict=True,
         )
     ]
-    if tells_alignment:
+    if launch.tells_alignment:
         address_columns = 2 + len(state_addresses[0])
         constexprs["ALIGNED"] = all(
             address % VECTOR_BYTES == 0 for row in rows for address in row[:address_columns]
@@ -490,35 +496,50 @@ def launch_over_table(
             )
         grad_scale = grad_scale.to(torch.float32)
     step_key_signed = step_key - (1 << 32) if step_key >= 1 << 31 else step_key
-    kernel[(program_tensor.numel(),)](
+    launch.kernel[(program_tensor.numel(),)](
         table,
         program_tensor,
         params[0],
         grads[0],
-        *state_prototypes,
+        *launch.state_prototypes,
         grad_scale if grad_scale is not None else table,
-        constants.beta1,
-        constants.one_minus_beta1,
-        constants.beta2,
-        constants.one_minus_beta2,
-        constants.inv_sqrt_bias_correction2,
-        constants.eps,
-        constants.weight_decay_factor,
-        constants.step_size,
+        astuple(constants),
         step_key_signed,
         HAS_GRAD_SCALE=grad_scale is not None,
         **constexprs,
-        num_warps=num_warps,
+        num_warps=launch.num_warps,
         # Fused multiply-adds would round differently from the reference's separate operations.
         enable_fp_fusion=False,
     )
 
 
-def adamw_step_reference(
+class AdamWStepOptions(TypedDict, total=False):
+    """The keywords of both step references besides their tensors (defaults and meaning: _reference_steps)."""
+
+    step: Required[int]
+    lr: Required[float]
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    seed: int
+    grad_scale: torch.Tensor | None
+    element_offsets: Sequence[int] | None
+
+
+class _ReferenceUpdate(NamedTuple):
+    """One tensor's new fp32 moments (and sqrt(exp_avg_sq)) and its two random words, for its state."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    root: torch.Tensor
+    first_bits: torch.Tensor
+    second_bits: torch.Tensor
+
+
+def _reference_steps(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
+    moments: Iterable[tuple[torch.Tensor, torch.Tensor]],
     *,
     step: int,
     lr: float,
@@ -528,42 +549,61 @@ def adamw_step_reference(
     seed: int = 0,
     grad_scale: torch.Tensor | None = None,
     element_offsets: Sequence[int] | None = None,
-) -> None:
-    """One AdamW step in pure PyTorch, in place, bit for bit the kernel's (the module docstring's math).
-
-    `step` is the step being taken (1 for the first). `element_offsets` are where each tensor starts in the
-    group's element count (default: the tensors back to back, as FusedAdamW lays out a group). bf16 tensors
-    are rounded stochastically from the (seed, step, element index) bits, fp32 ones stored as computed.
-    """
+) -> Iterator[_ReferenceUpdate]:
+    """Both references' step, tensor by tensor, in place: the module docstring's update from each tensor's
+    (exp_avg, exp_avg_sq) in `moments`, its parameter stored (bf16 rounded stochastically from the (seed,
+    step, element index) bits, fp32 as computed), then its new moments yielded for the caller to store.
+    Nothing when `grad_scale` is NaN (the non-finite guard). `step` is the step being taken (1 for the first);
+    `element_offsets` are where each tensor starts in the group's element count (default: the tensors back to
+    back, as the optimizers lay out a group)."""
     constants = _StepConstants.of(step, lr, betas[0], betas[1], eps, weight_decay)
     if grad_scale is not None and bool(torch.isnan(grad_scale).any()):
-        return  # the non-finite guard: nothing changes
+        return
     if element_offsets is None:
         element_offsets = _back_to_back_offsets(params)
     key = stochastic_rounding_key(seed, step)
-    for param, grad, exp_avg, exp_avg_sq, offset in zip(
-        params, grads, exp_avgs, exp_avg_sqs, element_offsets, strict=True
+    for param, grad, (exp_avg, exp_avg_sq), offset in zip(
+        params, grads, moments, element_offsets, strict=True
     ):
         g = grad.to(torch.float32)
         if grad_scale is not None:
             g = g * grad_scale.to(torch.float32)
         m = exp_avg.to(torch.float32) * constants.beta1 + g * constants.one_minus_beta1
         v = exp_avg_sq.to(torch.float32) * constants.beta2 + (g * g) * constants.one_minus_beta2
-        denom = _sqrt_rn(v) * constants.inv_sqrt_bias_correction2 + constants.eps
+        root = _sqrt_rn(v)
+        denom = root * constants.inv_sqrt_bias_correction2 + constants.eps
         p = param.to(torch.float32) * constants.weight_decay_factor - _div_rn(m, denom) * constants.step_size
-        if param.dtype == torch.bfloat16 or exp_avg.dtype == torch.bfloat16:
-            index = offset + torch.arange(param.numel(), dtype=torch.int64, device=param.device)
-            first, second = _random_bits_reference(index.view(param.shape), key)
+        index = offset + torch.arange(param.numel(), dtype=torch.int64, device=param.device)
+        first, second = _random_bits_reference(index.view(param.shape), key)
         if param.dtype == torch.bfloat16:
             param.copy_(_round_stochastic_reference(p, first & 0xFFFF))
         else:
             param.copy_(p)
+        yield _ReferenceUpdate(m, v, root, first, second)
+
+
+def adamw_step_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    **options: Unpack[AdamWStepOptions],
+) -> None:
+    """One AdamW step in pure PyTorch, in place, bit for bit the kernel's (the module docstring's math).
+
+    `options`: `step` (the step being taken, 1 for the first) and `lr`, then `betas`, `eps`, `weight_decay`,
+    `seed`, `grad_scale` and `element_offsets` (_reference_steps has their defaults). bf16 tensors are rounded
+    stochastically from the (seed, step, element index) bits, fp32 ones stored as computed.
+    """
+    updates = _reference_steps(params, grads, zip(exp_avgs, exp_avg_sqs, strict=True), **options)
+    for index, new in enumerate(updates):
+        exp_avg, exp_avg_sq = exp_avgs[index], exp_avg_sqs[index]
         if exp_avg.dtype == torch.bfloat16:
-            exp_avg.copy_(_round_stochastic_reference(m, first >> 16))
-            exp_avg_sq.copy_(_round_stochastic_reference(v, second & 0xFFFF))
+            exp_avg.copy_(_round_stochastic_reference(new.exp_avg, new.first_bits >> 16))
+            exp_avg_sq.copy_(_round_stochastic_reference(new.exp_avg_sq, new.second_bits & 0xFFFF))
         else:
-            exp_avg.copy_(m)
-            exp_avg_sq.copy_(v)
+            exp_avg.copy_(new.exp_avg)
+            exp_avg_sq.copy_(new.exp_avg_sq)
 
 
 def block_maxima_reference(tensor: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -586,6 +626,17 @@ def _div_rn(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return (numerator.to(torch.float64) / denominator.to(torch.float64)).to(torch.float32)
 
 
+class AdamWHyperparameters(TypedDict, total=False):
+    """The keywords both fused optimizers take besides their own (defaults: FusedOptimizerState's)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    seed: int
+    state_on_host: bool
+
+
 # (param, its local tensor, contiguous local grad, state, element offset in the group): one tensor of a launch.
 LaunchMember = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], int]
 
@@ -604,13 +655,13 @@ class FusedOptimizerState(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
         *,
-        seed: int,
-        state_on_host: bool,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        seed: int = 0,
+        state_on_host: bool = False,
     ) -> None:
         name = type(self).__name__
         if not 0.0 <= lr:
@@ -641,6 +692,11 @@ class FusedOptimizerState(torch.optim.Optimizer):
         settings: Any,
     ) -> None:
         """One kernel launch over `members` (non-empty, one dtype combination, device and step)."""
+        launch = self._kernel_launch(members, settings)
+        launch_over_table(launch, members, constants, step_key, grad_scale, owner=type(self).__name__)
+
+    def _kernel_launch(self, members: Sequence[LaunchMember], settings: Any) -> KernelLaunch:
+        """The subclass's kernel, launch settings and table columns for a launch over `members`."""
         raise NotImplementedError
 
     def _saved_in_this_layout(
@@ -869,14 +925,9 @@ class FusedAdamW(FusedOptimizerState):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
         *,
-        seed: int = 0,
         state_dtype: torch.dtype = torch.bfloat16,
-        state_on_host: bool = False,
+        **hyperparameters: Unpack[AdamWHyperparameters],
     ) -> None:
         if state_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(
@@ -884,11 +935,11 @@ class FusedAdamW(FusedOptimizerState):
             )
         self.state_dtype = state_dtype
         self.block_maxima: dict[torch.Tensor, torch.Tensor] = {}
-        super().__init__(params, lr, betas, eps, weight_decay, seed=seed, state_on_host=state_on_host)
+        super().__init__(params, **hyperparameters)
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 _state_dtype(param.dtype, state_dtype)  # refuses fp16 and others now, not at the first step
-                if state_on_host and hasattr(param, "to_local"):
+                if self.host_state is not None and hasattr(param, "to_local"):
                     raise TypeError(
                         f"FusedAdamW: parameter {index} of its group is an FSDP2 DTensor; state_on_host keeps "
                         "whole tensors in host memory, FSDP2 already shards the state over the GPUs"
@@ -922,39 +973,27 @@ class FusedAdamW(FusedOptimizerState):
             "exp_avg_sq": _zeros_like_param(param, dtype),
         }
 
-    def _launch(
-        self,
-        members: Sequence[LaunchMember],
-        constants: _StepConstants,
-        step_key: int,
-        grad_scale: torch.Tensor | None,
-        settings: AdamWLaunchSettings,
-    ) -> None:
-        """One launch of `_adamw_kernel`; a tensor whose block maxima are kept gets them rewritten."""
-        params, local_params, grads, states, offsets = zip(*members, strict=True)
+    def _kernel_launch(self, members: Sequence[LaunchMember], settings: AdamWLaunchSettings) -> KernelLaunch:
+        """`_adamw_kernel`; a tensor whose block maxima are kept gets them rewritten."""
+        params, _, _, states, _ = zip(*members, strict=True)
         exp_avgs = [_local(state["exp_avg"]) for state in states]
         maxima = [self.block_maxima.get(param) for param in params]
-        launch_over_table(
+        return KernelLaunch(
             _adamw_kernel,
-            local_params,
-            grads,
             [
                 (m.data_ptr(), _local(s["exp_avg_sq"]).data_ptr())
                 for m, s in zip(exp_avgs, states, strict=True)
             ],
-            offsets,
-            constants,
-            step_key,
-            grad_scale,
-            owner="FusedAdamW",
             elements_per_program=settings.block_size,
             num_warps=settings.num_warps,
+            constexprs={
+                "KEEPS_MAXIMA": any(b is not None for b in maxima),
+                "TABLE_COLUMNS": _TABLE_COLUMNS,
+                "BLOCK": settings.block_size,
+            },
             state_prototypes=(exp_avgs[0],),
             trailing_columns=[(0 if b is None else b.data_ptr(),) for b in maxima],
             tells_alignment=True,
-            KEEPS_MAXIMA=any(b is not None for b in maxima),
-            TABLE_COLUMNS=_TABLE_COLUMNS,
-            BLOCK=settings.block_size,
         )
 
     def _loaded(self, param: torch.Tensor, saved: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -79,7 +79,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import triton
@@ -87,20 +87,19 @@ import triton.language as tl
 
 from fusetune.kernels._interpreter import interpreted
 from fusetune.kernels.adamw import (
+    AdamWHyperparameters,
+    AdamWStepOptions,
     FusedOptimizerState,
+    KernelLaunch,
     LaunchMember,
     _adamw_update,
-    _back_to_back_offsets,
     _div_rn,
+    _grad_scale_or_skip,
     _local,
     _random_bits,
-    _random_bits_reference,
+    _reference_steps,
     _round_stochastic,
-    _round_stochastic_reference,
-    _sqrt_rn,
-    _StepConstants,
-    launch_over_table,
-    stochastic_rounding_key,
+    _table_row,
 )
 
 __all__ = [
@@ -193,14 +192,7 @@ def _adamw8bit_kernel(
     param_proto_ptr,
     grad_proto_ptr,
     grad_scale_ptr,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    inv_sqrt_bias_correction2,
-    eps,
-    weight_decay_factor,
-    step_size,
+    constants,
     step_key,
     HAS_GRAD_SCALE: tl.constexpr,
     TABLE_COLUMNS: tl.constexpr,
@@ -212,11 +204,9 @@ def _adamw8bit_kernel(
     """BLOCKS_PER_PROGRAM quantization blocks of one tensor of the group: the update of the module docstring,
     in place. The *_proto pointers are the first tensor's, passed only for their element types."""
     param_dtype = param_proto_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    tensor = tl.load(program_tensor_ptr + pid).to(tl.int64)
-    row = table_ptr + tensor * TABLE_COLUMNS
-    param_ptr = tl.load(row + 0).to(tl.pointer_type(param_dtype))
-    grad_ptr = tl.load(row + 1).to(tl.pointer_type(grad_proto_ptr.dtype.element_ty))
+    pid, row, param_ptr, grad_ptr = _table_row(
+        table_ptr, program_tensor_ptr, param_proto_ptr, grad_proto_ptr, TABLE_COLUMNS, ALIGNED=False
+    )
     m_codes_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
     m_scales_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     r_codes_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
@@ -225,10 +215,7 @@ def _adamw8bit_kernel(
     group_offset = tl.load(row + 7)
     first_program = tl.load(row + 8)
 
-    if HAS_GRAD_SCALE:
-        grad_scale = tl.load(grad_scale_ptr)
-        # A NaN scale is the caller's non-finite guard: the step then reads and writes nothing.
-        numel = tl.where(grad_scale == grad_scale, numel, 0)
+    grad_scale, numel = _grad_scale_or_skip(grad_scale_ptr, numel, HAS_GRAD_SCALE)
     blocks = (pid - first_program) * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
     offsets = blocks[:, None] * QUANT_BLOCK + tl.arange(0, QUANT_BLOCK)[None, :]
     mask = offsets < numel
@@ -248,10 +235,7 @@ def _adamw8bit_kernel(
     root = _decode(r_code, R_MANTISSA_BITS) * r_scale[:, None]
     exp_avg_sq = root * root
 
-    exp_avg, exp_avg_sq, root, param = _adamw_update(
-        grad, exp_avg, exp_avg_sq, param, beta1, one_minus_beta1, beta2, one_minus_beta2,
-        inv_sqrt_bias_correction2, eps, weight_decay_factor, step_size,
-    )  # fmt: skip
+    exp_avg, exp_avg_sq, root, param = _adamw_update(grad, exp_avg, exp_avg_sq, param, constants)
 
     first, second = _random_bits(group_offset + offsets, step_key)
     if param_dtype == tl.bfloat16:
@@ -347,51 +331,26 @@ def adamw8bit_step_reference(
     grads: Sequence[torch.Tensor],
     states: Sequence[dict[str, torch.Tensor]],
     *,
-    step: int,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    seed: int = 0,
-    grad_scale: torch.Tensor | None = None,
-    element_offsets: Sequence[int] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    **options: Unpack[AdamWStepOptions],
 ) -> None:
-    """One 8-bit AdamW step in pure PyTorch, in place, bit for bit the kernel's (the module docstring's math).
+    """One 8-bit AdamW step in pure PyTorch, in place, bit for bit the kernel's (the module docstring's math):
+    adamw_step_reference's step on the decoded moments, which are then encoded again.
 
     `states[i]` holds parameter i's `exp_avg_codes`, `exp_avg_scales`, `exp_avg_sq_codes` and
     `exp_avg_sq_scales` (zeros before the first step: `adamw8bit_zero_state`), replaced by the new ones.
-    `step` is the step being taken (1 for the first); `element_offsets` are where each tensor starts in the
-    group's element count (default: back to back, as FusedAdamW8bit lays out a group).
+    `options`: adamw_step_reference's (`step` and `lr`, then `betas`, `eps`, `weight_decay`, `seed`,
+    `grad_scale` and `element_offsets`, back to back by default as FusedAdamW8bit lays out a group).
     """
-    constants = _StepConstants.of(step, lr, betas[0], betas[1], eps, weight_decay)
-    if grad_scale is not None and bool(torch.isnan(grad_scale).any()):
-        return  # the non-finite guard: nothing changes
-    if element_offsets is None:
-        element_offsets = _back_to_back_offsets(params)
-    key = stochastic_rounding_key(seed, step)
-    for param, grad, state, offset in zip(params, grads, states, element_offsets, strict=True):
-        g = grad.to(torch.float32)
-        if grad_scale is not None:
-            g = g * grad_scale.to(torch.float32)
-        exp_avg, exp_avg_sq = dequantize_moments(state, block_size)
-        m = exp_avg * constants.beta1 + g * constants.one_minus_beta1
-        v = exp_avg_sq * constants.beta2 + (g * g) * constants.one_minus_beta2
-        root = _sqrt_rn(v)
-        denom = root * constants.inv_sqrt_bias_correction2 + constants.eps
-        p = param.to(torch.float32) * constants.weight_decay_factor - _div_rn(m, denom) * constants.step_size
-        index = offset + torch.arange(param.numel(), dtype=torch.int64, device=param.device)
-        first, second = _random_bits_reference(index.view(param.shape), key)
-        if param.dtype == torch.bfloat16:
-            param.copy_(_round_stochastic_reference(p, first & 0xFFFF))
-        else:
-            param.copy_(p)
+    decoded = (dequantize_moments(state, block_size) for state in states)
+    for index, new in enumerate(_reference_steps(params, grads, decoded, **options)):
         m_codes, m_scales = _quantize_reference(
-            m, first >> 16, EXP_AVG_MANTISSA_BITS, block_size, signed=True
+            new.exp_avg, new.first_bits >> 16, EXP_AVG_MANTISSA_BITS, block_size, signed=True
         )
         r_codes, r_scales = _quantize_reference(
-            root, second & 0xFFFF, EXP_AVG_SQ_MANTISSA_BITS, block_size, signed=False
+            new.root, new.second_bits & 0xFFFF, EXP_AVG_SQ_MANTISSA_BITS, block_size, signed=False
         )
+        state = states[index]
         state["exp_avg_codes"].copy_(m_codes)
         state["exp_avg_scales"].copy_(m_scales)
         state["exp_avg_sq_codes"].copy_(r_codes)
@@ -650,21 +609,16 @@ class FusedAdamW8bit(FusedOptimizerState):
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
         *,
-        seed: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        state_on_host: bool = False,
+        **hyperparameters: Unpack[AdamWHyperparameters],
     ) -> None:
         if not (32 <= block_size <= 4096 and block_size & (block_size - 1) == 0):
             raise ValueError(
                 f"FusedAdamW8bit: block_size must be a power of two from 32 to 4096, got {block_size}"
             )
         self.block_size = block_size
-        super().__init__(params, lr, betas, eps, weight_decay, seed=seed, state_on_host=state_on_host)
+        super().__init__(params, **hyperparameters)
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 if param.dtype not in _SUPPORTED_PARAM_DTYPES:
@@ -672,7 +626,7 @@ class FusedAdamW8bit(FusedOptimizerState):
                         f"FusedAdamW8bit: parameters must be bfloat16 or float32, got {param.dtype}"
                     )
                 if hasattr(param, "to_local"):
-                    _check_sharding(param, index, state_on_host)
+                    _check_sharding(param, index, self.host_state is not None)
 
     def _launch_settings(self) -> AdamW8bitLaunchSettings:
         settings = adamw8bit_launch_settings(self.block_size)
@@ -690,33 +644,23 @@ class FusedAdamW8bit(FusedOptimizerState):
             zeros = adamw8bit_zero_state(param, self.block_size)
         return {"step": torch.tensor(0.0, dtype=torch.float32), **zeros}
 
-    def _launch(
-        self,
-        members: Sequence[LaunchMember],
-        constants: _StepConstants,
-        step_key: int,
-        grad_scale: torch.Tensor | None,
-        settings: AdamW8bitLaunchSettings,
-    ) -> None:
-        """One launch of `_adamw8bit_kernel`, on the masked path (adamw8bit_launch_settings says why)."""
-        _, params, grads, states, offsets = zip(*members, strict=True)
-        launch_over_table(
+    def _kernel_launch(
+        self, members: Sequence[LaunchMember], settings: AdamW8bitLaunchSettings
+    ) -> KernelLaunch:
+        """`_adamw8bit_kernel`, on the masked path (adamw8bit_launch_settings says why)."""
+        states = [state for _, _, _, state, _ in members]
+        return KernelLaunch(
             _adamw8bit_kernel,
-            params,
-            grads,
             [[_local(state[name]).data_ptr() for name in _STATE_KEYS] for state in states],
-            offsets,
-            constants,
-            step_key,
-            grad_scale,
-            owner="FusedAdamW8bit",
             elements_per_program=settings.elements_per_program,
             num_warps=settings.num_warps,
-            TABLE_COLUMNS=_TABLE_COLUMNS,
-            QUANT_BLOCK=self.block_size,
-            BLOCKS_PER_PROGRAM=settings.elements_per_program // self.block_size,
-            M_MANTISSA_BITS=EXP_AVG_MANTISSA_BITS,
-            R_MANTISSA_BITS=EXP_AVG_SQ_MANTISSA_BITS,
+            constexprs={
+                "TABLE_COLUMNS": _TABLE_COLUMNS,
+                "QUANT_BLOCK": self.block_size,
+                "BLOCKS_PER_PROGRAM": settings.elements_per_program // self.block_size,
+                "M_MANTISSA_BITS": EXP_AVG_MANTISSA_BITS,
+                "R_MANTISSA_BITS": EXP_AVG_SQ_MANTISSA_BITS,
+            },
         )
 
     def _saved_in_this_layout(

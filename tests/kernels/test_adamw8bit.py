@@ -15,8 +15,9 @@ import io
 import pytest
 import torch
 
+from fusetune.kernels import adamw as adamw_module
 from fusetune.kernels import adamw8bit as adamw8bit_module
-from fusetune.kernels.adamw import FusedAdamW, adamw_step_reference
+from fusetune.kernels.adamw import FusedAdamW, adamw_step_reference, stochastic_rounding_key
 from fusetune.kernels.adamw8bit import (
     EXP_AVG_MANTISSA_BITS,
     EXP_AVG_SQ_MANTISSA_BITS,
@@ -227,7 +228,7 @@ def test_code_rounding_is_unbiased(mantissa_bits, fraction):
     """A value `fraction` of the way between two codes (normal and subnormal) is rounded up that often, from
     the kernel's random bits: the mean of 65536 rounded values is the value within 5 standard deviations."""
     index = torch.arange(1 << 16, dtype=torch.int64)
-    first, _ = adamw8bit_module._random_bits_reference(index, adamw8bit_module.stochastic_rounding_key(0, 1))
+    first, _ = adamw_module._random_bits_reference(index, stochastic_rounding_key(0, 1))
     for low_code in (3, 37 << (mantissa_bits - 3)):
         low, high = adamw8bit_module._decode_reference(torch.tensor([low_code, low_code + 1]), mantissa_bits)
         value = torch.full(index.shape, float(low + fraction * (high - low)))
