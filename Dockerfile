@@ -7,7 +7,7 @@ RUN pip install --no-cache-dir --require-hashes -r requirements-service.lock
 COPY pyproject.toml README.md alembic.ini ./
 COPY fusetune ./fusetune
 COPY migrations ./migrations
-RUN pip install --no-cache-dir --no-deps ".[tracking]"
+RUN pip install --no-cache-dir --no-deps ".[tracking,ray]"
 ENV FUSETUNE_DATA_DIR=/data
 VOLUME ["/data"]
 EXPOSE 8000

@@ -7,8 +7,10 @@ PY := $(VENV)/bin/python
 
 # The installs come from requirements.lock: every package, pinned with its hashes, as CI last passed with it,
 # for any platform and Python >= 3.11 (uv's universal resolution). requirements-service.lock is the same
-# versions without the dev extra, for the image. `make lock` after a change to pyproject.toml's dependencies;
-# `make upgrade` to move every pin to the newest release inside pyproject.toml's ranges.
+# versions without the dev extra, for the image: the tracking extra, and the ray extra so that one image serves
+# as a Ray cluster's nodes as well (docker-compose.yml's `ray` profile, deploy/kubernetes/ray-cluster.yaml).
+# `make lock` after a change to pyproject.toml's dependencies; `make upgrade` to move every pin to the newest
+# release inside pyproject.toml's ranges.
 LOCK := requirements.lock
 SERVICE_LOCK := requirements-service.lock
 COMPILE := pip compile pyproject.toml --generate-hashes --universal --python-version 3.11 --quiet
@@ -24,7 +26,7 @@ install: $(VENV)/.installed
 
 lock: install
 	$(VENV)/bin/uv $(COMPILE) --extra dev --extra tracking $(UPGRADE) -o $(LOCK)
-	$(VENV)/bin/uv $(COMPILE) --extra tracking -c $(LOCK) -o $(SERVICE_LOCK)
+	$(VENV)/bin/uv $(COMPILE) --extra tracking --extra ray -c $(LOCK) -o $(SERVICE_LOCK)
 
 upgrade:
 	$(MAKE) lock UPGRADE=--upgrade
