@@ -52,8 +52,11 @@ from fusetune.worker.train.outcome import TrainingFailure
 log = logging.getLogger(__name__)
 
 # The most prompt tokens one prefill packs (the requests beyond wait for the next): a bound on one prefill's
-# activations and on how long it holds up the decoding steps of the sequences already running.
-PREFILL_TOKENS = 8192
+# activations and on how long it holds up the decoding steps of the sequences already running. On a CPU the packed
+# prompts attend through scaled_dot_product_attention with the block-diagonal mask, whose float32 scores are
+# [heads, tokens, tokens] (4 MB a head at 1,024 tokens, 256 MB at 8,192), where the GPU's variable-length kernel
+# computes each prompt's own block only.
+PREFILL_TOKENS = {"cuda": 8192, "cpu": 1024}
 
 # What a request hears about, from the scheduler's thread: ("delta", choice, text), ("finish", choice, reason),
 # ("usage", prompt_tokens, completion_tokens) once all its choices ended, or ("error", status, message).
@@ -138,6 +141,7 @@ class Engine:
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.max_batch = max_batch  # each model's slots
         self.max_len = max_len  # each slot's cache columns (at most the model's context)
+        self._prefill_tokens = PREFILL_TOKENS.get(self.device.type, PREFILL_TOKENS["cpu"])
         # torch.compile's options for the decoding step, None for eager; "auto": CUDA graphs on a GPU, eager on CPU.
         if step_compile == "auto":
             step_compile = CUDA_STEP_COMPILE if self.device.type == "cuda" else None
@@ -336,7 +340,7 @@ class Engine:
                     self._waiting.pop(0)
                     continue
                 if batch and (request.loaded is not batch[0].loaded or
-                              tokens + len(request.prompt_ids) > PREFILL_TOKENS):  # fmt: skip
+                              tokens + len(request.prompt_ids) > self._prefill_tokens):  # fmt: skip
                     break  # the next pass takes it
                 if not batch:
                     free_rows = request.loaded.slots.free_rows
