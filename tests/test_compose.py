@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -12,13 +13,16 @@ import yaml
 
 from fusetune.config import Settings
 
-COMPOSE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
 
 
 def test_compose_services_and_commands():
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
-    assert {"postgres", "redis", "minio", "minio-bucket", "migrate", "api", "worker"} <= set(services)
+    # What a plain `docker compose up` starts; the rest is behind a profile.
+    default = {name for name, service in services.items() if "profiles" not in service}
+    assert default == {"postgres", "redis", "minio", "minio-bucket", "migrate", "api", "worker"}
     env = services["api"]["environment"]
     assert env["FUSETUNE_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert env["FUSETUNE_BROKER_URL"].startswith("redis://")
@@ -45,7 +49,7 @@ def test_compose_services_and_commands():
     minio = services["minio"]["environment"]
     assert (minio["MINIO_ROOT_USER"], minio["MINIO_ROOT_PASSWORD"]) == (
         env["FUSETUNE_STORAGE_ACCESS_KEY_ID"], env["FUSETUNE_STORAGE_SECRET_ACCESS_KEY"])  # fmt: skip
-    for name in ("migrate", "api", "worker"):
+    for name in ("migrate", "api", "worker", "worker-ray"):
         command = services[name]["command"]
         assert command[0] == "fusetune"
         result = subprocess.run(
@@ -75,3 +79,70 @@ def test_compose_file_parses_with_docker_compose():
         ["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_ray_profile_is_a_cluster_of_the_image_that_a_worker_submits_to():
+    """`docker compose --profile ray up --scale worker=0` (README, "One job on several nodes: Ray"): a head and a
+    GPU node started with the README's `ray start` commands, every node with the services' settings (each stages
+    runs into its own data directory and reads its own models), and `worker`'s twin with FUSETUNE_RAY_ADDRESS at
+    the head's Job Submission API."""
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    ray_services = {name for name, service in services.items() if "profiles" in service}
+    assert ray_services == {"ray-head", "ray-worker", "worker-ray"}
+    assert all(services[name]["profiles"] == ["ray"] for name in ray_services)
+    shared = services["migrate"]["environment"]
+    head, node, worker = services["ray-head"], services["ray-worker"], services["worker-ray"]
+    assert head["command"] == ["ray", "start", "--head", "--dashboard-host=0.0.0.0", "--block"]
+    assert node["command"] == ["ray", "start", "--address=ray-head:6379", "--block"]
+    assert head["environment"] == node["environment"] == shared
+    assert shared["FUSETUNE_STORAGE_URL"].startswith("s3://")  # nodes stage from the store, sharing no disk
+    assert shared["FUSETUNE_DATA_DIR"] and {"/models"} == {
+        volume.split(":")[1] for volume in node["volumes"]
+    } == {shared["FUSETUNE_MODELS_DIR"]}
+    # GPUs on the node that trains; none on the head, so Ray places no rank there.
+    assert node["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert "deploy" not in head
+    assert node["depends_on"]["ray-head"]["condition"] == "service_healthy"
+    assert worker["depends_on"]["ray-worker"]["condition"] == "service_healthy"
+    # The worker of the profile is `worker` with the cluster's address and its own serving name.
+    plain = services["worker"]
+    assert worker["command"] == plain["command"]
+    assert worker["environment"] == {
+        **plain["environment"],
+        "FUSETUNE_RAY_ADDRESS": "http://ray-head:8265",
+        "FUSETUNE_SERVING_PUBLIC_HOST": "worker-ray",
+    }
+    settings = Settings(**{k.removeprefix("FUSETUNE_").lower(): v for k, v in worker["environment"].items()})
+    assert settings.ray_address == "http://ray-head:8265"
+    assert "ports" not in head and "ports" not in node and "ports" not in worker
+    # The image installs requirements-service.lock, which must have Ray for these commands.
+    assert re.search(r"^ray==", (ROOT / "requirements-service.lock").read_text(), re.MULTILINE)
+    # The README gives these commands and the way to start the profile.
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### One job on several nodes: Ray") :]
+    section = section[: section.index("\n## ")]
+    assert "docker compose --profile ray up --scale worker=0" in section
+    assert "ray start --head --dashboard-host=0.0.0.0" in section
+    assert "ray start --address=<head>:6379" in section
+
+
+def test_the_ray_commands_are_ones_ray_start_accepts():
+    """The image's `ray start` (the same Ray as requirements.lock's) parses the nodes' arguments: a misspelt
+    option would stop the container at once."""
+    pytest.importorskip("ray")
+    from ray.scripts.scripts import start
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name in ("ray-head", "ray-worker"):
+        command = services[name]["command"]
+        assert command[:2] == ["ray", "start"]
+        context = start.make_context("start", list(command[2:]))
+        assert context.params["block"] is True
+    head = start.make_context("start", services["ray-head"]["command"][2:]).params
+    assert head["head"] and head["dashboard_host"] == "0.0.0.0"
+    assert (
+        start.make_context("start", services["ray-worker"]["command"][2:]).params["address"]
+        == "ray-head:6379"
+    )
+    with pytest.raises(Exception, match="No such option"):
+        start.make_context("start", ["--head", "--dashbord-host=0.0.0.0"])
