@@ -60,7 +60,10 @@ def test_scaling_efficiency_compares_with_one_gpu_of_the_same_impl():
     assert rows[1]["scaling_efficiency"] == 0.95 and "scaling_efficiency" not in rows[4]
     meta = {"gpu": "NVIDIA H200", "date": "2026-11-23", "versions": {"fusetune": "abc"}, "ceilings": None}
     markdown = gpus.render_markdown(gpus.results_payload(meta, rows))
-    assert "| m | fusetune | ddp | bf16 | 2 | 8 x 2048 | 152,000 |" in markdown and "hf on 4 GPU(s): OOM" in markdown
+    assert (
+        "| m | fusetune | ddp | bf16 | 2 | 8 x 2048 | 152,000 |" in markdown
+        and "hf on 4 GPU(s): OOM" in markdown
+    )
 
 
 def test_scaling_efficiency_starts_from_the_fewest_gpus_that_ran_and_keeps_series_apart():

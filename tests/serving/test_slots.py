@@ -163,14 +163,16 @@ def test_greedy_completions_through_the_slots_equal_generate(model_dir, monkeypa
 
 
 def test_prompts_arriving_together_are_prefilled_packed_within_the_token_limit(model_dir):
-    """"long" (40 prompt tokens) and "short" (8) are admitted in one pass: packed into one prefill under the CPU's
+    """ "long" (40 prompt tokens) and "short" (8) are admitted in one pass: packed into one prefill under the CPU's
     limit, and split into two when the limit is below their sum; the completions equal `generate`'s either way
     (each prompt attends only to itself in the packed row)."""
     for limit, first_prefills in ((1024, [(2, 48)]), (45, [(1, 40), (1, 8)])):
         engine = Engine(idle_s=600, max_batch=SLOTS, device=torch.device("cpu"), max_len=COLUMNS)
         engine._prefill_tokens = limit
-        prefills = []
-        engine.on_prefill = lambda key, requests, tokens, seconds: prefills.append((requests, tokens))
+        prefills: list[tuple[int, int]] = []
+        engine.on_prefill = lambda key, requests, tokens, seconds, into=prefills: into.append(
+            (requests, tokens)
+        )
         _run_and_compare(engine, model_dir)
         assert prefills[: len(first_prefills)] == first_prefills, (limit, prefills)
         assert all(tokens <= limit for _, tokens in prefills), (limit, prefills)
