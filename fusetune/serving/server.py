@@ -340,6 +340,10 @@ class ServingServer:
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((settings.serving_host, settings.serving_port))
+        # Listening from here on, before uvicorn's thread starts: a request sent as soon as the URL is known (the
+        # worker advertises it at once) waits in the backlog until the server accepts it, rather than being refused
+        # while the thread starts (the API skips a refusing worker: a 503 for a server that was up).
+        self._socket.listen(2048)
         port = self._socket.getsockname()[1]
         host = settings.serving_public_host or settings.serving_host
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"

@@ -61,3 +61,23 @@ def test_the_engine_is_built_at_its_first_use_paused_when_a_job_trains():
         assert not built._paused
         engine.stop()
     """)
+
+
+def test_a_request_sent_before_the_server_thread_runs_waits_for_it_and_is_answered():
+    """The worker advertises the server's URL once it is made; a request that arrives before uvicorn's thread has
+    started must wait for it, not be refused (the API skips a refusing worker: a 503 for a server that was up).
+    The connection is made, and the request sent, strictly before `start()`."""
+    _run("""
+        import http.client
+        from fusetune.config import Settings
+        from fusetune.serving.server import ServingServer
+
+        server = ServingServer(Settings(serving_host="127.0.0.1", serving_port=0), locations=None)
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=120)
+        connection.request("GET", "/healthz")  # refused here unless the socket already listens
+        server.start()
+        response = connection.getresponse()
+        assert response.status == 200, response.status
+        server.stop()
+    """)
