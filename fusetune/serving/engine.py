@@ -377,7 +377,7 @@ class Engine:
     ) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """One forward over the batch's prompts packed into one row, each prompt its own sequence (its positions
         from 0, attending only to itself: the variable-length attention's packed-sequence keywords, which the
-        model's attention takes on a GPU, and from which transformers builds a block-diagonal mask on CPU); for
+        model's attention takes on a GPU, and a block-diagonal mask for attention that does not); for
         each prompt, the logits after its last token and its keys and values per layer ([1, kv_heads, length,
         head_dim] views of the row's cache).
 
