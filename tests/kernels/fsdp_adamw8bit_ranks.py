@@ -22,18 +22,23 @@ from torch.distributed.tensor import DTensor
 from fusetune.kernels.adamw8bit import FusedAdamW8bit, adamw8bit_step_reference, adamw8bit_zero_state
 
 # 32-element blocks: the (7, 37) weight's shards are 4 x 37 = 148 and 3 x 37 = 111 elements, neither a multiple
-# of the block, and the whole tensor's blocks (259 elements) straddle the shard boundary at element 148.
+# of the block, and the whole tensor's blocks (259 elements) straddle the shard boundary at element 148; on 3 ranks
+# (fsdp_adamw8bit_reshard_ranks.py, which takes these from here) its shards are 111, 111 and 37 elements.
 BLOCK_SIZE = 32
 STEPS = 3
 HYPERPARAMETERS = dict(lr=1e-2, weight_decay=1e-2, seed=1)
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(37, 7), torch.nn.Linear(7, 3)).to(torch.bfloat16)
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(37, 7), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+    model = build_model()
     fully_shard(model, mesh=mesh)
     params = list(model.parameters())
     optimizer = FusedAdamW8bit(params, **HYPERPARAMETERS, block_size=BLOCK_SIZE)

@@ -27,17 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from fusetune.kernels.adamw8bit import EXP_AVG_MANTISSA_BITS, EXP_AVG_SQ_MANTISSA_BITS, FusedAdamW8bit
 from fusetune.kernels.adamw8bit import dequantize_moments as shard_moments
 from tests.kernels.adamw_helpers import assert_within_one_code_step
-
-# 32-element blocks, so that the shards' blocks differ between 2 and 3 ranks: the (7, 37) weight's 2-rank shards
-# are 148 and 111 elements (4 and 3 rows), its 3-rank ones 111, 111 and 37 (3, 3 and 1 rows).
-BLOCK_SIZE = 32
-STEPS = 3
-HYPERPARAMETERS = dict(lr=1e-2, weight_decay=1e-2, seed=1)
-
-
-def build_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(37, 7), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+from tests.kernels.fsdp_adamw8bit_ranks import BLOCK_SIZE, HYPERPARAMETERS, STEPS, build_model
 
 
 def local_moments(optimizer: FusedAdamW8bit, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
