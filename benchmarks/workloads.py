@@ -277,10 +277,12 @@ class BenchTokenizer:
 
     eos_token_id = None
 
-    def __init__(self, chat_tokenizer: Any, vocab_size: int):
-        self._chat = chat_tokenizer
+    def __init__(self, vocab_size: int):
         from tokenizers import Tokenizer, models
 
+        from fusetune.demo.assets import build_tokenizer
+
+        self._chat = build_tokenizer()
         words = {f"w{i}": i for i in range(vocab_size)}
         self.backend_tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
 
@@ -289,3 +291,18 @@ class BenchTokenizer:
 
     def decode(self, ids: list[int], **kwargs: Any) -> str:
         return self.backend_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def serving_model(model_name: str, device: Any, tiny: bool = False) -> tuple[Any, BenchTokenizer]:
+    """The serving benchmarks' model and tokenizer: a model shape (its tiny version with `tiny`) with random weights
+    (seed 0), built on `device` in bf16 on a GPU and fp32 on a CPU, whose generation config names no end of turn,
+    so that every completion runs to its token limit; and a BenchTokenizer of its vocabulary."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(build_config(model_name, tiny=tiny), dtype=dtype)
+    model.generation_config.eos_token_id = None
+    return model.eval(), BenchTokenizer(model.config.vocab_size)

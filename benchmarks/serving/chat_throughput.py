@@ -55,15 +55,14 @@ import fastapi  # noqa: F401  (the serving server's)
 import torch
 import transformers
 import uvicorn  # noqa: F401  (the serving server's)
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import GenerationConfig
 
 import fusetune.models  # noqa: F401  (the kernels the engine patches the model with on a GPU)
 import fusetune.serving.engine  # noqa: F401  (imported by the server at its first request otherwise)
 from benchmarks import harness
 from benchmarks.harness import markdown_table
-from benchmarks.workloads import MODEL_SHAPES, BenchTokenizer, build_config
+from benchmarks.workloads import MODEL_SHAPES, BenchTokenizer, serving_model
 from fusetune.config import Settings
-from fusetune.demo.assets import build_tokenizer
 from fusetune.serving.engine import patch_for_decoding
 from fusetune.serving.server import ServingServer
 from fusetune.spec.chat import TENANT_HEADER
@@ -94,20 +93,6 @@ def _prompts(count: int) -> list[list[dict[str, str]]]:
         ]
         for i in range(count)
     ]
-
-
-def bench_tokenizer(model: Any) -> BenchTokenizer:
-    return BenchTokenizer(build_tokenizer(), model.config.vocab_size)
-
-
-def build_model(args: argparse.Namespace, device: torch.device) -> Any:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(build_config(args.model, tiny=args.tiny), dtype=dtype)
-    # No end of turn: every completion runs to its limit.
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------------------- client
@@ -297,10 +282,10 @@ def run_ceiling(args: argparse.Namespace, which: str) -> dict[str, Any]:
 
 def _ceiling_process(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(args, device)
+    model, tokenizer = serving_model(args.model, device, args.tiny)
     if args._ceiling == "fusetune":
         patch_for_decoding(model)  # what the engine does to a model it loads
-    return measure_ceiling(args, model, bench_tokenizer(model), device)
+    return measure_ceiling(args, model, tokenizer, device)
 
 
 def measure_ceiling(
@@ -447,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = {"fusetune": measured("fusetune ceiling", lambda: run_ceiling(args, "fusetune"))}
     if not args.no_hf_ceiling:
         ceilings["hf"] = measured("hf ceiling", lambda: run_ceiling(args, "hf"))
-    model = build_model(args, device)
-    serving = measured("serving", lambda: measure_serving(args, model, bench_tokenizer(model)))
+    model, tokenizer = serving_model(args.model, device, args.tiny)
+    serving = measured("serving", lambda: measure_serving(args, model, tokenizer))
     payload = {
         **harness.run_meta(device_name), "model": args.model, "tiny": args.tiny,
         "transformers": transformers.__version__, "serving": serving, "ceilings": ceilings, "errors": errors,

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.workloads import serving_model
 from fusetune.demo.assets import build_tokenizer
 from fusetune.serving.engine import Engine
 from fusetune.serving.slots import SlotBatch
@@ -97,19 +98,6 @@ def _table_model(args: argparse.Namespace) -> tuple[Any, Any]:
     return TableModel(vocab, banned, args.max_len), tokenizer
 
 
-def _real_model(args: argparse.Namespace) -> tuple[Any, Any]:
-    """A model of --model's shape, random weights in bf16 on the GPU, no end of turn (the engine patches it)."""
-    from transformers import AutoModelForCausalLM
-
-    from benchmarks.workloads import BenchTokenizer, build_config
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(build_config(args.model, tiny=False), dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    return model.eval(), BenchTokenizer(build_tokenizer(), model.config.vocab_size)
-
-
 def _run(
     engine: Engine, model: Any, tokenizer: Any, args: argparse.Namespace, requests: int, tokens: int
 ) -> None:
@@ -144,7 +132,7 @@ def _run(
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = args.model is not None
-    model, tokenizer = _real_model(args) if on_gpu else _table_model(args)
+    model, tokenizer = serving_model(args.model, "cuda") if on_gpu else _table_model(args)
     device = torch.device("cuda" if on_gpu else "cpu")
     engine = Engine(idle_s=600, max_batch=args.requests, device=device, max_len=args.max_len)
     if on_gpu:  # the step compiled and its CUDA graphs recorded, before anything is timed

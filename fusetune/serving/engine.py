@@ -2,11 +2,12 @@
 
 Iteration-level batching: one scheduler thread runs every sequence in flight; the requests that arrive are
 prefilled between two decoding steps (all that arrived during a step, their prompts packed into one forward,
-each attending only to itself) and join the next step, and a sequence that ends leaves the batch at once. Each loaded model has a fixed number of slots (FUSETUNE_SERVING_MAX_BATCH) of a KV cache
-of fixed length (FUSETUNE_SERVING_MAX_LEN, or the model's context if shorter); a sequence in flight owns one, a
-request whose completions find too few free slots waits for them, and a decoding step runs all of a model's slots
-at once, at one shape (fusetune/serving/slots.py says how the cache is laid out and why). That is the sampling
-path of the reinforcement method: on a GPU the model is patched with fusetune's kernels (apply_fusetune), its
+each attending only to itself) and join the next step, and a sequence that ends leaves the batch at once. Each
+loaded model has a fixed number of slots (FUSETUNE_SERVING_MAX_BATCH) of a KV cache of fixed length
+(FUSETUNE_SERVING_MAX_LEN, or the model's context if shorter); a sequence in flight owns one, a request whose
+completions find too few free slots waits for them, and a decoding step runs all of a model's slots at once, at
+one shape (fusetune/serving/slots.py says how the cache is laid out and why). That is the sampling path of the
+reinforcement method: on a GPU the model is patched with fusetune's kernels (apply_fusetune), its
 one-token steps read the cache through the decode-attention kernel (fusetune/kernels/decode_attention.py, which
 skips the columns a row's mask leaves out), and the step is compiled once and replayed as CUDA graphs. On CPU the
 same slots and steps run eagerly, with the same attention routing (fusetune_varlen, whose decoding step over the
@@ -333,7 +334,7 @@ class Engine:
         while self._waiting:
             batch: list[Request] = []
             free_rows: list[int] = []
-            tokens = 0
+            tokens = rows = 0  # the batch's prompt tokens, and the slots its completions take
             while self._waiting:
                 request = self._waiting[0]
                 if request.cancelled.is_set():
@@ -344,10 +345,11 @@ class Engine:
                     break  # the next pass takes it
                 if not batch:
                     free_rows = request.loaded.slots.free_rows
-                if len(free_rows) < len(request.sequences) + sum(len(r.sequences) for r in batch):
+                if len(free_rows) < rows + len(request.sequences):
                     break  # it waits for slots; later requests wait behind it
                 batch.append(self._waiting.pop(0))
                 tokens += len(request.prompt_ids)
+                rows += len(request.sequences)
             if not batch:
                 return
             loaded = batch[0].loaded
