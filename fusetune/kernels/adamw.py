@@ -403,8 +403,25 @@ class _StepConstants:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of an FSDP2 DTensor, or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """The plain tensor that holds `tensor`'s local elements: an FSDP2 DTensor's local shard, or the tensor
+    itself; either unwrapped from a subclass that wraps one plain tensor of its shape and dtype (torchao's
+    weight for FSDP2's float8 all-gather). The kernels address memory through `data_ptr()`, which such a
+    wrapper reports as 0: a step through it wrote to address 0."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    while type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        inner = [
+            getattr(tensor, name)
+            for name in names
+            if getattr(tensor, name).shape == tensor.shape and getattr(tensor, name).dtype == tensor.dtype
+        ]
+        if len(inner) != 1:
+            raise TypeError(
+                f"{type(tensor).__name__} does not wrap one tensor of its shape whose memory a kernel can write"
+            )
+        tensor = inner[0]
+    return tensor
 
 
 @functools.lru_cache(maxsize=64)
@@ -947,19 +964,17 @@ class FusedAdamW(FusedOptimizerState):
 
     @torch.no_grad()
     def keep_block_maxima(self, params: Iterable[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor]:
-        """For each of `params` (this optimizer's, not FSDP2-sharded), an fp32 buffer of the largest magnitude
-        in each block of its elements (the kernel's blocks), computed now and rewritten by every step from the
-        values it stores, so that the largest magnitude of the whole tensor is a max over a few thousand values
-        instead of a pass over its elements. Valid as long as this optimizer is what changes the parameters
-        (the trainer keeps them once its weights are loaded, a resumed checkpoint's included)."""
+        """For each of `params` (this optimizer's), an fp32 buffer of the largest magnitude in each block of its
+        elements (the kernel's blocks; an FSDP2 parameter's: its local shard's), computed now and rewritten by
+        every step from the values it stores, so that the largest magnitude of the whole tensor is a max over a
+        few thousand values instead of a pass over its elements. Valid as long as this optimizer is what changes
+        the parameters (the trainer keeps them once its weights are loaded, a resumed checkpoint's included)."""
         owned = {param for group in self.param_groups for param in group["params"]}
         block_size = adamw_launch_settings().block_size
         for param in params:
-            if param not in owned or hasattr(param, "to_local"):
-                raise ValueError(
-                    "FusedAdamW: block maxima are kept for this optimizer's unsharded parameters"
-                )
-            self.block_maxima[param] = block_maxima_reference(param, block_size)
+            if param not in owned:
+                raise ValueError("FusedAdamW: block maxima are kept for this optimizer's parameters")
+            self.block_maxima[param] = block_maxima_reference(_local(param), block_size)
         return self.block_maxima
 
     def _launch_settings(self) -> AdamWLaunchSettings:

@@ -458,7 +458,7 @@ def _sharded(local: torch.Tensor, param: torch.Tensor, global_shape: tuple[int, 
 def _sharded_zero_state(param: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
     """Zero moments of an FSDP2 parameter (the module docstring's layout): codes a uint8 DTensor placed like
     it, scales a (world size, blocks of the largest shard) DTensor, one row per rank."""
-    local = param.to_local()
+    local = _local(param)
     shape = _scales_shape(param, block_size)
     codes = {"dtype": torch.uint8, "memory_format": torch.contiguous_format}
 

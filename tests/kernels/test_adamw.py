@@ -563,7 +563,7 @@ def test_block_maxima_are_refused_for_parameters_of_another_optimizer(device):
         torch.nn.Parameter(torch.ones(3, device=device)),
         torch.nn.Parameter(torch.ones(3, device=device)),
     )
-    with pytest.raises(ValueError, match="this optimizer's unsharded parameters"):
+    with pytest.raises(ValueError, match="this optimizer's parameters"):
         FusedAdamW([mine]).keep_block_maxima([other])
 
 

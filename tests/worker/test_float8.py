@@ -571,6 +571,60 @@ def test_ddp_and_fsdp2_take_the_converted_model(tmp_path):
     assert not float8.float8_config("rowwise", fsdp=True).enable_fsdp_float8_all_gather
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer_name", ["adamw", "adamw8bit"])
+def test_the_fused_optimizers_step_shards_that_fsdp2_all_gathers_in_float8(tmp_path, optimizer_name):
+    """torchao wraps a weight that FSDP2 all-gathers in float8 in its own tensor type, whose `data_ptr()` is 0:
+    the fused optimizers step the memory it wraps (they had written to address 0, a crash), bit for bit as they
+    step the same values held plainly with the same gradients."""
+    import torch.distributed as dist
+
+    from fusetune.kernels import FusedAdamW, FusedAdamW8bit
+    from fusetune.worker.train.distributed import shard_fsdp
+
+    optimizer_class = {"adamw": FusedAdamW, "adamw8bit": FusedAdamW8bit}[optimizer_name]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_tiny_model("llama", dtype=torch.bfloat16)
+        float8.convert_linears(model, emulated("tensorwise", fsdp=True), "tensorwise")
+        shard_fsdp(model, torch.device("cpu"), torch.distributed.fsdp.MixedPrecisionPolicy())
+        params = list(model.parameters())
+        model(**make_batches()[0]).loss.backward()
+        plain = [nn.Parameter(p.to_local().detach().clone()) for p in params]
+        for copy, param in zip(plain, params, strict=True):
+            copy.grad = param.grad.to_local().clone()
+        optimizer_class(params, lr=1e-2, seed=3).step()
+        optimizer_class(plain, lr=1e-2, seed=3).step()
+        projection = model.model.layers[0].self_attn.q_proj.weight
+        assert type(projection.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+        for index, (param, copy) in enumerate(zip(params, plain, strict=True)):
+            assert torch.equal(param.to_local().detach(), copy.detach()), index
+        assert not torch.equal(projection.to_local().detach(), plain[0].detach())  # the step changed it
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_float8_weights_take_their_scales_from_the_optimizers_block_maxima():
+    """Two gloo ranks under torchrun (tests/worker/fsdp_float8_ranks.py): the weights' scales come from the
+    block maxima of each rank's shard, agreed over the ranks, and are those of the whole weights; the run is
+    bit for bit the one whose scales torchao computes from the weights."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    completed = subprocess.run(
+        [*command, "-m", "tests.worker.fsdp_float8_ranks"],
+        cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert "rank 0: ok" in output and "rank 1: ok" in output, output[-4000:]
+
+
 # ------------------------------------------------------------------------------------ a run, and its resume
 
 

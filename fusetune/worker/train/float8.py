@@ -36,7 +36,8 @@ that FusedAdamW's step writes from the values it stores (`keep_weight_maxima`), 
 whole weight at every cast: the same scale, so the same bits, without reading 2 bytes per parameter twice a
 micro-batch. Llama-3.1-8B shape, 1 x 4,096, one H200 in one call (h200-step.md, e2e-fp8-8b-weight-maxima):
 13,837 tokens/s against 13,562 with torchao's passes, bf16-sr 10,939. The 8-bit optimizer (fp8-8bit) keeps no
-maxima yet, and FSDP2's float8 all-gather computes its scales itself: those layers keep torchao's passes.
+maxima yet: its layers keep torchao's passes. Under FSDP2, whose all-gather sends the weights in float8, each rank
+keeps its shard's maxima and one all-reduce a step agrees the scales (`ShardedWeightScales`).
 
 Eager float8 runs its casts as separate small kernels; `compile_layers` compiles each decoder layer (in place,
 so parameter names do not change) so that Inductor fuses them: compiling a whole 8B model with float8 did not
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -248,11 +250,14 @@ def frozen_aware_float8_linear() -> type:
 
 def keep_weight_maxima(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Have `optimizer` keep the block maxima of the trained float8 layers' weights (where it can:
-    FusedAdamW.keep_block_maxima, tensorwise scales, weights not sharded by FSDP2), from which those layers
-    compute their weight's scale instead of reading the whole weight for it each time they cast it (forward and
-    backward of every micro-batch): at the Llama-3.1-8B shape, 1 x 4,096 tokens, those passes took 5.3 ms of a
-    301 ms step on an H200 (h200-step.md, e2e-fp8-8b-kernels; the maxima cost the optimizer's step a reduction
-    over what it already holds). Returns how many layers get them."""
+    FusedAdamW.keep_block_maxima, tensorwise scales), from which those layers' weight scales come instead of a
+    pass over the whole weight each time it is cast (forward and backward of every micro-batch): at the
+    Llama-3.1-8B shape, 1 x 4,096 tokens, those passes took 5.3 ms of a 301 ms step on an H200 (h200-step.md,
+    e2e-fp8-8b-kernels; the maxima cost the optimizer's step a reduction over what it already holds).
+
+    A whole weight reads its maxima in its forward (the `weight_maxima` buffer). A weight FSDP2 shards and
+    all-gathers in float8 keeps its shard's maxima, and `ShardedWeightScales` sets its scale before each
+    all-gather from them, agreed over the ranks. Returns how many layers get them."""
     from torchao.float8.config import ScalingGranularity
 
     if not hasattr(optimizer, "keep_block_maxima"):
@@ -263,12 +268,66 @@ def keep_weight_maxima(model: nn.Module, optimizer: torch.optim.Optimizer) -> in
         if isinstance(module, frozen_aware_float8_linear())
         and module.weight.requires_grad
         and module.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
-        and not hasattr(module.weight, "to_local")
     ]
-    maxima = optimizer.keep_block_maxima([layer.weight for layer in layers])
-    for layer in layers:
+    whole = [layer for layer in layers if not hasattr(layer.weight, "to_local")]
+    sharded = [layer for layer in layers if _all_gathered_in_float8(layer.weight)]
+    maxima = optimizer.keep_block_maxima([layer.weight for layer in whole + sharded])
+    for layer in whole:
         layer.register_buffer("weight_maxima", maxima[layer.weight], persistent=False)
-    return len(layers)
+    if sharded:
+        ShardedWeightScales(sharded, [maxima[layer.weight] for layer in sharded]).follow(optimizer)
+    return len(whole) + len(sharded)
+
+
+def _all_gathered_in_float8(weight: torch.Tensor) -> bool:
+    """An FSDP2 shard that FSDP2 all-gathers in float8 (torchao's weight tensor under the DTensor)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return isinstance(getattr(weight, "_local_tensor", None), WeightWithDynamicFloat8CastTensor)
+
+
+class ShardedWeightScales:
+    """The tensorwise scales of weights that FSDP2 shards and all-gathers in float8, from the block maxima the
+    optimizer's step writes over each rank's shard: each rank's largest magnitude per weight is a max over its
+    maxima, one all-reduce of those few values (max) gives every weight's, and torchao's weight tensor casts
+    its shard with the scale set here before the all-gather (its `_precomputed_scale`). torchao's own ways
+    read the whole shard for it: at each all-gather, one all-reduce per weight (forward, and backward where
+    FSDP2 gathers again), or once a step with `precompute_float8_dynamic_scale_for_fsdp`. The same largest
+    magnitude and the same formula (torchao's `amax_to_scale`), so the same scale and the same bits."""
+
+    def __init__(self, layers: list[nn.Module], maxima: list[torch.Tensor]) -> None:
+        self.layers, self.maxima = layers, maxima
+        config = layers[0].config
+        self.float8_dtype = config.cast_config_weight.target_dtype
+        self.round_scales_to_power_of_2 = config.round_scales_to_power_of_2
+        self.mesh = layers[0].weight.device_mesh
+
+    def follow(self, optimizer: torch.optim.Optimizer) -> None:
+        """Set the scales now, from the weights as they are, and after each step of `optimizer`: of every
+        weight, or of those a step of some parameters changed (the optimizer step inside the backward steps
+        one at a time)."""
+        self.refresh()
+        optimizer.register_step_post_hook(lambda _, args, kwargs: self.refresh(kwargs.get("params")))
+
+    @torch.no_grad()
+    def refresh(self, stepped: Sequence[torch.Tensor] | None = None) -> None:
+        import torch.distributed as dist
+        from torchao.float8.float8_utils import amax_to_scale
+
+        chosen = [
+            (layer, maxima)
+            for layer, maxima in zip(self.layers, self.maxima, strict=True)
+            if stepped is None or any(layer.weight is param for param in stepped)
+        ]
+        if not chosen:
+            return
+        # A rank may hold no elements of a small weight (more ranks than rows): zero is no magnitude.
+        amax = torch.stack([m.max() if m.numel() else m.new_zeros(()) for _, m in chosen])
+        for dim in range(self.mesh.ndim):  # max is the same whichever order the mesh's groups reduce in
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.mesh.get_group(dim))
+        scales = amax_to_scale(amax, self.float8_dtype, self.round_scales_to_power_of_2)
+        for (layer, _), scale in zip(chosen, scales, strict=True):
+            layer.weight._local_tensor._precomputed_scale = scale
 
 
 def float8_config(recipe: str = RECIPE, *, emulate: bool = False, fsdp: bool = False) -> Float8LinearConfig:
