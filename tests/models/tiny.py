@@ -137,6 +137,7 @@ class TrainingRun:
     losses: list[float]
     parameters: dict[str, torch.Tensor]
     eval_logits: torch.Tensor
+    start_parameters: dict[str, torch.Tensor]  # before the first step: what training moved is the difference
 
 
 def train(
@@ -148,6 +149,7 @@ def train(
 ) -> TrainingRun:
     """`steps` AdamW steps over the batches in turn; then the logits of the first batch in eval mode. `eps`:
     AdamW's (torch's default, which the golden curves ran with)."""
+    start_parameters = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.01, eps=eps)
     model.train()
     losses = []
@@ -162,4 +164,6 @@ def train(
         eval_batch = {key: value for key, value in batches[0].items() if key != "labels"}
         eval_logits = model(**eval_batch).logits.float()
     parameters = {name: p.detach().float().clone() for name, p in model.named_parameters()}
-    return TrainingRun(losses=losses, parameters=parameters, eval_logits=eval_logits)
+    return TrainingRun(
+        losses=losses, parameters=parameters, eval_logits=eval_logits, start_parameters=start_parameters
+    )
