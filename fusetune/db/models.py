@@ -111,6 +111,10 @@ class Job(Base):
     # When the owner deleted the job's fine-tuned model (DELETE /v1/models/{model}): from then on the model is
     # neither listed nor usable, and its checkpoints are gone; the job keeps its record and fine_tuned_model.
     model_deleted_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # When the worker that holds the running job, being stopped, asked its trainer to hand the job over (save a
+    # checkpoint, then exit; the job goes back to the queue). In the row, as a pause is, so that the trainer's
+    # rank 0 reads it on whichever node it runs; cleared when a worker claims the job again.
+    handover_requested_at: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", cascade="all, delete-orphan")
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="job", cascade="all, delete-orphan")

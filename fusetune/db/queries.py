@@ -91,6 +91,24 @@ def get_job_status(session: Session, job_id: str) -> str | None:
     return session.scalar(select(Job.status).where(Job.id == job_id))
 
 
+def get_job_stop_state(session: Session, job_id: str) -> tuple[str | None, bool]:
+    """The job's status and whether its worker asked for a hand-over: what a running trainer polls."""
+    row = session.execute(
+        select(Job.status, Job.handover_requested_at).where(Job.id == job_id)
+    ).one_or_none()
+    return (None, False) if row is None else (row[0], row[1] is not None)
+
+
+def request_handover(session: Session, job_id: str, worker: str) -> bool:
+    """Asks the trainer of the running job that `worker` holds to hand it over; False if it holds none."""
+    result = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == JobStatus.RUNNING, Job.worker == worker)
+        .values(handover_requested_at=now_s())
+    )
+    return result.rowcount == 1
+
+
 def has_fine_tuned_model(session: Session, model: str, tenant: str) -> bool:
     """Whether one of the tenant's succeeded jobs produced the model."""
     query = select(Job.id).where(
@@ -256,7 +274,7 @@ def claim_job(
         update(Job)
         .where(*conditions)
         .values(status=JobStatus.RUNNING, started_at=now, worker=worker, attempts=Job.attempts + 1,
-                lease_expires_at=now + lease_s, waiting_reason=None)
+                lease_expires_at=now + lease_s, waiting_reason=None, handover_requested_at=None)
     )  # fmt: skip
     if result.rowcount != 1:
         return False

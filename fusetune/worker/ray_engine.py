@@ -31,9 +31,8 @@ node does for its ranks, the same function (`run_storage.local_paths`) with the 
 reach the job's database, as the trainer's reporter always does. With local storage nothing changes: the nodes
 read the worker's paths, so they must see its data_dir (one host, as in most tests, or a shared disk).
 
-**Not yet.** A stopping worker's hand-over request is a file in its run folder, which a node without the
-shared disk does not see: the worker stops the job after handover_grace_s, and the job resumes from its last
-checkpoint rather than one saved for the hand-over.
+A stopping worker's hand-over request is in the job's row, as a pause is, so the trainer's rank 0 sees it on
+whichever node it runs: it saves a checkpoint to the store and exits, and the job resumes from that checkpoint.
 """
 
 from __future__ import annotations

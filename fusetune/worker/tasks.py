@@ -44,7 +44,6 @@ from fusetune.worker.train.outcome import (
     read_stopped,
 )
 from fusetune.worker.train.process import prepare_training_process
-from fusetune.worker.train.reporter import HANDOVER_FILENAME
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +240,7 @@ class JobRunner:
     def _train(self, job: Job) -> Outcome:
         run_dir = self.settings.runs_dir / job.id
         run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in (RESULT_FILENAME, ERROR_FILENAME, STOPPED_FILENAME, HANDOVER_FILENAME):
+        for stale in (RESULT_FILENAME, ERROR_FILENAME, STOPPED_FILENAME):
             (run_dir / stale).unlink(missing_ok=True)
         model_location = self._model_location(job)
         if model_location is None:
@@ -334,7 +333,9 @@ class JobRunner:
         handover_deadline = None
         while True:
             if self.stopping.is_set() and handover_deadline is None:
-                (self.settings.runs_dir / job_id / HANDOVER_FILENAME).touch()
+                with self.session_factory() as session:
+                    queries.request_handover(session, job_id, self.worker_name)
+                    session.commit()
                 handover_deadline = time.monotonic() + self.settings.handover_grace_s
             elif handover_deadline is not None and time.monotonic() > handover_deadline:
                 self._stop(process)

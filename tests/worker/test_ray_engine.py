@@ -14,6 +14,8 @@ worker's JobRunner, which submits it through Ray's Job Submission API.
 - With the files and checkpoints in an S3 store (moto's server), each node stages the run into a data
   directory of its own, none of it read from the worker's: the worker's copies of the inputs and of the base
   model are moved away once it has written the config, and the job still succeeds, its checkpoint in the store.
+- A stopping worker's hand-over reaches such a run (through the job's row): the trainer saves a checkpoint to
+  the store and exits, and the job goes back to the queue with it.
 
 The layout rule (`plan_nodes`) is checked without a cluster.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -54,6 +57,7 @@ BATCH_SIZE = 16
 TRAIN_LINES = 32
 TIMEOUT_S = 300
 NODE = {"num_cpus": NODE_CPUS, "object_store_memory": 80 * 1024 * 1024}
+HANDED_OVER = re.compile(r"Worker \S+ is stopping: training handed over with the checkpoint of step (\d+)")
 
 
 def test_plan_nodes_puts_a_job_on_the_fewest_nodes_with_as_many_ranks_on_each():
@@ -347,19 +351,18 @@ def test_a_lost_node_fails_the_job_over_and_the_retry_resumes_from_its_last_chec
     assert [point["step"] for point in metrics] == list(range(1, 3 * TRAIN_LINES // BATCH_SIZE + 1))
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_nodes_without_the_workers_disk_stage_the_run_from_the_store(ray_test_cluster, tmp_path):
-    _, cluster_address, nodes_root = ray_test_cluster
+@contextlib.contextmanager
+def _service_on_a_store(cluster_address: str, tmp_path: Path, **settings_fields):
+    """The service with its files and checkpoints in an S3 store (moto's server) and its database apart from
+    the worker's data directory (the nodes reach it, as they must): (settings, client, file id, store)."""
     with moto_s3_server(tmp_path) as s3:
         env = s3.storage_env()
         settings = Settings(
-            # The database apart from the worker's data directory: the nodes reach it, as they must.
             data_dir=tmp_path / "worker", database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
             ray_address=cluster_address, ray_python=sys.executable,
             embedded_worker=False, checkpoint_every_epoch=False, storage_url=env["FUSETUNE_STORAGE_URL"],
             storage_endpoint=s3.endpoint, storage_access_key_id=env["FUSETUNE_STORAGE_ACCESS_KEY_ID"],
-            storage_secret_access_key=env["FUSETUNE_STORAGE_SECRET_ACCESS_KEY"],
+            storage_secret_access_key=env["FUSETUNE_STORAGE_SECRET_ACCESS_KEY"], **settings_fields,
         )  # fmt: skip
         settings.ensure_dirs()
         upgrade(settings.database_url)
@@ -373,24 +376,32 @@ def test_nodes_without_the_workers_disk_stage_the_run_from_the_store(ray_test_cl
                 files={"file": ("train.jsonl", "".join(lines).encode())},
                 data={"purpose": "fine-tune"},
             ).json()["id"]
-            job_id = _create_job(client, file_id, n_gpus=4).json()["id"]
-            runner = JobRunner(settings, requeue=lambda job_id: None)
-            write_config = runner._write_config
+            yield settings, client, file_id, s3
 
-            def write_config_then_hide_the_workers_copies(job, run_dir, model_location):
-                # Once the config is written the worker needs neither: a node that read the worker's paths
-                # would find nothing there.
-                path = write_config(job, run_dir, model_location)
-                shutil.rmtree(run_dir / run_storage.INPUTS_DIRNAME)
-                settings.models_dir.rename(tmp_path / "hidden-models")
-                return path
 
-            runner._write_config = write_config_then_hide_the_workers_copies
-            status = runner.run(job_id)
-            log_text = (settings.runs_dir / job_id / "train.log").read_text(errors="replace")
-            assert status == "succeeded", "\n".join(_messages(client, job_id)) + "\n" + log_text[-4000:]
-            assert "2 node(s) staged the run from the store" in log_text
-            checkpoints = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+@pytest.mark.slow
+@pytest.mark.ray
+def test_nodes_without_the_workers_disk_stage_the_run_from_the_store(ray_test_cluster, tmp_path):
+    _, cluster_address, nodes_root = ray_test_cluster
+    with _service_on_a_store(cluster_address, tmp_path) as (settings, client, file_id, s3):
+        job_id = _create_job(client, file_id, n_gpus=4).json()["id"]
+        runner = JobRunner(settings, requeue=lambda job_id: None)
+        write_config = runner._write_config
+
+        def write_config_then_hide_the_workers_copies(job, run_dir, model_location):
+            # Once the config is written the worker needs neither: a node that read the worker's paths
+            # would find nothing there.
+            path = write_config(job, run_dir, model_location)
+            shutil.rmtree(run_dir / run_storage.INPUTS_DIRNAME)
+            settings.models_dir.rename(tmp_path / "hidden-models")
+            return path
+
+        runner._write_config = write_config_then_hide_the_workers_copies
+        status = runner.run(job_id)
+        log_text = (settings.runs_dir / job_id / "train.log").read_text(errors="replace")
+        assert status == "succeeded", "\n".join(_messages(client, job_id)) + "\n" + log_text[-4000:]
+        assert "2 node(s) staged the run from the store" in log_text
+        checkpoints = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
         assert [c["step_number"] for c in checkpoints] == [TRAIN_LINES // BATCH_SIZE]
         # Each node trained from its own data directory: the config its ranks read names only paths there.
         staged = sorted(nodes_root.resolve().glob(f"*/runs/{job_id}/{CONFIG_FILE}"))
@@ -407,3 +418,38 @@ def test_nodes_without_the_workers_disk_stage_the_run_from_the_store(ray_test_cl
         run_prefix = f"fusetune/tenants/default/runs/{job_id}/"
         assert f"{run_prefix}checkpoints/step-2/fusetune-manifest.json" in stored
         assert not [key for key in stored if key.startswith(f"{run_prefix}outcomes/")]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_stopping_worker_hands_a_staged_run_over_with_a_checkpoint_in_the_store(ray_test_cluster, tmp_path):
+    """The hand-over request reaches rank 0 on a node that does not see the worker's disk (it is in the job's
+    row): the trainer saves a checkpoint to the store and exits, and the job goes back to the queue with it."""
+    _, cluster_address, nodes_root = ray_test_cluster
+    # A grace long enough that only the trainer's own exit, never the worker's deadline, ends the attempt.
+    with _service_on_a_store(cluster_address, tmp_path, handover_grace_s=TIMEOUT_S) as (
+        settings, client, file_id, s3,
+    ):  # fmt: skip
+        job_id = _create_job(client, file_id, n_gpus=4, n_epochs=100).json()["id"]  # 200 steps: mid-run below
+        runner = JobRunner(settings, requeue=lambda job_id: None)
+        with _running(runner, client, job_id) as (worker, outcome):
+            _wait_until(
+                lambda: client.get(f"/v1/fine_tuning/jobs/{job_id}/metrics").json()["data"],
+                "no step was recorded",
+                interval_s=0.05,
+            )
+            runner.stopping.set()  # what the worker's SIGTERM does
+            worker.join(TIMEOUT_S)
+            assert not worker.is_alive()
+        messages = _messages(client, job_id)
+        assert outcome == ["queued"], "\n".join(messages)
+        handed = [int(match.group(1)) for m in messages if (match := HANDED_OVER.match(m))]
+        assert len(handed) == 1, "\n".join(messages)
+        step = handed[0]
+        checkpoints = client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+        assert [c["step_number"] for c in checkpoints] == [step]
+        run_prefix = f"fusetune/tenants/default/runs/{job_id}/"
+        assert f"{run_prefix}checkpoints/step-{step}/fusetune-manifest.json" in s3.keys()
+        job = client.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+        assert job["status"] == "queued" and [a["cause"] for a in job["attempts"]] == ["handed_over"]
+        assert client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel").status_code == 200

@@ -23,7 +23,7 @@ from fusetune.worker.train.outcome import (
     write_result,
     write_stopped,
 )
-from fusetune.worker.train.reporter import HANDOVER_FILENAME, Reporter, make_reporter
+from fusetune.worker.train.reporter import Reporter, make_reporter
 from fusetune.worker.train.tracking import with_trackers
 from fusetune.worker.train.trainer import Trainer
 
@@ -54,8 +54,7 @@ def run(config: TrainConfig) -> int:
     reporter: Reporter | None = None
     failure: tuple[ErrorCode, str] | None = None
     try:
-        handover_file = output_dir / HANDOVER_FILENAME
-        reporter = make_reporter(config.database_url, config.job_id, dist_info.is_main, handover_file)
+        reporter = make_reporter(config.database_url, config.job_id, dist_info.is_main)
         reporter = with_trackers(reporter, config, dist_info.is_main)  # W&B, MLflow: rank 0 only
         result = Trainer(config, dist_info, reporter).train()
         if dist_info.is_main:

@@ -11,7 +11,6 @@ import math
 import sys
 import time
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 
@@ -34,10 +33,9 @@ PAUSED_STATUS = "paused"
 # step that follows it, and the read (one indexed primary-key lookup) costs nothing measurable per step.
 STATUS_POLL_INTERVAL_S = 1.0
 
-# A worker that is being stopped (SIGTERM, its `serve` gone) asks its trainer for a hand-over by creating this
-# file in the run's output directory: the job is not paused for its user, only moved, so its status stays
-# `running` and the request cannot go through SQL.
-HANDOVER_FILENAME = "handover.request"
+# A worker that is being stopped (SIGTERM, its `serve` gone) asks its trainer for a hand-over through the job's
+# row (`handover_requested_at`): the job is not paused for its user, only moved, so its status stays `running`;
+# the row, not a file in the run's folder, because rank 0 may run on a node that does not see the worker's disk.
 
 
 class Reporter(Protocol):
@@ -160,7 +158,6 @@ class SqlReporter:
         database_url: str,
         job_id: str,
         status_poll_interval_s: float = STATUS_POLL_INTERVAL_S,
-        handover_file: Path | None = None,
     ) -> None:
         from fusetune.db.session import make_engine, make_session_factory
 
@@ -170,7 +167,6 @@ class SqlReporter:
         self._status_poll_interval_s = status_poll_interval_s
         self._last_status_poll = float("-inf")
         self._stop: StopRequest | None = None
-        self._handover_file = handover_file
 
     def _write(self, what: str, call) -> None:
         from sqlalchemy.exc import SQLAlchemyError
@@ -242,7 +238,7 @@ class SqlReporter:
             return self._stop
         self._last_status_poll = now
         try:
-            status = queries.get_job_status(self._session, self._job_id)
+            status, handover = queries.get_job_stop_state(self._session, self._job_id)
             self._session.commit()  # end the read transaction so the next poll sees new rows
         except SQLAlchemyError as exc:
             self._session.rollback()
@@ -254,7 +250,6 @@ class SqlReporter:
             self._stop = StopRequest.PAUSE
         elif status != RUNNING_STATUS:
             self._stop = StopRequest.CANCEL
-        handover = self._handover_file is not None and self._handover_file.exists()
         if handover and self._stop != StopRequest.CANCEL:
             self._stop = StopRequest.HANDOVER
         return self._stop
@@ -264,13 +259,11 @@ class SqlReporter:
         self._engine.dispose()
 
 
-def make_reporter(
-    database_url: str | None, job_id: str | None, is_main_process: bool, handover_file: Path | None = None
-) -> Reporter:
+def make_reporter(database_url: str | None, job_id: str | None, is_main_process: bool) -> Reporter:
     if not is_main_process:
         return NullReporter()
     if database_url is None:
         return ConsoleReporter()
     if job_id is None:
         raise ValueError("a job_id is needed to report to a database")
-    return SqlReporter(database_url, job_id, handover_file=handover_file)
+    return SqlReporter(database_url, job_id)
