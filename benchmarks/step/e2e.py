@@ -280,9 +280,9 @@ def train_one(spec: dict[str, Any]) -> dict[str, Any]:
 
         optimizer = FusedAdamW(model.parameters(), lr=1e-5, seed=0)
         if impl in FLOAT8_IMPLS and impl != "fusetune+fp8-weight-passes":
-            from fusetune.worker.train.float8 import keep_weight_maxima
+            from fusetune.worker.train.float8 import weight_scales_from_optimizer
 
-            row["float8"]["weight_maxima_layers"] = keep_weight_maxima(model, optimizer)
+            row["float8"]["weight_maxima_layers"] = weight_scales_from_optimizer(model, optimizer)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     step_model = torch.compile(model) if impl in ("compile", "fusetune+compile") else model

@@ -492,7 +492,7 @@ def _weights_and_inputs_after_steps(keep_maxima: bool, steps: int = 2):
     model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16), nn.Linear(48, 32, dtype=torch.bfloat16))
     float8.convert_linears(model, emulated("tensorwise"), "tensorwise")
     optimizer = FusedAdamW(model.parameters(), lr=0.05, seed=3)
-    kept = float8.keep_weight_maxima(model, optimizer) if keep_maxima else 0
+    kept = float8.weight_scales_from_optimizer(model, optimizer) if keep_maxima else 0
     generator = torch.Generator().manual_seed(1)
     results = []
     for _ in range(steps):
@@ -533,7 +533,7 @@ def test_maxima_the_step_does_not_rewrite_fail_the_comparison(tmp_path, monkeypa
 def test_only_an_optimizer_that_keeps_maxima_gets_them():
     model = nn.Sequential(nn.Linear(64, 48, dtype=torch.bfloat16))
     float8.convert_linears(model, emulated("tensorwise"), "tensorwise")
-    assert float8.keep_weight_maxima(model, torch.optim.AdamW(model.parameters())) == 0
+    assert float8.weight_scales_from_optimizer(model, torch.optim.AdamW(model.parameters())) == 0
     assert getattr(model[0], "weight_maxima", None) is None
 
 
@@ -605,10 +605,11 @@ def test_the_fused_optimizers_step_shards_that_fsdp2_all_gathers_in_float8(tmp_p
 
 
 @pytest.mark.slow
-def test_sharded_float8_weights_take_their_scales_from_the_optimizers_block_maxima():
-    """Two gloo ranks under torchrun (tests/worker/fsdp_float8_ranks.py): the weights' scales come from the
-    block maxima of each rank's shard, agreed over the ranks, and are those of the whole weights; the run is
-    bit for bit the one whose scales torchao computes from the weights."""
+def test_sharded_float8_weights_take_their_scales_once_a_step_agreed_over_the_ranks():
+    """Two gloo ranks under torchrun (tests/worker/fsdp_float8_ranks.py): the weights' scales follow the
+    optimizer's steps, from the block maxima of each rank's shard (FusedAdamW) or from the shard itself (an
+    optimizer without maxima), agreed over the ranks, and are those of the whole weights; each run is bit for
+    bit the one whose scales torchao computes at every all-gather."""
     import os
     import subprocess
     import sys

@@ -248,20 +248,20 @@ def frozen_aware_float8_linear() -> type:
     return FrozenAwareFloat8Linear
 
 
-def keep_weight_maxima(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Have `optimizer` keep the block maxima of the trained float8 layers' weights (where it can:
-    FusedAdamW.keep_block_maxima, tensorwise scales), from which those layers' weight scales come instead of a
-    pass over the whole weight each time it is cast (forward and backward of every micro-batch): at the
-    Llama-3.1-8B shape, 1 x 4,096 tokens, those passes took 5.3 ms of a 301 ms step on an H200 (h200-step.md,
-    e2e-fp8-8b-kernels; the maxima cost the optimizer's step a reduction over what it already holds).
+def weight_scales_from_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Have the trained float8 layers' weight scales (tensorwise) follow `optimizer`'s steps instead of a pass
+    over the whole weight each time it is cast (forward and backward of every micro-batch): at the Llama-3.1-8B
+    shape, 1 x 4,096 tokens, those passes took 5.3 ms of a 301 ms step on an H200 (h200-step.md,
+    e2e-fp8-8b-kernels). Returns how many layers read block maxima that the optimizer keeps.
 
-    A whole weight reads its maxima in its forward (the `weight_maxima` buffer). A weight FSDP2 shards and
-    all-gathers in float8 keeps its shard's maxima, and `ShardedWeightScales` sets its scale before each
-    all-gather from them, agreed over the ranks. Returns how many layers get them."""
+    Where it can (FusedAdamW.keep_block_maxima), the optimizer keeps the block maxima of the weights it stores,
+    at the cost of a reduction over what its step already holds: a whole weight reads them in its forward (the
+    `weight_maxima` buffer); a weight FSDP2 shards and all-gathers in float8 keeps its shard's, from which
+    `ShardedWeightScales` sets its scale before each all-gather, agreed over the ranks. An optimizer without
+    maxima (the 8-bit one) leaves whole weights to torchao's passes, and `ShardedWeightScales` reads each shard
+    once a step instead of torchao at every all-gather."""
     from torchao.float8.config import ScalingGranularity
 
-    if not hasattr(optimizer, "keep_block_maxima"):
-        return 0
     layers = [
         module
         for module in model.modules()
@@ -271,6 +271,10 @@ def keep_weight_maxima(model: nn.Module, optimizer: torch.optim.Optimizer) -> in
     ]
     whole = [layer for layer in layers if not hasattr(layer.weight, "to_local")]
     sharded = [layer for layer in layers if _all_gathered_in_float8(layer.weight)]
+    if not hasattr(optimizer, "keep_block_maxima"):
+        if sharded:
+            ShardedWeightScales(sharded, [None] * len(sharded)).follow(optimizer)
+        return 0
     maxima = optimizer.keep_block_maxima([layer.weight for layer in whole + sharded])
     for layer in whole:
         layer.register_buffer("weight_maxima", maxima[layer.weight], persistent=False)
@@ -287,15 +291,16 @@ def _all_gathered_in_float8(weight: torch.Tensor) -> bool:
 
 
 class ShardedWeightScales:
-    """The tensorwise scales of weights that FSDP2 shards and all-gathers in float8, from the block maxima the
-    optimizer's step writes over each rank's shard: each rank's largest magnitude per weight is a max over its
-    maxima, one all-reduce of those few values (max) gives every weight's, and torchao's weight tensor casts
-    its shard with the scale set here before the all-gather (its `_precomputed_scale`). torchao's own ways
-    read the whole shard for it: at each all-gather, one all-reduce per weight (forward, and backward where
-    FSDP2 gathers again), or once a step with `precompute_float8_dynamic_scale_for_fsdp`. The same largest
-    magnitude and the same formula (torchao's `amax_to_scale`), so the same scale and the same bits."""
+    """The tensorwise scales of weights that FSDP2 shards and all-gathers in float8, set once per optimizer step:
+    each rank's largest magnitude per weight, a max over the block maxima the optimizer's step writes over its
+    shard (or, for a weight without, over the shard itself), then one all-reduce of those few values (max)
+    gives every weight's, and torchao's weight tensor casts its shard with the scale set here before each
+    all-gather (its `_precomputed_scale`). Left to itself torchao reads the whole shard and all-reduces at
+    every all-gather, one weight at a time (each micro-batch's forward, and its backward where FSDP2 gathers
+    again). The same largest magnitude and the same formula (torchao's `amax_to_scale`), so the same scale and
+    the same bits."""
 
-    def __init__(self, layers: list[nn.Module], maxima: list[torch.Tensor]) -> None:
+    def __init__(self, layers: list[nn.Module], maxima: list[torch.Tensor | None]) -> None:
         self.layers, self.maxima = layers, maxima
         config = layers[0].config
         self.float8_dtype = config.cast_config_weight.target_dtype
@@ -322,7 +327,10 @@ class ShardedWeightScales:
         if not chosen:
             return
         # A rank may hold no elements of a small weight (more ranks than rows): zero is no magnitude.
-        amax = torch.stack([m.max() if m.numel() else m.new_zeros(()) for _, m in chosen])
+        kept = [layer.weight._local_tensor._tensor if m is None else m for layer, m in chosen]
+        amax = torch.stack(
+            [k.abs().max().float() if k.numel() else k.new_zeros((), dtype=torch.float32) for k in kept]
+        )
         for dim in range(self.mesh.ndim):  # max is the same whichever order the mesh's groups reduce in
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.mesh.get_group(dim))
         scales = amax_to_scale(amax, self.float8_dtype, self.round_scales_to_power_of_2)

@@ -164,7 +164,7 @@ class Trainer:
         self.optimizer_name = self.precision.mode.optimizer
         self.optimizer = self._build_optimizer()
         if self.float8 is not None:  # the weights' float8 scales from what the optimizer's step keeps
-            float8.keep_weight_maxima(self.model, self.optimizer)
+            float8.weight_scales_from_optimizer(self.model, self.optimizer)
         self.in_backward = self._optimizer_in_backward()
         self.scheduler = build_scheduler(
             self.optimizer, self.warmup_steps, self.total_steps, config.lr_scheduler
