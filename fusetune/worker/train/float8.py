@@ -32,12 +32,13 @@ the weight gradient whatever the weight: for a frozen weight (a LoRA base layer)
 runs the input gradient alone, with torchao's casts, and keeps no input for the backward.
 
 A trained layer's weight scale (tensorwise: 448 over the weight's largest magnitude) comes from block maxima
-that FusedAdamW's step writes from the values it stores (`keep_weight_maxima`), instead of torchao's pass over the
-whole weight at every cast: the same scale, so the same bits, without reading 2 bytes per parameter twice a
-micro-batch. Llama-3.1-8B shape, 1 x 4,096, one H200 in one call (h200-step.md, e2e-fp8-8b-weight-maxima):
-13,837 tokens/s against 13,562 with torchao's passes, bf16-sr 10,939. The 8-bit optimizer (fp8-8bit) keeps no
-maxima yet: its layers keep torchao's passes. Under FSDP2, whose all-gather sends the weights in float8, each rank
-keeps its shard's maxima and one all-reduce a step agrees the scales (`ShardedWeightScales`).
+that FusedAdamW's step writes from the values it stores (`weight_scales_from_optimizer`), instead of torchao's
+pass over the whole weight at every cast: the same scale, so the same bits, without reading 2 bytes per
+parameter twice a micro-batch. Llama-3.1-8B shape, 1 x 4,096, one H200 in one call (h200-step.md,
+e2e-fp8-8b-weight-maxima): 13,837 tokens/s against 13,562 with torchao's passes, bf16-sr 10,939. The 8-bit
+optimizer (fp8-8bit) keeps no maxima yet: its whole weights keep torchao's passes. Under FSDP2, whose all-gather
+sends the weights in float8, the scales are set once a step, agreed over the ranks by one all-reduce, from each
+rank's shard maxima or, without maxima, from its shard read once (`ShardedWeightScales`).
 
 Eager float8 runs its casts as separate small kernels; `compile_layers` compiles each decoder layer (in place,
 so parameter names do not change) so that Inductor fuses them: compiling a whole 8B model with float8 did not
@@ -231,7 +232,7 @@ def frozen_aware_float8_linear() -> type:
 
     class FrozenAwareFloat8Linear(Float8Linear):
         def forward(self, input: torch.Tensor) -> torch.Tensor:
-            # The weight's block maxima, a buffer the optimizer keeps (keep_weight_maxima), or none.
+            # The weight's block maxima, a buffer the optimizer keeps (weight_scales_from_optimizer), or none.
             maxima = getattr(self, "weight_maxima", None)
             if torch.is_autocast_enabled():
                 return super().forward(input)
