@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -327,11 +328,14 @@ class ShardedWeightScales:
         ]
         if not chosen:
             return
-        # A rank may hold no elements of a small weight (more ranks than rows): zero is no magnitude.
         kept = [layer.weight._local_tensor._tensor if m is None else m for layer, m in chosen]
-        amax = torch.stack(
-            [k.abs().max().float() if k.numel() else k.new_zeros((), dtype=torch.float32) for k in kept]
-        )
+        # One multi-tensor kernel for all the largest magnitudes (not two launches a weight). A rank may hold no
+        # elements of a small weight (more ranks than rows), where the norm has no value: zero is no magnitude.
+        held = [index for index, k in enumerate(kept) if k.numel()]
+        amax = torch.zeros(len(kept), dtype=torch.float32, device=kept[0].device)
+        if held:
+            norms = torch._foreach_norm([kept[index] for index in held], ord=math.inf)
+            amax[held] = torch.stack(norms).float()
         for dim in range(self.mesh.ndim):  # max is the same whichever order the mesh's groups reduce in
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.mesh.get_group(dim))
         scales = amax_to_scale(amax, self.float8_dtype, self.round_scales_to_power_of_2)
