@@ -611,6 +611,36 @@ def test_the_fused_optimizers_step_shards_that_fsdp2_all_gathers_in_float8(tmp_p
         dist.destroy_process_group()
 
 
+def test_a_frozen_sharded_float8_weight_gets_its_scale_once(tmp_path):
+    """A LoRA base sharded by FSDP2 and all-gathered in float8: its scale is set once, the whole weight's (one
+    rank here), and no step changes it; the trained weights' follow the optimizer."""
+    import torch.distributed as dist
+    from torchao.float8.float8_utils import amax_to_scale
+
+    from fusetune.worker.train.distributed import shard_fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_tiny_model("llama", dtype=torch.bfloat16)
+        float8.convert_linears(model, emulated("tensorwise", fsdp=True), "tensorwise")
+        frozen = model.model.layers[0].self_attn.q_proj
+        frozen.weight.requires_grad_(False)
+        shard_fsdp(model, torch.device("cpu"), torch.distributed.fsdp.MixedPrecisionPolicy())
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        assert float8.weight_scales_from_optimizer(model, optimizer) == 0  # no maxima: torch's AdamW
+        expected = amax_to_scale(frozen.weight.full_tensor().abs().max(), torch.float8_e4m3fn)
+        assert torch.equal(frozen.weight._local_tensor._precomputed_scale, expected)
+        trained = model.model.layers[0].self_attn.k_proj.weight
+        before = trained._local_tensor._precomputed_scale.clone()
+        model(**make_batches()[0]).loss.backward()
+        optimizer.step()
+        assert torch.equal(frozen.weight._local_tensor._precomputed_scale, expected)
+        after = amax_to_scale(trained.full_tensor().abs().max(), torch.float8_e4m3fn)
+        assert torch.equal(trained._local_tensor._precomputed_scale, after) and not torch.equal(after, before)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_sharded_float8_weights_take_their_scales_once_a_step_agreed_over_the_ranks():
     """Two gloo ranks under torchrun (tests/worker/fsdp_float8_ranks.py): the weights' scales follow the

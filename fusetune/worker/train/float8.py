@@ -261,16 +261,20 @@ def weight_scales_from_optimizer(model: nn.Module, optimizer: torch.optim.Optimi
     `weight_maxima` buffer); a weight FSDP2 shards and all-gathers in float8 keeps its shard's, from which
     `ShardedWeightScales` sets its scale before each all-gather, agreed over the ranks. An optimizer without
     maxima (the 8-bit one) leaves whole weights to torchao's passes, and `ShardedWeightScales` reads each shard
-    once a step instead of torchao at every all-gather."""
+    once a step instead of torchao at every all-gather. A frozen weight that FSDP2 shards (a LoRA base) gets its
+    scale once, here."""
     from torchao.float8.config import ScalingGranularity
 
-    layers = [
+    tensorwise = [
         module
         for module in model.modules()
         if isinstance(module, frozen_aware_float8_linear())
-        and module.weight.requires_grad
         and module.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
     ]
+    frozen = [m for m in tensorwise if not m.weight.requires_grad and _all_gathered_in_float8(m.weight)]
+    if frozen:  # a sharded LoRA base: its scales once, as its weights never change
+        ShardedWeightScales(frozen, [None] * len(frozen)).refresh()
+    layers = [layer for layer in tensorwise if layer.weight.requires_grad]
     whole = [layer for layer in layers if not hasattr(layer.weight, "to_local")]
     sharded = [layer for layer in layers if _all_gathered_in_float8(layer.weight)]
     if not hasattr(optimizer, "keep_block_maxima"):
