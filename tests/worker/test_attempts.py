@@ -8,21 +8,14 @@ from fastapi.testclient import TestClient
 from fusetune.api.app import create_app
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.migrate import upgrade
-from fusetune.db.models import File, Job, JobStatus
-from fusetune.db.session import make_engine, make_session_factory
+from fusetune.db.models import Job, JobStatus
 from fusetune.worker.tasks import JobRunner, Outcome, reap_lapsed_jobs
+from tests.worker.job_database import database_with_one_job
 
 
 def test_pauses_and_hand_overs_use_up_no_attempts(tmp_path):
     settings = Settings(data_dir=tmp_path / "data", max_attempts=2)
-    settings.ensure_dirs()
-    upgrade(settings.database_url)
-    sessions = make_session_factory(make_engine(settings.database_url))
-    with sessions() as session:
-        session.add(File(id="file-a", filename="t.jsonl", purpose="fine-tune", bytes=1, storage_name="t"))
-        session.add(Job(id="ftjob-a", model="tiny", training_file_id="file-a", status=JobStatus.QUEUED))
-        session.commit()
+    sessions = database_with_one_job(settings, "ftjob-a")
     requeued: list[str] = []
     runner = JobRunner(settings, requeue=requeued.append)
 

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.migrate import upgrade
-from fusetune.db.models import File, Job, JobStatus
-from fusetune.db.session import make_engine, make_session_factory
+from fusetune.db.models import JobStatus
 from fusetune.worker.train.reporter import SqlReporter, StopRequest
+from tests.worker.job_database import database_with_one_job
 
 
 def test_the_holding_workers_request_reaches_the_trainer_and_a_new_claim_clears_it(tmp_path):
     settings = Settings(data_dir=tmp_path)
-    settings.ensure_dirs()
-    upgrade(settings.database_url)
-    sessions = make_session_factory(make_engine(settings.database_url))
+    sessions = database_with_one_job(settings, "ftjob-h", model="m")
     with sessions() as session:
-        session.add(File(id="file-h", filename="t.jsonl", purpose="fine-tune", bytes=1, storage_name="t"))
-        session.add(Job(id="ftjob-h", model="m", training_file_id="file-h", status=JobStatus.QUEUED))
-        session.commit()
         assert queries.claim_job(session, "ftjob-h", "worker-a", lease_s=60)
         session.commit()
     reporter = SqlReporter(settings.database_url, "ftjob-h", status_poll_interval_s=0.0)

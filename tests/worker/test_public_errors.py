@@ -6,11 +6,10 @@ import logging
 
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.migrate import upgrade
-from fusetune.db.models import File, Job, JobStatus
-from fusetune.db.session import make_engine, make_session_factory
+from fusetune.db.models import JobStatus
 from fusetune.worker.redact import without_paths
 from fusetune.worker.tasks import JobRunner, Outcome
+from tests.worker.job_database import database_with_one_job
 
 
 def test_paths_are_cut_to_their_last_part():
@@ -26,13 +25,7 @@ def test_paths_are_cut_to_their_last_part():
 
 def test_a_failed_jobs_error_and_event_name_no_server_path(tmp_path, caplog):
     settings = Settings(data_dir=tmp_path / "data")
-    settings.ensure_dirs()
-    upgrade(settings.database_url)
-    sessions = make_session_factory(make_engine(settings.database_url))
-    with sessions() as session:
-        session.add(File(id="file-a", filename="t.jsonl", purpose="fine-tune", bytes=1, storage_name="t"))
-        session.add(Job(id="ftjob-a", model="tiny", training_file_id="file-a", status=JobStatus.QUEUED))
-        session.commit()
+    sessions = database_with_one_job(settings, "ftjob-a")
     runner = JobRunner(settings, requeue=lambda job_id: None)
     with sessions() as session:
         assert queries.claim_job(session, "ftjob-a", runner.worker_name, settings.lease_s)

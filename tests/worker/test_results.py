@@ -10,12 +10,11 @@ import torch
 
 from fusetune.config import Settings
 from fusetune.db import queries
-from fusetune.db.migrate import upgrade
-from fusetune.db.models import File, Job, JobStatus
-from fusetune.db.session import make_engine, make_session_factory
+from fusetune.db.models import JobStatus
 from fusetune.worker.results import LOOP_METRICS, OPENAI_COLUMNS, results_csv
 from fusetune.worker.train.metrics import StepMeter, StepStats
 from fusetune.worker.train.reporter import SqlReporter
+from tests.worker.job_database import database_with_one_job
 
 
 def _rows(text: bytes) -> list[dict[str, str]]:
@@ -67,13 +66,7 @@ def test_the_loops_own_metrics_are_left_out_of_the_results():
 
 def test_a_running_jobs_trained_tokens_and_estimated_finish_follow_its_steps(tmp_path):
     settings = Settings(data_dir=tmp_path)
-    settings.ensure_dirs()
-    upgrade(settings.database_url)
-    sessions = make_session_factory(make_engine(settings.database_url))
-    with sessions() as session:
-        session.add(File(id="file-t", filename="t.jsonl", purpose="fine-tune", bytes=1, storage_name="t"))
-        session.add(Job(id="ftjob-r", model="m", training_file_id="file-t", status=JobStatus.RUNNING))
-        session.commit()
+    sessions = database_with_one_job(settings, "ftjob-r", JobStatus.RUNNING, model="m")
     reporter = SqlReporter(settings.database_url, "ftjob-r")
     before = int(time.time())
     reporter.metric(1, {"train_loss": 1.0, "trained_tokens": 512, "eta_s": 120.0})
