@@ -93,9 +93,7 @@ def get_job_status(session: Session, job_id: str) -> str | None:
 
 def get_job_stop_state(session: Session, job_id: str) -> tuple[str | None, bool]:
     """The job's status and whether its worker asked for a hand-over: what a running trainer polls."""
-    row = session.execute(
-        select(Job.status, Job.handover_requested_at).where(Job.id == job_id)
-    ).one_or_none()
+    row = session.execute(select(Job.status, Job.handover_requested_at).where(Job.id == job_id)).one_or_none()
     return (None, False) if row is None else (row[0], row[1] is not None)
 
 
