@@ -16,7 +16,15 @@ import torch
 
 from fusetune.models import apply_fusetune
 from tests.models.make_golden import load_golden
-from tests.models.tiny import FAMILY_NAMES, TRAIN_STEPS, TrainingRun, build_tiny_model, make_batches, train
+from tests.models.tiny import (
+    FAMILY_NAMES,
+    TRAIN_STEPS,
+    TrainingRun,
+    assert_parameters_track,
+    build_tiny_model,
+    make_batches,
+    train,
+)
 
 
 def assert_runs_match(
@@ -29,14 +37,7 @@ def assert_runs_match(
         **tolerance["losses"],
         msg=lambda m: f"losses: {m}",
     )
-    assert actual.parameters.keys() == expected.parameters.keys()
-    for name, value in expected.parameters.items():
-        gap = (actual.parameters[name] - value).norm()
-        moved = (value - expected.start_parameters[name]).norm()
-        assert gap <= PARAMETER_GAP * moved, (
-            f"parameter {name}: the runs differ by {gap:.3g}, {gap / moved:.3g} of the {moved:.3g} that "
-            f"training moved it (up to {PARAMETER_GAP} allowed)"
-        )
+    assert_parameters_track(expected.start_parameters, expected.parameters, actual.parameters, PARAMETER_GAP)
     torch.testing.assert_close(
         actual.eval_logits, expected.eval_logits, **tolerance["logits"], msg=lambda m: f"eval logits: {m}"
     )

@@ -39,7 +39,7 @@ from transformers import (
 )
 
 from fusetune.models import AutoFusedModelForCausalLM, apply_fusetune
-from tests.models.tiny import VOCAB_SIZE, build_tiny_model, tiny_config
+from tests.models.tiny import VOCAB_SIZE, assert_parameters_track, build_tiny_model, tiny_config
 
 SEQ_LEN = 16
 BATCH_SIZE = 2
@@ -121,14 +121,9 @@ def assert_runs_match(
         )
     if "parameters" not in tolerance:
         return
-    assert actual.parameters.keys() == expected.parameters.keys()
-    for name, value in expected.parameters.items():
-        gap = (actual.parameters[name] - value).norm()
-        moved = (value - expected.start_parameters[name]).norm()
-        assert gap <= tolerance["parameters"]["of_moved"] * moved, (
-            f"parameter {name}: the runs differ by {gap:.3g}, {gap / moved:.3g} of the {moved:.3g} that "
-            f"training moved it (up to {tolerance['parameters']['of_moved']} allowed)"
-        )
+    assert_parameters_track(
+        expected.start_parameters, expected.parameters, actual.parameters, tolerance["parameters"]["of_moved"]
+    )
 
 
 @dataclass

@@ -140,6 +140,25 @@ class TrainingRun:
     start_parameters: dict[str, torch.Tensor]  # before the first step: what training moved is the difference
 
 
+def assert_parameters_track(
+    start: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    actual: dict[str, torch.Tensor],
+    of_moved: float,
+) -> None:
+    """Each final parameter tensor of `actual` within `of_moved` of what training moved `expected`'s from
+    `start`, in norm: per tensor, not per element, because AdamW steps an element whose gradient is zero but
+    for rounding by up to the learning rate in whichever direction the rounding picks."""
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        gap = (actual[name] - value).norm()
+        moved = (value - start[name]).norm()
+        assert gap <= of_moved * moved, (
+            f"parameter {name}: the runs differ by {gap:.3g}, {gap / moved:.3g} of the {moved:.3g} that "
+            f"training moved it (up to {of_moved} allowed)"
+        )
+
+
 def train(
     model: PreTrainedModel,
     batches: list[dict[str, torch.Tensor]],
